@@ -1,0 +1,162 @@
+"""Plain-torch versions of every op the models use: what runs on CPU, and the oracle for the Triton
+kernels. Written for clarity, not speed.
+
+KV cache layout (LightLLM's token-granular slots): k_cache / v_cache are [num_slots, kv_heads,
+head_dim]; `req_to_slots` is [max_rows, max_model_len] int32, row r holding the slots of request r's
+tokens in position order.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+    """RMSNorm over the last dim. With `residual`: h = x + residual; returns (norm(h), h)."""
+    if residual is not None:
+        x = x + residual
+        h = x
+    xf = x.float()
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return (out, h) if residual is not None else out
+
+
+def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling: Optional[dict] = None,
+                 device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_positions, head_dim // 2] in float32, with Llama-3 / linear rope scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+    t = torch.arange(max_positions, dtype=torch.float64, device=device)
+    freqs = torch.outer(t, inv_freq)
+    return freqs.cos().float(), freqs.sin().float()
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (GPT-NeoX) rotary embedding, as Llama and Qwen2 use in Hugging Face checkpoints.
+    q: [T, Hq, D], k: [T, Hk, D], positions: [T]. Returns new tensors."""
+
+    def rotate(x):
+        half = x.shape[-1] // 2
+        c = cos[positions].unsqueeze(1)
+        s = sin[positions].unsqueeze(1)
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Write new keys/values [T, Hk, D] into their cache slots [T]."""
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.to(v_cache.dtype)
+
+
+def _attend(q, keys, values, scale, causal_offset: Optional[int]):
+    """q [Lq, Hq, D], keys/values [Lk, Hk, D] → [Lq, Hq, D]; grouped heads share a KV head."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1).float()
+    values = values.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    if causal_offset is not None:
+        lq, lk = q.shape[0], keys.shape[0]
+        mask = torch.arange(lk, device=q.device)[None, :] > (torch.arange(lq, device=q.device)[:, None] + causal_offset)
+        scores = scores.masked_fill(mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      req_to_slots: torch.Tensor, rows: torch.Tensor, q_starts: torch.Tensor,
+                      q_lens: torch.Tensor, prefix_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention for chunks of new tokens. Sequence i owns q[q_starts[i] : q_starts[i]+q_lens[i]]
+    at positions prefix_lens[i]..; it attends to its first prefix_lens[i] + q_lens[i] cached tokens
+    (the new ones must already be stored). q: [T, Hq, D] → [T, Hq, D]."""
+    out = torch.empty_like(q)
+    for i in range(rows.shape[0]):
+        s, n, p = int(q_starts[i]), int(q_lens[i]), int(prefix_lens[i])
+        slots = req_to_slots[rows[i], : p + n].long()
+        out[s : s + n] = _attend(q[s : s + n], k_cache[slots], v_cache[slots], scale, causal_offset=p)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     req_to_slots: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One new token per sequence: q [B, Hq, D] attends to the first seq_lens[b] cached tokens of
+    row rows[b] (its own token included). → [B, Hq, D]."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        slots = req_to_slots[rows[b], : int(seq_lens[b])].long()
+        out[b : b + 1] = _attend(q[b : b + 1], k_cache[slots], v_cache[slots], scale, causal_offset=None)
+    return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate ‖ up) → silu(gate) * up, [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate.float()).to(x.dtype) * up
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor, repetition: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """OpenAI presence/frequency penalties over generated-token counts [B, V], and the repetition
+    penalty (Hugging Face's: divide positive logits, multiply negative ones) over every token seen
+    in prompt or output (`seen` [B, V] bool). Per-row penalty values [B]. Returns new logits."""
+    logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+    rep = repetition[:, None].expand_as(logits)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    return torch.where(seen, penalized, logits)
+
+
+def _uniform_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Counter-based uniform noise in (0, 1): a hash of (seed, offset, token id). Depends only on the
+    request's own seed and step, so a seeded request samples the same tokens in any batch."""
+    mask = (1 << 31) - 1
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :]
+    x = (((seeds[:, None] & mask) * 0x9E3779B1) & mask) ^ (((offsets[:, None] & mask) * 0x85EBCA77) & mask)
+    x = x ^ ((idx * 0xC2B2AE3D) & mask)
+    for _ in range(3):  # xorshift-multiply rounds on 31 bits (int64 arithmetic never overflows)
+        x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & mask
+        x = ((x ^ (x >> 12)) * 0x297A2D39) & mask
+    x = x ^ (x >> 15)
+    return (x.to(torch.float64) + 0.5) / float(mask + 1)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+           seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One token per row from logits [B, V] (float32). temperature <= 0 means greedy; top_k <= 0 or
+    >= V means no top-k; seeds/offsets [B] int64 make the draw reproducible. → [B] int64."""
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    probs = torch.softmax(logits.float() / t[:, None], dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    cum_before = sorted_p.cumsum(-1) - sorted_p
+    keep = (rank < k[:, None]) & (cum_before < top_p[:, None])
+    keep[:, 0] = True
+    sorted_p = sorted_p.masked_fill(~keep, 0.0)
+    # Exponential race (Gumbel-max): argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
+    exp_noise = -torch.log(_uniform_noise(seeds, offsets, vocab))
+    noise_sorted = torch.gather(exp_noise, 1, order)
+    choice = torch.argmax(sorted_p.double() / noise_sorted, dim=-1)
+    sampled = torch.gather(order, 1, choice[:, None]).squeeze(1)
+    return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)

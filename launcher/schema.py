@@ -1,0 +1,174 @@
+"""The typed configuration: one frozen dataclass per Hydra group, plus the resolved run config.
+
+Pure dataclasses (no Hydra import) so runtime/ can read them: the launcher composes with Hydra,
+validates with launcher/rules.py, fills derived values, and hands children a `RunConfig` decoded from
+the run directory's YAML with msgspec.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+
+class LoadFormat(str, Enum):
+    auto = "auto"
+    safetensors = "safetensors"
+    gguf = "gguf"
+    dummy = "dummy"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class Mode(str, Enum):
+    normal = "normal"
+    pd_prefill = "pd_prefill"
+    pd_decode = "pd_decode"
+    pd_master = "pd_master"
+    config_server = "config_server"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "smollm2-135m"  # served model name (the OpenAI `model` field)
+    family: Optional[str] = None  # llama | qwen2; None: from config.json's model_type
+    path: Optional[str] = None  # Hugging Face folder (config.json, *.safetensors, tokenizer) or .gguf
+    tokenizer: Optional[str] = None  # defaults to path
+    load_format: LoadFormat = LoadFormat.auto
+    dtype: DType = DType.auto  # auto: config.json's dtype on GPU, float32 on CPU
+    seed: int = 0  # dummy weights
+    max_model_len: Optional[int] = None  # context length; default: max_position_embeddings
+    eos_token_ids: Optional[List[int]] = None  # default: config.json / generation_config.json
+    # Architecture. None: read from `path`/config.json. Sized profiles set them so dummy needs no files.
+    hidden_size: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    num_hidden_layers: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    vocab_size: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    rope_theta: Optional[float] = None
+    rope_scaling: Optional[Dict[str, Any]] = None
+    rms_norm_eps: Optional[float] = None
+    tie_word_embeddings: Optional[bool] = None
+    attention_bias: Optional[bool] = None  # q/k/v bias (Qwen2)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    dp: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # rendezvous for torch.distributed (node 0's address)
+    master_port: Optional[int] = None  # None: allocated
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    mem_fraction: float = 0.9  # share of GPU memory llaunch may use (weights + activations + KV)
+    max_total_tokens: Optional[int] = None  # KV slots; None: sized from memory
+    cpu_kv_gib: float = 1.0  # KV budget on CPU when max_total_tokens is unset
+    prompt_cache: bool = True
+
+
+@dataclass(frozen=True)
+class ModeConfig:
+    kind: Mode = Mode.normal
+    pd_master_host: str = "127.0.0.1"
+    pd_master_port: int = 60011
+    config_server_host: Optional[str] = None
+    config_server_port: int = 60088
+    kv_transfer_port: Optional[int] = None  # pd nodes: None: allocated
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    max_running_requests: int = 1000
+    batch_max_tokens: Optional[int] = None  # tokens per forward step; None: derived
+    chunked_prefill: bool = True
+    chunked_prefill_size: int = 4096
+    max_wait_tokens: int = 6  # decode steps to run before new prefills join the batch
+    token_ratio: float = 0.0  # KV usage below which new requests are admitted without waiting
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    http_workers: int = 1
+    api_key: Optional[str] = None
+    drain_timeout_s: float = 60.0  # SIGTERM: how long in-flight requests may take to finish
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    num_prompts: int = 5
+    input_len: int = 512
+    output_len: int = 256
+    concurrency: int = 1
+    request_rate: float = float("inf")
+    warmup: int = 1
+
+
+@dataclass(frozen=True)
+class LlaunchConfig:
+    """The composed Hydra config (conf/config.yaml)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    mode: ModeConfig = field(default_factory=ModeConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    bench: Optional[BenchConfig] = None
+    device: Device = Device.auto
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of the graph: what it runs, on which GPUs, which endpoints it binds and dials.
+
+    Endpoint keys are role-local names (see runtime/ipc/endpoints.py); values are ZMQ addresses.
+    """
+
+    name: str  # unique: "frontend.0", "router.0", "detokenizer", "worker.0.1" (dp replica . tp rank)
+    role: str  # frontend | router | detokenizer | worker | pd_master | config_server
+    gpus: List[int] = field(default_factory=list)
+    binds: Dict[str, str] = field(default_factory=dict)
+    connects: Dict[str, str] = field(default_factory=dict)
+    dp_rank: int = 0
+    tp_rank: int = 0
+    index: int = 0  # frontend worker index
+
+
+@dataclass(frozen=True)
+class ProcessGraph:
+    processes: List[ProcessSpec]
+    http_url: str  # where clients connect, e.g. http://127.0.0.1:8000
+    ipc_dir: str  # private per-instance directory holding ipc:// sockets
+    control: str  # the launcher's PULL endpoint: every process reports ready here
+    dist_init: List[str] = field(default_factory=list)  # torch.distributed init address per dp replica
+
+
+@dataclass(frozen=True)
+class RunConfig(LlaunchConfig):
+    """The validated config with derived values filled (model architecture, dtype, eos ids,
+    batch_max_tokens, concrete device) and the planned graph. Written as YAML to the run directory;
+    every child process reads it from there."""
+
+    run_dir: str = ""
+    graph: Optional[ProcessGraph] = None

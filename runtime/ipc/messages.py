@@ -1,0 +1,198 @@
+"""Every message that crosses a process boundary, named by direction.
+
+frontend ──AddRequest/AbortRequest──▶ router ──StepPlan──▶ worker ──StepResult/WorkerReady──▶ router
+router ──RequestOpened/TokenBatch/RouterStats──▶ detokenizer ──TextBatch/MetricsSnapshot──▶ frontend
+every process ──ProcessReady──▶ launcher
+
+msgspec Structs (array_like, omit_defaults): compact on the wire, and each socket decodes exactly the
+union it expects, so a stray message fails loudly. No pickle.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    pass
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    max_new_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    seed: Optional[int] = None  # None: the router draws one, so every sample has a seed
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    stop: list[str] = []  # stop strings: handled by the detokenizer, not returned
+    skip_special_tokens: bool = True
+    logprobs: bool = False  # return the chosen token's logprob
+    top_logprobs: int = 0  # and this many most likely alternatives
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+# ---- frontend → router -------------------------------------------------------------------------
+
+
+class AddRequest(_Msg):
+    request_id: str  # unique across frontends: "<frontend index>-<counter>"
+    frontend: int  # which frontend worker gets the text back
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float  # time.time() at the frontend, for TTFT / e2e latency
+
+
+class AbortRequest(_Msg):
+    request_id: str
+
+
+RouterInbound = Union[AddRequest, AbortRequest]
+
+# ---- router → worker ---------------------------------------------------------------------------
+
+
+class NewSeq(_Msg):
+    """A request the worker has not seen: its sampling state is set up in `row`."""
+
+    row: int  # index into the worker's per-request tables (< router.max_running_requests)
+    request_id: str
+    sampling: SamplingParams
+    prompt_ids: list[int]  # for repetition/presence penalties over the prompt
+
+
+class PrefillChunk(_Msg):
+    row: int
+    token_ids: list[int]
+    start: int  # position of token_ids[0]; tokens [0, start) are already in the KV cache
+    slots: list[int]  # KV cache slots for these tokens, one each
+    sample: bool  # last chunk of the prompt: sample the first output token
+
+
+class StepPlan(_Msg):
+    """One forward step. Decode rows feed the worker's own last sampled token (no round trip)."""
+
+    step: int
+    new: list[NewSeq] = []
+    decode_rows: list[int] = []
+    decode_slots: list[int] = []  # one new slot per decode row
+    prefill: list[PrefillChunk] = []
+    release_rows: list[int] = []  # requests that ended: forget their row state (before this step)
+
+
+class Shutdown(_Msg):
+    pass
+
+
+WorkerInbound = Union[StepPlan, Shutdown]
+
+# ---- worker → router ---------------------------------------------------------------------------
+
+
+class WorkerReady(_Msg):
+    kv_slots: int  # KV capacity in tokens (smallest over ranks)
+    max_running_requests: int
+
+
+class StepResult(_Msg):
+    """Sampled tokens, in plan order: decode rows first, then prefill chunks with sample=True."""
+
+    step: int
+    rows: list[int]
+    token_ids: list[int]
+    logprobs: list[float] = []  # chosen token's logprob per row (empty: nobody asked)
+    top_ids: list[list[int]] = []  # per row; an empty list where not asked
+    top_logprobs: list[list[float]] = []
+    forward_s: float = 0.0  # device time of the step, for the router's stats
+
+
+RouterResults = Union[WorkerReady, StepResult]
+
+# ---- router → detokenizer ----------------------------------------------------------------------
+
+
+class RequestOpened(_Msg):
+    request_id: str
+    frontend: int
+    prompt_len: int
+    sampling: SamplingParams
+    arrival_time: float
+
+
+class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    finish_reason: Optional[str] = None  # stop | length | abort | error
+
+
+class TokenBatch(_Msg):
+    deltas: list[TokenDelta]
+
+
+class RouterStats(_Msg):
+    time: float
+    running: int
+    waiting: int
+    kv_used: int
+    kv_total: int
+    dp_rank: int = 0
+
+
+DetokenizerInbound = Union[RequestOpened, TokenBatch, RouterStats]
+
+# ---- detokenizer → frontend --------------------------------------------------------------------
+
+
+class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # total so far
+    stopped_by_string: bool = False  # the frontend aborts the request at the router
+
+
+class TextBatch(_Msg):
+    deltas: list[TextDelta]
+
+
+class MetricsSnapshot(_Msg):
+    """Prometheus exposition text, rendered by the detokenizer (the one place that sees every
+    request's timing); also the frontend's heartbeat for /health."""
+
+    time: float
+    text: str
+    running: int = 0
+    waiting: int = 0
+
+
+FrontendInbound = Union[TextBatch, MetricsSnapshot]
+
+# ---- any process → launcher --------------------------------------------------------------------
+
+
+class ProcessReady(_Msg):
+    name: str
+    pid: int
+    info: dict[str, str] = {}
+
+
+LauncherInbound = Union[ProcessReady]
