@@ -1,0 +1,58 @@
+"""What every child process does first: read the run config, find its own spec, tie its life to
+the launcher's, and report ready on the control socket."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+from typing import Optional
+
+import msgspec
+import zmq
+
+from llaunch.launcher.schema import ProcessSpec, RunConfig
+from llaunch.runtime.ipc.messages import ProcessReady
+from llaunch.runtime.ipc.sockets import Sender
+
+
+def load_run_config(path: str) -> RunConfig:
+    with open(path, "rb") as f:
+        return msgspec.yaml.decode(f.read(), type=RunConfig)
+
+
+def find_spec(cfg: RunConfig, name: str) -> ProcessSpec:
+    for spec in cfg.graph.processes:
+        if spec.name == name:
+            return spec
+    raise SystemExit(f"no process named {name!r} in the run config's graph")
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us when the launcher dies, so no process is ever orphaned."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the launcher died before prctl took effect
+            os._exit(1)
+
+
+def start(argv: Optional[list[str]] = None) -> tuple[RunConfig, ProcessSpec]:
+    """Parse `--config RUN_DIR/config.yaml --name NAME`, set up logging; returns (config, own spec)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--name", required=True)
+    args = ap.parse_args(argv)
+    die_with_parent()
+    logging.basicConfig(level=os.environ.get("LLAUNCH_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {args.name} %(levelname)s %(message)s", stream=sys.stderr)
+    cfg = load_run_config(args.config)
+    return cfg, find_spec(cfg, args.name)
+
+
+def report_ready(ctx: zmq.Context, cfg: RunConfig, spec: ProcessSpec, **info: str) -> None:
+    sender = Sender(ctx, cfg.graph.control)
+    sender.send(ProcessReady(name=spec.name, pid=os.getpid(), info={k: str(v) for k, v in info.items()}))
+    sender.close()
