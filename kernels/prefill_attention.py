@@ -1,0 +1,130 @@
+"""Causal flash attention for variable-length prefill chunks over the token-slot KV cache.
+
+Sequence i's chunk q[q_starts[i] : q_starts[i] + q_lens[i]] sits at positions prefix_lens[i].. and
+attends to the first prefix_lens[i] + q_lens[i] tokens of its req_to_slots row (its own new K/V are
+already stored). A program owns BLOCK_M queries of one head of one sequence; keys before the block's
+first query are visible to all its rows and run unmasked, only the diagonal blocks are masked.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end, q_pos,
+                  kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
+                  MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    d_mask = offs_d[None, :] < dim
+    if MASKED:
+        n_mask = offs_n < kv_end
+        slots = tl.load(slot_row_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask
+    else:
+        slots = tl.load(slot_row_ptr + offs_n).to(tl.int64)
+        kv_mask = d_mask
+    kv_off = slots[:, None] * cache_tok_stride + kv_head * cache_head_stride + offs_d[None, :]
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    if UPCAST:  # the interpreter has no bf16/fp16 dot
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < kv_end)
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if UPCAST:
+        pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, rows_ptr, q_starts_ptr,
+                    q_lens_ptr, prefix_lens_ptr, qk_scale, q_tok_stride, q_head_stride, out_tok_stride,
+                    out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride, dim,
+                    GROUP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    head = tl.program_id(0)
+    m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (last) blocks first
+    seq = tl.program_id(2)
+    q_len = tl.load(q_lens_ptr + seq)
+    if m_block * BLOCK_M >= q_len:
+        return
+    q_start = tl.load(q_starts_ptr + seq).to(tl.int64)
+    prefix = tl.load(prefix_lens_ptr + seq)
+    row = tl.load(rows_ptr + seq).to(tl.int64)
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    q_tok = q_start + offs_m
+    q = tl.load(q_ptr + q_tok[:, None] * q_tok_stride + head * q_head_stride + offs_d[None, :],
+                mask=m_mask[:, None] & (offs_d[None, :] < dim), other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = prefix + offs_m
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    slot_row_ptr = req_to_slots_ptr + row * slots_row_stride
+    kv_end = prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len)
+    full_end = ((prefix + m_block * BLOCK_M) // BLOCK_N) * BLOCK_N  # keys every row of the block sees
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
+                                      q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
+                                      False, UPCAST, PRECISION, BLOCK_N)
+    for start_n in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
+                                      q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
+                                      True, UPCAST, PRECISION, BLOCK_N)
+    acc = acc / l_i[:, None]
+    tl.store(out_ptr + q_tok[:, None] * out_tok_stride + head * out_head_stride + offs_d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_d[None, :] < dim))
+
+
+def _launch_shape(q: torch.Tensor, dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the device and head size."""
+    if not q.is_cuda:
+        return 64, 64, 4, 1  # interpreter: few, large programs
+    if dim <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 2
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      req_to_slots: torch.Tensor, rows: torch.Tensor, q_starts: torch.Tensor,
+                      q_lens: torch.Tensor, prefix_lens: torch.Tensor, scale: float,
+                      *, max_q_len: Optional[int] = None) -> torch.Tensor:
+    """q: [T, Hq, D] → [T, Hq, D]. `max_q_len` (host int) bounds q_lens to size the grid; without it
+    the grid covers T tokens per sequence and the surplus programs exit at once (no device sync)."""
+    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride(), "caches: same layout, unit dim stride"
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    tokens, n_q_heads, dim = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch = rows.shape[0]
+    if tokens == 0 or batch == 0:
+        return out
+    block_m, block_n, warps, stages = _launch_shape(q, dim)
+    grid = (n_q_heads, triton.cdiv(max_q_len if max_q_len is not None else tokens, block_m), batch)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        req_to_slots.stride(0), dim, GROUP=n_q_heads // k_cache.shape[1], UPCAST=not q.is_cuda,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(dim), num_warps=warps, num_stages=stages)
+    return out

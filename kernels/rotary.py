@@ -1,0 +1,60 @@
+"""Rotate-half (GPT-NeoX) rotary embedding for q and k in one launch: a program per token reads its
+cos/sin row once and rotates every q and k head of that token."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(src_ptr, dst_ptr, token, src_tok_stride, src_head_stride, n_heads, cos, sin,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < n_heads) & (dims < HALF)
+    src = src_ptr + token * src_tok_stride + heads * src_head_stride + dims
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = dst_ptr + token * n_heads * 2 * HALF + heads * 2 * HALF + dims
+    tl.store(dst, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+                   q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, n_q_heads, n_k_heads,
+                   table_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                   BLOCK_HK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, token, q_tok_stride, q_head_stride, n_q_heads, cos, sin,
+                  HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, k_out_ptr, token, k_tok_stride, k_head_stride, n_k_heads, cos, sin,
+                  HALF, BLOCK_HK, BLOCK_HALF)
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hk, D] (any token/head strides, unit dim stride), positions: [T],
+    cos/sin: [max_positions, D // 2] float32. Returns new contiguous tensors."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    tokens, n_q, dim = q.shape
+    n_k = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return q_out, k_out
+    half = dim // 2
+    _rotary_kernel[(tokens,)](
+        q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        n_q, n_k, cos.stride(0), HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(n_k), num_warps=4)
+    return q_out, k_out

@@ -1,0 +1,90 @@
+"""The frontend's view of the tokenizer: prompts to ids (with the checkpoint's chat template) and ids
+to the token strings and bytes that logprobs report. Generated text comes from the detokenizer."""
+from __future__ import annotations
+
+import os
+import re
+from functools import lru_cache
+from typing import Optional
+
+from transformers import AutoTokenizer
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallback
+
+
+def load_hf_tokenizer(path: str):
+    """A Hugging Face folder, or a .gguf file (transformers reads its embedded tokenizer)."""
+    if path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(path)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2 byte-level BPE maps every byte to a printable character; invert that map.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _is_byte_level(hf_tokenizer) -> bool:
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    return backend is not None and "ByteLevel" in repr(backend.decoder)
+
+
+class PromptTokenizer:
+    def __init__(self, hf_tokenizer, vocab_size: Optional[int] = None):
+        self.hf = hf_tokenizer
+        # The model's vocabulary may be padded beyond the tokenizer's: ids up to it are valid input.
+        self.vocab_size = vocab_size or len(hf_tokenizer)
+        self.special_ids = frozenset(hf_tokenizer.all_special_ids)
+        self._byte_level = _is_byte_level(hf_tokenizer)
+        self._text_cache: dict[int, str] = {}
+        self._bytes_cache: dict[int, bytes] = {}
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template already writes BOS and role markers; encoding must not add them twice.
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._text_cache.get(token_id)
+        if text is None:
+            text = self._text_cache[token_id] = self.hf.decode([token_id])
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's raw bytes: a token may hold part of a UTF-8 character that decodes to U+FFFD."""
+        raw = self._bytes_cache.get(token_id)
+        if raw is None:
+            raw = self._bytes_cache[token_id] = self._raw_bytes(token_id)
+        return raw
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if piece is None or token_id in self.special_ids:
+            return self.token_text(token_id).encode("utf-8")
+        byte_fallback = _BYTE_TOKEN.match(piece)
+        if byte_fallback:
+            return bytes([int(byte_fallback.group(1), 16)])
+        if self._byte_level:
+            decoder = _byte_decoder()
+            if all(ch in decoder for ch in piece):
+                return bytes(decoder[ch] for ch in piece)
+        return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece word boundary

@@ -1,0 +1,101 @@
+"""The architecture of a Llama/Qwen2 decoder: every number the model code needs, nothing optional.
+
+The launcher fills `ModelConfig`'s architecture fields from config.json (or a sized profile);
+`from_model_config` only reads them back. `from_hf_config` reads a config.json dict directly (tests,
+tools, GGUF metadata translated by `weights.gguf_hf_config`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from llaunch.launcher.schema import ModelConfig
+
+FAMILIES = ("llama", "qwen2")
+
+_ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
+                "rms_norm_eps", "tie_word_embeddings", "attention_bias")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    family: str  # llama | qwen2 (Qwen2 = Llama with q/k/v bias)
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v (and on o for Llama, as transformers' LlamaAttention does)
+    rope_scaling: Optional[dict[str, Any]] = None
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"model family {self.family!r} is not supported ({', '.join(FAMILIES)})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+
+    @property
+    def o_proj_bias(self) -> bool:
+        return self.family == "llama" and self.attention_bias
+
+    @property
+    def num_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_hidden_layers * layer + heads * self.vocab_size * h + h
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig) -> "ModelArch":
+        missing = [f for f in ("family",) + _ARCH_FIELDS if getattr(cfg, f) is None]
+        if missing:
+            raise ValueError(f"model config is not resolved: {', '.join('model.' + m for m in missing)} "
+                             "unset (the launcher fills them from config.json or a sized profile)")
+        return cls(family=cfg.family, rope_scaling=cfg.rope_scaling,
+                   **{f: getattr(cfg, f) for f in _ARCH_FIELDS})
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelArch":
+        """From a Hugging Face config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
+        `rope_parameters`)."""
+        family = hf.get("model_type")
+        if hf.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported")
+        if hf.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true (Qwen2 sliding-window attention) is not supported")
+        rope = dict(hf.get("rope_parameters") or {})
+        theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or rope or None
+        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+            scaling = None
+        heads = hf["num_attention_heads"]
+        return cls(
+            family=family,
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            vocab_size=hf["vocab_size"],
+            max_position_embeddings=hf["max_position_embeddings"],
+            rope_theta=float(theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=True if family == "qwen2" else bool(hf.get("attention_bias", False)),
+            rope_scaling=scaling,
+        )
+
+    def model_config_fields(self) -> dict[str, Any]:
+        """The ModelConfig fields this architecture fills (`dataclasses.replace(cfg, **fields)`)."""
+        return {"family": self.family, "rope_scaling": self.rope_scaling,
+                **{f: getattr(self, f) for f in _ARCH_FIELDS}}

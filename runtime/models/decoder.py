@@ -1,0 +1,150 @@
+"""The one decoder for Llama and Qwen2 (Qwen2 = Llama + q/k/v bias), over the token-slot KV cache.
+
+A forward step takes a decode-first ForwardBatch: decode tokens attend through `decode_attention`,
+prefill chunks (possibly continuing a cached prefix) through `prefill_attention`; every token's K/V
+is stored into its slot first. Only the rows in `logits_index` go through the final norm and LM head.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llaunch.kernels import decode_attention, prefill_attention, rope_cos_sin, rotary_embedding, silu_mul, store_kv
+from llaunch.runtime.models.arch import ModelArch
+from llaunch.runtime.models.batch import ForwardBatch, KvCache
+from llaunch.runtime.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear,
+                                           Shard, TpGroup, VocabParallelEmbedding)
+
+
+def kv_heads_of_rank(arch: ModelArch, tp: TpGroup) -> tuple[int, int]:
+    """(first kv head, kv heads) on this rank. With fewer KV heads than ranks each KV head is
+    replicated on tp / kv consecutive ranks: rank r keeps head r * kv // tp, which is the head its
+    q heads [r * H/tp, (r+1) * H/tp) read under grouped-query attention."""
+    kv = arch.num_key_value_heads
+    if kv >= tp.size:
+        return tp.split(kv, "num_key_value_heads")
+    if tp.size % kv:
+        raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of num_key_value_heads={kv}")
+    return tp.rank * kv // tp.size, 1
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, prefix: str, tp: TpGroup, device, dtype):
+        super().__init__()
+        d, hidden = arch.head_dim, arch.hidden_size
+        q_start, self.num_heads = tp.split(arch.num_attention_heads, "num_attention_heads")
+        kv_start, self.num_kv_heads = kv_heads_of_rank(arch, tp)
+        self.head_dim, self.scale = d, d ** -0.5
+        q_full, kv_full = arch.num_attention_heads * d, arch.num_key_value_heads * d
+        self.qkv_proj = ColumnParallelLinear(hidden, [
+            (f"{prefix}.q_proj", q_full, q_start * d, self.num_heads * d),
+            (f"{prefix}.k_proj", kv_full, kv_start * d, self.num_kv_heads * d),
+            (f"{prefix}.v_proj", kv_full, kv_start * d, self.num_kv_heads * d),
+        ], bias=arch.attention_bias, device=device, dtype=dtype)
+        self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q_full, q_start * d, self.num_heads * d, hidden,
+                                        bias=arch.o_proj_bias, tp=tp, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q, k = rotary_embedding(q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d),
+                                batch.positions, cos, sin)
+        store_kv(k_cache, v_cache, batch.out_slots, k, v.view(t, self.num_kv_heads, d))
+        nd = batch.num_decode
+        if batch.num_prefill_tokens:
+            # q_starts index the whole token array, so the prefill op gets all of q; decode rows follow.
+            out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,
+                                    batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale)
+        else:
+            out = torch.empty_like(q)
+        if nd:
+            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows,
+                                        batch.decode_seq_lens, self.scale)
+        return self.o_proj(out.view(t, self.num_heads * d))
+
+
+class Mlp(nn.Module):
+    def __init__(self, arch: ModelArch, prefix: str, tp: TpGroup, device, dtype):
+        super().__init__()
+        full = arch.intermediate_size
+        start, local = tp.split(full, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, [
+            (f"{prefix}.gate_proj", full, start, local), (f"{prefix}.up_proj", full, start, local),
+        ], bias=False, device=device, dtype=dtype)
+        self.down_proj = RowParallelLinear(f"{prefix}.down_proj", full, start, local, arch.hidden_size,
+                                           bias=False, tp=tp, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, index: int, tp: TpGroup, device, dtype):
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        eps = arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm", arch.hidden_size, eps, device, dtype)
+        self.self_attn = Attention(arch, f"{prefix}.self_attn", tp, device, dtype)
+        self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm", arch.hidden_size, eps,
+                                                device, dtype)
+        self.mlp = Mlp(arch, f"{prefix}.mlp", tp, device, dtype)
+
+
+class DecoderLM(nn.Module):
+    """Embedding → N × (norm, attention, norm, MLP) with fused residual adds → norm → LM head."""
+
+    def __init__(self, arch: ModelArch, tp: TpGroup, device: torch.device, dtype: torch.dtype,
+                 max_positions: int):
+        super().__init__()
+        self.arch, self.tp, self.device, self.dtype = arch, tp, torch.device(device), dtype
+        self.embed_tokens = VocabParallelEmbedding("model.embed_tokens", arch.vocab_size, arch.hidden_size, tp,
+                                                   device, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp, device, dtype) for i in range(arch.num_hidden_layers))
+        self.norm = RMSNorm("model.norm", arch.hidden_size, arch.rms_norm_eps, device, dtype)
+        self.lm_head = ParallelLMHead("lm_head", self.embed_tokens, arch.tie_word_embeddings, device, dtype)
+        cos, sin = rope_cos_sin(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device=device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads if arch.num_hidden_layers else 0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes on this rank, over all layers."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.arch.num_hidden_layers * self.num_local_kv_heads * self.arch.head_dim * itemsize
+
+    def make_kv_cache(self, num_slots: int, max_rows: int, max_model_len: int) -> KvCache:
+        shape = (num_slots, self.num_local_kv_heads, self.arch.head_dim)
+        n = self.arch.num_hidden_layers
+        return KvCache(
+            k=[torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)],
+            v=[torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)],
+            req_to_slots=torch.zeros((max_rows, max_model_len), device=self.device, dtype=torch.int32),
+        )
+
+    def checkpoint_layout(self) -> dict[str, list[Shard]]:
+        """Local parameter name → the checkpoint slices that fill it (what loaders read)."""
+        layout = {}
+        for prefix, module in self.named_modules():
+            if hasattr(module, "checkpoint_shards"):
+                for pname, shards in module.checkpoint_shards().items():
+                    layout[f"{prefix}.{pname}" if prefix else pname] = shards
+        return layout
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KvCache) -> torch.Tensor:
+        """→ float32 logits [len(batch.logits_index), vocab]."""
+        h = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
+            if residual is None:
+                x, residual = layer.input_layernorm(h), h
+            else:
+                x, residual = layer.input_layernorm(h, residual)
+            h = layer.self_attn(x, batch, k_cache, v_cache, kv.req_to_slots, self.rope_cos, self.rope_sin)
+            x, residual = layer.post_attention_layernorm(h, residual)
+            h = layer.mlp(x)
+        rows = batch.logits_index
+        h = h[rows] if residual is None else h[rows] + residual[rows]
+        return self.lm_head(self.norm(h))

@@ -1,0 +1,183 @@
+"""Tensor-parallel building blocks: each holds only its rank's shard and says, as `Shard`s, which
+slice of which checkpoint tensor fills it, so loaders read only that slice.
+
+Megatron layout: column-parallel layers split output features (no communication), row-parallel
+layers split input features and all-reduce their output; the vocabulary is split across ranks for
+both the embedding (masked lookup + all-reduce) and the LM head (all-gather of logits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from llaunch.kernels import rmsnorm
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slice of checkpoint tensor `name` (full shape `full_shape`) that fills part of a local
+    parameter: rows/cols [start, start + size) along `dim`, or the whole tensor when dim is None.
+    A parameter made of several Shards (fused q/k/v, gate/up) is their concatenation along dim 0."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    dim: Optional[int] = None
+    start: int = 0
+    size: int = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.dim] = self.size
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
+class TpGroup:
+    """This rank's place in the tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup; None: the default group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def split(self, n: int, what: str) -> tuple[int, int]:
+        """(start, size) of this rank's even share of n items."""
+        if n % self.size:
+            raise ValueError(f"{what}={n} is not divisible by tensor-parallel size {self.size}")
+        size = n // self.size
+        return self.rank * size, size
+
+
+def _param(shape, device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W's output rows split over ranks. Several checkpoint matrices can be
+    fused into one (q‖k‖v, gate‖up): `parts` lists (checkpoint prefix, full out features, local
+    start, local size) in output order."""
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int, int, int]], bias: bool,
+                 device, dtype):
+        super().__init__()
+        self.parts = parts
+        self.in_features = in_features
+        out_local = sum(p[3] for p in parts)
+        self.weight = _param((out_local, in_features), device, dtype)
+        self.bias = _param((out_local,), device, dtype) if bias else None
+
+    def checkpoint_shards(self) -> dict[str, list[Shard]]:
+        shards = {"weight": [Shard(f"{n}.weight", (full, self.in_features), 0, s, k) for n, full, s, k in self.parts]}
+        if self.bias is not None:
+            shards["bias"] = [Shard(f"{n}.bias", (full,), 0, s, k) for n, full, s, k in self.parts]
+        return shards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local W_local^T) (+ b): W's input columns [in_start, in_start + in_local)
+    live on this rank; the bias is added once, after the reduction."""
+
+    def __init__(self, name: str, in_features: int, in_start: int, in_local: int, out_features: int,
+                 bias: bool, tp: TpGroup, device, dtype):
+        super().__init__()
+        self.name, self.tp = name, tp
+        self.full_shape = (out_features, in_features)
+        self.in_start = in_start
+        self.weight = _param((out_features, in_local), device, dtype)
+        self.bias = _param((out_features,), device, dtype) if bias else None
+
+    def checkpoint_shards(self) -> dict[str, list[Shard]]:
+        shards = {"weight": [Shard(f"{self.name}.weight", self.full_shape, 1, self.in_start, self.weight.shape[1])]}
+        if self.bias is not None:
+            shards["bias"] = [Shard(f"{self.name}.bias", (self.full_shape[0],))]
+        return shards
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split into equal blocks of ceil(vocab / tp) rows; the
+    last rank's block is zero-padded so every rank's LM-head logits have the same width."""
+
+    def __init__(self, name: str, vocab_size: int, hidden_size: int, tp: TpGroup, device, dtype):
+        super().__init__()
+        self.name, self.tp, self.vocab_size, self.hidden_size = name, tp, vocab_size, hidden_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = min(tp.rank * self.rows_per_rank, vocab_size)
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.weight = _param((self.rows_per_rank, hidden_size), device, dtype)
+
+    def checkpoint_shards(self) -> dict[str, list[Shard]]:
+        return {"weight": [Shard(f"{self.name}.weight", (self.vocab_size, self.hidden_size), 0,
+                                 self.vocab_start, self.vocab_end - self.vocab_start)]}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        local = torch.where(mine, ids - self.vocab_start, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits over the vocabulary block of this rank, all-gathered to [N, vocab] float32. Tied to
+    the embedding (shares its weight, so no checkpoint tensor of its own) or its own weight."""
+
+    def __init__(self, name: str, embedding: VocabParallelEmbedding, tied: bool, device, dtype):
+        super().__init__()
+        self.embedding = [embedding]  # a list, so the tied weight is not registered twice
+        self.vocab_size = embedding.vocab_size
+        self.tp = embedding.tp
+        self.weight = None if tied else _param(embedding.weight.shape, device, dtype)
+        self.name = name
+
+    def checkpoint_shards(self) -> dict[str, list[Shard]]:
+        if self.weight is None:
+            return {}
+        emb = self.embedding[0].checkpoint_shards()["weight"][0]
+        return {"weight": [Shard(f"{self.name}.weight", emb.full_shape, 0, emb.start, emb.size)]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.embedding[0].weight if self.weight is None else self.weight
+        logits = self.tp.all_gather_last_dim(F.linear(x, weight).float())
+        return logits[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose call can fuse the residual add: (norm(x + residual), x + residual)."""
+
+    def __init__(self, name: str, hidden_size: int, eps: float, device, dtype):
+        super().__init__()
+        self.name, self.eps = name, eps
+        self.weight = _param((hidden_size,), device, dtype)
+
+    def checkpoint_shards(self) -> dict[str, list[Shard]]:
+        return {"weight": [Shard(f"{self.name}.weight", tuple(self.weight.shape))]}
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        return rmsnorm(x, self.weight, self.eps, residual)

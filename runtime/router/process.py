@@ -1,0 +1,145 @@
+"""Router process: sockets and the loop around the Scheduler.
+
+requests (PULL, from frontends) ─┐
+results  (PULL, from worker rank 0) ─┼─▶ Scheduler ─▶ plan.{r} (PUSH, every tp rank)
+                                     └─▶ tokens (PUSH, to the detokenizer)
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import msgspec
+import zmq
+
+from llaunch.launcher.schema import RunConfig
+from llaunch.runtime import bootstrap
+from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, RequestOpened, RouterInbound,
+                                          RouterResults, RouterStats, Shutdown, StepResult, TokenBatch,
+                                          WorkerReady)
+from llaunch.runtime.ipc.sockets import Receiver, Sender
+from llaunch.runtime.router.request import Request
+from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
+
+log = logging.getLogger("llaunch.router")
+STATS_PERIOD_S = 0.25
+
+
+def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
+    r = cfg.router
+    return SchedulerLimits(
+        kv_slots=ready.kv_slots,
+        max_running=min(r.max_running_requests, ready.max_running_requests),
+        batch_max_tokens=r.batch_max_tokens,
+        chunked_prefill=r.chunked_prefill,
+        chunked_prefill_size=r.chunked_prefill_size,
+        max_wait_tokens=r.max_wait_tokens,
+        token_ratio=r.token_ratio,
+        max_model_len=cfg.model.max_model_len,
+        eos_ids=tuple(cfg.model.eos_token_ids or ()),
+    )
+
+
+class Router:
+    def __init__(self, cfg: RunConfig, spec, ctx: zmq.Context):
+        self.cfg = cfg
+        self.dp_rank = spec.dp_rank
+        self.requests = Receiver(ctx, spec.binds["requests"], RouterInbound)
+        self.results = Receiver(ctx, spec.binds["results"], RouterResults)
+        plan_keys = sorted((k for k in spec.connects if k.startswith("plan.")), key=lambda k: int(k.split(".")[1]))
+        self.workers = [Sender(ctx, spec.connects[k]) for k in plan_keys]
+        self.detokenizer = Sender(ctx, spec.connects["tokens"])
+        self.scheduler: Scheduler | None = None
+        self._rng = random.Random()
+        self._last_stats = 0.0
+
+    def wait_for_workers(self) -> None:
+        msg = self.results.recv()
+        if not isinstance(msg, WorkerReady):
+            raise RuntimeError(f"expected WorkerReady first, got {type(msg).__name__}")
+        self.scheduler = Scheduler(limits_from(self.cfg, msg))
+        log.info("workers ready: %d KV slots, %d rows", msg.kv_slots, self.scheduler.limits.max_running)
+
+    def handle(self, msg) -> None:
+        sched = self.scheduler
+        if isinstance(msg, AddRequest):
+            sampling = msg.sampling
+            if sampling.seed is None:  # every request gets a seed so each rank samples identically
+                sampling = msgspec.structs.replace(sampling, seed=self._rng.getrandbits(62))
+            self.detokenizer.send(RequestOpened(request_id=msg.request_id, frontend=msg.frontend,
+                                                prompt_len=len(msg.prompt_ids), sampling=sampling,
+                                                arrival_time=msg.arrival_time))
+            rejected = sched.add(Request(msg, sampling))
+            if rejected is not None:
+                log.warning("request %s needs more KV than the cache holds", msg.request_id)
+                self.detokenizer.send(TokenBatch(deltas=[rejected]))
+        elif isinstance(msg, AbortRequest):
+            delta = sched.abort(msg.request_id)
+            if delta is not None:
+                self.detokenizer.send(TokenBatch(deltas=[delta]))
+
+    def drain_inbound(self, block_ms: int) -> None:
+        msg = self.requests.recv(timeout_ms=block_ms)
+        while msg is not None:
+            self.handle(msg)
+            msg = self.requests.recv_nowait()
+
+    def maybe_send_stats(self, force: bool = False) -> None:
+        now = time.time()
+        if force or now - self._last_stats >= STATS_PERIOD_S:
+            s = self.scheduler
+            self.detokenizer.send(RouterStats(time=now, running=len(s.running), waiting=len(s.waiting),
+                                              kv_used=s.kv.num_used, kv_total=s.kv.num_slots,
+                                              dp_rank=self.dp_rank))
+            self._last_stats = now
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return
+        for w in self.workers:
+            w.send(plan)
+        if not (plan.decode_rows or plan.prefill):
+            self.scheduler.on_result(StepResult(step=plan.step, rows=[], token_ids=[]))
+            return
+        inbound = []
+        while True:  # wait for the result; buffer requests that arrive meanwhile
+            result = self.results.recv(timeout_ms=50)
+            if result is not None:
+                break
+            msg = self.requests.recv_nowait()
+            while msg is not None:
+                inbound.append(msg)
+                msg = self.requests.recv_nowait()
+        if not isinstance(result, StepResult) or result.step != plan.step:
+            raise RuntimeError(f"worker answered step {getattr(result, 'step', '?')} to plan {plan.step}")
+        deltas = self.scheduler.on_result(result)
+        if deltas:
+            self.detokenizer.send(TokenBatch(deltas=deltas))
+        for msg in inbound:
+            self.handle(msg)
+
+    def run(self) -> None:
+        while True:
+            busy = self.scheduler.has_work()
+            self.drain_inbound(block_ms=0 if busy else int(STATS_PERIOD_S * 1000))
+            self.step()
+            self.maybe_send_stats(force=not self.scheduler.has_work() and busy)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.send(Shutdown())
+
+
+def main() -> None:
+    cfg, spec = bootstrap.start()
+    ctx = zmq.Context()
+    router = Router(cfg, spec, ctx)
+    router.wait_for_workers()
+    bootstrap.report_ready(ctx, cfg, spec, kv_slots=router.scheduler.kv.num_slots)
+    router.run()
+
+
+if __name__ == "__main__":
+    main()

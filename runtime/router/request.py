@@ -1,0 +1,56 @@
+"""A request as the router sees it: vLLM's single scheduling model, where `num_computed` (tokens
+whose KV is cached) catches up with `num_tokens`; chunked prefill and decode are the same thing."""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+from llaunch.runtime.ipc.messages import AddRequest, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    __slots__ = ("id", "frontend", "prompt_ids", "sampling", "arrival_time", "status", "row", "slots",
+                 "num_computed", "output_ids", "finish_reason")
+
+    def __init__(self, msg: AddRequest, sampling: SamplingParams):
+        self.id = msg.request_id
+        self.frontend = msg.frontend
+        self.prompt_ids = msg.prompt_ids
+        self.sampling = sampling
+        self.arrival_time = msg.arrival_time
+        self.status = Status.WAITING
+        self.row: Optional[int] = None
+        self.slots: list[int] = []  # KV slots of tokens [0, num_computed) in position order
+        self.num_computed = 0
+        self.output_ids: list[int] = []
+        self.finish_reason: Optional[str] = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens
+
+    @property
+    def peak_tokens(self) -> int:
+        """KV slots this request holds at its longest: prompt + every output token but the last."""
+        return self.prompt_len + self.max_new_tokens - 1
+
+    def __repr__(self) -> str:
+        return f"Request({self.id}, {self.status.value}, row={self.row}, computed={self.num_computed}/{self.num_tokens})"

@@ -1,0 +1,44 @@
+"""How many KV token slots a rank can hold: an explicit cache.max_total_tokens, else the memory
+left after weights and a reserve for activations (CUDA), or a fixed budget (CPU). The smallest over
+the tp ranks wins, since every rank caches the same tokens."""
+from __future__ import annotations
+
+import torch
+
+GiB = 1 << 30
+
+
+def activation_reserve_bytes(cfg, model) -> int:
+    """Peak transient memory of one step: hidden states and MLP intermediates of batch_max_tokens
+    tokens, the float32 logits and sampling buffers of the largest batch, plus CUDA graph pools."""
+    a = model.arch
+    tokens = cfg.router.batch_max_tokens
+    per_token = (6 * a.hidden_size + 3 * a.intermediate_size // cfg.parallel.tp) * 4
+    logits = max(cfg.router.max_running_requests, 1) * a.vocab_size * 4 * 4
+    return tokens * per_token + logits + 2 * GiB
+
+
+def kv_slots_for(cfg, model, device: torch.device, group=None) -> int:
+    per_token = model.kv_bytes_per_token
+    if cfg.cache.max_total_tokens:
+        slots = int(cfg.cache.max_total_tokens)
+    elif device.type == "cpu":
+        slots = int(cfg.cache.cpu_kv_gib * GiB) // per_token
+    else:
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free  # weights and whatever else is resident
+        budget = total * cfg.cache.mem_fraction - used - activation_reserve_bytes(cfg, model)
+        if budget <= per_token * cfg.model.max_model_len:
+            raise RuntimeError(
+                f"KV cache does not fit: {budget / GiB:.1f} GiB left for it after weights "
+                f"({used / GiB:.1f} GiB) within cache.mem_fraction={cfg.cache.mem_fraction}; raise "
+                f"cache.mem_fraction, lower router.batch_max_tokens, or use more GPUs (parallel.tp)")
+        slots = int(budget) // per_token
+    slots = min(slots, cfg.router.max_running_requests * cfg.model.max_model_len)
+    if group is not None:
+        import torch.distributed as dist
+
+        t = torch.tensor([slots], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        slots = int(t.item())
+    return slots

@@ -1,0 +1,97 @@
+"""Per-row sampling parameters and penalty counters, kept on the model's device so that a step
+samples every row in one batched call with no host round trip per request."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from llaunch import kernels
+from llaunch.runtime.ipc.messages import SamplingParams
+
+
+class SamplingState:
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        f32 = dict(dtype=torch.float32, device=device)
+        self.temperature = torch.zeros(max_rows, **f32)
+        self.top_p = torch.ones(max_rows, **f32)
+        self.top_k = torch.full((max_rows,), -1, dtype=torch.int64, device=device)
+        self.seed = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.presence = torch.zeros(max_rows, **f32)
+        self.frequency = torch.zeros(max_rows, **f32)
+        self.repetition = torch.ones(max_rows, **f32)
+        # host mirrors that decide which code path a step takes (no device reads)
+        self.greedy = [True] * max_rows
+        self.penalized = [False] * max_rows
+        self.top_logprobs = [-1] * max_rows  # -1: no logprobs; 0: chosen token only; n: plus top n
+        self.generated = [0] * max_rows  # tokens sampled so far: the noise counter
+        self._counts: Optional[torch.Tensor] = None  # [rows, vocab] int32, made on first penalized request
+        self._seen: Optional[torch.Tensor] = None  # [rows, vocab] bool: prompt or output token
+
+    def _penalty_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._counts is None:
+            rows = self.temperature.shape[0]
+            self._counts = torch.zeros(rows, self.vocab_size, dtype=torch.int32, device=self.device)
+            self._seen = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
+        return self._counts, self._seen
+
+    def set_row(self, row: int, sp: SamplingParams, prompt_ids: list[int]) -> None:
+        self.temperature[row] = sp.temperature
+        self.top_p[row] = sp.top_p
+        self.top_k[row] = sp.top_k
+        self.seed[row] = sp.seed or 0
+        self.presence[row] = sp.presence_penalty
+        self.frequency[row] = sp.frequency_penalty
+        self.repetition[row] = sp.repetition_penalty
+        self.greedy[row] = sp.greedy
+        self.penalized[row] = sp.penalized
+        self.top_logprobs[row] = sp.top_logprobs if sp.logprobs else -1
+        self.generated[row] = 0
+        if sp.penalized:
+            counts, seen = self._penalty_tables()
+            counts[row].zero_()
+            seen[row].zero_()
+            if prompt_ids:
+                seen[row, torch.tensor(prompt_ids, dtype=torch.int64, device=self.device)] = True
+
+    def sample(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Tokens [len(rows)] for logits [len(rows), V]; also advances the rows' counters."""
+        penalized = any(self.penalized[r] for r in rows)
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        if penalized:
+            counts, seen = self._penalty_tables()
+            logits = kernels.apply_penalties(logits, counts[rows_t].to(logits.dtype), self.presence[rows_t],
+                                             self.frequency[rows_t], self.repetition[rows_t], seen[rows_t])
+        if all(self.greedy[r] for r in rows):
+            tokens = torch.argmax(logits, dim=-1)
+        else:
+            offsets = torch.tensor([self.generated[r] for r in rows], dtype=torch.int64, device=self.device)
+            tokens = kernels.sample(logits, self.temperature[rows_t], self.top_p[rows_t], self.top_k[rows_t],
+                                    self.seed[rows_t], offsets)
+        if penalized:
+            counts[rows_t, tokens] += 1
+            seen[rows_t, tokens] = True
+        for r in rows:
+            self.generated[r] += 1
+        return tokens
+
+    def logprobs(self, logits: torch.Tensor, rows: list[int], tokens: torch.Tensor):
+        """(chosen logprobs, top ids, top logprobs) as host lists, or None when no row asked.
+        Logprobs are of the model's distribution (raw logits), as vLLM and OpenAI report them."""
+        wants = [self.top_logprobs[r] for r in rows]
+        if max(wants, default=-1) < 0:
+            return None
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, tokens[:, None]).squeeze(1).tolist()
+        k = max(wants)
+        top_ids: list[list[int]] = [[] for _ in rows]
+        top_lps: list[list[float]] = [[] for _ in rows]
+        if k > 0:
+            vals, ids = lp.topk(k, dim=-1)
+            vals, ids = vals.tolist(), ids.tolist()
+            for i, n in enumerate(wants):
+                if n > 0:
+                    top_ids[i], top_lps[i] = ids[i][:n], vals[i][:n]
+        return chosen, top_ids, top_lps

@@ -1,0 +1,201 @@
+"""The router's scheduling logic without processes: admission, chunking, KV accounting, abort."""
+import pytest
+
+from llaunch.runtime.ipc.messages import AddRequest, SamplingParams, StepResult
+from llaunch.runtime.router.request import Request
+from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
+
+EOS = 2
+
+
+def make(kv_slots=64, max_running=4, batch_max_tokens=16, chunked=True, chunk=8, max_wait=1, ratio=0.0,
+         max_model_len=64):
+    return Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=max_running, batch_max_tokens=batch_max_tokens,
+                                     chunked_prefill=chunked, chunked_prefill_size=chunk, max_wait_tokens=max_wait,
+                                     token_ratio=ratio, max_model_len=max_model_len, eos_ids=(EOS,)))
+
+
+def req(rid, prompt_len, max_new, **sp):
+    msg = AddRequest(request_id=rid, frontend=0, prompt_ids=list(range(10, 10 + prompt_len)),
+                     sampling=SamplingParams(max_new_tokens=max_new, **sp), arrival_time=0.0)
+    return Request(msg, msg.sampling)
+
+
+def answer(sched, plan, token=7):
+    rows = list(plan.decode_rows) + [c.row for c in plan.prefill if c.sample]
+    return sched.on_result(StepResult(step=plan.step, rows=rows, token_ids=[token] * len(rows)))
+
+
+def test_prefill_is_chunked_by_budget_and_chunk_size():
+    s = make(batch_max_tokens=16, chunk=8)
+    s.add(req("a", 20, 4))
+    p = s.schedule()
+    assert [(c.start, len(c.token_ids), c.sample) for c in p.prefill] == [(0, 8, False)]
+    assert p.prefill[0].slots == list(range(8))
+    assert answer(s, p) == []
+    p = s.schedule()
+    assert [(c.start, len(c.token_ids), c.sample) for c in p.prefill] == [(8, 8, False)]
+    answer(s, p)
+    p = s.schedule()
+    assert [(c.start, len(c.token_ids), c.sample) for c in p.prefill] == [(16, 4, True)]
+    deltas = answer(s, p)
+    assert [(d.request_id, d.token_ids) for d in deltas] == [("a", [7])]
+    p = s.schedule()
+    assert p.decode_rows == [0] and p.decode_slots == [20] and p.prefill == []
+
+
+def test_without_chunking_a_prompt_waits_for_a_step_with_room():
+    s = make(batch_max_tokens=16, chunked=False)
+    s.add(req("a", 12, 4))
+    s.add(req("b", 12, 4))
+    p = s.schedule()
+    assert [(c.row, len(c.token_ids)) for c in p.prefill] == [(0, 12)]  # b does not fit in 16 - 12
+    answer(s, p)
+    p = s.schedule()  # a decodes (1 token), b's 12 fit in the remaining 15
+    assert p.decode_rows == [0] and [(c.row, len(c.token_ids)) for c in p.prefill] == [(1, 12)]
+
+
+def test_fifo_and_row_limit():
+    s = make(max_running=2, batch_max_tokens=64)
+    for rid in "abc":
+        s.add(req(rid, 4, 2))
+    p = s.schedule()
+    assert [n.request_id for n in p.new] == ["a", "b"]
+    assert [r.id for r in s.waiting] == ["c"]
+
+
+def test_admission_reserves_peak_kv_and_never_overcommits():
+    # a peaks at 10 + 20 - 1 = 29 cached tokens; with b (4 + 20) beside it the peak is 29 + 23 > 30,
+    # so b waits although 20 slots are free now
+    s = make(kv_slots=30, batch_max_tokens=64, max_model_len=64)
+    s.add(req("a", 10, 20))
+    s.add(req("b", 4, 20))
+    p = s.schedule()
+    assert [n.request_id for n in p.new] == ["a"]
+    answer(s, p)
+    steps = 0
+    while s.has_work():
+        p = s.schedule()
+        assert s.kv.num_used <= 30
+        answer(s, p)
+        steps += 1
+        assert steps < 100
+    assert s.kv.num_used == 0
+
+
+def test_peak_estimate_admits_when_finishing_order_makes_room():
+    # a: 8 + 9 - 1 = 16 at its peak; b: 8 + 2 - 1 = 9 at its peak, when a holds 7 + 2 = 9:
+    # the sum of the peaks (25) exceeds 20, but the true peak is max(16, 9 + 9 = 18) = 18 ≤ 20
+    s = make(kv_slots=18, batch_max_tokens=64)
+    s.add(req("a", 8, 9))
+    s.add(req("b", 8, 2))
+    p = s.schedule()
+    assert [n.request_id for n in p.new] == ["a", "b"]
+    answer(s, p)
+    while s.has_work():
+        answer(s, s.schedule())
+        assert s.kv.num_used <= 18
+    s2 = make(kv_slots=17, batch_max_tokens=64)
+    s2.add(req("a", 8, 9))
+    s2.add(req("b", 8, 2))
+    assert [n.request_id for n in s2.schedule().new] == ["a"]
+
+
+def test_finish_on_eos_length_and_stop_token_frees_everything():
+    s = make(batch_max_tokens=64)
+    s.add(req("eos", 3, 10))
+    s.add(req("len", 3, 2))
+    s.add(req("stoptok", 3, 10, stop_token_ids=[9]))
+    p = s.schedule()
+    rows = {n.request_id: n.row for n in p.new}
+    tokens = {rows["eos"]: EOS, rows["len"]: 5, rows["stoptok"]: 9}
+    deltas = s.on_result(StepResult(step=p.step, rows=list(tokens), token_ids=list(tokens.values())))
+    reasons = {d.request_id: d.finish_reason for d in deltas}
+    assert reasons == {"eos": "stop", "len": None, "stoptok": "stop"}
+    p = s.schedule()
+    assert sorted(p.release_rows) == sorted([rows["eos"], rows["stoptok"]])
+    deltas = answer(s, p, token=5)
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("len", "length")]
+    assert s.kv.num_used == 0 and not s.has_work()
+
+
+def test_ignore_eos_keeps_generating():
+    s = make(batch_max_tokens=64)
+    s.add(req("a", 3, 3, ignore_eos=True))
+    for _ in range(3):
+        deltas = answer(s, s.schedule(), token=EOS)
+    assert deltas[0].finish_reason == "length"
+
+
+def test_abort_frees_kv_at_once_and_mid_step_after_the_step():
+    s = make(batch_max_tokens=64)
+    s.add(req("a", 5, 10))
+    s.add(req("w", 5, 10))
+    s.limits.__class__  # frozen limits stay untouched
+    p = s.schedule()
+    answer(s, p)
+    used = s.kv.num_used
+    assert s.abort("a").finish_reason == "abort"
+    assert s.kv.num_used == used - 5
+    # abort during a step in flight: applied after the result arrives
+    p = s.schedule()
+    assert s.abort("w") is None
+    deltas = answer(s, p)
+    assert deltas[-1].request_id == "w" and deltas[-1].finish_reason == "abort"
+    assert s.kv.num_used == 0
+    assert s.abort("unknown") is None
+
+
+def test_abort_of_waiting_request():
+    s = make(max_running=1, batch_max_tokens=64)
+    s.add(req("a", 4, 4))
+    s.add(req("b", 4, 4))
+    s.schedule()
+    assert s.abort("b").finish_reason == "abort"
+    assert not s.waiting
+
+
+def test_max_wait_tokens_batches_admissions():
+    s = make(kv_slots=1000, batch_max_tokens=64, max_wait=3)
+    s.add(req("a", 4, 50))
+    answer(s, s.schedule())
+    s.add(req("b", 4, 50))
+    admitted_at = None
+    for step in range(5):
+        p = s.schedule()
+        if p.new:
+            admitted_at = step
+            break
+        answer(s, p)
+    assert admitted_at == 2  # after 3 decode steps since the last admission
+
+
+def test_token_ratio_admits_early_when_cache_is_mostly_free():
+    s = make(kv_slots=1000, batch_max_tokens=64, max_wait=100, ratio=0.5)
+    s.add(req("a", 4, 50))
+    answer(s, s.schedule())
+    s.add(req("b", 4, 50))
+    assert [n.request_id for n in s.schedule().new] == ["b"]
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_many_requests_complete_and_release_every_slot(chunked):
+    s = make(kv_slots=200, max_running=5, batch_max_tokens=32, chunked=chunked, chunk=8, max_model_len=64)
+    for i in range(20):
+        s.add(req(f"r{i}", 3 + (i * 7) % 25, 1 + (i * 5) % 17))
+    finished = set()
+    for _ in range(2000):
+        if not s.has_work():
+            break
+        p = s.schedule()
+        assert len(s.running) <= 5 and s.kv.num_used <= 200
+        assert len(p.decode_rows) + sum(len(c.token_ids) for c in p.prefill) <= max(32, len(p.decode_rows))
+        finished |= {d.request_id for d in answer(s, p, token=5) if d.finish_reason}
+    assert finished == {f"r{i}" for i in range(20)}
+    assert s.kv.num_used == 0 and s.kv.num_free == 200
+
+
+def test_request_larger_than_the_whole_cache_is_rejected_not_queued_forever():
+    s = make(kv_slots=10)
+    d = s.add(req("big", 8, 5))
+    assert d.finish_reason == "error" and not s.has_work()
