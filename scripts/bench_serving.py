@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+"""Serving benchmark: streaming /v1/completions with random token prompts, vLLM's benchmark_serving
+definitions (benchmarks/benchmark_serving.py), reported as a table and a JSON file.
+
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm2-135m \\
+        --num-prompts 64 --input-len 512 --output-len 128 --concurrency 8 --result-file out.json
+
+Definitions (per successful request; times from sending the request):
+  TTFT   time to the first streamed chunk that carries a choice
+  ITL    gaps between consecutive such chunks (all requests pooled)
+  TPOT   (latency - TTFT) / (output tokens - 1), for requests with more than one output token
+  E2EL   latency: time to the last chunk that carries a choice
+  output tokens: the stream's usage.completion_tokens (stream_options.include_usage), else the
+  number of chunks with a choice.
+Throughputs divide by the benchmark duration: first request sent to last response done, warm-up
+requests excluded.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+try:
+    import httpx
+except ImportError:  # some environments ship it under the name httpx2 (same API)
+    import httpx2 as httpx  # type: ignore[no-redef]
+
+# ---- pure parts: prompts, arrival times, stream timing, metrics ----------------------------------
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int, seed: int, low: int = 100) -> list[list[int]]:
+    """`num` prompts of exactly `input_len` token ids, uniform in [low, vocab_size) (low skips the
+    special tokens most vocabularies put first)."""
+    if vocab_size <= low:
+        raise ValueError(f"--vocab-size {vocab_size} must exceed {low}")
+    rng = np.random.default_rng(seed)
+    return rng.integers(low, vocab_size, size=(num, input_len)).tolist()
+
+
+def arrival_offsets(num: int, request_rate: float, seed: int) -> list[float]:
+    """Send times relative to the start: all at 0 for an infinite rate, else a Poisson process."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=num)
+    gaps[0] = 0.0  # the first request goes out at once
+    return np.cumsum(gaps).tolist()
+
+
+@dataclass
+class RequestOutput:
+    prompt_len: int
+    success: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    generated_text: str = ""
+    error: str = ""
+
+
+class StreamTimer:
+    """Consumes one response's server-sent-event lines with their arrival times (perf_counter)."""
+
+    def __init__(self, prompt_len: int, start: float):
+        self.out = RequestOutput(prompt_len=prompt_len)
+        self.start = start
+        self.last: Optional[float] = None
+        self.chunks = 0
+        self.usage_tokens: Optional[int] = None
+
+    def on_line(self, line: str, now: float) -> None:
+        line = line.strip()
+        if not line.startswith("data:"):
+            return  # blank separators, ": comments", event:/id: fields
+        payload = line[len("data:"):].strip()
+        if payload == "[DONE]":
+            return
+        data = json.loads(payload)
+        if "error" in data:
+            self.out.error = json.dumps(data["error"])[:500]
+            return
+        if data.get("choices"):
+            if self.last is None:
+                self.out.ttft = now - self.start
+            else:
+                self.out.itl.append(now - self.last)
+            self.last = now
+            self.chunks += 1
+            self.out.generated_text += data["choices"][0].get("text") or ""
+        if data.get("usage"):
+            self.usage_tokens = data["usage"].get("completion_tokens")
+
+    def finish(self, error: str = "") -> RequestOutput:
+        out = self.out
+        out.error = error or out.error
+        out.success = self.last is not None and not out.error
+        if self.last is not None:
+            out.latency = self.last - self.start
+        out.output_tokens = self.usage_tokens if self.usage_tokens is not None else self.chunks
+        if self.last is None and not out.error:
+            out.error = "never received a chunk with a choice"
+        return out
+
+
+def _stats_ms(name: str, values: Sequence[float]) -> dict[str, float]:
+    arr = np.asarray(values, dtype=float) if len(values) else np.zeros(1)  # vLLM: `values or 0`
+    return {f"mean_{name}_ms": float(arr.mean() * 1000), f"median_{name}_ms": float(np.median(arr) * 1000),
+            f"std_{name}_ms": float(arr.std() * 1000), f"p99_{name}_ms": float(np.percentile(arr, 99) * 1000)}
+
+
+def compute_metrics(outputs: Sequence[RequestOutput], duration: float) -> dict[str, Any]:
+    ok = [o for o in outputs if o.success]
+    total_input = sum(o.prompt_len for o in ok)
+    total_output = sum(o.output_tokens for o in ok)
+    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    result: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(outputs) - len(ok),
+        "duration": duration,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": total_output / duration,
+        "total_token_throughput": (total_input + total_output) / duration,
+    }
+    result.update(_stats_ms("ttft", [o.ttft for o in ok]))
+    result.update(_stats_ms("tpot", tpots))
+    result.update(_stats_ms("itl", [gap for o in ok for gap in o.itl]))
+    result.update(_stats_ms("e2el", [o.latency for o in ok]))
+    return result
+
+
+# ---- the client ----------------------------------------------------------------------------------
+
+
+async def send_request(client: "httpx.AsyncClient", args: argparse.Namespace, prompt: list[int]) -> RequestOutput:
+    payload = {"model": args.model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
+               "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timer = StreamTimer(len(prompt), time.perf_counter())
+    try:
+        async with client.stream("POST", "/v1/completions", json=payload, headers=headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                return timer.finish(error=f"HTTP {resp.status_code}: {body[:300]}")
+            async for line in resp.aiter_lines():
+                timer.on_line(line, time.perf_counter())
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        return timer.finish(error=f"{type(e).__name__}: {e}")
+    return timer.finish()
+
+
+async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tuple[list[RequestOutput], float]:
+    prompts = random_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
+    warmup = random_prompts(args.warmup, args.input_len, args.vocab_size, args.seed + 1)
+    offsets = arrival_offsets(args.num_prompts, args.request_rate, args.seed)
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(base_url=args.base_url, http1=True, http2=False, limits=limits,
+                                 timeout=httpx.Timeout(args.timeout), transport=transport) as client:
+        cap = asyncio.Semaphore(args.concurrency)
+
+        async def capped(prompt: list[int]) -> RequestOutput:
+            async with cap:
+                return await send_request(client, args, prompt)
+
+        warm = await asyncio.gather(*(capped(p) for p in warmup))
+        if any(not o.success for o in warm):
+            print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)
+        start = time.perf_counter()
+        tasks = []
+        for prompt, offset in zip(prompts, offsets):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(capped(prompt)))
+        outputs = await asyncio.gather(*tasks)
+        return list(outputs), time.perf_counter() - start
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+
+
+def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Serving benchmark: {args.model} @ {args.base_url}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [("Successful requests", result["completed"], "d"), ("Failed requests", result["failed"], "d"),
+            ("Max concurrency", args.concurrency, "d"), ("Request rate (req/s)", args.request_rate, ".2f"),
+            ("Benchmark duration (s)", result["duration"], ".2f"),
+            ("Total input tokens", result["total_input_tokens"], "d"),
+            ("Total generated tokens", result["total_output_tokens"], "d"),
+            ("Request throughput (req/s)", result["request_throughput"], ".2f"),
+            ("Output token throughput (tok/s)", result["output_throughput"], ".2f"),
+            ("Total token throughput (tok/s)", result["total_token_throughput"], ".2f")]
+    for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
+        rows += [(f"{stat.capitalize() if stat != 'p99' else 'P99'} {label} (ms)", result[f"{stat}_{key}_ms"], ".2f")
+                 for stat in ("mean", "median", "p99")]
+    for label, value, fmt in rows:
+        table.add_row(label, format(value, fmt))
+    Console().print(table)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", required=True, help="the served model name (OpenAI `model` field)")
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=1, help="most requests in flight at once")
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals, req/s")
+    ap.add_argument("--warmup", type=int, default=1, help="requests sent first and not counted")
+    ap.add_argument("--vocab-size", type=int, default=32000, help="prompt ids are drawn from [100, this)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=3600.0, help="per-request timeout, seconds")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--result-file", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.concurrency < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        ap.error("--concurrency, --num-prompts, --input-len and --output-len must be >= 1")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None, transport: Any = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    outputs, duration = asyncio.run(run_benchmark(args, transport))
+    result = compute_metrics(outputs, duration)
+    print_table(result, args)
+    errors = [o.error for o in outputs if not o.success]
+    if errors:
+        print(f"{len(errors)} request(s) failed; first error: {errors[0]}", file=sys.stderr)
+    short = sum(o.success and o.output_tokens != args.output_len for o in outputs)
+    if short:
+        print(f"warning: {short} request(s) did not return {args.output_len} tokens (ignore_eos unsupported?)",
+              file=sys.stderr)
+    if args.result_file:
+        record = {**result, "args": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
+                                     for k, v in vars(args).items() if k != "api_key"},
+                  "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "requests": [{k: v for k, v in asdict(o).items() if k != "generated_text"} for o in outputs]}
+        with open(args.result_file, "w") as f:
+            json.dump(record, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    res = main()
+    sys.exit(0 if res["completed"] else 1)

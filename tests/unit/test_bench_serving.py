@@ -1,0 +1,213 @@
+"""scripts/bench_serving.py: metric definitions on synthetic timings (hand-computed oracles), SSE
+timing, prompts and arrivals, and the client against a small real HTTP/1.1 streaming server."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+# ---- pure functions ------------------------------------------------------------------------------
+
+
+def test_metrics_on_synthetic_timings(bench):
+    R = bench.RequestOutput
+    outputs = [
+        R(prompt_len=10, success=True, ttft=0.1, latency=1.1, itl=[0.25, 0.25, 0.25, 0.25], output_tokens=5),
+        R(prompt_len=10, success=True, ttft=0.2, latency=2.2, itl=[0.5, 0.5, 0.5, 0.5], output_tokens=5),
+        R(prompt_len=10, success=True, ttft=0.6, latency=0.6, itl=[], output_tokens=1),  # no TPOT
+        R(prompt_len=10, success=False, error="HTTP 500"),  # excluded everywhere
+    ]
+    m = bench.compute_metrics(outputs, duration=4.0)
+    assert (m["completed"], m["failed"]) == (3, 1)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (30, 11)
+    assert m["request_throughput"] == pytest.approx(3 / 4.0)
+    assert m["output_throughput"] == pytest.approx(11 / 4.0)
+    assert m["total_token_throughput"] == pytest.approx(41 / 4.0)
+    # TTFT over [0.1, 0.2, 0.6]: p99 by linear interpolation at rank 0.99 * 2 = 1.98
+    assert m["mean_ttft_ms"] == pytest.approx(300.0)
+    assert m["median_ttft_ms"] == pytest.approx(200.0)
+    assert m["p99_ttft_ms"] == pytest.approx(200.0 + 0.98 * 400.0)
+    # TPOT = (latency - ttft) / (out - 1): 1.0/4 and 2.0/4
+    assert m["mean_tpot_ms"] == pytest.approx(375.0)
+    assert m["median_tpot_ms"] == pytest.approx(375.0)
+    assert m["p99_tpot_ms"] == pytest.approx(250.0 + 0.99 * 250.0)
+    # ITL pools every gap: four of 0.25 and four of 0.5
+    assert m["mean_itl_ms"] == pytest.approx(375.0)
+    assert m["median_itl_ms"] == pytest.approx(375.0)
+    assert m["p99_itl_ms"] == pytest.approx(500.0)
+    assert m["mean_e2el_ms"] == pytest.approx(1300.0)
+    assert m["median_e2el_ms"] == pytest.approx(1100.0)
+
+
+def test_metrics_with_nothing_completed(bench):
+    m = bench.compute_metrics([bench.RequestOutput(prompt_len=3, error="boom")], duration=2.0)
+    assert (m["completed"], m["failed"], m["request_throughput"]) == (0, 1, 0.0)
+    assert m["mean_ttft_ms"] == 0.0 and m["p99_itl_ms"] == 0.0
+
+
+def test_stream_timer_on_sse_lines(bench):
+    timer = bench.StreamTimer(prompt_len=4, start=100.0)
+    chunk = lambda text: "data: " + json.dumps({"choices": [{"index": 0, "text": text}]})  # noqa: E731
+    lines = [(": keep-alive", 100.05), (chunk("Hel"), 100.3), ("", 100.3), (chunk("lo"), 100.4),
+             (chunk(""), 100.45), (chunk(" you"), 100.7),
+             ("data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6}}), 100.8),
+             ("data: [DONE]", 100.9)]
+    for line, t in lines:
+        timer.on_line(line, t)
+    out = timer.finish()
+    assert out.success and out.error == ""
+    assert out.ttft == pytest.approx(0.3)
+    assert out.itl == pytest.approx([0.1, 0.05, 0.25])
+    assert out.latency == pytest.approx(0.7)  # the usage-only chunk and [DONE] do not count
+    assert out.output_tokens == 6  # from usage, not the 4 chunks
+    assert out.generated_text == "Hello you"
+
+
+def test_stream_timer_without_usage_counts_chunks_and_reports_errors(bench):
+    timer = bench.StreamTimer(prompt_len=1, start=0.0)
+    for t in (1.0, 2.0, 3.0):
+        timer.on_line('data: {"choices": [{"text": "x"}]}', t)
+    assert timer.finish().output_tokens == 3
+    failed = bench.StreamTimer(prompt_len=1, start=0.0)
+    failed.on_line('data: {"error": {"message": "overloaded"}}', 1.0)
+    out = failed.finish()
+    assert not out.success and "overloaded" in out.error
+    assert not bench.StreamTimer(prompt_len=1, start=0.0).finish().success  # no chunk at all
+
+
+def test_random_prompts_exact_length_and_range(bench):
+    prompts = bench.random_prompts(50, 37, vocab_size=300, seed=7)
+    assert len(prompts) == 50 and all(len(p) == 37 for p in prompts)
+    flat = np.array(prompts)
+    assert flat.min() >= 100 and flat.max() < 300 and len(np.unique(flat)) > 150
+    assert prompts == bench.random_prompts(50, 37, vocab_size=300, seed=7)
+    assert prompts != bench.random_prompts(50, 37, vocab_size=300, seed=8)
+
+
+def test_arrival_offsets(bench):
+    assert bench.arrival_offsets(5, math.inf, seed=0) == [0.0] * 5
+    offsets = np.array(bench.arrival_offsets(20000, 50.0, seed=0))
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(1 / 50.0, rel=0.03)
+    assert gaps.std() == pytest.approx(1 / 50.0, rel=0.05)  # exponential: std == mean
+
+
+# ---- the client against a real HTTP/1.1 server streaming SSE --------------------------------------
+
+
+class StreamingServer:
+    """/v1/completions over HTTP/1.1 keep-alive: `max_tokens` chunks, `first_s` before the first and
+    `gap_s` between the others, then a usage chunk and [DONE]. Records payloads and peak load."""
+
+    def __init__(self, first_s: float, gap_s: float):
+        self.first_s, self.gap_s = first_s, gap_s
+        self.payloads: list[dict] = []
+        self.in_flight = self.peak = 0
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        self.ready.wait(5)
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        self.ready.set()
+        self.loop.run_forever()
+        server.close()
+
+    async def _serve(self, reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                              if h.lower().startswith(b"content-length"))
+                await self._respond(json.loads(await reader.readexactly(length)), writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def _respond(self, payload, writer):
+        self.payloads.append(payload)
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+
+        async def event(data):
+            body = f"data: {data}\n\n".encode()
+            writer.write(b"%x\r\n%s\r\n" % (len(body), body))
+            await writer.drain()
+
+        for i in range(payload["max_tokens"]):
+            await asyncio.sleep(self.first_s if i == 0 else self.gap_s)
+            await event(json.dumps({"choices": [{"index": 0, "text": f" t{i}"}]}))
+        await event(json.dumps({"choices": [], "usage": {"prompt_tokens": len(payload["prompt"]),
+                                                          "completion_tokens": payload["max_tokens"]}}))
+        await event("[DONE]")
+        self.in_flight -= 1
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+def test_client_end_to_end(bench, tmp_path, capsys):
+    result_file = tmp_path / "out.json"
+    with StreamingServer(first_s=0.05, gap_s=0.01) as server:
+        t0 = time.perf_counter()
+        result = bench.main(["--base-url", server.url, "--model", "m", "--num-prompts", "6", "--input-len", "9",
+                             "--output-len", "4", "--concurrency", "2", "--warmup", "2", "--vocab-size", "500",
+                             "--result-file", str(result_file)])
+        wall = time.perf_counter() - t0
+    assert len(server.payloads) == 8  # 2 warm-up + 6 counted
+    assert result["completed"] == 6 and result["failed"] == 0  # warm-up not counted
+    assert server.peak == 2  # the concurrency cap holds
+    for p in server.payloads:
+        assert len(p["prompt"]) == 9 and all(100 <= t < 500 for t in p["prompt"])
+        assert p["max_tokens"] == 4 and p["ignore_eos"] is True and p["stream"] is True
+    assert result["total_input_tokens"] == 54 and result["total_output_tokens"] == 24
+    # timings measured by the client bracket what the server did
+    assert 50 <= result["mean_ttft_ms"] < 50 + 200
+    assert 10 <= result["median_itl_ms"] < 10 + 100
+    assert result["mean_e2el_ms"] >= 50 + 3 * 10
+    assert result["mean_tpot_ms"] == pytest.approx((result["mean_e2el_ms"] - result["mean_ttft_ms"]) / 3, rel=0.05)
+    # 6 requests of >= 80 ms, two at a time: at least 3 rounds, and the warm-up is outside the clock
+    assert 3 * 0.08 <= result["duration"] < wall
+    saved = json.loads(result_file.read_text())
+    assert saved["completed"] == 6 and len(saved["requests"]) == 6
+    assert saved["args"]["request_rate"] == "inf"
+    assert "Output token throughput" in capsys.readouterr().out
+
+
+def test_client_reports_failures(bench):
+    # nothing listens on port 1: every request fails, none is counted as completed
+    result = bench.main(["--base-url", "http://127.0.0.1:1", "--model", "m", "--num-prompts", "2",
+                         "--input-len", "3", "--output-len", "2", "--warmup", "0", "--timeout", "5"])
+    assert result["completed"] == 0 and result["failed"] == 2
