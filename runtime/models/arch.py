@@ -13,6 +13,8 @@ from llaunch.launcher.schema import ModelConfig
 
 FAMILIES = ("llama", "qwen2")
 
+_REQUIRED = ("family", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+             "max_position_embeddings")
 _ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
                 "rms_norm_eps", "tie_word_embeddings", "attention_bias")
@@ -56,12 +58,19 @@ class ModelArch:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig) -> "ModelArch":
-        missing = [f for f in ("family",) + _ARCH_FIELDS if getattr(cfg, f) is None]
+        """From a resolved ModelConfig. Fields a config.json may omit take transformers' defaults
+        (head_dim = hidden / heads, KV heads = heads, ...); the sizes themselves must be set."""
+        missing = [f for f in _REQUIRED if getattr(cfg, f) is None]
         if missing:
             raise ValueError(f"model config is not resolved: {', '.join('model.' + m for m in missing)} "
                              "unset (the launcher fills them from config.json or a sized profile)")
-        return cls(family=cfg.family, rope_scaling=cfg.rope_scaling,
-                   **{f: getattr(cfg, f) for f in _ARCH_FIELDS})
+        fields = {f: getattr(cfg, f) for f in _ARCH_FIELDS}
+        defaults = {"num_key_value_heads": cfg.num_attention_heads,
+                    "head_dim": cfg.hidden_size // cfg.num_attention_heads,
+                    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                    "attention_bias": cfg.family == "qwen2"}
+        fields.update({k: v for k, v in defaults.items() if fields[k] is None})
+        return cls(family=cfg.family, rope_scaling=cfg.rope_scaling, **fields)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> "ModelArch":

@@ -55,12 +55,13 @@ class Attention(nn.Module):
         if batch.num_prefill_tokens:
             # q_starts index the whole token array, so the prefill op gets all of q; decode rows follow.
             out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,
-                                    batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale)
+                                    batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale,
+                                    max_q_len=batch.max_prefill_len or None)
         else:
             out = torch.empty_like(q)
         if nd:
             out[:nd] = decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows,
-                                        batch.decode_seq_lens, self.scale)
+                                        batch.decode_seq_lens, self.scale, max_len=batch.max_decode_len or None)
         return self.o_proj(out.view(t, self.num_heads * d))
 
 

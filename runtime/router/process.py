@@ -100,9 +100,6 @@ class Router:
             return
         for w in self.workers:
             w.send(plan)
-        if not (plan.decode_rows or plan.prefill):
-            self.scheduler.on_result(StepResult(step=plan.step, rows=[], token_ids=[]))
-            return
         inbound = []
         while True:  # wait for the result; buffer requests that arrive meanwhile
             result = self.results.recv(timeout_ms=50)

@@ -119,7 +119,8 @@ class Scheduler:
             if admitted:
                 self._steps_since_admit = 0
 
-        if not in_flight and not plan.release_rows:
+        if not in_flight:  # nothing to compute: releases ride along with the next real step
+            self._release_rows = plan.release_rows + self._release_rows
             return None
         self._in_flight = in_flight
         self._step += 1

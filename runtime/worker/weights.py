@@ -1,0 +1,256 @@
+"""Weight loaders: fill a model's parameters from a Hugging Face safetensors folder, a GGUF file, or
+seeded random (dummy) weights. Each rank reads only its shards: the model says which slices it needs
+(`checkpoint_layout()` → `Shard`s); a source returns exactly those slices.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import zlib
+from contextlib import ExitStack
+from dataclasses import replace
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from llaunch.launcher.schema import ModelConfig
+
+# Dummy weights of models up to this size are drawn as full tensors on CPU and then sliced, so any
+# tp size sees the same model (tests compare tp2 with tp1); larger ones draw each shard on the device.
+DUMMY_FULL_TENSOR_MAX_PARAMS = 1_000_000_000
+DUMMY_STD = 0.02  # transformers' initializer_range: keeps activations of random models sane
+
+
+class TensorSource(Protocol):
+    def has(self, name: str) -> bool: ...
+
+    def read(self, shard) -> torch.Tensor:
+        """The slice `shard` of a checkpoint tensor, on CPU or the model's device, any float dtype."""
+
+
+def _slice(t, shard):
+    if shard.dim is None:
+        return t[:]
+    index = [slice(None)] * len(shard.full_shape)
+    index[shard.dim] = slice(shard.start, shard.start + shard.size)
+    return t[tuple(index)]
+
+
+def _check_shape(name: str, found, expected) -> None:
+    if tuple(found) != tuple(expected):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(found)}, the model config expects "
+                         f"{tuple(expected)}: config.json and the weights disagree")
+
+
+class SafetensorsSource:
+    """A Hugging Face folder: *.safetensors, sharded per model.safetensors.index.json or not."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+
+        self._files = ExitStack()
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+            weight_map = None
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {folder}")
+        handles = {f: self._files.enter_context(safe_open(os.path.join(folder, f), framework="pt")) for f in files}
+        if weight_map is None:
+            weight_map = {name: f for f, h in handles.items() for name in h.keys()}
+        self._where = {name: handles[f] for name, f in weight_map.items()}
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def read(self, shard) -> torch.Tensor:
+        if shard.name not in self._where:
+            raise KeyError(f"checkpoint has no tensor {shard.name}")
+        tensor = self._where[shard.name].get_slice(shard.name)
+        _check_shape(shard.name, tensor.get_shape(), shard.full_shape)
+        return _slice(tensor, shard)
+
+    def close(self) -> None:
+        self._files.close()
+
+
+# Hugging Face parameter names → llama.cpp's GGUF tensor names (the part after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+_GGUF_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    module, kind = hf_name.rsplit(".", 1)
+    if module in _GGUF_TOP_NAMES:
+        return f"{_GGUF_TOP_NAMES[module]}.{kind}"
+    parts = module.split(".")  # model.layers.N.<sub>.<proj>
+    if parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in _GGUF_LAYER_NAMES:
+        raise KeyError(f"no GGUF name for {hf_name}")
+    return f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:])]}.{kind}"
+
+
+def find_gguf(path: str) -> str:
+    if path.endswith(".gguf"):
+        return path
+    found = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(found) != 1:
+        raise FileNotFoundError(f"expected one .gguf file in {path}, found {len(found)}")
+    return found[0]
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert_hf_to_gguf q/k row permutation (interleaved → rotate-half order)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GgufSource:
+    """A GGUF file (llama or qwen2 architecture). Tensors are dequantized whole, then sliced: GGUF
+    models are small, and quantization blocks do not align with shard boundaries."""
+
+    def __init__(self, path: str):
+        import gguf
+
+        self._gguf = gguf
+        self._reader = gguf.GGUFReader(find_gguf(path))
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._arch = self._field("general.architecture")
+        self._heads = self._field(f"{self._arch}.attention.head_count")
+        self._kv_heads = self._field(f"{self._arch}.attention.head_count_kv", self._heads)
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        field = self._reader.get_field(key)
+        return default if field is None else field.contents()
+
+    def has(self, name: str) -> bool:
+        return gguf_tensor_name(name) in self._tensors
+
+    def read(self, shard) -> torch.Tensor:
+        name = gguf_tensor_name(shard.name)
+        if name not in self._tensors:
+            raise KeyError(f"GGUF has no tensor {name} (for {shard.name})")
+        t = self._tensors[name]
+        w = self._gguf.quants.dequantize(t.data, t.tensor_type)
+        _check_shape(name, w.shape, shard.full_shape)
+        if self._arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            w = _unpermute_rows(w, self._heads if ".attn_q." in name else self._kv_heads)
+        return torch.from_numpy(np.array(_slice(w, shard)))  # a copy: the file is memory-mapped read-only
+
+    def hf_config(self) -> dict[str, Any]:
+        """The architecture as a Hugging Face config.json dict (what ModelArch.from_hf_config reads)."""
+        a, f = self._arch, self._field
+        if a not in ("llama", "qwen2"):
+            raise ValueError(f"GGUF architecture {a!r} is not supported (llama, qwen2)")
+        heads, hidden = self._heads, f(f"{a}.embedding_length")
+        cfg = {
+            "model_type": a, "hidden_size": hidden, "intermediate_size": f(f"{a}.feed_forward_length"),
+            "num_hidden_layers": f(f"{a}.block_count"), "num_attention_heads": heads,
+            "num_key_value_heads": self._kv_heads,
+            "head_dim": f(f"{a}.attention.key_length", hidden // heads),
+            "vocab_size": f(f"{a}.vocab_size") or len(self._reader.get_field("tokenizer.ggml.tokens").data),
+            "max_position_embeddings": f(f"{a}.context_length"),
+            "rope_theta": f(f"{a}.rope.freq_base", 10000.0),
+            "rms_norm_eps": f(f"{a}.attention.layer_norm_rms_epsilon"),
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "attention_bias": "blk.0.attn_q.bias" in self._tensors,
+            "bos_token_id": f("tokenizer.ggml.bos_token_id"), "eos_token_id": f("tokenizer.ggml.eos_token_id"),
+        }
+        if f(f"{a}.rope.scaling.type") == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": f(f"{a}.rope.scaling.factor")}
+        if "rope_freqs.weight" in self._tensors:
+            raise ValueError("GGUF with a rope_freqs tensor (llama3 rope scaling) is not supported; "
+                             "convert the Hugging Face checkpoint instead")
+        return cfg
+
+    def close(self) -> None:
+        pass
+
+
+def gguf_hf_config(path: str) -> dict[str, Any]:
+    """config.json-style architecture dict of a GGUF file or of the one .gguf in a folder."""
+    return GgufSource(path).hf_config()
+
+
+class DummySource:
+    """Seeded random weights: N(0, 0.02) for matrices and biases, ones for norms. Full-tensor mode
+    draws each whole checkpoint tensor on CPU from a generator seeded by (seed, name) and slices it
+    (identical model at every tp size); shard mode draws only the slice, on the device, seeded by
+    (seed, name, slice), for models too large to draw whole."""
+
+    def __init__(self, seed: int, device: torch.device, full_tensors: bool):
+        self.seed, self.device, self.full_tensors = seed, torch.device(device), full_tensors
+
+    def has(self, name: str) -> bool:
+        return True
+
+    def read(self, shard) -> torch.Tensor:
+        if shard.name.endswith("norm.weight"):
+            return torch.ones(shard.shape, device=self.device)
+        key = f"{shard.name}" if self.full_tensors else f"{shard.name}:{shard.dim}:{shard.start}:{shard.size}"
+        device = torch.device("cpu") if self.full_tensors else self.device
+        gen = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
+        shape = shard.full_shape if self.full_tensors else shard.shape
+        t = torch.randn(shape, generator=gen, device=device) * DUMMY_STD
+        return _slice(t, shard) if self.full_tensors else t
+
+    def close(self) -> None:
+        pass
+
+
+def resolve_load_format(cfg: ModelConfig) -> str:
+    fmt = getattr(cfg.load_format, "value", cfg.load_format)
+    if fmt != "auto":
+        return fmt
+    if cfg.path is None:
+        return "dummy"
+    if cfg.path.endswith(".gguf") or (not glob.glob(os.path.join(cfg.path, "*.safetensors"))
+                                      and glob.glob(os.path.join(cfg.path, "*.gguf"))):
+        return "gguf"
+    return "safetensors"
+
+
+def open_source(cfg: ModelConfig, device: torch.device, num_params: int) -> TensorSource:
+    fmt = resolve_load_format(cfg)
+    if fmt == "dummy":
+        return DummySource(cfg.seed, device, full_tensors=num_params <= DUMMY_FULL_TENSOR_MAX_PARAMS)
+    if cfg.path is None:
+        raise ValueError(f"model.load_format={fmt} needs model.path")
+    return GgufSource(cfg.path) if fmt == "gguf" else SafetensorsSource(cfg.path)
+
+
+def load_from(model: torch.nn.Module, source: TensorSource) -> None:
+    """Fill every parameter of `model` (a DecoderLM) with its shards from `source`."""
+    params = dict(model.named_parameters())
+    for pname, shards in model.checkpoint_layout().items():
+        param = params[pname]
+        if any(s.name == "lm_head.weight" for s in shards) and not source.has("lm_head.weight"):
+            shards = [replace(s, name="model.embed_tokens.weight") for s in shards]  # untied config, tied file
+        parts = [source.read(s) for s in shards]
+        t = parts[0] if len(parts) == 1 else torch.cat([p.to(param.device) for p in parts], dim=0)
+        with torch.no_grad():
+            if tuple(t.shape) == tuple(param.shape):
+                param.copy_(t)
+            elif t.shape[1:] == param.shape[1:] and t.shape[0] < param.shape[0]:  # last vocab block
+                param[: t.shape[0]].copy_(t)
+                param[t.shape[0]:].zero_()
+            else:
+                raise ValueError(f"{pname}: shards give {tuple(t.shape)}, parameter is {tuple(param.shape)}")
+
+
+def load_weights(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """Load `model`'s weights as `cfg.load_format` says (dummy | safetensors | gguf | auto)."""
+    source = open_source(cfg, model.device, model.arch.num_params)
+    try:
+        load_from(model, source)
+    finally:
+        source.close()
+
