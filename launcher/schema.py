@@ -74,6 +74,7 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"  # rendezvous for torch.distributed (node 0's address)
     master_port: Optional[int] = None  # None: allocated
+    node_addrs: List[str] = field(default_factory=list)  # nnodes > 1: every node's address, node 0 first
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ class ProcessSpec:
     dp_rank: int = 0
     tp_rank: int = 0
     index: int = 0  # frontend worker index
+    node: int = 0  # which node runs it (nnodes > 1): each node's launcher starts its own
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,112 @@
+"""The `llaunch` command: compose profiles (Hydra) → derive → check every rule → plan the process graph →
+write {run_dir}/config.yaml → print the graph (dry run) or start and supervise it.
+
+Exit codes: 0 ok; 2 the configuration is invalid (composition error or violated rules; nothing
+started); otherwise the serving graph's own status (launcher/supervise.py).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import hydra
+import msgspec
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from llaunch.launcher import derive, plan, report, rules, store
+from llaunch.launcher.schema import Device, LlaunchConfig, RunConfig
+
+EXIT_INVALID = 2
+store.register()  # before Hydra composes: the profiles name these schemas and the models_dir resolver
+_job_started = False  # Hydra exits 1 on composition errors, before the job; we make those exit 2
+
+
+def run_config_of(cfg: LlaunchConfig, run_dir: Path, graph) -> RunConfig:
+    return RunConfig(**{f.name: getattr(cfg, f.name) for f in fields(LlaunchConfig)}, run_dir=str(run_dir),
+                     graph=graph)
+
+
+def write_run_config(run_config: RunConfig) -> Path:
+    """The one frozen file every child process reads (runtime/bootstrap.py load_run_config)."""
+    path = Path(run_config.run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgspec.yaml.encode(run_config))
+    return path
+
+
+def launch(composed: LlaunchConfig, run_dir: Path) -> int:
+    """Everything after composition; returns the exit code."""
+    try:
+        cfg = derive.resolve(composed)
+    except derive.CheckpointError as e:
+        report.print_error("cannot read model.path", str(e))
+        return EXIT_INVALID
+    violations = rules.check_all(cfg)
+    if violations:
+        report.print_violations(violations)
+        return EXIT_INVALID
+    endpoints = plan.endpoints_for(cfg)
+    try:
+        cfg = plan.choose_server_port(cfg, endpoints)
+        run_config = run_config_of(cfg, run_dir, plan.plan_graph(cfg, endpoints))
+        write_run_config(run_config)
+        if cfg.dry_run:
+            if composed.device == Device.auto and cfg.device == Device.cpu:
+                report.err.print("[dim]device=auto is cpu on this machine; pass device=cuda to plan GPUs[/]")
+            report.print_dry_run_notes(rules.warnings(cfg), rules.pending(cfg))
+            report.print_graph(run_config)
+            return 0
+        from llaunch.launcher.supervise import run_graph  # imports zmq and the runtime: only when serving
+
+        endpoints.handover()  # children bind the reserved ports from here on
+        return run_graph(run_config)
+    finally:
+        endpoints.close()
+
+
+@hydra.main(version_base="1.3", config_path=str(store.CONF_DIR), config_name="config")
+def _hydra_app(dict_cfg: DictConfig) -> None:
+    global _job_started
+    _job_started = True
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        composed = OmegaConf.to_object(dict_cfg)
+    except OmegaConfBaseException as e:
+        report.print_error("invalid configuration", str(e))
+        sys.exit(EXIT_INVALID)
+    code = launch(composed, Path(HydraConfig.get().runtime.output_dir))
+    if code:  # on success return to Hydra, so a -m sweep goes on to its next job
+        sys.exit(code)
+
+
+def _composition_error(e: Exception) -> str:
+    cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else None
+    text = str(e) or type(e).__name__
+    if not isinstance(e, HydraException):  # OmegaConf asserts when an override dives into a null group
+        text += "\n(overriding a key of an optional group needs the group chosen first, e.g. bench=c64)"
+    return f"{text}\n{cause}" if cause is not None and str(cause) not in text else text
+
+
+def main() -> None:
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing: we report composition errors
+    try:
+        _hydra_app()
+    except SystemExit as e:
+        if e.code == 1 and not _job_started:
+            raise SystemExit(EXIT_INVALID) from None
+        raise
+    except Exception as e:
+        if _job_started or full_error:
+            raise  # a launcher bug: keep the traceback
+        report.print_error("invalid configuration", _composition_error(e))
+        raise SystemExit(EXIT_INVALID) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The process graph of a resolved config: which processes run, on which GPUs, and which endpoints each
+binds and dials. A pure function of the config and an EndpointAllocator, so it is tested without
+starting anything and printed by a dry run.
+
+Endpoint keys are role-local names the runtime looks up:
+  worker.{d}.{r}  binds plan;                  connects results, control, dist (torch.distributed init)
+  router.{d}      binds requests, results;     connects plan.{r} per tp rank, tokens, control
+  detokenizer     binds tokens;                connects text.{i} per frontend, control
+  frontend.{i}    binds text;                  connects requests.{d} per replica, control
+pd_prefill / pd_decode add router.{d} kv_transfer (bound) and frontend pd_master (dialled);
+pd_master runs frontends and a pd_master process; config_server runs one registry process.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from llaunch.launcher.ports import EndpointAllocator
+from llaunch.launcher.schema import Device, LlaunchConfig, Mode, ProcessGraph, ProcessSpec
+
+# Dialled addresses that no process of this graph binds: the launcher's own control socket,
+# torch.distributed's rendezvous (rank 0's TCPStore), and other instances of a pd deployment.
+EXTERNAL_KEYS = ("control", "dist", "pd_master", "config_server")
+
+
+def endpoints_for(cfg: LlaunchConfig) -> EndpointAllocator:
+    """ipc endpoints on one node; with several, tcp ports after the rendezvous ports, same on every node."""
+    p = cfg.parallel
+    if p.nnodes > 1:
+        return EndpointAllocator(tcp_base_port=p.master_port + p.dp)
+    return EndpointAllocator()
+
+
+def choose_server_port(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> LlaunchConfig:
+    """server.port=0 means any free port: choose it now, so the run config and the graph agree."""
+    if cfg.server.port != 0:
+        return cfg
+    return replace(cfg, server=replace(cfg.server, port=endpoints.free_port(cfg.server.host)))
+
+
+def plan_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessGraph:
+    if cfg.server.port == 0:
+        raise ValueError("server.port=0: call choose_server_port before planning")
+    kind = cfg.mode.kind
+    if kind == Mode.pd_master:
+        return _pd_master_graph(cfg, endpoints)
+    if kind == Mode.config_server:
+        return _config_server_graph(cfg, endpoints)
+    return _serving_graph(cfg, endpoints)
+
+
+def _node_host(cfg: LlaunchConfig, node: int) -> str:
+    p = cfg.parallel
+    return p.node_addrs[node] if p.nnodes > 1 else "127.0.0.1"
+
+
+def _controls(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> list[str]:
+    """Each node's launcher PULLs readiness reports from the processes it starts."""
+    return [endpoints.endpoint("control", _node_host(cfg, n)) for n in range(max(cfg.parallel.nnodes, 1))]
+
+
+def _http_url(cfg: LlaunchConfig) -> str:
+    host = cfg.server.host
+    return f"http://[{host}]:{cfg.server.port}" if ":" in host else f"http://{host}:{cfg.server.port}"
+
+
+def _dist_inits(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> list[str]:
+    p = cfg.parallel
+    ports = ([p.master_port + d for d in range(p.dp)] if p.master_port is not None
+             else [endpoints.free_port("0.0.0.0") for _ in range(p.dp)])  # TCPStore listens on all
+    return [f"tcp://{p.master_addr}:{port}" for port in ports]
+
+
+def _kv_transfer(cfg: LlaunchConfig, endpoints: EndpointAllocator, d: int) -> str:
+    base, host = cfg.mode.kv_transfer_port, cfg.server.host
+    return f"tcp://{host}:{base + d if base is not None else endpoints.free_port(host)}"
+
+
+def _pd_master_address(cfg: LlaunchConfig) -> str:
+    return f"tcp://{cfg.mode.pd_master_host}:{cfg.mode.pd_master_port}"
+
+
+def _frontends(cfg: LlaunchConfig, text: list[str], requests: list[str], extra: dict[str, str]) -> list[ProcessSpec]:
+    return [ProcessSpec(name=f"frontend.{i}", role="frontend", index=i, binds={"text": addr},
+                        connects={f"requests.{d}": r for d, r in enumerate(requests)} | extra)
+            for i, addr in enumerate(text)]
+
+
+def _serving_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessGraph:
+    p, pd_node = cfg.parallel, cfg.mode.kind in (Mode.pd_prefill, Mode.pd_decode)
+    controls = _controls(cfg, endpoints)
+    dist_init = _dist_inits(cfg, endpoints)
+    def local(name: str) -> str:  # frontends, detokenizer and routers run on node 0
+        return endpoints.endpoint(name, _node_host(cfg, 0))
+
+    text = [local(f"frontend.{i}.text") for i in range(cfg.server.http_workers)]
+    tokens = local("detokenizer.tokens")
+    per_node = p.tp * p.dp // p.nnodes
+    routers, workers = [], []
+    for d in range(p.dp):
+        binds = {"requests": local(f"router.{d}.requests"), "results": local(f"router.{d}.results")}
+        if pd_node:
+            binds["kv_transfer"] = _kv_transfer(cfg, endpoints, d)
+        replica = []
+        for r in range(p.tp):
+            gpu = d * p.tp + r  # global index; each node numbers its own GPUs from 0
+            node = gpu // per_node
+            replica.append(ProcessSpec(
+                name=f"worker.{d}.{r}", role="worker", dp_rank=d, tp_rank=r, node=node,
+                gpus=[gpu % per_node] if cfg.device == Device.cuda else [],
+                binds={"plan": endpoints.endpoint(f"worker.{d}.{r}.plan", _node_host(cfg, node))},
+                connects={"results": binds["results"], "control": controls[node], "dist": dist_init[d]}))
+        routers.append(ProcessSpec(
+            name=f"router.{d}", role="router", dp_rank=d, binds=binds,
+            connects={f"plan.{w.tp_rank}": w.binds["plan"] for w in replica}
+            | {"tokens": tokens, "control": controls[0]}))
+        workers += replica
+    detokenizer = ProcessSpec(name="detokenizer", role="detokenizer", binds={"tokens": tokens},
+                              connects={f"text.{i}": addr for i, addr in enumerate(text)} | {"control": controls[0]})
+    # a pd node's frontends register with the pd_master
+    extra = {"pd_master": _pd_master_address(cfg)} if pd_node else {}
+    frontends = _frontends(cfg, text, [r.binds["requests"] for r in routers], extra | {"control": controls[0]})
+    return ProcessGraph(processes=[*frontends, *routers, detokenizer, *workers], http_url=_http_url(cfg),
+                        ipc_dir=_ipc_dir(endpoints), control=controls[p.node_rank], dist_init=dist_init)
+
+
+def _pd_master_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessGraph:
+    m = cfg.mode
+    control = _controls(cfg, endpoints)[0]
+    text = [endpoints.endpoint(f"frontend.{i}.text") for i in range(cfg.server.http_workers)]
+    connects = {f"text.{i}": addr for i, addr in enumerate(text)} | {"control": control}
+    if m.config_server_host:
+        connects["config_server"] = f"tcp://{m.config_server_host}:{m.config_server_port}"
+    master = ProcessSpec(name="pd_master", role="pd_master", connects=connects,
+                         binds={"register": _pd_master_address(cfg),  # prefill/decode nodes dial in here
+                                "requests": endpoints.endpoint("pd_master.requests")})
+    # the master takes the router's place: frontends send it their requests
+    frontends = _frontends(cfg, text, [master.binds["requests"]], {"control": control})
+    return ProcessGraph(processes=[*frontends, master], http_url=_http_url(cfg), ipc_dir=_ipc_dir(endpoints),
+                        control=control)
+
+
+def _config_server_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessGraph:
+    m = cfg.mode
+    control = _controls(cfg, endpoints)[0]
+    registry = ProcessSpec(name="config_server", role="config_server", connects={"control": control},
+                           binds={"registry": f"tcp://{m.config_server_host}:{m.config_server_port}"})
+    return ProcessGraph(processes=[registry], http_url=_http_url(cfg), ipc_dir=_ipc_dir(endpoints),
+                        control=control)
+
+
+def _ipc_dir(endpoints: EndpointAllocator) -> str:
+    return "" if endpoints.tcp else endpoints.ipc_dir
+
+
+def unmatched_connects(graph: ProcessGraph) -> list[tuple[str, str, str]]:
+    """(process, key, address) of every dialled address no process binds, external keys excepted."""
+    bound = {addr for spec in graph.processes for addr in spec.binds.values()}
+    return [(spec.name, key, addr) for spec in graph.processes for key, addr in spec.connects.items()
+            if addr not in bound and key not in EXTERNAL_KEYS]
+
+
+def processes_on(graph: ProcessGraph, node: int) -> list[ProcessSpec]:
+    """What the launcher of `node` starts (everything on a single node)."""
+    return [spec for spec in graph.processes if spec.node == node]
+

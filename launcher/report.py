@@ -1,0 +1,76 @@
+"""What the launcher tells a person: rule violations, dry-run warnings and pending checks (stderr),
+and the planned process graph as a tree (stdout)."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from rich.console import Console
+from rich.markup import escape
+from rich.tree import Tree
+
+from llaunch.launcher.rules import Pending, Violation
+from llaunch.launcher.schema import ProcessSpec, RunConfig
+
+err = Console(stderr=True, soft_wrap=True)
+
+
+def _stdout() -> Console:
+    console = Console()  # piped (tests, grep): wide enough that no address is wrapped or cropped
+    return console if console.is_terminal else Console(width=10_000)
+
+
+out = _stdout()
+
+
+def print_violations(violations: list[Violation]) -> None:
+    n = len(violations)
+    err.print(f"[bold red]llaunch: invalid configuration[/] ({n} rule{'s' * (n != 1)} violated; nothing started)")
+    for v in violations:
+        err.print(f"  [red]✗[/] [bold]{v.rule}[/] [dim]({', '.join(v.keys)})[/]\n    {escape(v.message)}")
+
+
+def print_error(title: str, message: str) -> None:
+    err.print(f"[bold red]llaunch: {escape(title)}[/]\n  {escape(message)}")
+
+
+def print_dry_run_notes(warnings: list[Violation], pending: list[Pending]) -> None:
+    for w in warnings:
+        err.print(f"[yellow]warning[/] [bold]{w.rule}[/] [dim]({', '.join(w.keys)})[/]: {escape(w.message)} "
+                  "[dim](a real start would refuse this)[/]")
+    waiting = [p for p in pending if p.reason.startswith("waits")]
+    for reason in dict.fromkeys(p.reason for p in waiting):
+        rules = [f"{p.rule} ({', '.join(p.keys)})" for p in waiting if p.reason == reason]
+        err.print(f"[cyan]pending[/] {reason}: {escape('; '.join(rules))}")
+    skipped = [p.rule for p in pending if not p.reason.startswith("waits")]
+    if skipped:
+        err.print(f"[cyan]skipped[/] (they check this machine, a dry run plans for any): {', '.join(skipped)}")
+
+
+def _spec_label(spec: ProcessSpec, multinode: bool) -> str:
+    where = f"GPU {', '.join(map(str, spec.gpus))}" if spec.gpus else "no GPU"
+    node = f", node {spec.node}" if multinode else ""
+    return f"[bold]{spec.name}[/] [magenta]{spec.role}[/] [dim]({where}{node})[/]"
+
+
+def _endpoints(tree: Tree, arrow: str, items: Iterable[tuple[str, str]]) -> None:
+    for key, addr in items:
+        tree.add(f"{arrow} [green]{escape(key)}[/] {escape(addr)}")
+
+
+def graph_tree(cfg: RunConfig) -> Tree:
+    g, m = cfg.graph, cfg.model
+    tree = Tree(f"[bold]llaunch[/] {cfg.mode.kind.value} · {m.name} ({m.family}, {m.load_format.value}, "
+                f"{m.dtype.value}) · {cfg.device.value} · tp={cfg.parallel.tp} dp={cfg.parallel.dp} · "
+                f"{g.http_url}")
+    tree.add(f"[dim]run dir[/] {escape(cfg.run_dir)}")
+    tree.add(f"[dim]control[/] {escape(g.control)}")
+    multinode = cfg.parallel.nnodes > 1
+    for spec in g.processes:
+        node = tree.add(_spec_label(spec, multinode))
+        _endpoints(node, "binds   ", spec.binds.items())
+        _endpoints(node, "connects", spec.connects.items())
+    return tree
+
+
+def print_graph(cfg: RunConfig) -> None:
+    out.print(graph_tree(cfg))

@@ -1,0 +1,386 @@
+"""Named rules over the resolved config: every start-up check, each with a message that names the keys,
+their values and the fix. `check_all` runs them all, so a bad config lists every problem at once.
+
+Ported from LightLLM's start-up (api_start.py / api_cli.py asserts) where the feature exists here,
+plus ours (parallel layout, ports, modes, model description). A rule for a feature arrives with it.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import socket
+from dataclasses import dataclass
+from typing import Callable
+
+from llaunch.launcher import derive
+from llaunch.launcher.schema import Device, DType, LlaunchConfig, LoadFormat, Mode
+
+FAMILIES = ("llama", "qwen2")
+SIZED_PROFILES = "model=qwen2-0.5b | qwen2-7b | qwen2-72b | llama3-8b | tiny-qwen2 | tiny-llama"
+SERVING_MODES = (Mode.normal, Mode.pd_prefill, Mode.pd_decode)  # modes that run workers
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str
+    keys: tuple[str, ...]
+    message: str
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A rule that did not run: a value it needs is unknown yet, or it checks this machine in a dry run."""
+
+    rule: str
+    keys: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    check: Callable[[LlaunchConfig], list[Violation]]
+    needs: tuple[str, ...]  # dotted keys that must be known (not None) for the check to mean anything
+    live: str  # "": always; "skip": checks this machine, skipped by a dry run; "warn": a dry run warns
+
+
+RULES: list[Rule] = []
+
+
+def get(cfg: LlaunchConfig, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _missing(cfg: LlaunchConfig, keys: tuple[str, ...]) -> list[str]:
+    return [k for k in keys if get(cfg, k) is None]
+
+
+def rule(needs: tuple[str, ...] = (), live: str = ""):
+    """Register a check; it returns (keys, message) pairs, which become Violations named after it."""
+
+    def register(fn: Callable[[LlaunchConfig], list[tuple[tuple[str, ...], str]]]):
+        @functools.wraps(fn)
+        def check(cfg: LlaunchConfig) -> list[Violation]:
+            if _missing(cfg, needs):
+                return []
+            return [Violation(fn.__name__, tuple(keys), message) for keys, message in fn(cfg)]
+
+        RULES.append(Rule(fn.__name__, check, needs, live))
+        return check
+
+    return register
+
+
+def check_all(cfg: LlaunchConfig) -> list[Violation]:
+    """Every violation; a dry run skips the rules about this machine (it plans for another one)."""
+    return [v for r in RULES if not (cfg.dry_run and r.live) for v in r.check(cfg)]
+
+
+def warnings(cfg: LlaunchConfig) -> list[Violation]:
+    """In a dry run, what a real start would refuse here (a missing checkpoint, say): reported, not fatal."""
+    return [v for r in RULES if cfg.dry_run and r.live == "warn" for v in r.check(cfg)]
+
+
+def pending(cfg: LlaunchConfig) -> list[Pending]:
+    out = []
+    for r in RULES:
+        if cfg.dry_run and r.live == "skip":
+            out.append(Pending(r.name, r.needs, "checks this machine; skipped by a dry run"))
+        elif missing := _missing(cfg, r.needs):
+            out.append(Pending(r.name, tuple(missing), "waits for model.path (or a sized profile)"
+                               if any(k.startswith("model.") for k in missing) else "waits for a value"))
+    return out
+
+
+def _serves(cfg: LlaunchConfig) -> bool:
+    return cfg.mode.kind in SERVING_MODES
+
+
+# ---- memory and batching (LightLLM api_start.py) ------------------------------------------------
+
+
+@rule()
+def mem_fraction_in_range(cfg):
+    f = cfg.cache.mem_fraction
+    if not 0 < f < 1:
+        yield ("cache.mem_fraction",), (f"cache.mem_fraction={f} is outside (0, 1): it is the share of GPU "
+                                        "memory llaunch may use; set e.g. cache.mem_fraction=0.9")
+
+
+@rule(needs=("router.batch_max_tokens",))
+def batch_max_tokens_bounds(cfg):
+    r, bmt = cfg.router, cfg.router.batch_max_tokens
+    if r.chunked_prefill_size < 1:
+        yield ("router.chunked_prefill_size",), (
+            f"router.chunked_prefill_size={r.chunked_prefill_size} must be >= 1")
+    elif r.chunked_prefill and bmt < r.chunked_prefill_size:
+        yield ("router.batch_max_tokens", "router.chunked_prefill_size"), (
+            f"router.batch_max_tokens={bmt} < router.chunked_prefill_size={r.chunked_prefill_size}: a step "
+            f"must hold one prefill chunk; raise router.batch_max_tokens or lower the chunk size")
+    max_len = cfg.model.max_model_len
+    if not r.chunked_prefill and max_len is not None and bmt < max_len:
+        yield ("router.batch_max_tokens", "model.max_model_len", "router.chunked_prefill"), (
+            f"router.batch_max_tokens={bmt} < model.max_model_len={max_len} with router.chunked_prefill="
+            f"false: a whole prompt must fit one step; set router.batch_max_tokens>={max_len}, leave it "
+            f"unset, or enable router.chunked_prefill")
+
+
+@rule(needs=("model.max_model_len",))
+def kv_budget(cfg):
+    c, max_len = cfg.cache, cfg.model.max_model_len
+    if c.max_total_tokens is not None and c.max_total_tokens < max_len:
+        yield ("cache.max_total_tokens", "model.max_model_len"), (
+            f"cache.max_total_tokens={c.max_total_tokens} < model.max_model_len={max_len}: one request of "
+            f"full length would never fit; raise cache.max_total_tokens or lower model.max_model_len")
+    if c.max_total_tokens is None and c.cpu_kv_gib <= 0:
+        yield ("cache.cpu_kv_gib",), f"cache.cpu_kv_gib={c.cpu_kv_gib} must be > 0 (or set cache.max_total_tokens)"
+
+
+@rule()
+def max_running_requests_positive(cfg):
+    if cfg.router.max_running_requests < 1:
+        yield ("router.max_running_requests",), (
+            f"router.max_running_requests={cfg.router.max_running_requests} must be >= 1")
+    if cfg.router.max_wait_tokens < 0:
+        yield ("router.max_wait_tokens",), f"router.max_wait_tokens={cfg.router.max_wait_tokens} must be >= 0"
+
+
+@rule()
+def http_workers_positive(cfg):
+    if cfg.server.http_workers < 1:
+        yield ("server.http_workers",), f"server.http_workers={cfg.server.http_workers} must be >= 1"
+
+
+# ---- the model -----------------------------------------------------------------------------------
+
+
+@rule(needs=("model.family",))
+def family_supported(cfg):
+    if cfg.model.family not in FAMILIES:
+        yield ("model.family",), (f"model.family={cfg.model.family!r} is not served; llaunch runs "
+                                  f"{' and '.join(FAMILIES)} checkpoints")
+
+
+@rule()
+def gguf_needs_gguf_path(cfg):
+    m = cfg.model
+    if m.load_format == LoadFormat.gguf and not derive.is_gguf(m.path):
+        yield ("model.load_format", "model.path"), (
+            f"model.load_format=gguf needs a .gguf file in model.path, got model.path={m.path}")
+
+
+@rule(live="warn")
+def weights_need_path(cfg):
+    m = cfg.model
+    if not _serves(cfg) or m.load_format == LoadFormat.dummy:
+        return
+    if m.path is None:
+        yield ("model.path",), (
+            f"model.path is required with model.load_format={m.load_format.value}: give "
+            f"model.path=/path/to/checkpoint, or random weights of a known size: {SIZED_PROFILES} with "
+            f"model.load_format=dummy")
+    elif not os.path.exists(m.path):
+        yield ("model.path",), (f"model.path={m.path} does not exist (SmolLM2: run scripts/prepare_models.py; "
+                                "or set LLAUNCH_MODELS_DIR)")
+
+
+@rule(live="warn")
+def tokenizer_exists(cfg):
+    t = cfg.model.tokenizer  # unset: the checkpoint's folder, or none at all for bare dummy weights
+    if cfg.mode.kind != Mode.config_server and t is not None and not os.path.exists(t):
+        yield ("model.tokenizer",), (f"model.tokenizer={t} does not exist (SmolLM2's: run "
+                                     "scripts/prepare_models.py; or set LLAUNCH_MODELS_DIR)")
+
+
+REQUIRED_FIELDS = ("family", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
+                   "rms_norm_eps", "max_model_len", "eos_token_ids")
+
+
+@rule(live="skip")
+def model_described(cfg):
+    m = cfg.model
+    if not _serves(cfg) or (m.load_format != LoadFormat.dummy and not (m.path and os.path.exists(m.path))):
+        return  # weights_need_path already asks for the checkpoint
+    if unknown := [f"model.{f}" for f in REQUIRED_FIELDS if getattr(m, f) in (None, [])]:
+        source = "the checkpoint does not say" if m.path else "dummy weights need the architecture"
+        yield tuple(unknown), (f"{', '.join(unknown)} unknown ({source}): give model.path=/path/to/checkpoint, "
+                               f"a sized profile ({SIZED_PROFILES}), or set them")
+
+
+@rule()
+def profile_matches_checkpoint(cfg):
+    m = cfg.model
+    ckpt = derive.read_checkpoint(m.path) if m.path else None
+    if ckpt is None:
+        return
+    said = dict(ckpt.arch, family=ckpt.family)
+    for name, value in said.items():
+        ours = getattr(m, name)
+        same = math.isclose(ours, value, rel_tol=1e-6) if isinstance(value, float) and ours is not None \
+            else ours == value
+        if ours is not None and not same:
+            yield (f"model.{name}", "model.path"), (
+                f"model.{name}={ours!r} but model.path={m.path} says {value!r}: the profile describes another "
+                f"checkpoint; use model=qwen2 or model=llama (read everything from the checkpoint) or fix "
+                f"model.{name}")
+
+
+@rule()
+def checkpoint_features_supported(cfg):
+    ckpt = derive.read_checkpoint(cfg.model.path) if cfg.model.path and _serves(cfg) else None
+    if ckpt is not None and ckpt.unsupported:
+        yield ("model.path",), (f"model.path={cfg.model.path} uses {', '.join(ckpt.unsupported)}, which llaunch's "
+                                f"{ckpt.family} model does not implement; serve another checkpoint")
+
+
+@rule()
+def checkpoint_dtype_supported(cfg):
+    m = cfg.model
+    ckpt = derive.read_checkpoint(m.path) if m.path else None
+    if cfg.device == Device.cuda and m.dtype == DType.auto and ckpt is not None and ckpt.dtype:
+        yield ("model.dtype",), (f"model.path={m.path} stores dtype {ckpt.dtype!r}, which llaunch does not run; set "
+                                 "model.dtype=bfloat16 | float16 | float32")
+
+
+@rule(needs=("model.max_model_len", "model.max_position_embeddings"))
+def context_within_model(cfg):
+    m = cfg.model
+    if not 1 <= m.max_model_len <= m.max_position_embeddings:
+        yield ("model.max_model_len", "model.max_position_embeddings"), (
+            f"model.max_model_len={m.max_model_len} is outside 1..model.max_position_embeddings="
+            f"{m.max_position_embeddings}: the model was not trained for longer contexts; lower "
+            f"model.max_model_len or leave it unset")
+
+
+# ---- parallel layout -----------------------------------------------------------------------------
+
+
+@rule()
+def parallel_sizes(cfg):
+    p = cfg.parallel
+    for key in ("tp", "dp", "nnodes"):
+        if getattr(p, key) < 1:
+            yield (f"parallel.{key}",), f"parallel.{key}={getattr(p, key)} must be >= 1"
+    if not 0 <= p.node_rank < max(p.nnodes, 1):
+        yield ("parallel.node_rank", "parallel.nnodes"), (
+            f"parallel.node_rank={p.node_rank} must be in 0..parallel.nnodes-1 (nnodes={p.nnodes})")
+    if p.tp >= 1 and p.dp >= 1 and p.nnodes >= 1 and (p.tp * p.dp) % p.nnodes:
+        yield ("parallel.tp", "parallel.dp", "parallel.nnodes"), (
+            f"parallel.tp={p.tp} x parallel.dp={p.dp} = {p.tp * p.dp} GPUs do not split evenly over "
+            f"parallel.nnodes={p.nnodes} nodes; every node must run the same number of workers")
+
+
+@rule()
+def multinode_addresses(cfg):
+    p = cfg.parallel
+    if p.nnodes > 1 and p.master_port is None:
+        yield ("parallel.master_port", "parallel.nnodes"), (
+            f"parallel.nnodes={p.nnodes} needs parallel.master_port: every node derives its ports from it")
+    if p.nnodes > 1 and len(p.node_addrs) != p.nnodes:
+        yield ("parallel.node_addrs", "parallel.nnodes"), (
+            f"parallel.nnodes={p.nnodes} needs parallel.node_addrs with one address per node (node 0 "
+            f"first), got {list(p.node_addrs)}")
+
+
+@rule(needs=("model.num_attention_heads", "model.num_key_value_heads"))
+def tp_splits_heads(cfg):
+    tp, heads, kv = cfg.parallel.tp, cfg.model.num_attention_heads, cfg.model.num_key_value_heads
+    if not _serves(cfg) or tp < 1:
+        return
+    if heads % tp:
+        yield ("parallel.tp", "model.num_attention_heads"), (
+            f"model.num_attention_heads={heads} attention heads do not split over parallel.tp={tp} ranks; "
+            f"use a parallel.tp that divides {heads} (e.g. {_divisors(heads, cfg.parallel.tp)})")
+    if kv % tp and tp % kv:
+        yield ("parallel.tp", "model.num_key_value_heads"), (
+            f"model.num_key_value_heads={kv} KV heads and parallel.tp={tp}: one must divide the other "
+            f"(KV heads are split, or replicated over tp/{kv} ranks)")
+
+
+def _divisors(n: int, below: int) -> str:
+    return ", ".join(str(d) for d in range(1, min(n, max(below, 8)) + 1) if n % d == 0)
+
+
+@rule(live="skip")
+def gpus_available(cfg):
+    p = cfg.parallel
+    if cfg.device != Device.cuda or not _serves(cfg) or min(p.tp, p.dp, p.nnodes) < 1:
+        return
+    import torch
+
+    need, have = p.tp * p.dp // p.nnodes, torch.cuda.device_count()
+    if need > have:
+        yield ("parallel.tp", "parallel.dp", "device"), (
+            f"parallel.tp={p.tp} x parallel.dp={p.dp} needs {need} GPUs on this node, {have} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); lower tp/dp or "
+            f"use device=cpu")
+
+
+# ---- ports and modes -----------------------------------------------------------------------------
+
+
+def _bound_ports(cfg) -> dict[str, list[int]]:
+    """Fixed ports this instance binds on its host, by key (None / 0 ports are allocated later)."""
+    p, m, kind = cfg.parallel, cfg.mode, cfg.mode.kind
+    ports = {"server.port": [cfg.server.port] if cfg.server.port else []}
+    if p.master_port is not None and _serves(cfg):
+        ports["parallel.master_port"] = [p.master_port + d for d in range(max(p.dp, 1))]
+    if kind in (Mode.pd_prefill, Mode.pd_decode) and m.kv_transfer_port is not None:
+        ports["mode.kv_transfer_port"] = [m.kv_transfer_port + d for d in range(max(p.dp, 1))]
+    if kind == Mode.pd_master:
+        ports["mode.pd_master_port"] = [m.pd_master_port]
+    if kind == Mode.config_server:
+        ports["mode.config_server_port"] = [m.config_server_port]
+    return ports
+
+
+@rule()
+def ports_in_range(cfg):
+    if not 0 <= cfg.server.port <= 65535:
+        yield ("server.port",), f"server.port={cfg.server.port} must be in 1..65535 (0: any free port)"
+    replicas = max(cfg.parallel.dp, 1)
+    spans = {"parallel.master_port": replicas, "mode.kv_transfer_port": replicas,  # one port per replica
+             "mode.pd_master_port": 1, "mode.config_server_port": 1}
+    for key, span in spans.items():
+        base = get(cfg, key)
+        if base is not None and not 1 <= base <= 65536 - span:
+            yield (key,), f"{key}={base} must be in 1..{65536 - span} (ports {key} .. +{span - 1} are used)"
+
+
+@rule()
+def ports_distinct(cfg):
+    seen: dict[int, str] = {}
+    for key, ports in _bound_ports(cfg).items():
+        for port in ports:
+            if port in seen and seen[port] != key:
+                yield (seen[port], key), f"{seen[port]} and {key} both bind port {port}; give them different ports"
+            seen.setdefault(port, key)
+
+
+@rule(live="skip")
+def server_port_free(cfg):
+    host, port = cfg.server.host, cfg.server.port
+    if port and 0 < port <= 65535:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers do not count
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                yield ("server.port", "server.host"), (
+                    f"server.port={port} on server.host={host} cannot be bound ({e.strerror}); another server "
+                    f"holds it: pick another server.port, or 0 for any free one")
+
+
+@rule()
+def pd_addresses(cfg):
+    m = cfg.mode
+    if m.kind in (Mode.pd_prefill, Mode.pd_decode, Mode.pd_master) and not m.pd_master_host:
+        yield ("mode.pd_master_host",), (f"mode.kind={m.kind.value} needs mode.pd_master_host (where the "
+                                         "pd_master listens), e.g. mode.pd_master_host=127.0.0.1")
+    if m.kind == Mode.config_server and not m.config_server_host:
+        yield ("mode.config_server_host",), ("mode.kind=config_server needs mode.config_server_host (the "
+                                             "address it serves on), e.g. mode.config_server_host=127.0.0.1")

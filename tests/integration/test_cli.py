@@ -1,0 +1,103 @@
+"""The `llaunch` command as a user runs it: --help, --cfg job, dry runs, sweeps and the exit-2 cases.
+Every run is a subprocess in a temporary directory, so nothing lands in the repo."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llaunch.runtime.bootstrap import load_run_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def llaunch(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "llaunch.launcher.main", *args]
+    if not any(a.startswith(("-", "hydra.")) for a in args):
+        cmd.append(f"hydra.run.dir={tmp_path / 'run'}")
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=100,
+                          env=dict(os.environ, COLUMNS="200", **(env or {})))
+
+
+def test_help_lists_groups_and_profiles(tmp_path):
+    r = llaunch(tmp_path, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "llaunch" in r.stdout and "Configuration groups" in r.stdout
+    assert "model: llama, llama3-8b, qwen2, qwen2-0.5b, qwen2-72b, qwen2-7b, smollm2-135m, tiny-llama, tiny-qwen2" \
+        in r.stdout
+    assert "_schema" not in r.stdout.split("== Config ==")[0]  # schemas are not user-facing options
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path):
+    r = llaunch(tmp_path, "--cfg", "job", "model=qwen2-7b", "parallel=tp2", "bench=c64")
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(r.stdout)
+    assert (cfg["model"]["hidden_size"], cfg["parallel"]["tp"], cfg["bench"]["concurrency"]) == (3584, 2, 64)
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_default_dry_run_writes_the_run_config_and_prints_the_graph(tmp_path):
+    r = llaunch(tmp_path, "dry_run=true", env={"LLAUNCH_MODELS_DIR": str(tmp_path / "no-models")})
+    assert r.returncode == 0, r.stderr
+    run = load_run_config(str(tmp_path / "run" / "config.yaml"))  # as every child reads it
+    assert run.run_dir == str(tmp_path / "run") and run.model.name == "smollm2-135m"
+    for spec in run.graph.processes:
+        assert spec.name in r.stdout
+        for addr in [*spec.binds.values(), *spec.connects.values()]:
+            assert addr in r.stdout
+    assert "model.path" in r.stderr and "does not exist" in r.stderr  # warned, still planned
+    assert not Path(run.graph.ipc_dir).exists()  # a dry run leaves no sockets behind
+
+
+def test_family_profile_without_a_path(tmp_path):
+    args = ("model=qwen2", "parallel=tp8", "mode=pd_decode")
+    dry = llaunch(tmp_path, *args, "dry_run=true")
+    assert dry.returncode == 0, dry.stderr
+    assert "worker.0.7" in dry.stdout and "pd_master" in dry.stdout and "kv_transfer" in dry.stdout
+    assert "waits for model.path" in dry.stderr and "tp_splits_heads" in dry.stderr
+    (tmp_path / "live").mkdir()
+    live = llaunch(tmp_path / "live", *args)
+    assert live.returncode == 2
+    assert "model.path is required" in live.stderr and "qwen2-7b" in live.stderr
+    assert not (tmp_path / "live" / "run" / "config.yaml").exists()  # nothing planned, nothing started
+
+
+def test_heads_that_do_not_split_exit_2(tmp_path):
+    r = llaunch(tmp_path, "model=qwen2-7b", "model.load_format=dummy", "parallel=tp8", "dry_run=true")
+    assert r.returncode == 2
+    assert "tp_splits_heads" in r.stderr and "num_attention_heads=28" in r.stderr and "parallel.tp=8" in r.stderr
+
+
+def test_all_violations_are_listed_at_once(tmp_path):
+    r = llaunch(tmp_path, "cache.mem_fraction=1.5", "server.http_workers=0", "dry_run=true")
+    assert r.returncode == 2
+    assert "cache.mem_fraction=1.5" in r.stderr and "(0, 1)" in r.stderr
+    assert "server.http_workers=0" in r.stderr and "2 rules violated" in r.stderr
+
+
+def test_composition_errors_exit_2_without_a_traceback(tmp_path):
+    for override, named in [("cache.mem_fractio=1", "mem_fractio"), ("model=nope", "model/nope"),
+                            ("server.port=abc", "server.port")]:
+        r = llaunch(tmp_path, override)
+        assert r.returncode == 2, (override, r.stderr)
+        assert named in r.stderr and "Traceback" not in r.stderr
+
+
+def test_big_model_on_eight_gpus_plans_on_a_machine_without_them(tmp_path):
+    r = llaunch(tmp_path, "model=qwen2-72b", "parallel=tp8", "mode=pd_decode", "device=cuda", "dry_run=true")
+    assert r.returncode == 0, r.stderr
+    run = load_run_config(str(tmp_path / "run" / "config.yaml"))
+    assert [p.gpus for p in run.graph.processes if p.role == "worker"] == [[g] for g in range(8)]
+    assert "GPU 7" in r.stdout and run.model.dtype.value == "bfloat16"
+
+
+def test_sweep_dry_runs_every_job(tmp_path):
+    r = llaunch(tmp_path, "-m", "mode=normal,pd_master", "model=tiny-qwen2", "dry_run=true",
+                f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert r.returncode == 0, r.stderr
+    kinds = [load_run_config(str(tmp_path / "sweep" / str(i) / "config.yaml")).mode.kind.value for i in (0, 1)]
+    assert kinds == ["normal", "pd_master"]

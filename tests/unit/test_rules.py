@@ -1,0 +1,170 @@
+"""Each rule broken alone: it fires, names its keys in the message, and no other rule fires; a valid
+config passes them all; a dry run skips the machine checks and lists what waits for model.path."""
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from llaunch.launcher import derive, rules
+
+
+@pytest.fixture
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def resolved(compose_config, tmp_path, free_port):
+    """`resolved(*overrides)`: tiny-llama on cpu, on a free port, with a tokenizer folder that exists."""
+    (tmp_path / "tokenizer").mkdir()
+
+    def run(*overrides: str):
+        base = ("model=tiny-llama", "device=cpu", f"server.port={free_port}", f"model.tokenizer={tmp_path}/tokenizer")
+        return derive.resolve(compose_config(*base, *overrides))
+
+    return run
+
+
+def tiny_llama_folder(path, **overrides):
+    """A config.json for the tiny-llama profile, written by transformers (optionally altered)."""
+    from transformers import LlamaConfig
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=16, vocab_size=49152, max_position_embeddings=512,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2)
+    LlamaConfig(**dims | overrides).save_pretrained(path)
+    return path
+
+
+# rule -> overrides that break it alone (after `resolved`'s base)
+BREAKS = {
+    "mem_fraction_in_range": [["cache.mem_fraction=1.5"], ["cache.mem_fraction=0"]],
+    "batch_max_tokens_bounds": [["router.batch_max_tokens=100"], ["router.chunked_prefill_size=0"],
+                                ["router.chunked_prefill=false", "router.batch_max_tokens=256"]],
+    "kv_budget": [["cache.max_total_tokens=100"], ["cache.cpu_kv_gib=0"]],
+    "max_running_requests_positive": [["router.max_running_requests=0"], ["router.max_wait_tokens=-1"]],
+    "http_workers_positive": [["server.http_workers=0"]],
+    "family_supported": [["model.family=mistral"]],
+    "weights_need_path": [["model.load_format=safetensors"], ["model.load_format=auto", "model.path=/no/such/dir"]],
+    "tokenizer_exists": [["model.tokenizer=/no/such/tokenizer"]],
+    "model_described": [["model.hidden_size=null"], ["model.eos_token_ids=null"]],
+    "context_within_model": [["model.max_model_len=1024"]],
+    "parallel_sizes": [["parallel.dp=0"], ["parallel.node_rank=1"],
+                       ["parallel.tp=2", "parallel.nnodes=3", "parallel.master_port=29500",
+                        "parallel.node_addrs=[a,b,c]"]],
+    "multinode_addresses": [["parallel.tp=2", "parallel.nnodes=2"]],
+    "tp_splits_heads": [["parallel.tp=8"],
+                        ["parallel.tp=2", "model.num_attention_heads=6", "model.num_key_value_heads=3"]],
+    "gpus_available": [["device=cuda", "parallel.dp=512"]],
+    "ports_in_range": [["server.port=70000"], ["parallel.dp=2", "parallel.master_port=65535"],
+                       ["mode=pd_decode", "mode.kv_transfer_port=0"]],
+    "pd_addresses": [["mode=pd_decode", "mode.pd_master_host=''"],
+                     ["mode=config_server", "mode.config_server_host=null"]],
+}
+
+
+def test_a_valid_config_passes_every_rule(resolved):
+    assert rules.check_all(resolved()) == []
+    assert rules.check_all(resolved("model=tiny-qwen2", "parallel=tp2")) == []
+    assert rules.check_all(resolved("parallel=dp2", "mode=pd_prefill")) == []
+
+
+def test_every_rule_has_a_break_case():
+    tested = set(BREAKS) | {"gguf_needs_gguf_path", "profile_matches_checkpoint", "checkpoint_features_supported",
+                            "checkpoint_dtype_supported", "ports_distinct", "server_port_free"}
+    assert {r.name for r in rules.RULES} == tested
+
+
+def assert_only(violations, rule):
+    assert violations, f"{rule} did not fire"
+    assert {v.rule for v in violations} == {rule}, [v.message for v in violations]
+    for v in violations:
+        for key in v.keys:
+            assert key in v.message, (key, v.message)  # the message names every key it is about
+    return violations
+
+
+CASES = [(rule, overrides) for rule, cases in BREAKS.items() for overrides in cases]
+
+
+@pytest.mark.parametrize("rule,overrides", CASES, ids=[f"{r}:{' '.join(o)}" for r, o in CASES])
+def test_each_rule_fires_alone(resolved, rule, overrides):
+    assert_only(rules.check_all(resolved(*overrides)), rule)
+
+
+def test_messages_give_values_and_ranges(resolved):
+    [v] = rules.check_all(resolved("cache.mem_fraction=1.5"))
+    assert "cache.mem_fraction=1.5" in v.message and "(0, 1)" in v.message
+    [v] = rules.check_all(resolved("model=qwen2-7b", "model.load_format=dummy", "parallel=tp8", "model.tokenizer=null"))
+    assert v.rule == "tp_splits_heads" and "28" in v.message and "parallel.tp=8" in v.message
+    [v] = rules.check_all(resolved("model=qwen2", "model.tokenizer=null"))
+    assert v.rule == "weights_need_path" and "model.path" in v.message and "qwen2-7b" in v.message
+
+
+def test_gguf_needs_a_gguf_path(resolved):
+    import dataclasses
+
+    cfg = resolved()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, load_format=derive.LoadFormat.gguf))
+    [v] = rules.gguf_needs_gguf_path(cfg)
+    assert v.keys == ("model.load_format", "model.path") and "model.path=None" in v.message
+
+
+def test_a_profile_that_describes_another_checkpoint(resolved, tmp_path):
+    folder = tiny_llama_folder(tmp_path / "ckpt", num_key_value_heads=2)
+    violations = assert_only(rules.check_all(resolved(f"model.path={folder}", "model.load_format=auto")),
+                             "profile_matches_checkpoint")
+    assert [v.keys for v in violations] == [("model.num_key_value_heads", "model.path")]
+    assert "says 2" in violations[0].message
+    same = tiny_llama_folder(tmp_path / "same")
+    assert rules.check_all(resolved(f"model.path={same}", "model.load_format=auto")) == []
+
+
+def test_checkpoint_features_and_dtype(resolved, tmp_path):
+    folder = tiny_llama_folder(tmp_path / "mlp_bias", mlp_bias=True)
+    [v] = assert_only(rules.check_all(resolved(f"model.path={folder}", "model.load_format=auto")),
+                      "checkpoint_features_supported")
+    assert "mlp_bias=true" in v.message
+    folder = tiny_llama_folder(tmp_path / "fp8")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"dtype": "float8_e4m3fn"}))
+    cfg = resolved(f"model.path={folder}", "model.load_format=auto", "model.dtype=auto", "device=cuda", "dry_run=true")
+    [v] = assert_only(rules.check_all(cfg), "checkpoint_dtype_supported")
+    assert "float8_e4m3fn" in v.message
+
+
+def test_ports_must_be_distinct_and_free(resolved, free_port):
+    assert_only(rules.check_all(resolved("mode=pd_master", f"mode.pd_master_port={free_port}")), "ports_distinct")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        [v] = assert_only(rules.check_all(resolved(f"server.port={port}")), "server_port_free")
+        assert str(port) in v.message
+        assert rules.check_all(resolved(f"server.port={port}", "dry_run=true")) == []  # plans for elsewhere
+    assert rules.check_all(resolved("server.port=0")) == []  # any free port, chosen at launch
+
+
+def test_dry_run_lists_what_waits_for_model_path(resolved):
+    cfg = resolved("model=qwen2", "parallel=tp8", "mode=pd_decode", "dry_run=true", "model.tokenizer=null")
+    assert rules.check_all(cfg) == []
+    waiting = {p.rule: p for p in rules.pending(cfg)}
+    assert {"tp_splits_heads", "context_within_model"} <= set(waiting)
+    assert "model.num_attention_heads" in waiting["tp_splits_heads"].keys
+    assert "model.path" in waiting["tp_splits_heads"].reason
+    assert {"gpus_available", "server_port_free"} <= {p.rule for p in rules.pending(cfg) if "dry run" in p.reason}
+    [w] = rules.warnings(cfg)
+    assert w.rule == "weights_need_path"
+    live = resolved("model=qwen2", "parallel=tp8", "mode=pd_decode", "model.tokenizer=null")
+    assert [v.rule for v in rules.check_all(live)] == ["weights_need_path"]
+    assert rules.warnings(live) == []
+
+
+def test_dry_run_warns_about_a_missing_checkpoint(resolved):
+    cfg = resolved("model=smollm2-135m", "model.path=/no/such/smollm2", "dry_run=true")
+    assert rules.check_all(cfg) == []
+    assert [w.rule for w in rules.warnings(cfg)] == ["weights_need_path"]
