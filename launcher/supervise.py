@@ -167,6 +167,9 @@ def run_graph(cfg: RunConfig) -> int:
     code = 0
     try:
         graph.start(http.fileno())
+        # the frontends hold the listening socket now; once they exit, connections are refused at
+        # once instead of queueing in a backlog nobody reads
+        http.close()
         t0 = time.monotonic()
         wait_ready(graph, control)
         console.print(f"[bold green]llaunch serving[/] {cfg.model.name} at {cfg.graph.http_url} "

@@ -61,9 +61,8 @@ def test_smollm2_greedy_equals_transformers(smollm2_server, oracles):
 def test_smollm2_chat_uses_the_checkpoint_template_and_knows_paris(smollm2_server, oracles):
     oracle = oracles("smollm2")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt_ids = oracle.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(prompt_ids, dict):
-        prompt_ids = prompt_ids["input_ids"]
+    prompt_ids = oracle.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"]
     eos = {oracle.tokenizer.convert_tokens_to_ids("<|im_end|>")}
     want = cut_at_eos(oracle.greedy(list(prompt_ids), 40), eos)
     out = client(smollm2_server).chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40,

@@ -57,7 +57,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path_factory, tiny_di
     started = threading.Barrier(9)
 
     def stream(i):
-        s = client.completions.create(model=MODEL, prompt=f"stream {i}", max_tokens=48, temperature=0,
+        s = client.completions.create(model=MODEL, prompt=f"stream {i}", max_tokens=300, temperature=0,
                                       stream=True, extra_body={"ignore_eos": True})
         text, finish, first = [], None, True
         for ch in s:

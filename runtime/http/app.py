@@ -1,0 +1,119 @@
+"""The Quart app: routes, API-key check, drain refusal, health and metrics. It receives its engine,
+tokenizer and lifecycle, so tests serve it with a scripted engine and no other process."""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException
+
+from llaunch.launcher.schema import RunConfig
+from llaunch.runtime.http.engine_client import EngineClient
+from llaunch.runtime.http.errors import ApiError, draining, error_response, json_response, unauthorized
+from llaunch.runtime.http.generate_api import GenerateApi
+from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.http.openai_protocol import ModelLimits
+from llaunch.runtime.http.openai_serving import OpenAIServing
+from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_OPEN_PATHS = ("/health",)  # no API key needed
+_DRAIN_EXEMPT = ("/health", "/metrics")  # still answered while draining
+
+
+@dataclass(frozen=True)
+class FrontendSettings:
+    limits: ModelLimits
+    api_key: Optional[str] = None
+    heartbeat_max_age_s: float = 3.0  # /health fails once the engine's MetricsSnapshot heartbeat is older
+
+    @staticmethod
+    def from_run_config(cfg: RunConfig, tokenizer: PromptTokenizer) -> "FrontendSettings":
+        m = cfg.model
+        max_len = m.max_model_len or m.max_position_embeddings
+        if not max_len:
+            raise ValueError("model.max_model_len is unset: the launcher derives it from the checkpoint")
+        limits = ModelLimits(served_name=m.name, max_model_len=max_len, vocab_size=m.vocab_size or tokenizer.vocab_size)
+        return FrontendSettings(limits=limits, api_key=cfg.server.api_key)
+
+
+def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: PromptTokenizer,
+               lifecycle: Lifecycle) -> Quart:
+    app = Quart("llaunch.frontend")
+    app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=64 * 1024 * 1024)
+    limits = settings.limits
+    openai = OpenAIServing(engine, tokenizer, limits, lifecycle)
+    lightllm = GenerateApi(engine, tokenizer, limits, lifecycle)
+    created = int(time.time())
+
+    @app.before_request
+    async def gatekeeper() -> Optional[Response]:
+        if settings.api_key and request.path not in _OPEN_PATHS:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+                return error_response(unauthorized())
+        if lifecycle.draining and request.path not in _DRAIN_EXEMPT:
+            return error_response(draining())
+        return None
+
+    @app.errorhandler(ApiError)
+    async def api_error(e: ApiError) -> Response:
+        return error_response(e)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(e: HTTPException) -> Response:
+        kind = "not_found_error" if e.code == 404 else "invalid_request_error"
+        return error_response(ApiError(e.code or 500, f"{e.name}: {request.method} {request.path}", type=kind))
+
+    @app.errorhandler(Exception)
+    async def internal_error(e: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(ApiError(500, f"Internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await openai.completions(await request.get_data())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await openai.chat(await request.get_data())
+
+    @app.post("/generate")
+    async def generate() -> Response:
+        return await lightllm.generate(await request.get_data())
+
+    @app.post("/generate_stream")
+    async def generate_stream() -> Response:
+        return await lightllm.generate_stream(await request.get_data())
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {"id": limits.served_name, "object": "model", "created": created, "owned_by": "llaunch",
+                "root": limits.served_name, "max_model_len": limits.max_model_len}
+        return json_response({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        age = engine.heartbeat_age()
+        if lifecycle.draining:
+            return error_response(draining())
+        if age > settings.heartbeat_max_age_s:
+            return error_response(ApiError(503, f"No engine heartbeat for {age:.1f} s.", type="service_unavailable",
+                                           code="engine_unavailable"))
+        return json_response({"status": "ok", "running": engine.running})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        snapshot = engine.metrics
+        if snapshot is None:
+            return error_response(ApiError(503, "No metrics from the engine yet.", type="service_unavailable",
+                                           code="engine_unavailable"))
+        return Response(snapshot.text, content_type=PROMETHEUS_CONTENT_TYPE)
+
+    return app

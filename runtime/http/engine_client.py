@@ -1,0 +1,166 @@
+"""The frontend's side of the engine: submit requests to a router replica, route the text that comes
+back to the HTTP request waiting for it, abort what nobody waits for any more.
+
+`EngineClient` is the logic and talks through a `post(replica, message)` coroutine; `ZmqEngineLink`
+is the ZMQ transport (PUSH to every router replica, PULL from the detokenizer). Tests drive the
+client with a scripted router in place of the link.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from typing import AsyncIterator, Awaitable, Callable, Optional
+
+import zmq.asyncio
+
+from llaunch.launcher.schema import ProcessSpec
+from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FrontendInbound, MetricsSnapshot,
+                                          RouterInbound, SamplingParams, TextBatch, TextDelta)
+from llaunch.runtime.ipc.sockets import AsyncReceiver, AsyncSender
+
+log = logging.getLogger(__name__)
+
+Post = Callable[[int, RouterInbound], Awaitable[None]]
+
+
+class RequestGroup:
+    """The engine requests behind one HTTP request (n samples, several prompts): their text arrives
+    on one queue as (choice index, delta) until every one of them has finished."""
+
+    def __init__(self, client: "EngineClient", request_ids: list[str], replica: int):
+        self.request_ids = request_ids
+        self.replica = replica
+        self._client = client
+        self._queue: asyncio.Queue[tuple[int, TextDelta]] = asyncio.Queue()
+        self._open = set(range(len(request_ids)))
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
+
+    def _deliver(self, choice: int, delta: TextDelta) -> None:
+        self._queue.put_nowait((choice, delta))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        while self._open:
+            choice, delta = await self._queue.get()
+            if delta.finish_reason is not None:
+                self._open.discard(choice)
+            yield choice, delta
+
+    async def abort(self) -> None:
+        """Stop every request still running (client gone, or the server gave up on it)."""
+        open_ids = [self.request_ids[c] for c in sorted(self._open)]
+        self._open.clear()
+        await self._client._abort(open_ids, self.replica)
+
+
+class _Route:
+    __slots__ = ("group", "choice")
+
+    def __init__(self, group: RequestGroup, choice: int):
+        self.group = group
+        self.choice = choice
+
+
+class EngineClient:
+    def __init__(self, frontend_index: int, num_replicas: int, post: Post):
+        self.frontend_index = frontend_index
+        self.outstanding = [0] * num_replicas  # requests of this frontend each replica still runs
+        self._post = post
+        self._counter = itertools.count()
+        self._routes: dict[str, _Route] = {}
+        self._last_heartbeat: Optional[float] = None
+        self.metrics: Optional[MetricsSnapshot] = None
+
+    @property
+    def running(self) -> int:
+        return len(self._routes)
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the last MetricsSnapshot (the engine's heartbeat); inf before the first."""
+        return math.inf if self._last_heartbeat is None else time.monotonic() - self._last_heartbeat
+
+    async def submit(self, jobs: list[tuple[list[int], SamplingParams]]) -> RequestGroup:
+        # One replica for the whole group: the n samples of a prompt share its prefix cache there.
+        replica = min(range(len(self.outstanding)), key=self.outstanding.__getitem__)
+        ids = [f"{self.frontend_index}-{next(self._counter)}" for _ in jobs]
+        group = RequestGroup(self, ids, replica)
+        now = time.time()
+        for choice, (request_id, (prompt_ids, sampling)) in enumerate(zip(ids, jobs)):
+            self._routes[request_id] = _Route(group, choice)
+            self.outstanding[replica] += 1
+            await self._post(replica, AddRequest(request_id=request_id, frontend=self.frontend_index,
+                                                 prompt_ids=prompt_ids, sampling=sampling, arrival_time=now))
+        return group
+
+    async def abort_all(self) -> None:
+        groups = {id(r.group): r.group for r in self._routes.values()}
+        for group in groups.values():
+            await group.abort()
+
+    async def on_message(self, msg: FrontendInbound) -> None:
+        if isinstance(msg, MetricsSnapshot):
+            self._last_heartbeat = time.monotonic()
+            self.metrics = msg
+        elif isinstance(msg, TextBatch):
+            for delta in msg.deltas:
+                await self._on_delta(delta)
+
+    async def _on_delta(self, delta: TextDelta) -> None:
+        route = self._routes.get(delta.request_id)
+        if route is None:
+            return  # aborted or already finished: the router may still have had tokens in flight
+        if delta.stopped_by_string and delta.finish_reason is None:
+            delta.finish_reason = "stop"
+        if delta.finish_reason is not None:
+            self._forget(delta.request_id, route.group.replica)
+            if delta.stopped_by_string:  # the detokenizer saw a stop string; the router has not
+                await self._post(route.group.replica, AbortRequest(request_id=delta.request_id))
+        route.group._deliver(route.choice, delta)
+
+    def _forget(self, request_id: str, replica: int) -> None:
+        if self._routes.pop(request_id, None) is not None:
+            self.outstanding[replica] -= 1
+
+    async def _abort(self, request_ids: list[str], replica: int) -> None:
+        for request_id in request_ids:
+            if request_id in self._routes:
+                self._forget(request_id, replica)
+                await self._post(replica, AbortRequest(request_id=request_id))
+
+
+class ZmqEngineLink:
+    """PUSH to `connects["requests.{d}"]` for each router replica d; PULL text and metrics on
+    `binds["text"]`."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, spec: ProcessSpec):
+        replicas = sorted(int(key.split(".", 1)[1]) for key in spec.connects if key.startswith("requests."))
+        if replicas != list(range(len(replicas))) or not replicas:
+            raise ValueError(f"{spec.name}: expected endpoints requests.0..requests.N-1, got {sorted(spec.connects)}")
+        self.senders = [AsyncSender(ctx, spec.connects[f"requests.{d}"]) for d in replicas]
+        self.receiver: AsyncReceiver[FrontendInbound] = AsyncReceiver(ctx, spec.binds["text"], FrontendInbound)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.senders)
+
+    async def post(self, replica: int, msg: RouterInbound) -> None:
+        await self.senders[replica].send(msg)
+
+    async def pump(self, client: EngineClient) -> None:
+        """The one reader of the PULL socket: hand every message to the client, forever."""
+        while True:
+            msg = await self.receiver.recv()
+            try:
+                await client.on_message(msg)
+            except Exception:  # one bad message must not stop every other request's text
+                log.exception("failed to handle %s", type(msg).__name__)
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.close()
+        self.receiver.close()

