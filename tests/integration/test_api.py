@@ -182,3 +182,25 @@ def test_api_key_required_except_health(tmp_path_factory, tiny_dirs):
         assert httpx.get(server.url + "/metrics").status_code == 401
         ok = OpenAI(base_url=server.url + "/v1", api_key="sekret", max_retries=0)
         assert ok.completions.create(model=MODEL, prompt="a", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_two_http_workers_each_get_their_own_results(tmp_path_factory, tiny_dirs):
+    overrides = ["model=qwen2", f"model.path={tiny_dirs['qwen2']}", f"model.name={MODEL}", "server.http_workers=2"]
+    with start_server(tmp_path_factory, "two-frontends", overrides) as server:
+        assert len(server.children()) == 5
+        async def one(i):
+            # a fresh connection per request, so the kernel spreads them over both frontends
+            async with httpx.AsyncClient() as http:
+                r = await http.post(server.url + "/v1/completions",
+                                    json={"model": MODEL, "prompt": f"p{i} " * (i + 1), "max_tokens": 6,
+                                          "temperature": 0, "return_token_ids": True})
+            return r.json()["choices"][0]
+
+        async def run_all():
+            return await asyncio.gather(*(one(i) for i in range(16)))
+
+        got = asyncio.run(run_all())
+        for i, choice in enumerate(got):
+            ref = api(server).completions.create(model=MODEL, prompt=f"p{i} " * (i + 1), max_tokens=6, temperature=0)
+            assert choice["text"] == ref.choices[0].text
+        assert len(list((server.run_dir / "logs").glob("frontend.*.log"))) == 2
