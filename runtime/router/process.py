@@ -24,6 +24,7 @@ from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
 
 log = logging.getLogger("llaunch.router")
 STATS_PERIOD_S = 0.25
+PIPELINE_DEPTH = 2  # plan step N+1 while step N runs: the device never waits for the host
 
 
 def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
@@ -38,6 +39,7 @@ def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
         token_ratio=r.token_ratio,
         max_model_len=cfg.model.max_model_len,
         eos_ids=tuple(cfg.model.eos_token_ids or ()),
+        pipeline_depth=PIPELINE_DEPTH,
     )
 
 
@@ -89,40 +91,41 @@ class Router:
         now = time.time()
         if force or now - self._last_stats >= STATS_PERIOD_S:
             s = self.scheduler
-            self.detokenizer.send(RouterStats(time=now, running=len(s.running), waiting=len(s.waiting),
+            self.detokenizer.send(RouterStats(time=now, running=s.num_running, waiting=len(s.waiting),
                                               kv_used=s.kv.num_used, kv_total=s.kv.num_slots,
                                               dp_rank=self.dp_rank))
             self._last_stats = now
 
-    def step(self) -> None:
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return
-        for w in self.workers:
-            w.send(plan)
-        inbound = []
-        while True:  # wait for the result; buffer requests that arrive meanwhile
-            result = self.results.recv(timeout_ms=50)
+    def fill_pipeline(self) -> None:
+        """Plan ahead up to the pipeline depth, so the worker always has its next step queued."""
+        while self.scheduler.steps_in_flight < self.scheduler.limits.pipeline_depth:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return
+            for w in self.workers:
+                w.send(plan)
+
+    def collect(self) -> None:
+        """Wait for the oldest step's tokens, handling requests that arrive meanwhile."""
+        while True:
+            result = self.results.recv(timeout_ms=20)
             if result is not None:
                 break
-            msg = self.requests.recv_nowait()
-            while msg is not None:
-                inbound.append(msg)
-                msg = self.requests.recv_nowait()
-        if not isinstance(result, StepResult) or result.step != plan.step:
-            raise RuntimeError(f"worker answered step {getattr(result, 'step', '?')} to plan {plan.step}")
+            self.drain_inbound(block_ms=0)
+        if not isinstance(result, StepResult):
+            raise RuntimeError(f"expected a StepResult from the worker, got {type(result).__name__}")
         deltas = self.scheduler.on_result(result)
         if deltas:
             self.detokenizer.send(TokenBatch(deltas=deltas))
-        for msg in inbound:
-            self.handle(msg)
 
     def run(self) -> None:
         while True:
-            busy = self.scheduler.has_work()
-            self.drain_inbound(block_ms=0 if busy else int(STATS_PERIOD_S * 1000))
-            self.step()
-            self.maybe_send_stats(force=not self.scheduler.has_work() and busy)
+            idle = not self.scheduler.has_work() and not self.scheduler.steps_in_flight
+            self.drain_inbound(block_ms=int(STATS_PERIOD_S * 1000) if idle else 0)
+            self.fill_pipeline()
+            if self.scheduler.steps_in_flight:
+                self.collect()
+            self.maybe_send_stats(force=not idle and not self.scheduler.has_work())
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -16,7 +16,7 @@ class Status(enum.Enum):
 
 class Request:
     __slots__ = ("id", "frontend", "prompt_ids", "sampling", "arrival_time", "status", "row", "slots",
-                 "num_computed", "output_ids", "finish_reason")
+                 "num_computed", "num_planned", "steps_in_flight", "output_ids", "finish_reason")
 
     def __init__(self, msg: AddRequest, sampling: SamplingParams):
         self.id = msg.request_id
@@ -28,6 +28,8 @@ class Request:
         self.row: Optional[int] = None
         self.slots: list[int] = []  # KV slots of tokens [0, num_computed) in position order
         self.num_computed = 0
+        self.num_planned = 0  # output tokens planned: known ones plus those of steps in flight
+        self.steps_in_flight = 0  # planned steps that use this request and have not returned
         self.output_ids: list[int] = []
         self.finish_reason: Optional[str] = None
 

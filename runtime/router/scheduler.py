@@ -1,11 +1,16 @@
 """Continuous batching: each step runs every decoding request, continues chunked prefills and admits
 waiting requests FIFO while the token budget, the row limit and the KV budget allow.
 
+Steps may be pipelined: with `pipeline_depth` 2 the router plans step N+1 before step N's tokens are
+back (the worker feeds each row its own last sampled token), so the GPU never waits for the host.
+A request that turns out to have finished at step N wastes its slot in step N+1; its KV and row are
+freed once no step in flight refers to it.
+
 Admission never over-commits KV: a request is admitted only if the peak KV of all running requests
-plus it, each run to its max_new_tokens, fits (LightLLM's estimate: sort by tokens left to generate;
-when the i-th longest finishes, the i+1 longest each hold their cached tokens plus that many more;
-the peak is the largest of these sums).
-Allocation during decode therefore cannot fail. Pure logic: no sockets, no tensors.
+plus it, each run to its max_new_tokens, fits (LightLLM's estimate: sort by tokens left to allocate;
+when the i-th longest finishes, the i+1 longest each hold their current tokens plus that many more;
+the peak is the largest of these sums). Allocation therefore cannot fail. Pure logic: no sockets,
+no tensors.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ class SchedulerLimits:
     token_ratio: float  # below this KV usage, admit every step regardless of max_wait_tokens
     max_model_len: int
     eos_ids: tuple[int, ...]
+    pipeline_depth: int = 1  # steps planned ahead of their results
 
 
 class Scheduler:
@@ -38,14 +44,14 @@ class Scheduler:
         self.limits = limits
         self.kv = KvAllocator(limits.kv_slots)
         self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}  # row → request
+        self.running: dict[int, Request] = {}  # row → request, finished ones until their steps return
         self.by_id: dict[str, Request] = {}
         self._free_rows = list(range(limits.max_running - 1, -1, -1))
         self._release_rows: list[int] = []
         self._step = 0
         self._steps_since_admit = 0
-        self._in_flight: Optional[list[tuple[int, bool]]] = None  # (row, samples) of the step out
-        self._deferred_aborts: list[str] = []
+        self._in_flight: deque[list[Request]] = deque()  # per step out: its requests, in sample order
+        self._in_flight_all: deque[list[Request]] = deque()  # per step out: every request it touches
 
     # ---- requests in -----------------------------------------------------------------------
 
@@ -58,45 +64,51 @@ class Scheduler:
         return None
 
     def abort(self, request_id: str) -> Optional[TokenDelta]:
-        """Drop a request and free its KV at once (after the step in flight, if it is in it)."""
+        """End a request now; its KV is freed at once, or when the steps in flight that use it return."""
         req = self.by_id.get(request_id)
         if req is None or req.status is Status.FINISHED:
             return None
         if req.status is Status.WAITING:
             self.waiting.remove(req)
-            return self._finish(req, "abort")
-        if self._in_flight is not None:
-            self._deferred_aborts.append(request_id)
-            return None
         return self._finish(req, "abort")
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for r in self.running.values() if r.status is Status.RUNNING)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.num_running)
+
+    @property
+    def steps_in_flight(self) -> int:
+        return len(self._in_flight)
 
     # ---- one step ------------------------------------------------------------------------
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> Optional[StepPlan]:
         """The next step's plan, or None when nothing can run."""
-        assert self._in_flight is None, "schedule() called while a step is in flight"
         lim = self.limits
         budget = lim.batch_max_tokens
         plan = StepPlan(step=self._step, release_rows=self._release_rows)
         self._release_rows = []
-        in_flight: list[tuple[int, bool]] = []
+        samplers: list[Request] = []
+        touched: list[Request] = []
 
-        decoding = [r for r in self.running.values() if not r.prefilling]
+        decoding = [r for r in self.running.values() if r.status is Status.RUNNING and self._decodes(r)]
         for req in decoding:
             slot = self.kv.alloc(1)[0]
             req.slots.append(slot)
             req.num_computed += 1
+            req.num_planned += 1
             plan.decode_rows.append(req.row)
             plan.decode_slots.append(slot)
-            in_flight.append((req.row, True))
+        samplers += decoding
+        touched += decoding
         budget -= len(decoding)
 
         for req in list(self.running.values()):
-            if req.prefilling and budget > 0:
-                budget -= self._add_chunk(plan, req, budget, in_flight)
+            if req.status is Status.RUNNING and req.prefilling and budget > 0:
+                budget -= self._add_chunk(plan, req, budget, samplers, touched)
 
         if decoding:
             self._steps_since_admit += 1
@@ -114,19 +126,30 @@ class Scheduler:
                 self.running[req.row] = req
                 plan.new.append(NewSeq(row=req.row, request_id=req.id, sampling=req.sampling,
                                        prompt_ids=req.prompt_ids))
-                budget -= self._add_chunk(plan, req, budget, in_flight)
+                budget -= self._add_chunk(plan, req, budget, samplers, touched)
                 admitted = True
             if admitted:
                 self._steps_since_admit = 0
 
-        if not in_flight:  # nothing to compute: releases ride along with the next real step
+        if not touched:  # nothing to compute: releases ride along with the next real step
             self._release_rows = plan.release_rows + self._release_rows
             return None
-        self._in_flight = in_flight
+        for req in touched:
+            req.steps_in_flight += 1
+        self._in_flight.append(samplers)
+        self._in_flight_all.append(touched)
         self._step += 1
         return plan
 
-    def _add_chunk(self, plan: StepPlan, req: Request, budget: int, in_flight: list) -> int:
+    def _decodes(self, req: Request) -> bool:
+        """Decode once more unless the prompt is still prefilling or the tokens already planned
+        reach a length limit (so pipelining never plans a step past max_tokens)."""
+        if req.prefilling:
+            return False
+        return (req.num_planned < req.max_new_tokens
+                and req.prompt_len + req.num_planned < self.limits.max_model_len)
+
+    def _add_chunk(self, plan: StepPlan, req: Request, budget: int, samplers: list, touched: list) -> int:
         lim = self.limits
         n = req.prompt_len - req.num_computed
         if lim.chunked_prefill:
@@ -138,7 +161,10 @@ class Scheduler:
         last = not req.prefilling
         plan.prefill.append(PrefillChunk(row=req.row, token_ids=req.prompt_ids[start : start + n], start=start,
                                          slots=slots, sample=last))
-        in_flight.append((req.row, last))
+        touched.append(req)
+        if last:
+            req.num_planned += 1
+            samplers.append(req)
         return n
 
     def _may_admit(self, decoding: bool) -> bool:
@@ -147,26 +173,36 @@ class Scheduler:
         return self.kv.num_used < self.limits.token_ratio * self.kv.num_slots
 
     def _kv_fits(self, candidate: Request) -> bool:
-        reqs = list(self.running.values()) + [candidate]
-        # cached now (or once prefilled): every token but the last sampled one, which the next step feeds
-        held = np.fromiter((r.num_tokens - 1 for r in reqs), dtype=np.int64, count=len(reqs))
-        left = np.fromiter((r.max_new_tokens - len(r.output_ids) for r in reqs), dtype=np.int64, count=len(reqs))
+        live = [r for r in self.running.values() if r.status is Status.RUNNING]
+        # finished requests whose steps are still out hold their slots a little longer
+        lingering = sum(len(r.slots) for r in self.running.values() if r.status is Status.FINISHED)
+        margin = self.limits.pipeline_depth - 1  # a finished request frees its KV this many steps late
+        n = len(live) + 1
+        held = np.empty(n, dtype=np.int64)
+        left = np.empty(n, dtype=np.int64)
+        # Counted after this step's allocations; a prompt counts whole from its first chunk on, since
+        # chunks grow faster than the one slot per step the estimate assumes.
+        for i, r in enumerate(live + [candidate]):
+            held[i] = max(r.num_computed, r.prompt_len)
+            left[i] = r.peak_tokens - held[i] + margin  # slots it may still take
         order = np.argsort(-left, kind="stable")
-        need = (np.cumsum(held[order]) + left[order] * np.arange(1, len(reqs) + 1)).max()
+        need = (np.cumsum(held[order]) + left[order] * np.arange(1, n + 1)).max() + lingering
         return int(need) <= self.limits.kv_slots
 
     # ---- results back ----------------------------------------------------------------------
 
     def on_result(self, result: StepResult) -> list[TokenDelta]:
-        """Append sampled tokens, finish requests that hit a stop condition; one delta per request."""
-        assert self._in_flight is not None, "a result arrived with no step in flight"
-        self._in_flight = None
+        """Tokens of the oldest step in flight: append them, finish requests that hit a stop
+        condition, free what no step in flight uses any more. One delta per live request."""
+        samplers = self._in_flight.popleft()
+        touched = self._in_flight_all.popleft()
+        if len(result.token_ids) != len(samplers):
+            raise RuntimeError(f"step {result.step}: {len(result.token_ids)} tokens for {len(samplers)} samplers")
         deltas: list[TokenDelta] = []
         has_lp = bool(result.logprobs)
-        for i, (row, token) in enumerate(zip(result.rows, result.token_ids)):
-            req = self.running.get(row)
-            if req is None:
-                continue
+        for i, (req, token) in enumerate(zip(samplers, result.token_ids)):
+            if req.status is not Status.RUNNING:
+                continue  # finished while this step was out: the token is dropped
             req.output_ids.append(token)
             delta = TokenDelta(request_id=req.id, token_ids=[token])
             if has_lp:
@@ -179,11 +215,10 @@ class Scheduler:
                 self._finish(req, reason)
                 delta.finish_reason = reason
             deltas.append(delta)
-        for request_id in self._deferred_aborts:
-            d = self.abort(request_id)
-            if d is not None:
-                deltas.append(d)
-        self._deferred_aborts = []
+        for req in touched:
+            req.steps_in_flight -= 1
+            if req.status is Status.FINISHED and req.steps_in_flight == 0:
+                self._release(req)
         return deltas
 
     def _stop_reason(self, req: Request, token: int) -> Optional[str]:
@@ -197,6 +232,12 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> TokenDelta:
         req.status = Status.FINISHED
         req.finish_reason = reason
+        self.by_id.pop(req.id, None)
+        if req.steps_in_flight == 0:
+            self._release(req)
+        return TokenDelta(request_id=req.id, token_ids=[], finish_reason=reason)
+
+    def _release(self, req: Request) -> None:
         if req.row is not None:
             self.running.pop(req.row, None)
             self._free_rows.append(req.row)
@@ -204,5 +245,3 @@ class Scheduler:
             req.row = None
         self.kv.free(req.slots)
         req.slots = []
-        self.by_id.pop(req.id, None)
-        return TokenDelta(request_id=req.id, token_ids=[], finish_reason=reason)

@@ -9,10 +9,11 @@ EOS = 2
 
 
 def make(kv_slots=64, max_running=4, batch_max_tokens=16, chunked=True, chunk=8, max_wait=1, ratio=0.0,
-         max_model_len=64):
+         max_model_len=64, depth=1):
     return Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=max_running, batch_max_tokens=batch_max_tokens,
                                      chunked_prefill=chunked, chunked_prefill_size=chunk, max_wait_tokens=max_wait,
-                                     token_ratio=ratio, max_model_len=max_model_len, eos_ids=(EOS,)))
+                                     token_ratio=ratio, max_model_len=max_model_len, eos_ids=(EOS,),
+                                     pipeline_depth=depth))
 
 
 def req(rid, prompt_len, max_new, **sp):
@@ -131,19 +132,19 @@ def test_abort_frees_kv_at_once_and_mid_step_after_the_step():
     s = make(batch_max_tokens=64)
     s.add(req("a", 5, 10))
     s.add(req("w", 5, 10))
-    s.limits.__class__  # frozen limits stay untouched
     p = s.schedule()
     answer(s, p)
     used = s.kv.num_used
     assert s.abort("a").finish_reason == "abort"
     assert s.kv.num_used == used - 5
-    # abort during a step in flight: applied after the result arrives
+    # abort during a step in flight: the request ends now, its KV returns with the step
     p = s.schedule()
-    assert s.abort("w") is None
-    deltas = answer(s, p)
-    assert deltas[-1].request_id == "w" and deltas[-1].finish_reason == "abort"
+    assert s.abort("w").finish_reason == "abort"
+    assert s.kv.num_used == 6
+    assert answer(s, p) == []  # the token sampled for the aborted request is dropped
     assert s.kv.num_used == 0
     assert s.abort("unknown") is None
+    assert s.abort("w") is None
 
 
 def test_abort_of_waiting_request():
@@ -199,3 +200,63 @@ def test_request_larger_than_the_whole_cache_is_rejected_not_queued_forever():
     s = make(kv_slots=10)
     d = s.add(req("big", 8, 5))
     assert d.finish_reason == "error" and not s.has_work()
+
+
+def test_pipelined_steps_never_plan_past_max_tokens():
+    s = make(batch_max_tokens=64, depth=2)
+    s.add(req("a", 4, 3))
+    p0 = s.schedule()  # prefill: samples output 1
+    p1 = s.schedule()  # decode: output 2, planned before output 1 is back
+    p2 = s.schedule()  # decode: output 3
+    assert p1.decode_rows == [0] and p2.decode_rows == [0]
+    assert s.schedule() is None  # 3 outputs planned = max_tokens: nothing more for a
+    assert s.steps_in_flight == 3
+    got = [answer(s, p, token=t) for p, t in ((p0, 11), (p1, 12), (p2, 13))]
+    assert [d[0].token_ids for d in got] == [[11], [12], [13]]
+    assert got[-1][0].finish_reason == "length"
+    assert s.kv.num_used == 0
+
+
+def test_pipelined_eos_drops_the_extra_token_and_frees_after_the_step_returns():
+    s = make(batch_max_tokens=64, depth=2)
+    s.add(req("a", 4, 10))
+    p0 = s.schedule()
+    p1 = s.schedule()
+    deltas = answer(s, p0, token=EOS)
+    assert deltas[0].finish_reason == "stop"
+    assert s.kv.num_used == 5  # 4 prompt slots + the slot step 1 writes into, still in flight
+    assert s.schedule() is None
+    assert answer(s, p1, token=5) == []
+    assert s.kv.num_used == 0
+    assert s.schedule() is None  # the release rides with the next real step
+    s.add(req("b", 2, 2))
+    assert s.schedule().release_rows == [0]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_many_requests_pipelined_complete_with_bounded_kv(depth):
+    import random
+    rng = random.Random(depth)
+    s = make(kv_slots=120, max_running=6, batch_max_tokens=24, chunk=8, max_model_len=64, depth=depth)
+    for i in range(25):
+        s.add(req(f"r{i}", rng.randint(1, 30), rng.randint(1, 20)))
+    outputs: dict[str, int] = {}
+    finished = set()
+    plans = []
+    for _ in range(3000):
+        if not s.has_work() and not plans:
+            break
+        while len(plans) < depth:
+            p = s.schedule()
+            if p is None:
+                break
+            assert s.kv.num_used <= 120
+            plans.append(p)
+        p = plans.pop(0)
+        token = EOS if rng.random() < 0.05 else 5
+        for d in answer(s, p, token=token):
+            outputs[d.request_id] = outputs.get(d.request_id, 0) + len(d.token_ids)
+            if d.finish_reason:
+                finished.add(d.request_id)
+    assert finished == {f"r{i}" for i in range(25)}
+    assert s.kv.num_used == 0 and not s.running
