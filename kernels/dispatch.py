@@ -1,47 +1,98 @@
-"""Choose, per call, between a Triton kernel (CUDA tensors) and the torch reference."""
+"""Choose, per call, between a Triton kernel (CUDA tensors) and the torch reference.
+
+Triton is imported on the first CUDA call only, so CPU-only installs never need it and tests can
+set TRITON_INTERPRET before it is imported. The keyword-only hints (max lengths, top_filters) are
+host-side ints/bools that size grids or skip work without a device sync; the references ignore them.
+"""
 from __future__ import annotations
 
+import functools
+import importlib
 import os
+import sys
+import types
+from typing import Optional
 
 from llaunch.kernels import reference
 
 _FORCE_REFERENCE = os.environ.get("LLAUNCH_KERNELS", "") == "reference"
+_KERNEL_MODULES = ("rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention", "silu_mul", "sampling")
 
 
 def _use_triton(t) -> bool:
     return t.is_cuda and not _FORCE_REFERENCE
 
 
+@functools.cache
+def triton_ops() -> types.SimpleNamespace:
+    """The Triton implementations, by op name (imports triton on first use)."""
+    modules = {name: importlib.import_module(f"llaunch.kernels.{name}") for name in _KERNEL_MODULES}
+    # Importing `llaunch.kernels.rmsnorm` rebinds the package's `rmsnorm` op to the module: undo that.
+    package = sys.modules["llaunch.kernels"]
+    for name in _KERNEL_MODULES:
+        if name in globals():
+            setattr(package, name, globals()[name])
+    return types.SimpleNamespace(
+        rmsnorm=modules["rmsnorm"].rmsnorm,
+        rotary_embedding=modules["rotary"].rotary_embedding,
+        store_kv=modules["store_kv"].store_kv,
+        prefill_attention=modules["prefill_attention"].prefill_attention,
+        decode_attention=modules["decode_attention"].decode_attention,
+        silu_mul=modules["silu_mul"].silu_mul,
+        apply_penalties=modules["sampling"].apply_penalties,
+        sample=modules["sampling"].sample,
+    )
+
+
 rope_cos_sin = reference.rope_cos_sin
 
 
 def rmsnorm(x, weight, eps, residual=None):
+    if _use_triton(x):
+        return triton_ops().rmsnorm(x, weight, eps, residual)
     return reference.rmsnorm(x, weight, eps, residual)
 
 
 def rotary_embedding(q, k, positions, cos, sin):
+    if _use_triton(q):
+        return triton_ops().rotary_embedding(q, k, positions, cos, sin)
     return reference.rotary_embedding(q, k, positions, cos, sin)
 
 
 def store_kv(k_cache, v_cache, slots, k, v):
+    if _use_triton(k):
+        return triton_ops().store_kv(k_cache, v_cache, slots, k, v)
     return reference.store_kv(k_cache, v_cache, slots, k, v)
 
 
-def prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale):
+def prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale,
+                      *, max_q_len: Optional[int] = None):
+    if _use_triton(q):
+        return triton_ops().prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens,
+                                              prefix_lens, scale, max_q_len=max_q_len)
     return reference.prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale)
 
 
-def decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale):
+def decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, *, max_len: Optional[int] = None):
+    if _use_triton(q):
+        return triton_ops().decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale,
+                                             max_len=max_len)
     return reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale)
 
 
 def silu_mul(x):
+    if _use_triton(x):
+        return triton_ops().silu_mul(x)
     return reference.silu_mul(x)
 
 
 def apply_penalties(logits, counts, presence, frequency, repetition, seen):
+    if _use_triton(logits):
+        return triton_ops().apply_penalties(logits, counts, presence, frequency, repetition, seen)
     return reference.apply_penalties(logits, counts, presence, frequency, repetition, seen)
 
 
-def sample(logits, temperature, top_p, top_k, seeds, offsets):
+def sample(logits, temperature, top_p, top_k, seeds, offsets, *, top_filters: bool = True):
+    if _use_triton(logits):
+        return triton_ops().sample(logits, temperature, top_p, top_k, seeds, offsets, top_filters=top_filters)
     return reference.sample(logits, temperature, top_p, top_k, seeds, offsets)

@@ -48,6 +48,7 @@ class ModelConfig:
     load_format: LoadFormat = LoadFormat.auto
     dtype: DType = DType.auto  # auto: config.json's dtype on GPU, float32 on CPU
     seed: int = 0  # dummy weights
+    enforce_eager: bool = False  # no CUDA graphs (vLLM's name): for debugging and A/B timing
     max_model_len: Optional[int] = None  # context length; default: max_position_embeddings
     eos_token_ids: Optional[List[int]] = None  # default: config.json / generation_config.json
     # Architecture. None: read from `path`/config.json. Sized profiles set them so dummy needs no files.

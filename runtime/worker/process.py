@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 import zmq
@@ -51,8 +52,9 @@ def main() -> None:
                         process_group=group)
     num_slots = kv_slots_for(cfg, model, device, group)
     max_rows = cfg.router.max_running_requests
-    kv = model.make_kv_cache(num_slots, max_rows, cfg.model.max_model_len)
-    runner = ModelRunner(model, kv, max_rows, device)
+    # one extra row and slot: scratch space that padded CUDA-graph rows read and write
+    kv = model.make_kv_cache(num_slots + 1, max_rows + 1, cfg.model.max_model_len)
+    runner = ModelRunner(model, kv, max_rows, device, cuda_graphs=not cfg.model.enforce_eager)
     log.info("model loaded: %s %s on %s, %d KV slots", cfg.model.name, dtype, device, num_slots)
 
     ctx = zmq.Context()
@@ -61,13 +63,37 @@ def main() -> None:
     if results is not None:
         results.send(WorkerReady(kv_slots=num_slots, max_running_requests=max_rows))
     bootstrap.report_ready(ctx, cfg, spec, kv_slots=num_slots)
-    while True:
-        plan = plans.recv()
-        if isinstance(plan, Shutdown):
-            break
-        result = runner.execute(plan)
+    serve(runner, plans, results, overlap=device.type == "cuda")
+
+
+def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool) -> None:
+    """Run plans in order. With `overlap`, step N+1 is launched before step N's tokens are read,
+    so the device is busy while the host prepares the next step."""
+    pending = None
+
+    def send(step):
+        result = runner.finish(step)
         if results is not None:
             results.send(result)
+
+    while True:
+        msg = plans.recv_nowait() if pending is not None else plans.recv()
+        if msg is None:
+            if runner.ready(pending):
+                send(pending)
+                pending = None
+            else:
+                time.sleep(20e-6)
+            continue
+        if isinstance(msg, Shutdown):
+            break
+        step = runner.launch(msg)
+        if not overlap:
+            send(step)
+            continue
+        if pending is not None:
+            send(pending)
+        pending = step
 
 
 if __name__ == "__main__":

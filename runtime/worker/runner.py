@@ -1,34 +1,62 @@
 """Turns a StepPlan into a ForwardBatch, runs the model and samples. The worker keeps each row's
-last sampled token and length, so a decode step needs nothing from the router but slot ids."""
+last sampled token and length, so a decode step needs nothing from the router but slot ids.
+
+`launch` enqueues a step's device work and returns at once; `finish` waits for its tokens. The
+worker launches step N+1 before finishing step N, so the host prepares the next step while the
+device computes (the router plans ahead for that)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
-from llaunch.runtime.worker.sampling_state import SamplingState
+from llaunch.runtime.worker.sampling_state import SamplingState, logprobs_to_host
+
+
+@dataclass
+class PendingStep:
+    step: int
+    rows: list[int]
+    tokens: Optional[torch.Tensor]  # on the host (pinned) once `done` fires
+    done: Optional[torch.cuda.Event]
+    logprobs: object
+    t0: float
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device):
+    def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device, cuda_graphs: bool = False):
+        """`kv` has one row and one slot more than the router uses: scratch space for padding."""
         self.model = model
         self.kv = kv
         self.device = device
         self.max_rows = max_rows
         self.sampling = SamplingState(max_rows, model.arch.vocab_size, device)
-        self.last_token = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
         self.seq_len = [0] * max_rows  # tokens in the KV cache per row (host mirror)
+        self.graphs = None
+        if cuda_graphs and device.type == "cuda":
+            from llaunch.runtime.worker.cuda_graphs import DecodeGraphs
+
+            scratch_slot = kv.num_slots - 1
+            kv.req_to_slots[max_rows].fill_(scratch_slot)
+            self.graphs = DecodeGraphs(model, kv, self.last_token, max_rows, kv.req_to_slots.shape[1],
+                                       scratch_row=max_rows, scratch_slot=scratch_slot)
+            self.graphs.capture()
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[int]]:
-        """The forward inputs, and the rows whose next token is sampled (in logits order)."""
+    def _start_rows(self, plan: StepPlan) -> None:
         for new in plan.new:
             self.sampling.set_row(new.row, new.sampling, new.prompt_ids)
             self.seq_len[new.row] = 0
+
+    def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[int]]:
+        """The forward inputs, and the rows whose next token is sampled (in logits order)."""
         nd = len(plan.decode_rows)
         positions = [self.seq_len[r] for r in plan.decode_rows]
         table_rows, table_pos, table_slots = list(plan.decode_rows), list(positions), list(plan.decode_slots)
@@ -82,20 +110,50 @@ class ModelRunner:
         )
         return batch, sampled_rows
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        t0 = time.perf_counter()
+    def _forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], list[int]]:
+        if self.graphs is not None and not plan.prefill and self.graphs.fits(len(plan.decode_rows)):
+            rows = list(plan.decode_rows)
+            positions = [self.seq_len[r] for r in rows]
+            for r in rows:
+                self.seq_len[r] += 1
+            lens = [p + 1 for p in positions]
+            return self.graphs.run(rows, positions, list(plan.decode_slots), lens), rows
         batch, rows = self.build_batch(plan)
         if batch.num_tokens == 0:
-            return StepResult(step=plan.step, rows=[], token_ids=[])
-        logits = self.model.forward(batch, self.kv)
-        if not rows:
-            return StepResult(step=plan.step, rows=[], token_ids=[], forward_s=time.perf_counter() - t0)
+            return None, []
+        return self.model.forward(batch, self.kv), rows
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> PendingStep:
+        t0 = time.perf_counter()
+        self._start_rows(plan)
+        logits, rows = self._forward(plan)
+        if logits is None or not rows:
+            return PendingStep(plan.step, [], None, None, None, t0)
         tokens = self.sampling.sample(logits, rows)
         self.last_token[self._tensor(rows)] = tokens
-        result = StepResult(step=plan.step, rows=rows, token_ids=tokens.tolist())
-        lp = self.sampling.logprobs(logits, rows, tokens)
-        if lp is not None:
-            result.logprobs, result.top_ids, result.top_logprobs = lp
-        result.forward_s = time.perf_counter() - t0
+        logprobs = self.sampling.logprobs(logits, rows, tokens)
+        done = None
+        if self.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            tokens, done = host, torch.cuda.Event()
+            done.record()
+        return PendingStep(plan.step, rows, tokens, done, logprobs, t0)
+
+    def finish(self, pending: PendingStep) -> StepResult:
+        if pending.done is not None:
+            pending.done.synchronize()
+        if pending.tokens is None:
+            return StepResult(step=pending.step, rows=[], token_ids=[])
+        result = StepResult(step=pending.step, rows=pending.rows, token_ids=pending.tokens.tolist())
+        if pending.logprobs is not None:
+            result.logprobs, result.top_ids, result.top_logprobs = logprobs_to_host(pending.logprobs)
+        result.forward_s = time.perf_counter() - pending.t0
         return result
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.finish(self.launch(plan))
+
+    def ready(self, pending: PendingStep) -> bool:
+        return pending.done is None or pending.done.query()

@@ -24,6 +24,7 @@ class SamplingState:
         self.repetition = torch.ones(max_rows, **f32)
         # host mirrors that decide which code path a step takes (no device reads)
         self.greedy = [True] * max_rows
+        self.filtered = [False] * max_rows  # uses top-k or top-p
         self.penalized = [False] * max_rows
         self.top_logprobs = [-1] * max_rows  # -1: no logprobs; 0: chosen token only; n: plus top n
         self.generated = [0] * max_rows  # tokens sampled so far: the noise counter
@@ -46,6 +47,7 @@ class SamplingState:
         self.frequency[row] = sp.frequency_penalty
         self.repetition[row] = sp.repetition_penalty
         self.greedy[row] = sp.greedy
+        self.filtered[row] = sp.top_p < 1.0 or 0 < sp.top_k < self.vocab_size
         self.penalized[row] = sp.penalized
         self.top_logprobs[row] = sp.top_logprobs if sp.logprobs else -1
         self.generated[row] = 0
@@ -69,7 +71,7 @@ class SamplingState:
         else:
             offsets = torch.tensor([self.generated[r] for r in rows], dtype=torch.int64, device=self.device)
             tokens = kernels.sample(logits, self.temperature[rows_t], self.top_p[rows_t], self.top_k[rows_t],
-                                    self.seed[rows_t], offsets)
+                                    self.seed[rows_t], offsets, top_filters=any(self.filtered[r] for r in rows))
         if penalized:
             counts[rows_t, tokens] += 1
             seen[rows_t, tokens] = True
@@ -78,20 +80,26 @@ class SamplingState:
         return tokens
 
     def logprobs(self, logits: torch.Tensor, rows: list[int], tokens: torch.Tensor):
-        """(chosen logprobs, top ids, top logprobs) as host lists, or None when no row asked.
-        Logprobs are of the model's distribution (raw logits), as vLLM and OpenAI report them."""
+        """Device tensors (chosen [S], top values [S, k], top ids [S, k], per-row k) or None when no
+        row asked. Logprobs are of the model's distribution (raw logits), as vLLM and OpenAI report
+        them. Computed when the step is launched: the logits buffer is reused by the next step."""
         wants = [self.top_logprobs[r] for r in rows]
         if max(wants, default=-1) < 0:
             return None
         lp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = lp.gather(1, tokens[:, None]).squeeze(1).tolist()
+        chosen = lp.gather(1, tokens[:, None]).squeeze(1)
         k = max(wants)
-        top_ids: list[list[int]] = [[] for _ in rows]
-        top_lps: list[list[float]] = [[] for _ in rows]
-        if k > 0:
-            vals, ids = lp.topk(k, dim=-1)
-            vals, ids = vals.tolist(), ids.tolist()
-            for i, n in enumerate(wants):
-                if n > 0:
-                    top_ids[i], top_lps[i] = ids[i][:n], vals[i][:n]
-        return chosen, top_ids, top_lps
+        vals, ids = lp.topk(k, dim=-1) if k > 0 else (None, None)
+        return chosen, vals, ids, wants
+
+
+def logprobs_to_host(device_lp) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    chosen, vals, ids, wants = device_lp
+    top_ids: list[list[int]] = [[] for _ in wants]
+    top_lps: list[list[float]] = [[] for _ in wants]
+    if vals is not None:
+        vals, ids = vals.tolist(), ids.tolist()
+        for i, n in enumerate(wants):
+            if n > 0:
+                top_ids[i], top_lps[i] = ids[i][:n], vals[i][:n]
+    return chosen.tolist(), top_ids, top_lps

@@ -1,0 +1,111 @@
+"""CUDA graphs for decode-only steps, one per batch-size bucket (gpt-fast's fixed shapes: the whole
+forward of a decode step is replayed with one launch, so batch-1 decode is bound by the weights,
+not by Python).
+
+The graph reads static buffers: each decode row's id, position, new slot and length. Inside the
+graph it records the new slots in `req_to_slots` and gathers each row's last sampled token, so a
+step costs one host→device copy and one replay. Padding rows use a scratch row whose every position
+maps to a scratch KV slot, which no request owns.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from llaunch.runtime.models.batch import ForwardBatch, KvCache
+
+log = logging.getLogger("llaunch.worker")
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, every 16 up to 256, every 32 beyond."""
+    sizes, b = [1, 2, 4], 8
+    while b < max_batch:
+        sizes.append(b)
+        b += 8 if b < 64 else 16 if b < 256 else 32
+    sizes.append(max_batch)
+    return sorted({s for s in sizes if s <= max_batch})
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv: KvCache, last_token: torch.Tensor, max_batch: int, max_model_len: int,
+                 scratch_row: int, scratch_slot: int):
+        self.model, self.kv, self.last_token = model, kv, last_token
+        self.scratch_row, self.scratch_slot = scratch_row, scratch_slot
+        self.max_model_len = max_model_len
+        self.buckets = bucket_sizes(max_batch)
+        device = last_token.device
+        n = self.buckets[-1]
+        # rows, positions, slots, seq_lens: one [4, n] buffer filled by a single copy per step
+        self.inputs = torch.zeros(4, n, dtype=torch.int64, device=device)
+        self._host = [torch.zeros(4, n, dtype=torch.int64).pin_memory() for _ in range(3)]
+        self._host_turn = 0
+        self.logits_index = torch.arange(n, dtype=torch.int64, device=device)
+        self._empty = torch.zeros(0, dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def _step(self, b: int) -> torch.Tensor:
+        rows, positions, slots, lens = self.inputs[0, :b], self.inputs[1, :b], self.inputs[2, :b], self.inputs[3, :b]
+        self.kv.req_to_slots[rows, positions] = slots.to(self.kv.req_to_slots.dtype)
+        batch = ForwardBatch(
+            input_ids=self.last_token[rows], positions=positions, out_slots=slots,
+            decode_rows=rows, decode_seq_lens=lens, prefill_rows=self._empty, prefill_q_starts=self._empty,
+            prefill_q_lens=self._empty, prefill_prefix_lens=self._empty, logits_index=self.logits_index[:b],
+            num_decode=b, num_prefill_tokens=0, max_decode_len=self.max_model_len)
+        return self.model.forward(batch, self.kv)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
+        self._fill_padding(0, self.buckets[-1])
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
+                self._step(self.buckets[-1])
+                self._step(1)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for b in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._step(b)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[b] = (graph, out)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        host = self._host[self._host_turn]
+        host[0, start:end] = self.scratch_row
+        host[1, start:end] = 0
+        host[2, start:end] = self.scratch_slot
+        host[3, start:end] = 1
+        self.inputs[:, start:end].copy_(host[:, start:end])
+
+    def fits(self, num_decode: int) -> bool:
+        return 0 < num_decode <= self.buckets[-1]
+
+    def run(self, rows: list[int], positions: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:
+        """Logits [len(rows), vocab] of a decode-only step."""
+        n = len(rows)
+        b = next(s for s in self.buckets if s >= n)
+        # a ring of pinned buffers: the copy of step N may still be queued while N+1 is prepared
+        self._host_turn = (self._host_turn + 1) % len(self._host)
+        host = self._host[self._host_turn]
+        host[0, :n] = torch.tensor(rows, dtype=torch.int64)
+        host[1, :n] = torch.tensor(positions, dtype=torch.int64)
+        host[2, :n] = torch.tensor(slots, dtype=torch.int64)
+        host[3, :n] = torch.tensor(lens, dtype=torch.int64)
+        host[0, n:b] = self.scratch_row
+        host[1, n:b] = 0
+        host[2, n:b] = self.scratch_slot
+        host[3, n:b] = 1
+        self.inputs[:, :b].copy_(host[:, :b], non_blocking=True)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n]

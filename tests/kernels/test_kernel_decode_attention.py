@@ -1,0 +1,85 @@
+"""Grouped-query flash-decoding attention vs reference.decode_attention."""
+import pytest
+import torch
+
+from llaunch import kernels
+from llaunch.kernels import reference
+
+LENGTHS = [1, 17, 129, 64, 250]
+HEADS = [(7, 1), (3, 1), (2, 2)]
+
+
+def _run(attend, lengths, q_heads, kv_heads, dim, dtype, kv_cache, device="cpu", **hints):
+    k_cache, v_cache, req_to_slots, rows = kv_cache(lengths, kv_heads, dim, dtype, device)
+    seq_lens = torch.tensor(lengths, device=device)
+    q = torch.randn(len(lengths), q_heads, dim, device=device).to(dtype)
+    scale = dim ** -0.5
+    out = attend(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, **hints)
+    return out, reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_decode_mixed_batch_interpreted(ops, poisoned, close, kv_cache, dtype, heads, dim):
+    with poisoned():
+        out, ref = _run(ops.decode_attention, LENGTHS, *heads, dim, dtype, kv_cache, max_len=max(LENGTHS))
+    close(out, ref)
+
+
+@pytest.mark.parametrize("max_len", [None, 1, 64, 4096])
+def test_decode_split_count_never_changes_the_result(ops, poisoned, close, kv_cache, max_len):
+    # max_len only sets how many chunks a sequence is cut into; an under-estimate stays correct
+    with poisoned():
+        out, ref = _run(ops.decode_attention, LENGTHS, 3, 1, 64, torch.float32, kv_cache, max_len=max_len)
+    close(out, ref)
+
+
+def test_decode_single_token_context(ops, poisoned, close, kv_cache):
+    with poisoned():
+        out, ref = _run(ops.decode_attention, [1], 7, 1, 128, torch.float32, kv_cache, max_len=1)
+    close(out, ref)
+
+
+@pytest.mark.parametrize("max_len", [9, 4096])  # one split (no merge pass), several splits
+def test_decode_empty_padding_row_gives_zeros(ops, poisoned, kv_cache, max_len):
+    # CUDA-graph batches are padded with rows of length 0: they must come out as the reference's zeros
+    k_cache, v_cache, req_to_slots, rows = kv_cache([5, 9], 1, 64, torch.float32)
+    q = torch.randn(2, 3, 64)
+    seq_lens = torch.tensor([5, 0])
+    with poisoned():
+        out = ops.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.125, max_len=max_len)
+    ref = reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.125)
+    assert torch.equal(ref[1], torch.zeros_like(ref[1])) and torch.equal(out[1], ref[1])
+    torch.testing.assert_close(out[0], ref[0], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,dim", [((28, 4), 128), ((9, 3), 64)])
+@pytest.mark.parametrize("batch,max_len", [(64, 1024), (1, 4096), (256, 512)])
+def test_decode_gpu(cuda, poisoned, close, kv_cache, heads, dim, batch, max_len):
+    lengths = torch.randint(max_len // 2, max_len + 1, (batch,)).tolist()
+    lengths[0] = 1
+    with poisoned():
+        out, ref = _run(kernels.decode_attention, lengths, *heads, dim, torch.bfloat16, kv_cache, cuda,
+                        max_len=max_len)
+    close(out, ref)
+
+
+@pytest.mark.gpu
+def test_decode_replays_in_a_cuda_graph(cuda, close, kv_cache):
+    lengths = [1000] * 64
+    k_cache, v_cache, req_to_slots, rows = kv_cache(lengths, 4, 128, torch.bfloat16, cuda)
+    q = torch.randn(64, 28, 128, device=cuda).to(torch.bfloat16)
+    seq_lens = torch.tensor(lengths, device=cuda)
+    attend = lambda: kernels.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.088,  # noqa: E731
+                                              max_len=1000)
+    attend()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend()
+    for _ in range(2):  # new inputs in the captured buffers, then replay
+        q.copy_(torch.randn_like(q, dtype=torch.float32))
+        seq_lens.copy_(torch.randint(1, 1001, (64,), device=cuda))
+        graph.replay()
+        close(out, reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.088))

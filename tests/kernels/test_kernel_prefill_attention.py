@@ -1,0 +1,62 @@
+"""Variable-length causal prefill attention over cached prefixes vs reference.prefill_attention."""
+import pytest
+import torch
+
+from llaunch import kernels
+from llaunch.kernels import reference
+
+# (prefix already cached, new tokens) per sequence, all in one call.
+MIXED = [(0, 17), (40, 1), (5, 129), (0, 1), (64, 64)]
+HEADS = [(7, 1), (3, 1), (2, 2)]
+
+
+def _run(attend, chunks, q_heads, kv_heads, dim, dtype, kv_cache, device="cpu", hint=True, q_view=False):
+    k_cache, v_cache, req_to_slots, rows = kv_cache([p + n for p, n in chunks], kv_heads, dim, dtype, device)
+    prefix_lens = torch.tensor([p for p, _ in chunks], device=device)
+    q_lens = torch.tensor([n for _, n in chunks], device=device)
+    q_starts = torch.cumsum(q_lens, 0) - q_lens
+    tokens = int(q_lens.sum())
+    if q_view:  # q as a view into a fused qkv projection (token stride > Hq * D)
+        q = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, device=device).to(dtype)[:, : q_heads * dim]
+        q = q.view(tokens, q_heads, dim)
+    else:
+        q = torch.randn(tokens, q_heads, dim, device=device).to(dtype)
+    scale = dim ** -0.5
+    hints = {"max_q_len": max(n for _, n in chunks)} if hint else {}
+    out = attend(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale, **hints)
+    return out, reference.prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens,
+                                            prefix_lens, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_prefill_mixed_batch_interpreted(ops, poisoned, close, kv_cache, dtype, heads, dim):
+    with poisoned():
+        out, ref = _run(ops.prefill_attention, MIXED, *heads, dim, dtype, kv_cache)
+    close(out, ref)
+
+
+@pytest.mark.parametrize("chunks", [[(0, 1)], [(37, 1)], [(0, 123)], [(200, 5)]])
+def test_prefill_single_sequence_interpreted(ops, poisoned, close, kv_cache, chunks):
+    with poisoned():
+        out, ref = _run(ops.prefill_attention, chunks, 7, 1, 64, torch.float32, kv_cache)
+    close(out, ref)
+
+
+def test_prefill_without_length_hint_and_strided_q(ops, poisoned, close, kv_cache):
+    with poisoned():
+        out, ref = _run(ops.prefill_attention, MIXED[:3], 3, 1, 64, torch.float32, kv_cache, hint=False,
+                        q_view=True)
+    close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [[(0, 4096)], [(0, 1024), (1000, 2048), (0, 1), (3000, 17)],
+                                    [(0, 129)] * 16])
+@pytest.mark.parametrize("heads,dim", [((28, 4), 128), ((9, 3), 64)])
+def test_prefill_gpu(cuda, poisoned, close, kv_cache, chunks, heads, dim):
+    with poisoned():
+        out, ref = _run(kernels.prefill_attention, chunks, *heads, dim, torch.bfloat16, kv_cache, cuda,
+                        q_view=True)
+    close(out, ref)
