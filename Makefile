@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test clean wheelhouse
 
-setup: $(VENV)/.installed $(MODELS_DIR)/smollm2-135m/config.json
+setup: $(VENV)/.installed $(MODELS_DIR)/smollm2-135m/config.json $(MODELS_DIR)/qwen2-tokenizer/tokenizer.json
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ $(VENV)/.installed: pyproject.toml
 
 $(MODELS_DIR)/smollm2-135m/config.json: $(VENV)/.installed scripts/prepare_models.py
 	$(BIN)/python scripts/prepare_models.py --out $(MODELS_DIR)
+
+# Qwen2 / Llama-3 tokenizers for the sized profiles (qwen2-7b, ... with dummy weights)
+$(MODELS_DIR)/qwen2-tokenizer/tokenizer.json: $(VENV)/.installed scripts/prepare_tokenizers.py
+	$(BIN)/python scripts/prepare_tokenizers.py --out $(MODELS_DIR)
 
 serve: setup
 	$(BIN)/llaunch

@@ -64,9 +64,8 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-                self._step(self.buckets[-1])
-                self._step(1)
+            for b in self.buckets:  # warm-up: Triton compiles each specialization outside the capture
+                self._step(b)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         for b in reversed(self.buckets):

@@ -15,6 +15,7 @@ import torch
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.worker.sampling_state import SamplingState, logprobs_to_host
+from llaunch.runtime.worker.transfer import to_device
 
 
 @dataclass
@@ -48,7 +49,7 @@ class ModelRunner:
             self.graphs.capture()
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        return to_device(values, dtype, self.device)
 
     def _start_rows(self, plan: StepPlan) -> None:
         for new in plan.new:

@@ -8,6 +8,7 @@ import torch
 
 from llaunch import kernels
 from llaunch.runtime.ipc.messages import SamplingParams
+from llaunch.runtime.worker.transfer import to_device
 
 
 class SamplingState:
@@ -56,12 +57,12 @@ class SamplingState:
             counts[row].zero_()
             seen[row].zero_()
             if prompt_ids:
-                seen[row, torch.tensor(prompt_ids, dtype=torch.int64, device=self.device)] = True
+                seen[row, to_device(prompt_ids, torch.int64, self.device)] = True
 
     def sample(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Tokens [len(rows)] for logits [len(rows), V]; also advances the rows' counters."""
         penalized = any(self.penalized[r] for r in rows)
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        rows_t = to_device(rows, torch.int64, self.device)
         if penalized:
             counts, seen = self._penalty_tables()
             logits = kernels.apply_penalties(logits, counts[rows_t].to(logits.dtype), self.presence[rows_t],
@@ -69,7 +70,7 @@ class SamplingState:
         if all(self.greedy[r] for r in rows):
             tokens = torch.argmax(logits, dim=-1)
         else:
-            offsets = torch.tensor([self.generated[r] for r in rows], dtype=torch.int64, device=self.device)
+            offsets = to_device([self.generated[r] for r in rows], torch.int64, self.device)
             tokens = kernels.sample(logits, self.temperature[rows_t], self.top_p[rows_t], self.top_k[rows_t],
                                     self.seed[rows_t], offsets, top_filters=any(self.filtered[r] for r in rows))
         if penalized:
