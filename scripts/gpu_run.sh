@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One call on an air-gapped GPU host: install the wheelhouse and llaunch, check correctness against
+# transformers, serve the Qwen2-7B-shaped dummy model, run the benchmark cases of
+# ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
+#   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
+#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels; default: all)
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/llaunch-gpu}
+mkdir -p "$OUT"
+CASES=${*:-correctness single c64 c256 baseline}
+PY=python3
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+
+SERVE=${SERVE:-model=qwen2-7b model.load_format=dummy router.max_running_requests=256}
+MODEL_NAME=${MODEL_NAME:-qwen2-7b}
+if [ -z "${SKIP_INSTALL:-}" ]; then
+stamp "install"
+$PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+$PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+
+has() { [[ " $CASES " == *" $1 "* ]]; }
+
+if has correctness; then
+  stamp "correctness: Qwen2-7B shape, bf16, vs transformers"
+  timeout 200 $PY scripts/gpu_correctness.py 2>&1 | grep -v Warning | tee "$OUT/correctness.jsonl"
+fi
+
+if has kernels; then
+  stamp "kernel tests (gpu marker)"
+  TRITON_INTERPRET=0 timeout 200 $PY -m pytest -q -m gpu tests/kernels --confcutdir=tests/kernels -p no:cacheprovider 2>&1 | tail -5
+fi
+
+BENCH=""
+for c in single c64 c256; do has $c && BENCH="$BENCH $c"; done
+if [ -n "$BENCH" ]; then
+  stamp "serve qwen2-7b dummy"
+  start=$($PY -c "import time; print(time.time())")
+  llaunch $SERVE server.port=8000 hydra.run.dir=/tmp/llaunch-run >"$OUT/llaunch.log" 2>&1 &
+  LPID=$!
+  $PY - "$start" "$LPID" <<'PYEOF' | tee "$OUT/startup.txt"
+import os, sys, time, urllib.request
+start, pid = float(sys.argv[1]), int(sys.argv[2])
+while time.time() - start < 300:
+    try:
+        if urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=1).status == 200:
+            print(f"launch -> /health 200: {time.time() - start:.1f}s")
+            sys.exit(0)
+    except Exception:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        break
+    time.sleep(0.2)
+print("launch -> /health: never")
+PYEOF
+  ok=0; grep -q "200:" "$OUT/startup.txt" && ok=1
+  if [ $ok = 1 ]; then
+    run_case() {  # name prompts input output concurrency timeout
+      stamp "bench $1"
+      timeout "$6" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model $MODEL_NAME --num-prompts "$2" \
+        --input-len "$3" --output-len "$4" --concurrency "$5" --warmup 2 --vocab-size 151000 \
+        --result-file "$OUT/bench-$1.json" 2>&1 | grep -E "throughput|TTFT|TPOT|Successful|Failed|duration"
+    }
+    has single && run_case single 5 512 256 1 90
+    has c64 && run_case c64 512 1024 256 64 150
+    has c256 && run_case c256 1024 1024 256 256 200
+  else
+    tail -30 "$OUT/llaunch.log"; for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -15 "$f"; done
+  fi
+  kill -TERM $LPID 2>/dev/null; wait $LPID
+  tail -3 "$OUT/llaunch.log"
+  for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -40 "$f"; done > "$OUT/process-logs.txt"
+fi
+
+if has baseline; then
+  stamp "transformers baseline"
+  timeout 150 $PY .gpu/hf_baseline.py --batch 1 32 128 2>&1 | grep hf_generate | tee "$OUT/hf_baseline.txt"
+fi
+stamp "done"
