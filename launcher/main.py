@@ -1,8 +1,11 @@
 """The `llaunch` command: compose profiles (Hydra) → derive → check every rule → plan the process graph →
 write {run_dir}/config.yaml → print the graph (dry run) or start and supervise it.
 
+A config with a `bench` profile runs a benchmark job instead of serving (launcher/bench_job.py).
+
 Exit codes: 0 ok; 2 the configuration is invalid (composition error or violated rules; nothing
-started); otherwise the serving graph's own status (launcher/supervise.py).
+started); otherwise the serving graph's own status (launcher/supervise.py). Benchmark jobs (a sweep):
+the number of failed jobs, capped at 255.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from llaunch.launcher import derive, plan, report, rules, store
+from llaunch.launcher import bench_job, derive, plan, report, rules, store
 from llaunch.launcher.schema import Device, LlaunchConfig, RunConfig
 
 EXIT_INVALID = 2
@@ -74,6 +77,10 @@ def _hydra_app(dict_cfg: DictConfig) -> None:
     _job_started = True
     from hydra.core.hydra_config import HydraConfig
 
+    if dict_cfg.bench is not None and not dict_cfg.dry_run:
+        # Hydra marks a job failed when it raises, runs the sweep's other jobs, then re-raises in main()
+        bench_job.run_from_hydra(dict_cfg, HydraConfig.get())
+        return
     try:
         composed = OmegaConf.to_object(dict_cfg)
     except OmegaConfBaseException as e:
@@ -97,6 +104,10 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing: we report composition errors
     try:
         _hydra_app()
+    except bench_job.BenchJobFailed as e:  # every job has run; each recorded its outcome in status.json
+        failed = bench_job.failed_jobs(e.output_dir)
+        report.err.print(f"[red]{failed} benchmark job(s) failed[/]: reasons in status.json under {e.output_dir}")
+        raise SystemExit(min(failed, 255)) from None
     except SystemExit as e:
         if e.code == 1 and not _job_started:
             raise SystemExit(EXIT_INVALID) from None

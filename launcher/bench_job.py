@@ -1,0 +1,211 @@
+"""One benchmark job of a sweep (`llaunch -m bench=c64 router.max_running_requests=64,128`).
+
+A job whose config has a `bench` profile does not serve forever: it serves its own config in a
+subprocess (launcher/bench_server.py), waits for /health, runs scripts/bench_serving.py with the bench
+profile's settings, stops the server (SIGTERM: drain) and waits until its port is free. It writes
+into the job's directory:
+
+    config.yaml   the server's resolved run config        server.log, server/ (its run dir and logs)
+    bench.json    bench_serving's result (vLLM's keys)    bench.log (its table and errors)
+    status.json   {"status": "ok" | "failed", "reason": ..., "overrides": [...], "seconds": {...}, ...}
+
+A failing job (bad config, crash, timeout) is recorded with its reason and the sweep goes on.
+Timeouts: $LLAUNCH_BENCH_READY_TIMEOUT_S (server start, default 900 s) and $LLAUNCH_BENCH_TIMEOUT_S
+(the benchmark, default 3600 s).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from llaunch.launcher.bench_server import JobFailed, ServerProcess, die_with_parent, tail, wait_port_free
+from llaunch.launcher.schema import BenchConfig, Device, LlaunchConfig, RunConfig
+from llaunch.launcher.store import REPO_ROOT
+from llaunch.launcher.sweep_progress import SweepProgress, output_root
+
+BENCH_SCRIPT = REPO_ROOT / "scripts" / "bench_serving.py"
+READY_TIMEOUT_S = float(os.environ.get("LLAUNCH_BENCH_READY_TIMEOUT_S", "900"))
+BENCH_TIMEOUT_S = float(os.environ.get("LLAUNCH_BENCH_TIMEOUT_S", "3600"))
+PORT_FREE_TIMEOUT_S = 30.0
+# Launchers that run one job at a time (basic) or place GPUs themselves (submitit: Slurm's allocation):
+# every other launcher (joblib, ...) runs jobs side by side on this host, so each job gets its own GPUs.
+SELF_PLACING_LAUNCHERS = ("BasicLauncher", "submitit")
+STAGES = ("start server", "wait for /health", "benchmark", "stop server")
+logging.getLogger("httpx").setLevel(logging.WARNING)  # Hydra's job logging would log every /health poll
+
+
+class BenchJobFailed(Exception):
+    """Raised by a failed job so that Hydra marks it failed; picklable, so parallel launchers return it."""
+
+    def __init__(self, output_dir: str):
+        super().__init__(output_dir)
+        self.output_dir = output_dir  # the sweep's directory (or the single job's)
+
+
+def failed_jobs(output_dir: str) -> int:
+    """How many jobs under a sweep (or run) directory recorded a failure."""
+    return sum(json.loads(p.read_text()).get("status") != "ok" for p in Path(output_dir).rglob("status.json"))
+
+
+@dataclass(frozen=True)
+class BenchJob:
+    job_dir: Path
+    num: int  # Hydra's job index in the sweep
+    overrides: list[str]  # the job's own overrides (`hydra.overrides.task`)
+    shares_host: bool  # jobs run side by side on this host (e.g. hydra/launcher=joblib)
+
+
+def job_gpus(num: int, gpus_per_job: int, visible: list[str]) -> list[str]:
+    """Job `num`'s share of the host's GPUs: slot num % (GPUs // GPUs per job)."""
+    slots = len(visible) // gpus_per_job
+    if slots == 0:
+        raise JobFailed(f"the job needs {gpus_per_job} GPUs (parallel.tp × parallel.dp); {len(visible)} visible")
+    slot = num % slots
+    return visible[slot * gpus_per_job:(slot + 1) * gpus_per_job]
+
+
+def _visible_gpus() -> list[str]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _uses_cuda(device: Device) -> bool:
+    if device == Device.auto:
+        import torch
+
+        return torch.cuda.is_available()
+    return device == Device.cuda
+
+
+def server_env(job: BenchJob, cfg: LlaunchConfig) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("HYDRA_FULL_ERROR", None)  # set by our own main(); the server reports config errors itself
+    if job.shares_host and _uses_cuda(cfg.device):
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(job_gpus(job.num, cfg.parallel.tp * cfg.parallel.dp, _visible_gpus()))
+    return env
+
+
+def bench_command(bench: BenchConfig, cfg: RunConfig, result_file: Path) -> list[str]:
+    args = {"base-url": cfg.graph.http_url, "model": cfg.model.name, "num-prompts": bench.num_prompts,
+            "input-len": bench.input_len, "output-len": bench.output_len, "concurrency": bench.concurrency,
+            "request-rate": bench.request_rate, "warmup": bench.warmup, "vocab-size": cfg.model.vocab_size,
+            "result-file": result_file, "api-key": cfg.server.api_key}
+    return [sys.executable, str(BENCH_SCRIPT), *(f"--{k}={v}" for k, v in args.items() if v is not None)]
+
+
+def run_bench(job_dir: Path, bench: BenchConfig, cfg: RunConfig) -> dict:
+    result_file, log_path = job_dir / "bench.json", job_dir / "bench.log"
+    result_file.unlink(missing_ok=True)
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.run(bench_command(bench, cfg, result_file), stdin=subprocess.DEVNULL, stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=BENCH_TIMEOUT_S, preexec_fn=die_with_parent,
+                                  env=dict(os.environ, COLUMNS="120"))
+        except subprocess.TimeoutExpired:
+            raise JobFailed(f"the benchmark did not finish within {BENCH_TIMEOUT_S:.0f} s "
+                            "($LLAUNCH_BENCH_TIMEOUT_S)") from None
+    if proc.returncode != 0 or not result_file.exists():
+        raise JobFailed(f"the benchmark exited with code {proc.returncode}:\n{tail(log_path, 3)}")
+    result = json.loads(result_file.read_text())
+    if result["failed"]:
+        first = next(r["error"] for r in result["requests"] if not r["success"])
+        raise JobFailed(f"{result['failed']} of {result['failed'] + result['completed']} requests failed; "
+                        f"first error: {first}")
+    return result
+
+
+def run(job: BenchJob, cfg: LlaunchConfig, progress: SweepProgress) -> dict:
+    """Serve, benchmark, stop; returns the job's status record (also written to status.json)."""
+    job.job_dir.mkdir(parents=True, exist_ok=True)
+    task = progress.start_job(job.num, job.overrides, STAGES)
+    t0 = time.monotonic()
+    deadline, timeout_name = t0 + READY_TIMEOUT_S, f"{READY_TIMEOUT_S:.0f} s ($LLAUNCH_BENCH_READY_TIMEOUT_S)"
+    status: dict = {"status": "failed", "reason": "", "overrides": job.overrides, "job_num": job.num,
+                    "seconds": {}}  # when each stage ended, from the job's start
+
+    def stage_done(name: str) -> None:
+        status["seconds"][name] = round(time.monotonic() - t0, 3)
+        progress.advance(task)
+
+    server: Optional[ServerProcess] = None
+    run_cfg: Optional[RunConfig] = None
+    try:
+        server = ServerProcess(job.job_dir, job.overrides, server_env(job, cfg))
+        status["server_pid"] = server.proc.pid
+        run_cfg = server.wait_config(deadline, timeout_name)
+        shutil.copyfile(server.run_dir / "config.yaml", job.job_dir / "config.yaml")
+        status["http_url"] = run_cfg.graph.http_url
+        stage_done("planned")
+        server.wait_healthy(run_cfg.graph.http_url, deadline, timeout_name)
+        stage_done("healthy")
+        try:
+            result = run_bench(job.job_dir, cfg.bench, run_cfg)
+        finally:
+            server.check_alive("during the benchmark")  # a crash explains a failed benchmark best
+        status.update(status="ok", output_throughput=result["output_throughput"], p99_ttft_ms=result["p99_ttft_ms"])
+        stage_done("benchmarked")
+    except JobFailed as e:
+        status["reason"] = str(e)
+    except KeyboardInterrupt:
+        status["reason"] = "interrupted"
+        raise
+    except Exception as e:  # a launcher bug still fails only this job
+        status["reason"] = f"{type(e).__name__}: {e}"
+    finally:
+        if server is not None:
+            _stop(server, run_cfg, status)
+        status["seconds"]["stopped"] = round(time.monotonic() - t0, 3)
+        write_status(job.job_dir, status)
+        progress.finish_job(task, status)
+    return status
+
+
+def _stop(server: ServerProcess, run_cfg: Optional[RunConfig], status: dict) -> None:
+    """Stop the server and wait for its port; a failure here fails a job that had passed so far."""
+    failure = server.stop(run_cfg.server.drain_timeout_s if run_cfg else 60.0)
+    status["server_exit_code"] = server.proc.returncode
+    if failure is None and run_cfg is not None and not wait_port_free(run_cfg.server.host, run_cfg.server.port,
+                                                                      PORT_FREE_TIMEOUT_S):
+        failure = f"port {run_cfg.server.port} still in use {PORT_FREE_TIMEOUT_S:.0f} s after the server stopped"
+    if failure and status["status"] == "ok":
+        status.update(status="failed", reason=failure)
+
+
+def write_status(job_dir: Path, status: dict) -> None:
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / "status.json").write_text(json.dumps(status, indent=2) + "\n")
+
+
+def run_from_hydra(dict_cfg, hydra_cfg) -> None:
+    """The `llaunch` task function's branch for a config with a bench profile; raises BenchJobFailed."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    job = BenchJob(job_dir=Path(hydra_cfg.runtime.output_dir),
+                   num=int(OmegaConf.select(hydra_cfg, "job.num", default=0) or 0),
+                   overrides=list(hydra_cfg.overrides.task),
+                   shares_host=not any(name in str(hydra_cfg.launcher._target_) for name in SELF_PLACING_LAUNCHERS))
+    progress = SweepProgress.shared(hydra_cfg)
+    try:
+        cfg = OmegaConf.to_object(dict_cfg)
+    except OmegaConfBaseException as e:
+        status = {"status": "failed", "reason": f"invalid configuration: {e}", "overrides": job.overrides,
+                  "job_num": job.num}
+        write_status(job.job_dir, status)
+        progress.finish_job(progress.start_job(job.num, job.overrides, STAGES), status)
+    else:
+        status = run(job, cfg, progress)
+    if status["status"] != "ok":
+        raise BenchJobFailed(str(output_root(hydra_cfg)))
