@@ -13,7 +13,7 @@ PY=python3
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 
-SERVE=${SERVE:-model=qwen2-7b model.load_format=dummy router.max_running_requests=256}
+SERVE=${SERVE:-model=qwen2-7b model.load_format=dummy router.max_running_requests=256 server.http_workers=4}
 MODEL_NAME=${MODEL_NAME:-qwen2-7b}
 if [ -z "${SKIP_INSTALL:-}" ]; then
 stamp "install"
