@@ -28,7 +28,7 @@ has() { [[ " $CASES " == *" $1 "* ]]; }
 
 if has correctness; then
   stamp "correctness: Qwen2-7B shape, bf16, vs transformers"
-  timeout 200 $PY scripts/gpu_correctness.py 2>&1 | grep -v Warning | tee "$OUT/correctness.jsonl"
+  timeout 200 $PY scripts/gpu_correctness.py ${CORRECTNESS_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/correctness.jsonl"
 fi
 
 if has kernels; then

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 FD_ENV = "LLAUNCH_HTTP_FD"
 AFTER_DRAIN_GRACE_S = 2.0  # drained: connections only have their last bytes (and keep-alives) to close
 STOP_NOW_GRACE_S = 0.2
+KEEP_ALIVE_S = 75.0
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -44,6 +45,9 @@ def hypercorn_config(fd: int) -> HypercornConfig:
     config.bind = [f"fd://{fd}"]
     config.backlog = 2048
     config.graceful_timeout = AFTER_DRAIN_GRACE_S
+    # longer than clients' pools keep idle connections, so a request never lands on a socket the
+    # server is closing (suspected cause of rare ReadErrors at 256 concurrent streams; unconfirmed)
+    config.keep_alive_timeout = KEEP_ALIVE_S
     config.accesslog = None
     return config
 
