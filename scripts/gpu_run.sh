@@ -3,7 +3,7 @@
 # transformers, serve the Qwen2-7B-shaped dummy model, run the benchmark cases of
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
-#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels; default: all)
+#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels sweep; default: the first five)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/llaunch-gpu}
@@ -77,6 +77,17 @@ PYEOF
   kill -TERM $LPID 2>/dev/null; wait $LPID
   tail -3 "$OUT/llaunch.log"
   for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -40 "$f"; done > "$OUT/process-logs.txt"
+fi
+
+if has sweep; then  # the H200 sweep of the sweeps issue: max_running_requests under bench=c256
+  stamp "sweep"
+  LLAUNCH_BENCH_TIMEOUT_S=${SWEEP_JOB_TIMEOUT_S:-110} timeout ${SWEEP_TIMEOUT_S:-330} llaunch -m bench=c256 \
+      model=qwen2-7b model.load_format=dummy router.max_running_requests=32,128,256 hydra.sweep.dir=/tmp/sweep \
+      >"$OUT/sweep.log" 2>&1
+  echo "sweep exit: $?"; tail -5 "$OUT/sweep.log"
+  llaunch-report /tmp/sweep 2>&1 | tail -12
+  cp /tmp/sweep/report.md /tmp/sweep/report.png "$OUT/" 2>/dev/null
+  for j in 0 1 2; do cp /tmp/sweep/$j/bench.json "$OUT/sweep-$j-bench.json" 2>/dev/null; done
 fi
 
 if has baseline; then
