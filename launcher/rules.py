@@ -294,15 +294,17 @@ def tp_splits_heads(cfg):
     if heads % tp:
         yield ("parallel.tp", "model.num_attention_heads"), (
             f"model.num_attention_heads={heads} attention heads do not split over parallel.tp={tp} ranks; "
-            f"use a parallel.tp that divides {heads} (e.g. {_divisors(heads, cfg.parallel.tp)})")
+            f"use a parallel.tp that divides {heads} (e.g. {_valid_tp(heads, kv, cfg.parallel.tp)})")
     if kv % tp and tp % kv:
         yield ("parallel.tp", "model.num_key_value_heads"), (
             f"model.num_key_value_heads={kv} KV heads and parallel.tp={tp}: one must divide the other "
             f"(KV heads are split, or replicated over tp/{kv} ranks)")
 
 
-def _divisors(n: int, below: int) -> str:
-    return ", ".join(str(d) for d in range(1, min(n, max(below, 8)) + 1) if n % d == 0)
+def _valid_tp(heads: int, kv: int, below: int) -> str:
+    """tp values that split the attention heads and pair with the KV heads (one divides the other)."""
+    ok = [d for d in range(1, min(heads, max(below, 8)) + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+    return ", ".join(map(str, ok))
 
 
 @rule(live="skip")
