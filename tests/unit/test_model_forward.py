@@ -45,7 +45,7 @@ def setup(request, tmp_path_factory):
     if request.param == "smollm2":
         folder = smollm2_dir()
         if not (folder / "model.safetensors").is_file():
-            pytest.skip(f"{folder} missing: run scripts/prepare_models.py")
+            pytest.fail(f"{folder} missing: run scripts/prepare_models.py (make setup)")
     else:
         family = request.param.split("-")[1]
         folder = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family)

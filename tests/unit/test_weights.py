@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
 def test_gguf_loader_equals_converted_safetensors():
     folder = smollm2_dir()
     if not (folder / "model.safetensors").is_file():
-        pytest.skip(f"{folder} missing: run scripts/prepare_models.py")
+        pytest.fail(f"{folder} missing: run scripts/prepare_models.py (make setup)")
     gguf = smollm2_gguf()
     from_gguf_meta = ModelArch.from_hf_config(weights.gguf_hf_config(str(gguf)))
     assert from_gguf_meta == ModelArch.from_hf_config(read_config_json(folder))
