@@ -366,6 +366,8 @@ def ports_distinct(cfg):
 @rule(live="skip")
 def server_port_free(cfg):
     host, port = cfg.server.host, cfg.server.port
+    if cfg.parallel.node_rank > 0:  # only node 0 serves HTTP
+        return
     if port and 0 < port <= 65535:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers do not count

@@ -5,6 +5,11 @@
   bounded by server.drain_timeout_s), then stop everything and exit 0.
 - No orphans: children run in their own sessions (so a terminal's Ctrl-C reaches only us), die with
   us (PR_SET_PDEATHSIG, see runtime/bootstrap.py), and are killed by process group at teardown.
+- Several nodes (parallel.nnodes > 1): every node runs the same command; each launcher starts only
+  its node's processes (launcher/plan.py processes_on). Node 0 runs the frontends, routers and
+  detokenizer and binds the HTTP port; a node > 0 runs workers only and binds no HTTP port. When a
+  node stops, the workers of the other nodes lose their tp peers or router and exit (runtime/worker/
+  process.py PeerWatch, RouterWatch), so their launchers tear down and exit 1: no node waits forever.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from pathlib import Path
 import zmq
 from rich.console import Console
 
+from llaunch.launcher.plan import processes_on
 from llaunch.launcher.schema import ProcessSpec, RunConfig
 from llaunch.runtime.ipc.messages import LauncherInbound, ProcessReady
 from llaunch.runtime.ipc.sockets import Receiver
@@ -31,6 +37,9 @@ ROLE_MODULES = {
     "frontend": "llaunch.runtime.http.process",
 }
 START_ORDER = ["worker", "router", "detokenizer", "frontend"]  # each depends on the ones before
+# A worker's exit status when a tp peer went away (runtime/worker/process.py EXIT_PEER_GONE): it
+# died because another did, so it is not the one to blame.
+PEER_GONE_EXIT = 3
 READY_TIMEOUT_S = float(os.environ.get("LLAUNCH_READY_TIMEOUT_S", "900"))
 console = Console(stderr=True)
 
@@ -57,10 +66,15 @@ class Graph:
         self.log_dir = Path(cfg.run_dir) / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
-        self.specs: dict[str, ProcessSpec] = {p.name: p for p in cfg.graph.processes}
+        # this node's share of the graph (all of it on a single node)
+        self.specs: dict[str, ProcessSpec] = {p.name: p for p in processes_on(cfg.graph, cfg.parallel.node_rank)}
 
-    def start(self, http_fd: int) -> None:
-        order = sorted(self.cfg.graph.processes, key=lambda p: START_ORDER.index(p.role))
+    @property
+    def serves_http(self) -> bool:
+        return any(spec.role == "frontend" for spec in self.specs.values())
+
+    def start(self, http_fd: int | None) -> None:
+        order = sorted(self.specs.values(), key=lambda p: START_ORDER.index(p.role))
         for spec in order:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             pass_fds = ()
@@ -77,9 +91,10 @@ class Graph:
             log.close()
 
     def check_alive(self, names=None) -> None:
-        for name, proc in self.procs.items():
-            if (names is None or name in names) and proc.poll() is not None:
-                raise ProcessDied(name)
+        dead = [name for name, proc in self.procs.items()
+                if (names is None or name in names) and proc.poll() is not None]
+        if dead:  # name the cause, not a tp peer that followed it
+            raise ProcessDied(min(dead, key=lambda n: self.procs[n].returncode == PEER_GONE_EXIT))
 
     def last_lines(self, name: str, n: int = 25) -> str:
         try:
@@ -156,25 +171,34 @@ def drain(graph: Graph) -> None:
     console.print("[red]drain timed out[/]; stopping anyway")
 
 
+def _serving_line(cfg: RunConfig, graph: Graph, ready_s: float) -> str:
+    what = f"({len(graph.procs)} processes, ready in {ready_s:.1f}s; logs in {graph.log_dir})"
+    p = cfg.parallel
+    if graph.serves_http:
+        node = f" (node 0 of {p.nnodes})" if p.nnodes > 1 else ""
+        return f"[bold green]llaunch serving[/] {cfg.model.name} at {cfg.graph.http_url}{node} {what}"
+    return (f"[bold green]llaunch node {p.node_rank} of {p.nnodes} joined[/]: workers of {cfg.model.name} "
+            f"behind node 0's {cfg.graph.http_url} {what}")
+
+
 def run_graph(cfg: RunConfig) -> int:
     config_path = Path(cfg.run_dir) / "config.yaml"
-    host, port = cfg.server.host, cfg.server.port
     graph = Graph(cfg, config_path)
     ctx = zmq.Context()
     control = Receiver(ctx, cfg.graph.control, LauncherInbound)
-    http = bind_http_socket(host, port)
+    # only the node that runs the frontends listens for HTTP
+    http = bind_http_socket(cfg.server.host, cfg.server.port) if graph.serves_http else None
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     try:
-        graph.start(http.fileno())
-        # the frontends hold the listening socket now; once they exit, connections are refused at
-        # once instead of queueing in a backlog nobody reads
-        http.close()
+        graph.start(http.fileno() if http is not None else None)
+        if http is not None:
+            # the frontends hold the listening socket now; once they exit, connections are refused at
+            # once instead of queueing in a backlog nobody reads
+            http.close()
         t0 = time.monotonic()
         wait_ready(graph, control)
-        console.print(f"[bold green]llaunch serving[/] {cfg.model.name} at {cfg.graph.http_url} "
-                      f"({len(graph.procs)} processes, ready in {time.monotonic() - t0:.1f}s; "
-                      f"logs in {graph.log_dir})")
+        console.print(_serving_line(cfg, graph, time.monotonic() - t0))
         while True:
             graph.check_alive()
             time.sleep(0.1)
@@ -199,7 +223,8 @@ def run_graph(cfg: RunConfig) -> int:
         for s, h in old.items():
             signal.signal(s, signal.SIG_IGN)
         graph.kill_all()
-        http.close()
+        if http is not None:
+            http.close()
         control.close()
         ctx.term()
         shutil.rmtree(cfg.graph.ipc_dir, ignore_errors=True)
@@ -214,4 +239,7 @@ def _report_death(graph: Graph, died: ProcessDied) -> int:
     console.print(f"[bold red]process {name} exited with code {rc}[/]; stopping the graph. Last log lines "
                   f"({graph.log_dir / (name + '.log')}):")
     console.print(graph.last_lines(name), markup=False, highlight=False)
+    if rc == PEER_GONE_EXIT and graph.cfg.parallel.nnodes > 1:
+        console.print(f"[yellow]its router or tp peers on another node went away[/]: that node stopped or "
+                      f"failed (node 0 serves at {graph.cfg.graph.http_url}); see its logs")
     return 1

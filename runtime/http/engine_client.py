@@ -4,6 +4,11 @@ back to the HTTP request waiting for it, abort what nobody waits for any more.
 `EngineClient` is the logic and talks through a `post(replica, message)` coroutine; `ZmqEngineLink`
 is the ZMQ transport (PUSH to every router replica, PULL from the detokenizer). Tests drive the
 client with a scripted router in place of the link.
+
+Data parallelism: each HTTP request goes to the replica with the least load, measured as the tokens
+this frontend has outstanding there (prompt + max_new_tokens of every unfinished request: the peak
+KV the router's admission reserves for it), ties to the fewest requests, then the lowest index. MetricsSnapshot carries only totals over replicas, so
+the frontend balances on what it knows itself (with several HTTP workers, each balances its own).
 """
 from __future__ import annotations
 
@@ -59,17 +64,19 @@ class RequestGroup:
 
 
 class _Route:
-    __slots__ = ("group", "choice")
+    __slots__ = ("group", "choice", "tokens")
 
-    def __init__(self, group: RequestGroup, choice: int):
+    def __init__(self, group: RequestGroup, choice: int, tokens: int):
         self.group = group
         self.choice = choice
+        self.tokens = tokens  # what the request adds to its replica's load until it finishes
 
 
 class EngineClient:
     def __init__(self, frontend_index: int, num_replicas: int, post: Post):
         self.frontend_index = frontend_index
         self.outstanding = [0] * num_replicas  # requests of this frontend each replica still runs
+        self.outstanding_tokens = [0] * num_replicas  # their prompt + max_new_tokens: the load
         self._post = post
         self._counter = itertools.count()
         self._routes: dict[str, _Route] = {}
@@ -86,16 +93,22 @@ class EngineClient:
 
     async def submit(self, jobs: list[tuple[list[int], SamplingParams]]) -> RequestGroup:
         # One replica for the whole group: the n samples of a prompt share its prefix cache there.
-        replica = min(range(len(self.outstanding)), key=self.outstanding.__getitem__)
+        replica = self.least_loaded()
         ids = [f"{self.frontend_index}-{next(self._counter)}" for _ in jobs]
         group = RequestGroup(self, ids, replica)
         now = time.time()
         for choice, (request_id, (prompt_ids, sampling)) in enumerate(zip(ids, jobs)):
-            self._routes[request_id] = _Route(group, choice)
+            tokens = len(prompt_ids) + sampling.max_new_tokens
+            self._routes[request_id] = _Route(group, choice, tokens)
             self.outstanding[replica] += 1
+            self.outstanding_tokens[replica] += tokens
             await self._post(replica, AddRequest(request_id=request_id, frontend=self.frontend_index,
                                                  prompt_ids=prompt_ids, sampling=sampling, arrival_time=now))
         return group
+
+    def least_loaded(self) -> int:
+        return min(range(len(self.outstanding)),
+                   key=lambda d: (self.outstanding_tokens[d], self.outstanding[d], d))
 
     async def abort_all(self) -> None:
         groups = {id(r.group): r.group for r in self._routes.values()}
@@ -123,8 +136,10 @@ class EngineClient:
         route.group._deliver(route.choice, delta)
 
     def _forget(self, request_id: str, replica: int) -> None:
-        if self._routes.pop(request_id, None) is not None:
+        route = self._routes.pop(request_id, None)
+        if route is not None:
             self.outstanding[replica] -= 1
+            self.outstanding_tokens[replica] -= route.tokens
 
     async def _abort(self, request_ids: list[str], replica: int) -> None:
         for request_id in request_ids:

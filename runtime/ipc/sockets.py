@@ -54,7 +54,7 @@ class Sender:
 
     def __init__(self, ctx: zmq.Context, address: str):
         self.socket = ctx.socket(zmq.PUSH)
-        self.socket.setsockopt(zmq.LINGER, 2000)  # let the last messages out at exit
+        self.socket.setsockopt(zmq.LINGER, 500)  # let the last messages out at exit, briefly: peers may be gone
         self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop: the graph's queues are bounded upstream
         self.socket.connect(address)
         self.address = address

@@ -19,26 +19,33 @@ def activation_reserve_bytes(cfg, model) -> int:
 
 
 def kv_slots_for(cfg, model, device: torch.device, group=None) -> int:
+    """Slots every rank of the replica can hold. Each rank sizes from its own memory; the MIN over
+    the group is taken before the fit check, so all ranks agree and fail together (a lone rank that
+    raised would leave its peers waiting in the all-reduce)."""
     per_token = model.kv_bytes_per_token
+    used = 0
     if cfg.cache.max_total_tokens:
-        slots = int(cfg.cache.max_total_tokens)
+        budget = int(cfg.cache.max_total_tokens) * per_token
     elif device.type == "cpu":
-        slots = int(cfg.cache.cpu_kv_gib * GiB) // per_token
+        budget = int(cfg.cache.cpu_kv_gib * GiB)
     else:
         free, total = torch.cuda.mem_get_info(device)
         used = total - free  # weights and whatever else is resident
-        budget = total * cfg.cache.mem_fraction - used - activation_reserve_bytes(cfg, model)
-        if budget <= per_token * cfg.model.max_model_len:
-            raise RuntimeError(
-                f"KV cache does not fit: {budget / GiB:.1f} GiB left for it after weights "
-                f"({used / GiB:.1f} GiB) within cache.mem_fraction={cfg.cache.mem_fraction}; raise "
-                f"cache.mem_fraction, lower router.batch_max_tokens, or use more GPUs (parallel.tp)")
-        slots = int(budget) // per_token
-    slots = min(slots, cfg.router.max_running_requests * cfg.model.max_model_len)
+        budget = int(total * cfg.cache.mem_fraction - used - activation_reserve_bytes(cfg, model))
+    slots = min(budget // per_token, cfg.router.max_running_requests * cfg.model.max_model_len)
     if group is not None:
-        import torch.distributed as dist
+        slots = _group_min(slots, device, group)
+    if device.type == "cuda" and not cfg.cache.max_total_tokens and slots <= cfg.model.max_model_len:
+        raise RuntimeError(
+            f"KV cache does not fit: {slots * per_token / GiB:.1f} GiB left for it (on the tightest rank) after "
+            f"weights ({used / GiB:.1f} GiB here) within cache.mem_fraction={cfg.cache.mem_fraction}; raise "
+            f"cache.mem_fraction, lower router.batch_max_tokens, or use more GPUs (parallel.tp)")
+    return max(slots, 0)
 
-        t = torch.tensor([slots], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        slots = int(t.item())
-    return slots
+
+def _group_min(value: int, device: torch.device, group) -> int:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())

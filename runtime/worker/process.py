@@ -1,10 +1,17 @@
 """Worker process: one per GPU rank (or one CPU process per rank). Loads its shard of the model,
 sizes its KV cache, then runs every StepPlan the router sends; rank 0 returns the sampled tokens
-(every rank samples the same tokens: same logits, same counter-based noise)."""
+(every rank samples the same tokens: same logits, same counter-based noise).
+
+A replica may span nodes (parallel.nnodes > 1), and node 0 runs its router. Two watches make a worker
+exit (EXIT_PEER_GONE) when what it depends on elsewhere is gone, so no node waits forever for a node
+that stopped: `PeerWatch` (another tp rank's process exited) and `RouterWatch` (a worker off node 0
+lost its router's connection)."""
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -12,7 +19,7 @@ import zmq
 
 from llaunch.launcher.schema import RunConfig
 from llaunch.runtime import bootstrap
-from llaunch.runtime.ipc.messages import Shutdown, WorkerInbound, WorkerReady
+from llaunch.runtime.ipc.messages import Shutdown, StepPlan, WorkerInbound, WorkerReady
 from llaunch.runtime.ipc.sockets import Receiver, Sender
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
@@ -20,30 +27,111 @@ from llaunch.runtime.worker.runner import ModelRunner
 log = logging.getLogger("llaunch.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PEER_WATCH_PERIOD_S = 1.0
+# A live peer answers within one period; this only bounds a peer that hangs without exiting.
+PEER_WATCH_TIMEOUT = datetime.timedelta(seconds=120)
+EXIT_PEER_GONE = 3  # exit status when a tp peer or the router went away (launcher/supervise.py)
+
+
+def _exit_peer_gone(message: str, *args) -> None:
+    """From a watch thread: the main thread may be blocked in a collective or a recv for good."""
+    log.error(message + "; exiting", *args)
+    logging.shutdown()
+    os._exit(EXIT_PEER_GONE)
+
+
+class PeerWatch:
+    """Every rank all-reduces one number per period on a gloo side group. When a peer's process
+    exits (its node was stopped, or it crashed), gloo fails at once on every other rank, which then
+    exits: the launcher of each node sees its worker die and tears its part of the graph down."""
+
+    def __init__(self, group, rank: int):
+        self.group = group
+        self.rank = rank
+        self.stopping = False  # set at a clean Shutdown: peers leaving then is expected
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="peer-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        import torch.distributed as dist
+
+        beat = torch.zeros(1)
+        while True:
+            try:
+                dist.all_reduce(beat, group=self.group)
+            except Exception as e:  # gloo: connection reset / closed by peer, or the timeout
+                if self.stopping:
+                    return
+                reason = str(e).split(". This is typically")[0].splitlines()[0]
+                _exit_peer_gone("tp rank %d: a peer rank of this replica is gone (%s)", self.rank, reason)
+            time.sleep(PEER_WATCH_PERIOD_S)
+
+
+class RouterWatch:
+    """Follows the connections to this worker's plan socket (a ZMQ socket monitor): once the router
+    has connected, its connection dropping means node 0 stopped and no plan will come any more.
+    Only for workers off node 0: on node 0 the launcher tears everything down itself."""
+
+    EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+    def __init__(self, ctx: zmq.Context, plans: Receiver):
+        self.ctx = ctx
+        self.address = "inproc://router-watch"
+        self.plan_address = plans.address
+        plans.socket.monitor(self.address, self.EVENTS)  # before the router can connect
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="router-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        events = self.ctx.socket(zmq.PAIR)
+        events.connect(self.address)
+        accepted = router = None  # connection fds; the router's is the first to complete a ZMQ handshake
+        while True:
+            event = recv_monitor_message(events)
+            kind, fd = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                accepted = fd
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED and router is None:
+                router = accepted
+            elif kind == zmq.EVENT_DISCONNECTED and router is not None and fd == router:
+                _exit_peer_gone("the router's connection to %s dropped (node 0 stopped?)", self.plan_address)
 
 
 def init_distributed(cfg: RunConfig, spec):
-    """The tp ranks of one replica form a process group (NCCL on GPUs, gloo on CPU)."""
+    """The tp ranks of one replica form a process group (NCCL on GPUs, gloo on CPU), plus a gloo
+    side group for PeerWatch. Returns (group, watch); (None, None) without tensor parallelism."""
     tp = cfg.parallel.tp
     if tp == 1:
-        return None
+        return None, None
     import torch.distributed as dist
 
     backend = "nccl" if cfg.device.value == "cuda" else "gloo"
     dist.init_process_group(backend=backend, init_method=spec.connects["dist"], world_size=tp, rank=spec.tp_rank)
-    return dist.group.WORLD
+    side = dist.new_group(backend="gloo", timeout=PEER_WATCH_TIMEOUT)
+    log.info("tp rank %d/%d joined %s (%s)", spec.tp_rank, tp, spec.connects["dist"], backend)
+    return dist.group.WORLD, PeerWatch(side, spec.tp_rank)
+
+
+def cpu_threads(cfg: RunConfig) -> int:
+    """The worker ranks on one node share its cores (each node runs tp*dp/nnodes of them)."""
+    p = cfg.parallel
+    local_ranks = max(1, p.tp * p.dp // max(p.nnodes, 1))
+    return max(1, (os.cpu_count() or 1) // local_ranks)
 
 
 def main() -> None:
     cfg, spec = bootstrap.start()
     if cfg.device.value == "cpu":
-        # ranks of one replica share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (cfg.parallel.tp * cfg.parallel.dp)))
+        torch.set_num_threads(cpu_threads(cfg))
         device = torch.device("cpu")
     else:
         device = torch.device("cuda", 0)  # the launcher sets CUDA_VISIBLE_DEVICES to this rank's GPU
         torch.cuda.set_device(device)
-    group = init_distributed(cfg, spec)
+    group, watch = init_distributed(cfg, spec)
     dtype = DTYPES[cfg.model.dtype.value]
 
     from llaunch.runtime.models import build_model
@@ -56,14 +144,26 @@ def main() -> None:
     kv = model.make_kv_cache(num_slots + 1, max_rows + 1, cfg.model.max_model_len)
     runner = ModelRunner(model, kv, max_rows, device, cuda_graphs=not cfg.model.enforce_eager)
     log.info("model loaded: %s %s on %s, %d KV slots", cfg.model.name, dtype, device, num_slots)
+    if watch is not None:
+        watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up
 
     ctx = zmq.Context()
     plans = Receiver(ctx, spec.binds["plan"], WorkerInbound)
+    if spec.node != 0:
+        RouterWatch(ctx, plans).start()
     results = Sender(ctx, spec.connects["results"]) if spec.tp_rank == 0 else None
     if results is not None:
         results.send(WorkerReady(kv_slots=num_slots, max_running_requests=max_rows))
     bootstrap.report_ready(ctx, cfg, spec, kv_slots=num_slots)
     serve(runner, plans, results, overlap=device.type == "cuda")
+    if watch is not None:
+        watch.stopping = True
+
+
+def log_admitted(plan: StepPlan) -> None:
+    """One line per step that starts requests: which replica served which request."""
+    if plan.new:
+        log.info("step %d: %d new request(s): %s", plan.step, len(plan.new), " ".join(n.request_id for n in plan.new))
 
 
 def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool) -> None:
@@ -87,6 +187,8 @@ def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool) -> None:
             continue
         if isinstance(msg, Shutdown):
             break
+        if results is not None:
+            log_admitted(msg)
         step = runner.launch(msg)
         if not overlap:
             send(step)

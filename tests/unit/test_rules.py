@@ -168,3 +168,19 @@ def test_dry_run_warns_about_a_missing_checkpoint(resolved):
     cfg = resolved("model=smollm2-135m", "model.path=/no/such/smollm2", "dry_run=true")
     assert rules.check_all(cfg) == []
     assert [w.rule for w in rules.warnings(cfg)] == ["weights_need_path"]
+
+
+def test_server_port_rule_only_binds_on_node_0():
+    import socket
+
+    from llaunch.launcher import rules
+    from llaunch.launcher.schema import LlaunchConfig, ParallelConfig, ServerConfig
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        node0 = LlaunchConfig(server=ServerConfig(port=port), parallel=ParallelConfig(nnodes=2, node_rank=0))
+        node1 = LlaunchConfig(server=ServerConfig(port=port), parallel=ParallelConfig(nnodes=2, node_rank=1))
+        assert list(rules.server_port_free(node0))
+        assert not list(rules.server_port_free(node1))
