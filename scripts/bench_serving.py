@@ -14,6 +14,15 @@ Definitions (per successful request; times from sending the request):
   number of chunks with a choice.
 Throughputs divide by the benchmark duration: first request sent to last response done, warm-up
 requests excluded.
+
+Prompt-cache workloads (the prompts are still random token ids):
+  --shared-prefix-groups N --shared-prefix-len L   prompt i starts with system prompt i % N (L tokens),
+                                                   then its own --input-len tokens
+  --multi-turn K   every prompt opens a conversation of K turns: each next turn re-sends the history
+                   (prompts and the server's outputs, from `return_token_ids`) plus --input-len new
+                   tokens, after the previous answer is back; --num-prompts counts conversations
+When the server exposes `<prefix>:prefix_cache_{queries,hits}_total` (llaunch, vLLM), the hit rate
+over the measured run is reported too.
 """
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +55,36 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int, low: in
     return rng.integers(low, vocab_size, size=(num, input_len)).tolist()
 
 
+SYSTEM_PROMPT_SEED = 2  # seed offsets of the streams besides the first turns (seed) and warm-up (seed + 1)
+LATER_TURNS_SEED = 3
+
+
+def conversation_turns(num: int, input_len: int, vocab_size: int, seed: int, groups: int = 0,
+                       prefix_len: int = 0, turns: int = 1) -> list[list[list[int]]]:
+    """Per conversation, the new tokens of each of its `turns` user turns. First turns are
+    `random_prompts` (one turn without groups is the plain workload), conversation i's behind group
+    i % groups's system prompt when groups > 0; later turns are fresh random tokens."""
+    firsts = random_prompts(num, input_len, vocab_size, seed)
+    if groups:
+        systems = random_prompts(groups, prefix_len, vocab_size, seed + SYSTEM_PROMPT_SEED)
+        firsts = [systems[i % groups] + first for i, first in enumerate(firsts)]
+    later = random_prompts(num * (turns - 1), input_len, vocab_size, seed + LATER_TURNS_SEED)
+    return [[first] + later[i * (turns - 1) : (i + 1) * (turns - 1)] for i, first in enumerate(firsts)]
+
+
+CacheCounts = Optional[tuple[float, float]]  # the server's prefix-cache (queries, hits), if it reports them
+
+
+def prefix_cache_counts(metrics_text: str) -> CacheCounts:
+    """(queries, hits) in tokens from Prometheus text, summed over series; None when not exposed."""
+    found = {"queries": 0.0, "hits": 0.0}
+    seen = set()
+    for kind, value in re.findall(r"^\w+:prefix_cache_(queries|hits)_total(?:\{[^}]*\})? (\S+)$", metrics_text, re.M):
+        found[kind] += float(value)
+        seen.add(kind)
+    return (found["queries"], found["hits"]) if seen == {"queries", "hits"} else None
+
+
 def arrival_offsets(num: int, request_rate: float, seed: int) -> list[float]:
     """Send times relative to the start: all at 0 for an infinite rate, else a Poisson process."""
     if math.isinf(request_rate):
@@ -63,6 +103,7 @@ class RequestOutput:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     generated_text: str = ""
+    output_ids: list[int] = field(default_factory=list)  # when the server returns them (multi-turn)
     error: str = ""
 
 
@@ -95,6 +136,7 @@ class StreamTimer:
             self.last = now
             self.chunks += 1
             self.out.generated_text += data["choices"][0].get("text") or ""
+            self.out.output_ids += data["choices"][0].get("token_ids") or []
         if data.get("usage"):
             self.usage_tokens = data["usage"].get("completion_tokens")
 
@@ -144,6 +186,8 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration: float) -> dict[s
 async def send_request(client: "httpx.AsyncClient", args: argparse.Namespace, prompt: list[int]) -> RequestOutput:
     payload = {"model": args.model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if args.multi_turn > 1:
+        payload["return_token_ids"] = True  # the next turn's history holds the answer's tokens
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timer = StreamTimer(len(prompt), time.perf_counter())
     try:
@@ -158,8 +202,36 @@ async def send_request(client: "httpx.AsyncClient", args: argparse.Namespace, pr
     return timer.finish()
 
 
-async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tuple[list[RequestOutput], float]:
-    prompts = random_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
+async def run_conversation(send, turns: list[list[int]]) -> list[RequestOutput]:
+    """One turn after another; each prompt is the history so far plus the new turn's tokens."""
+    history: list[int] = []
+    outputs: list[RequestOutput] = []
+    for i, turn in enumerate(turns):
+        prompt = history + turn
+        out = await send(prompt)
+        outputs.append(out)
+        if not out.success:
+            outputs += [RequestOutput(prompt_len=0, error="an earlier turn of the conversation failed")
+                        for _ in turns[i + 1 :]]
+            break
+        history = prompt + out.output_ids
+    return outputs
+
+
+async def fetch_prefix_cache_counts(client: "httpx.AsyncClient", args: argparse.Namespace) -> CacheCounts:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        resp = await client.get("/metrics", headers=headers)
+    except httpx.HTTPError:
+        return None
+    return prefix_cache_counts(resp.text) if resp.status_code == 200 else None
+
+
+async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tuple[list[RequestOutput], float, CacheCounts]:
+    """Outputs (conversation by conversation, turns in order), the duration, and the server's prefix
+    cache (queries, hits) over the measured run when it reports them."""
+    conversations = conversation_turns(args.num_prompts, args.input_len, args.vocab_size, args.seed,
+                                       args.shared_prefix_groups, args.shared_prefix_len, args.multi_turn)
     warmup = random_prompts(args.warmup, args.input_len, args.vocab_size, args.seed + 1)
     offsets = arrival_offsets(args.num_prompts, args.request_rate, args.seed)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -174,15 +246,19 @@ async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tupl
         warm = await asyncio.gather(*(capped(p) for p in warmup))
         if any(not o.success for o in warm):
             print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)
+        cache_before = await fetch_prefix_cache_counts(client, args)
         start = time.perf_counter()
         tasks = []
-        for prompt, offset in zip(prompts, offsets):
+        for turns, offset in zip(conversations, offsets):
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(capped(prompt)))
-        outputs = await asyncio.gather(*tasks)
-        return list(outputs), time.perf_counter() - start
+            tasks.append(asyncio.create_task(run_conversation(capped, turns)))
+        outputs = [o for conversation in await asyncio.gather(*tasks) for o in conversation]
+        duration = time.perf_counter() - start
+        cache_after = await fetch_prefix_cache_counts(client, args) if cache_before is not None else None
+        cache = None if cache_after is None else (cache_after[0] - cache_before[0], cache_after[1] - cache_before[1])
+        return outputs, duration, cache
 
 
 # ---- reporting -----------------------------------------------------------------------------------
@@ -206,6 +282,13 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
     for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
         rows += [(f"{stat.capitalize() if stat != 'p99' else 'P99'} {label} (ms)", result[f"{stat}_{key}_ms"], ".2f")
                  for stat in ("mean", "median", "p99")]
+    if args.shared_prefix_groups:
+        groups = f"{args.shared_prefix_groups} x {args.shared_prefix_len}"
+        rows.insert(3, ("Shared-prefix groups x tokens", groups, "s"))
+    if args.multi_turn > 1:
+        rows.insert(3, ("Turns per conversation", args.multi_turn, "d"))
+    if "prefix_cache_hit_rate" in result:
+        rows.append(("Prefix cache hit rate (%)", 100 * result["prefix_cache_hit_rate"], ".2f"))
     for label, value, fmt in rows:
         table.add_row(label, format(value, fmt))
     Console().print(table)
@@ -226,16 +309,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=3600.0, help="per-request timeout, seconds")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--result-file", default=None, help="write the results as JSON here")
+    ap.add_argument("--shared-prefix-groups", type=int, default=0,
+                    help="prompts share one of this many system prompts (0: none)")
+    ap.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of each shared system prompt")
+    ap.add_argument("--multi-turn", type=int, default=1,
+                    help="turns per conversation; each re-sends the history plus --input-len new tokens")
     args = ap.parse_args(argv)
     if args.concurrency < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         ap.error("--concurrency, --num-prompts, --input-len and --output-len must be >= 1")
+    if args.multi_turn < 1 or args.shared_prefix_groups < 0:
+        ap.error("--multi-turn must be >= 1 and --shared-prefix-groups >= 0")
+    if (args.shared_prefix_groups > 0) != (args.shared_prefix_len > 0):
+        ap.error("--shared-prefix-groups and --shared-prefix-len go together (both > 0)")
     return args
 
 
 def main(argv: Optional[Sequence[str]] = None, transport: Any = None) -> dict[str, Any]:
     args = parse_args(argv)
-    outputs, duration = asyncio.run(run_benchmark(args, transport))
+    outputs, duration, cache = asyncio.run(run_benchmark(args, transport))
     result = compute_metrics(outputs, duration)
+    if cache is not None:
+        result["prefix_cache_queries"], result["prefix_cache_hits"] = cache
+        result["prefix_cache_hit_rate"] = cache[1] / cache[0] if cache[0] else 0.0
     print_table(result, args)
     errors = [o.error for o in outputs if not o.success]
     if errors:
@@ -244,11 +339,15 @@ def main(argv: Optional[Sequence[str]] = None, transport: Any = None) -> dict[st
     if short:
         print(f"warning: {short} request(s) did not return {args.output_len} tokens (ignore_eos unsupported?)",
               file=sys.stderr)
+    if args.multi_turn > 1 and any(o.success and o.output_tokens and not o.output_ids for o in outputs):
+        print("warning: the server returned no token ids (return_token_ids): histories lack the answers",
+              file=sys.stderr)
     if args.result_file:
         record = {**result, "args": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
                                      for k, v in vars(args).items() if k != "api_key"},
                   "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "requests": [{k: v for k, v in asdict(o).items() if k != "generated_text"} for o in outputs]}
+                  "requests": [{k: v for k, v in asdict(o).items() if k not in ("generated_text", "output_ids")}
+                               for o in outputs]}
         with open(args.result_file, "w") as f:
             json.dump(record, f, indent=2)
     return result

@@ -5,6 +5,11 @@ these series and ships the rendered text to the frontends, which serve it at /me
 
 Labels: every series has `model_name` (like vLLM). The scheduler gauges also have `dp_rank`, one
 series per data-parallel replica (vLLM's per-engine label); they are not summed.
+
+Prompt cache: `kv_cache_usage_perc` counts the slots requests hold, not cache entries that can be
+evicted (vLLM's meaning: those are free blocks to it); `prefix_cache_usage_perc` is the share of slots
+the radix tree holds; `prefix_cache_queries` / `prefix_cache_hits` count prompt tokens looked up and
+found (vLLM's counters), summed over replicas.
 """
 from __future__ import annotations
 
@@ -47,9 +52,15 @@ class MetricsHub:
                              "Number of requests waiting to be processed.", ranked)
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                               ranked)
+        self.prefix_usage = Gauge(PREFIX + "prefix_cache_usage_perc",
+                                  "Share of KV-cache slots held by the prompt cache. 1 means 100 percent.", ranked)
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.", m)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.", m)
         for h in (self.ttft, self.itl, self.e2e):
             h.touch(self.model)
-        for c in (self.prompt_tokens, self.generation_tokens):
+        for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits):
             c.inc(self.model, 0)
         for reason in FINISH_REASONS:
             self.request_success.inc(self.model + (reason,), 0)
@@ -78,11 +89,17 @@ class MetricsHub:
     # ---- scheduler state ------------------------------------------------------------------------
 
     def record_stats(self, stats: RouterStats) -> None:
+        before = self._stats.get(stats.dp_rank)
         self._stats[stats.dp_rank] = stats
         rank = self.model + (str(stats.dp_rank),)
         self.running.set(rank, stats.running)
         self.waiting.set(rank, stats.waiting)
-        self.kv_usage.set(rank, stats.kv_used / stats.kv_total if stats.kv_total else 0.0)
+        total = stats.kv_total or 1  # zero before the router's first report
+        self.kv_usage.set(rank, (stats.kv_used - stats.kv_evictable) / total)
+        self.prefix_usage.set(rank, stats.prefix_cache_tokens / total)
+        # the router reports totals since its start; the counters add what is new
+        self.prefix_queries.inc(self.model, stats.prefix_cache_queries - (before.prefix_cache_queries if before else 0))
+        self.prefix_hits.inc(self.model, stats.prefix_cache_hits - (before.prefix_cache_hits if before else 0))
 
     @property
     def num_running(self) -> int:
@@ -93,5 +110,6 @@ class MetricsHub:
         return sum(s.waiting for s in self._stats.values())
 
     def render(self) -> str:
-        return render([self.running, self.waiting, self.kv_usage, self.prompt_tokens,
+        return render([self.running, self.waiting, self.kv_usage, self.prefix_usage, self.prefix_queries,
+                       self.prefix_hits, self.prompt_tokens,
                        self.generation_tokens, self.request_success, self.ttft, self.itl, self.e2e])

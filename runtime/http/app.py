@@ -108,6 +108,12 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
                                            code="engine_unavailable"))
         return json_response({"status": "ok", "running": engine.running})
 
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        """Every replica evicts the prompt-cache entries no running request holds (SGLang's admin route)."""
+        await engine.flush_cache()
+        return json_response({"status": "ok"})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         snapshot = engine.metrics

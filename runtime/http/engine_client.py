@@ -22,7 +22,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 import zmq.asyncio
 
 from llaunch.launcher.schema import ProcessSpec
-from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FrontendInbound, MetricsSnapshot,
+from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, FrontendInbound, MetricsSnapshot,
                                           RouterInbound, SamplingParams, TextBatch, TextDelta)
 from llaunch.runtime.ipc.sockets import AsyncReceiver, AsyncSender
 
@@ -109,6 +109,11 @@ class EngineClient:
     def least_loaded(self) -> int:
         return min(range(len(self.outstanding)),
                    key=lambda d: (self.outstanding_tokens[d], self.outstanding[d], d))
+
+    async def flush_cache(self) -> None:
+        """Every replica evicts the prompt-cache entries no running request holds."""
+        for replica in range(len(self.outstanding)):
+            await self._post(replica, FlushCache())
 
     async def abort_all(self) -> None:
         groups = {id(r.group): r.group for r in self._routes.values()}

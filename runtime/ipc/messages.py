@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, named by direction.
 
-frontend ──AddRequest/AbortRequest──▶ router ──StepPlan──▶ worker ──StepResult/WorkerReady──▶ router
+frontend ──AddRequest/AbortRequest/FlushCache──▶ router ──StepPlan──▶ worker ──StepResult/WorkerReady──▶ router
 router ──RequestOpened/TokenBatch/RouterStats──▶ detokenizer ──TextBatch/MetricsSnapshot──▶ frontend
 every process ──ProcessReady──▶ launcher
 
@@ -58,7 +58,11 @@ class AbortRequest(_Msg):
     request_id: str
 
 
-RouterInbound = Union[AddRequest, AbortRequest]
+class FlushCache(_Msg):
+    """Evict every prompt-cache entry no running request holds (POST /flush_cache)."""
+
+
+RouterInbound = Union[AddRequest, AbortRequest, FlushCache]
 
 # ---- router → worker ---------------------------------------------------------------------------
 
@@ -70,6 +74,7 @@ class NewSeq(_Msg):
     request_id: str
     sampling: SamplingParams
     prompt_ids: list[int]  # for repetition/presence penalties over the prompt
+    cached_slots: list[int] = []  # KV slots of prompt tokens [0, len) reused from the prompt cache
 
 
 class PrefillChunk(_Msg):
@@ -147,9 +152,13 @@ class RouterStats(_Msg):
     time: float
     running: int
     waiting: int
-    kv_used: int
+    kv_used: int  # slots allocated, prompt-cache entries included
     kv_total: int
     dp_rank: int = 0
+    kv_evictable: int = 0  # of kv_used: prompt-cache entries no request holds (free for admission)
+    prefix_cache_tokens: int = 0  # of kv_used: slots the prompt cache holds
+    prefix_cache_queries: int = 0  # since start: prompt tokens looked up in the prompt cache
+    prefix_cache_hits: int = 0  # since start: of those, tokens found cached
 
 
 DetokenizerInbound = Union[RequestOpened, TokenBatch, RouterStats]

@@ -15,7 +15,7 @@ import zmq
 
 from llaunch.launcher.schema import RunConfig
 from llaunch.runtime import bootstrap
-from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, RequestOpened, RouterInbound,
+from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, RequestOpened, RouterInbound,
                                           RouterResults, RouterStats, Shutdown, StepResult, TokenBatch,
                                           WorkerReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender
@@ -40,6 +40,7 @@ def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
         max_model_len=cfg.model.max_model_len,
         eos_ids=tuple(cfg.model.eos_token_ids or ()),
         pipeline_depth=PIPELINE_DEPTH,
+        prompt_cache=cfg.cache.prompt_cache,
     )
 
 
@@ -80,6 +81,9 @@ class Router:
             delta = sched.abort(msg.request_id)
             if delta is not None:
                 self.detokenizer.send(TokenBatch(deltas=[delta]))
+        elif isinstance(msg, FlushCache):
+            log.info("prompt cache flushed: %d KV slots freed", sched.cache.flush())
+            self.maybe_send_stats(force=True)
 
     def drain_inbound(self, block_ms: int) -> None:
         msg = self.requests.recv(timeout_ms=block_ms)
@@ -93,7 +97,10 @@ class Router:
             s = self.scheduler
             self.detokenizer.send(RouterStats(time=now, running=s.num_running, waiting=len(s.waiting),
                                               kv_used=s.kv.num_used, kv_total=s.kv.num_slots,
-                                              dp_rank=self.dp_rank))
+                                              dp_rank=self.dp_rank, kv_evictable=s.cache.evictable,
+                                              prefix_cache_tokens=s.cache.tokens,
+                                              prefix_cache_queries=s.cache.queries,
+                                              prefix_cache_hits=s.cache.hits))
             self._last_stats = now
 
     def fill_pipeline(self) -> None:

@@ -3,9 +3,12 @@ whose KV is cached) catches up with `num_tokens`; chunked prefill and decode are
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from llaunch.runtime.ipc.messages import AddRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from llaunch.runtime.cache.prefix_tree import Node
 
 
 class Status(enum.Enum):
@@ -16,7 +19,8 @@ class Status(enum.Enum):
 
 class Request:
     __slots__ = ("id", "frontend", "prompt_ids", "sampling", "arrival_time", "status", "row", "slots",
-                 "num_computed", "num_planned", "steps_in_flight", "output_ids", "finish_reason")
+                 "num_computed", "num_planned", "steps_in_flight", "output_ids", "finish_reason", "num_cached",
+                 "prefix_node")
 
     def __init__(self, msg: AddRequest, sampling: SamplingParams):
         self.id = msg.request_id
@@ -32,6 +36,8 @@ class Request:
         self.steps_in_flight = 0  # planned steps that use this request and have not returned
         self.output_ids: list[int] = []
         self.finish_reason: Optional[str] = None
+        self.num_cached = 0  # leading tokens whose KV the prompt cache lent: slots[:num_cached] are its
+        self.prefix_node: Optional[Node] = None  # where that prefix ends in the tree (locked while held)
 
     @property
     def prompt_len(self) -> int:

@@ -11,6 +11,12 @@ plus it, each run to its max_new_tokens, fits (LightLLM's estimate: sort by toke
 when the i-th longest finishes, the i+1 longest each hold their current tokens plus that many more;
 the peak is the largest of these sums). Allocation therefore cannot fail. Pure logic: no sockets,
 no tensors.
+
+With the prompt cache (`prompt_cache`), an admitted request reuses the KV of the longest cached
+prefix of its prompt (all but its last token, which must be computed to sample) and locks it; its
+finished sequence joins the tree once no step in flight uses it, so KV of a step still out is never
+matched. Admission counts the tree's unlocked tokens as free (they are evicted when allocation needs
+room) and its locked ones once, however many requests share them.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import numpy as np
 
 from llaunch.runtime.cache.kv_allocator import KvAllocator
 from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, StepPlan, StepResult, TokenDelta
+from llaunch.runtime.router.prompt_cache import NoPromptCache, PromptCache
 from llaunch.runtime.router.request import Request, Status
 
 
@@ -37,12 +44,14 @@ class SchedulerLimits:
     max_model_len: int
     eos_ids: tuple[int, ...]
     pipeline_depth: int = 1  # steps planned ahead of their results
+    prompt_cache: bool = False  # share prompt prefixes through the radix tree
 
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
         self.kv = KvAllocator(limits.kv_slots)
+        self.cache = PromptCache(self.kv) if limits.prompt_cache else NoPromptCache(self.kv)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # row → request, finished ones until their steps return
         self.by_id: dict[str, Request] = {}
@@ -64,7 +73,8 @@ class Scheduler:
         return None
 
     def abort(self, request_id: str) -> Optional[TokenDelta]:
-        """End a request now; its KV is freed at once, or when the steps in flight that use it return."""
+        """End a request now; its KV is freed (or cached) at once, or when the steps in flight that use
+        it return."""
         req = self.by_id.get(request_id)
         if req is None or req.status is Status.FINISHED:
             return None
@@ -83,6 +93,11 @@ class Scheduler:
     def steps_in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def kv_in_use(self) -> int:
+        """Slots requests need now: allocated ones less the cache entries that can be evicted."""
+        return self.kv.num_used - self.cache.evictable
+
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> Optional[StepPlan]:
@@ -96,7 +111,7 @@ class Scheduler:
 
         decoding = [r for r in self.running.values() if r.status is Status.RUNNING and self._decodes(r)]
         for req in decoding:
-            slot = self.kv.alloc(1)[0]
+            slot = self.cache.alloc(1)[0]
             req.slots.append(slot)
             req.num_computed += 1
             req.num_planned += 1
@@ -116,17 +131,19 @@ class Scheduler:
             admitted = False
             while self.waiting and budget > 0 and self._free_rows:
                 req = self.waiting[0]
-                if not lim.chunked_prefill and req.prompt_len > budget:
-                    break
-                if not self._kv_fits(req):
+                self.cache.lend(req)
+                if ((not lim.chunked_prefill and req.prompt_len - req.num_computed > budget)
+                        or not self._kv_fits(req)):
+                    self.cache.take_back(req)
                     break
                 self.waiting.popleft()
                 req.status = Status.RUNNING
                 req.row = self._free_rows.pop()
                 self.running[req.row] = req
                 plan.new.append(NewSeq(row=req.row, request_id=req.id, sampling=req.sampling,
-                                       prompt_ids=req.prompt_ids))
+                                       prompt_ids=req.prompt_ids, cached_slots=req.slots[:req.num_cached]))
                 budget -= self._add_chunk(plan, req, budget, samplers, touched)
+                self.cache.admitted(req)
                 admitted = True
             if admitted:
                 self._steps_since_admit = 0
@@ -155,7 +172,7 @@ class Scheduler:
         if lim.chunked_prefill:
             n = min(n, budget, lim.chunked_prefill_size)
         start = req.num_computed
-        slots = self.kv.alloc(n)
+        slots = self.cache.alloc(n)
         req.slots.extend(slots)
         req.num_computed += n
         last = not req.prefilling
@@ -170,23 +187,26 @@ class Scheduler:
     def _may_admit(self, decoding: bool) -> bool:
         if not decoding or self._steps_since_admit >= self.limits.max_wait_tokens:
             return True
-        return self.kv.num_used < self.limits.token_ratio * self.kv.num_slots
+        return self.kv_in_use < self.limits.token_ratio * self.kv.num_slots
 
     def _kv_fits(self, candidate: Request) -> bool:
+        """The candidate's cached prefix must be locked already: locked tree tokens count once."""
         live = [r for r in self.running.values() if r.status is Status.RUNNING]
         # finished requests whose steps are still out hold their slots a little longer
-        lingering = sum(len(r.slots) for r in self.running.values() if r.status is Status.FINISHED)
+        lingering = sum(len(r.slots) - r.num_cached for r in self.running.values() if r.status is Status.FINISHED)
+        shared = self.cache.locked
         margin = self.limits.pipeline_depth - 1  # a finished request frees its KV this many steps late
         n = len(live) + 1
         held = np.empty(n, dtype=np.int64)
         left = np.empty(n, dtype=np.int64)
         # Counted after this step's allocations; a prompt counts whole from its first chunk on, since
-        # chunks grow faster than the one slot per step the estimate assumes.
+        # chunks grow faster than the one slot per step the estimate assumes. Own slots only: the
+        # cached prefix is in `shared`.
         for i, r in enumerate(live + [candidate]):
-            held[i] = max(r.num_computed, r.prompt_len)
-            left[i] = r.peak_tokens - held[i] + margin  # slots it may still take
+            held[i] = max(r.num_computed, r.prompt_len) - r.num_cached
+            left[i] = r.peak_tokens - r.num_cached - held[i] + margin  # slots it may still take
         order = np.argsort(-left, kind="stable")
-        need = (np.cumsum(held[order]) + left[order] * np.arange(1, n + 1)).max() + lingering
+        need = (np.cumsum(held[order]) + left[order] * np.arange(1, n + 1)).max() + lingering + shared
         return int(need) <= self.limits.kv_slots
 
     # ---- results back ----------------------------------------------------------------------
@@ -243,5 +263,5 @@ class Scheduler:
             self._free_rows.append(req.row)
             self._release_rows.append(req.row)
             req.row = None
-        self.kv.free(req.slots)
+        self.cache.release(req)
         req.slots = []

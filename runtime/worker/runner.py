@@ -54,7 +54,10 @@ class ModelRunner:
     def _start_rows(self, plan: StepPlan) -> None:
         for new in plan.new:
             self.sampling.set_row(new.row, new.sampling, new.prompt_ids)
-            self.seq_len[new.row] = 0
+            cached = len(new.cached_slots)
+            if cached:  # the prompt cache's prefix: its first chunk starts at `cached` and reads these
+                self.kv.req_to_slots[new.row, :cached] = self._tensor(new.cached_slots).to(self.kv.req_to_slots.dtype)
+            self.seq_len[new.row] = cached
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[int]]:
         """The forward inputs, and the rows whose next token is sampled (in logits order)."""

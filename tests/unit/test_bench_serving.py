@@ -1,5 +1,6 @@
 """scripts/bench_serving.py: metric definitions on synthetic timings (hand-computed oracles), SSE
-timing, prompts and arrivals, and the client against a small real HTTP/1.1 streaming server."""
+timing, prompts (plain, shared-prefix, multi-turn) and arrivals, and the client against a small real
+HTTP/1.1 streaming server."""
 from __future__ import annotations
 
 import asyncio
@@ -105,6 +106,57 @@ def test_random_prompts_exact_length_and_range(bench):
     assert prompts != bench.random_prompts(50, 37, vocab_size=300, seed=8)
 
 
+def test_one_turn_without_groups_is_the_plain_workload(bench):
+    assert bench.conversation_turns(6, 9, 500, seed=3) == [[p] for p in bench.random_prompts(6, 9, 500, seed=3)]
+
+
+def test_shared_prefix_prompts_put_a_group_system_prompt_before_each_own_part(bench):
+    convs = bench.conversation_turns(7, 5, 1000, seed=1, groups=3, prefix_len=12)
+    own = bench.random_prompts(7, 5, 1000, seed=1)
+    systems = bench.random_prompts(3, 12, 1000, seed=1 + bench.SYSTEM_PROMPT_SEED)
+    assert len({tuple(s) for s in systems}) == 3
+    for i, conv in enumerate(convs):
+        assert len(conv) == 1
+        assert conv[0] == systems[i % 3] + own[i]  # round robin over the groups
+    assert all(100 <= t < 1000 for conv in convs for t in conv[0])
+
+
+def test_multi_turn_conversations_get_fresh_turns_of_input_len(bench):
+    convs = bench.conversation_turns(4, 6, 1000, seed=2, groups=2, prefix_len=3, turns=3)
+    assert [len(c) for c in convs] == [3] * 4
+    assert all(len(c[0]) == 9 and len(c[1]) == len(c[2]) == 6 for c in convs)
+    later = [tuple(t) for c in convs for t in c[1:]]
+    assert len(set(later)) == 8  # every later turn is new
+    assert convs == bench.conversation_turns(4, 6, 1000, seed=2, groups=2, prefix_len=3, turns=3)
+
+
+def test_prefix_cache_counts_from_prometheus_text(bench):
+    text = ("# TYPE llaunch:prefix_cache_queries counter\n"
+            'llaunch:prefix_cache_queries_total{model_name="m"} 120.0\n'
+            'llaunch:prefix_cache_hits_total{model_name="m"} 30.0\n'
+            'vllm:prefix_cache_queries_total{engine="1"} 5\n'
+            "llaunch:prefix_cache_usage_perc 0.5\n"
+            'llaunch:prompt_tokens_total{model_name="m"} 999.0\n')
+    assert bench.prefix_cache_counts(text) == (125.0, 30.0)
+    assert bench.prefix_cache_counts('llaunch:prompt_tokens_total{model_name="m"} 9.0\n') is None
+
+
+def test_a_conversation_resends_its_history_and_stops_at_a_failed_turn(bench):
+    sent = []
+
+    async def send(prompt):
+        sent.append(prompt)
+        if len(sent) == 3:
+            return bench.RequestOutput(prompt_len=len(prompt), error="HTTP 500")
+        return bench.RequestOutput(prompt_len=len(prompt), success=True, output_tokens=2,
+                                   output_ids=[900 + len(sent), 950 + len(sent)])
+
+    outs = asyncio.run(bench.run_conversation(send, [[1, 2], [3], [4, 5], [6]]))
+    assert sent == [[1, 2], [1, 2, 901, 951, 3], [1, 2, 901, 951, 3, 902, 952, 4, 5]]
+    assert [o.success for o in outs] == [True, True, False, False]
+    assert outs[3].error == "an earlier turn of the conversation failed"
+
+
 def test_arrival_offsets(bench):
     assert bench.arrival_offsets(5, math.inf, seed=0) == [0.0] * 5
     offsets = np.array(bench.arrival_offsets(20000, 50.0, seed=0))
@@ -124,6 +176,7 @@ class StreamingServer:
     def __init__(self, first_s: float, gap_s: float):
         self.first_s, self.gap_s = first_s, gap_s
         self.payloads: list[dict] = []
+        self.queries = self.hits = 0  # a prompt cache's counters: longest prefix of an earlier prompt
         self.in_flight = self.peak = 0
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -150,13 +203,30 @@ class StreamingServer:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET /metrics "):
+                    body = (f'llaunch:prefix_cache_queries_total{{model_name="m"}} {self.queries}\n'
+                            f'llaunch:prefix_cache_hits_total{{model_name="m"}} {self.hits}\n').encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                    await writer.drain()
+                    continue
                 length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
                               if h.lower().startswith(b"content-length"))
                 await self._respond(json.loads(await reader.readexactly(length)), writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
 
+    def _count_prefix(self, prompt):
+        best = 0
+        for earlier in self.payloads:
+            n = 0
+            while n < min(len(prompt) - 1, len(earlier["prompt"])) and prompt[n] == earlier["prompt"][n]:
+                n += 1
+            best = max(best, n)
+        self.queries += len(prompt)
+        self.hits += best
+
     async def _respond(self, payload, writer):
+        self._count_prefix(payload["prompt"])
         self.payloads.append(payload)
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
@@ -169,7 +239,10 @@ class StreamingServer:
 
         for i in range(payload["max_tokens"]):
             await asyncio.sleep(self.first_s if i == 0 else self.gap_s)
-            await event(json.dumps({"choices": [{"index": 0, "text": f" t{i}"}]}))
+            choice = {"index": 0, "text": f" t{i}"}
+            if payload.get("return_token_ids"):
+                choice["token_ids"] = [len(payload["prompt"]) * 10 + i]
+            await event(json.dumps({"choices": [choice]}))
         await event(json.dumps({"choices": [], "usage": {"prompt_tokens": len(payload["prompt"]),
                                                           "completion_tokens": payload["max_tokens"]}}))
         await event("[DONE]")
@@ -211,3 +284,41 @@ def test_client_reports_failures(bench):
     result = bench.main(["--base-url", "http://127.0.0.1:1", "--model", "m", "--num-prompts", "2",
                          "--input-len", "3", "--output-len", "2", "--warmup", "0", "--timeout", "5"])
     assert result["completed"] == 0 and result["failed"] == 2
+
+
+def test_client_multi_turn_shared_prefix_end_to_end(bench, tmp_path, capsys):
+    with StreamingServer(first_s=0.01, gap_s=0.005) as server:
+        result = bench.main(["--base-url", server.url, "--model", "m", "--num-prompts", "4", "--input-len", "3",
+                             "--output-len", "2", "--concurrency", "2", "--warmup", "1", "--vocab-size", "500",
+                             "--shared-prefix-groups", "2", "--shared-prefix-len", "6", "--multi-turn", "3",
+                             "--result-file", str(tmp_path / "out.json")])
+    turns = bench.conversation_turns(4, 3, 500, seed=0, groups=2, prefix_len=6, turns=3)
+    warm, measured = server.payloads[0], server.payloads[1:]
+    assert "return_token_ids" in warm and len(measured) == 12
+    assert result["completed"] == 12 and result["failed"] == 0
+    # each conversation's turns in order: history (prompts and returned ids) plus the new turn
+    by_first = {tuple(p["prompt"][:9]): [] for p in measured if len(p["prompt"]) == 9}
+    for p in measured:
+        by_first[tuple(p["prompt"][:9])].append(p["prompt"])
+    assert sorted(by_first) == sorted(tuple(c[0]) for c in turns)
+    for conv in turns:
+        prompts = by_first[tuple(conv[0])]
+        history = []
+        for turn, prompt in zip(conv, prompts):
+            assert prompt == history + turn
+            history = prompt + [len(prompt) * 10, len(prompt) * 10 + 1]
+    assert result["total_input_tokens"] == sum(len(p["prompt"]) for p in measured)
+    # the server's counters over the measured run: the warm-up's lookup (the first, so no hit) excluded
+    queries = sum(len(p["prompt"]) for p in measured)
+    assert server.queries == queries + len(warm["prompt"])
+    assert (result["prefix_cache_queries"], result["prefix_cache_hits"]) == (queries, server.hits)
+    assert result["prefix_cache_hit_rate"] == pytest.approx(server.hits / queries)
+    assert server.hits > 4 * 6  # later turns and the second member of each group hit
+    assert "Prefix cache hit rate" in capsys.readouterr().out
+
+
+def test_shared_prefix_options_go_together(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "m", "--shared-prefix-groups", "2"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "m", "--multi-turn", "0"])
