@@ -101,7 +101,10 @@ def bench_command(bench: BenchConfig, cfg: RunConfig, result_file: Path) -> list
     args = {"base-url": cfg.graph.http_url, "model": cfg.model.name, "num-prompts": bench.num_prompts,
             "input-len": bench.input_len, "output-len": bench.output_len, "concurrency": bench.concurrency,
             "request-rate": bench.request_rate, "warmup": bench.warmup, "vocab-size": cfg.model.vocab_size,
-            "result-file": result_file, "api-key": cfg.server.api_key}
+            "result-file": result_file, "api-key": cfg.server.api_key,
+            "shared-prefix-groups": bench.shared_prefix_groups or None,
+            "shared-prefix-len": bench.shared_prefix_len or None,
+            "multi-turn": bench.multi_turn if bench.multi_turn != 1 else None}
     return [sys.executable, str(BENCH_SCRIPT), *(f"--{k}={v}" for k, v in args.items() if v is not None)]
 
 

@@ -123,6 +123,9 @@ class BenchConfig:
     concurrency: int = 1
     request_rate: float = float("inf")
     warmup: int = 1
+    shared_prefix_groups: int = 0  # > 0: prompts share one of this many system prompts (prompt cache)
+    shared_prefix_len: int = 0  # tokens of each shared system prompt
+    multi_turn: int = 1  # turns per conversation, each re-sending the history
 
 
 @dataclass(frozen=True)
