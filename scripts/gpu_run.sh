@@ -3,7 +3,7 @@
 # transformers, serve the Qwen2-7B-shaped dummy model, run the benchmark cases of
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
-#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels sweep; default: the first five)
+#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels sweep prefix; default: the first five)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/llaunch-gpu}
@@ -88,6 +88,14 @@ if has sweep; then  # the H200 sweep of the sweeps issue: max_running_requests u
   llaunch-report /tmp/sweep 2>&1 | tail -12
   cp /tmp/sweep/report.md /tmp/sweep/report.png "$OUT/" 2>/dev/null
   for j in 0 1 2; do cp /tmp/sweep/$j/bench.json "$OUT/sweep-$j-bench.json" 2>/dev/null; done
+fi
+
+if has prefix; then  # the prompt-cache issue's workload, with the cache and without
+  stamp "prefix-cache sweep"
+  timeout ${PREFIX_TIMEOUT_S:-400} llaunch -m bench=prefix64x8 model=qwen2-7b model.load_format=dummy \
+      router.max_running_requests=256 cache=default,no_prompt_cache hydra.sweep.dir=/tmp/prefix >"$OUT/prefix.log" 2>&1
+  echo "prefix sweep exit: $?"; tail -3 "$OUT/prefix.log"
+  llaunch-report /tmp/prefix --out "$OUT" 2>&1 | tail -8
 fi
 
 if has baseline; then
