@@ -9,7 +9,8 @@ freed once no step in flight refers to it.
 Admission never over-commits KV: a request is admitted only if the peak KV of all running requests
 plus it, each run to its max_new_tokens, fits (LightLLM's estimate: sort by tokens left to allocate;
 when the i-th longest finishes, the i+1 longest each hold their current tokens plus that many more;
-the peak is the largest of these sums). Allocation therefore cannot fail. Pure logic: no sockets,
+the peak is the largest of these sums; a prompt still prefilling after this step counts at its
+peak instead, since it starts growing late). Allocation therefore cannot fail. Pure logic: no sockets,
 no tensors.
 
 With the prompt cache (`prompt_cache`), an admitted request reuses the KV of the longest cached
@@ -66,7 +67,8 @@ class Scheduler:
 
     def add(self, req: Request) -> Optional[TokenDelta]:
         """Queue a request; one that could never fit the KV cache ends at once with an error."""
-        if req.peak_tokens > self.limits.kv_slots:
+        # the pipeline margin of `_kv_fits`: a request alone must fit it, or it would wait for good
+        if req.peak_tokens + self.limits.pipeline_depth - 1 > self.limits.kv_slots:
             return TokenDelta(request_id=req.id, token_ids=[], finish_reason="error")
         self.waiting.append(req)
         self.by_id[req.id] = req
@@ -133,7 +135,7 @@ class Scheduler:
                 req = self.waiting[0]
                 self.cache.lend(req)
                 if ((not lim.chunked_prefill and req.prompt_len - req.num_computed > budget)
-                        or not self._kv_fits(req)):
+                        or not self._kv_fits(req, budget)):
                     self.cache.take_back(req)
                     break
                 self.waiting.popleft()
@@ -189,13 +191,15 @@ class Scheduler:
             return True
         return self.kv_in_use < self.limits.token_ratio * self.kv.num_slots
 
-    def _kv_fits(self, candidate: Request) -> bool:
-        """The candidate's cached prefix must be locked already: locked tree tokens count once."""
+    def _kv_fits(self, candidate: Request, budget: int) -> bool:
+        """The candidate's cached prefix must be locked already: locked tree tokens count once.
+        `budget`: tokens left in this step for the candidate's first chunk."""
+        lim = self.limits
         live = [r for r in self.running.values() if r.status is Status.RUNNING]
         # finished requests whose steps are still out hold their slots a little longer
         lingering = sum(len(r.slots) - r.num_cached for r in self.running.values() if r.status is Status.FINISHED)
         shared = self.cache.locked
-        margin = self.limits.pipeline_depth - 1  # a finished request frees its KV this many steps late
+        margin = lim.pipeline_depth - 1  # a finished request frees its KV this many steps late
         n = len(live) + 1
         held = np.empty(n, dtype=np.int64)
         left = np.empty(n, dtype=np.int64)
@@ -205,9 +209,16 @@ class Scheduler:
         for i, r in enumerate(live + [candidate]):
             held[i] = max(r.num_computed, r.prompt_len) - r.num_cached
             left[i] = r.peak_tokens - r.num_cached - held[i] + margin  # slots it may still take
+        # A prompt still prefilling after this step starts growing late, so the requests that finish
+        # meanwhile do not make room for it: it counts at its peak throughout.
+        rest = candidate.prompt_len - candidate.num_computed
+        late = np.array([r.prefilling for r in live]
+                        + [lim.chunked_prefill and rest > min(budget, lim.chunked_prefill_size)], dtype=bool)
+        fixed = int((held[late] + left[late]).sum())
+        held, left = held[~late], left[~late]
         order = np.argsort(-left, kind="stable")
-        need = (np.cumsum(held[order]) + left[order] * np.arange(1, n + 1)).max() + lingering + shared
-        return int(need) <= self.limits.kv_slots
+        growing = (np.cumsum(held[order]) + left[order] * np.arange(1, len(order) + 1)).max(initial=0)
+        return int(growing) + fixed + lingering + shared <= lim.kv_slots
 
     # ---- results back ----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.worker.sampling_state import SamplingState, logprobs_to_host
-from llaunch.runtime.worker.transfer import to_device
+from llaunch.runtime.worker.transfer import to_device, to_host_async
 
 
 @dataclass
@@ -139,9 +139,12 @@ class ModelRunner:
         logprobs = self.sampling.logprobs(logits, rows, tokens)
         done = None
         if self.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            tokens, done = host, torch.cuda.Event()
+            tokens = to_host_async(tokens)
+            if logprobs is not None:  # read after the next step is launched: copy now, not then
+                chosen, vals, ids, wants = logprobs
+                logprobs = (to_host_async(chosen), None if vals is None else to_host_async(vals),
+                            None if ids is None else to_host_async(ids), wants)
+            done = torch.cuda.Event()
             done.record()
         return PendingStep(plan.step, rows, tokens, done, logprobs, t0)
 

@@ -43,7 +43,7 @@ class SamplingState:
         self.temperature[row] = sp.temperature
         self.top_p[row] = sp.top_p
         self.top_k[row] = sp.top_k
-        self.seed[row] = sp.seed or 0
+        self.seed[row] = (sp.seed or 0) & (2**63 - 1)  # fits int64; the noise hashes only the low bits
         self.presence[row] = sp.presence_penalty
         self.frequency[row] = sp.frequency_penalty
         self.repetition[row] = sp.repetition_penalty

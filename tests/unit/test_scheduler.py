@@ -238,3 +238,30 @@ def test_many_requests_pipelined_complete_with_bounded_kv(depth):
                 finished.add(d.request_id)
     assert finished == {f"r{i}" for i in range(25)}
     assert s.kv.num_used == 0 and not s.running
+
+
+def test_a_prompt_chunked_over_several_steps_never_overcommits_kv():
+    # b decodes (3 slots held after this step, 5 more to come); a's 8-token prompt needs two 4-token
+    # chunks, so a starts growing a step late while b keeps growing: at a's decode both hold
+    # 3 + 2 + 8 + 1 = 14 slots, one more than the estimate that assumes a grows from the next step
+    s = make(kv_slots=13, batch_max_tokens=5, chunk=4)
+    s.add(req("b", 2, 7))
+    answer(s, s.schedule())
+    s.add(req("a", 8, 2))
+    finished = set()
+    for _ in range(50):
+        if not s.has_work():
+            break
+        p = s.schedule()
+        assert s.kv.num_used <= 13
+        finished |= {d.request_id for d in answer(s, p) if d.finish_reason}
+    assert finished == {"a", "b"} and s.kv.num_used == 0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_request_accepted_at_the_kv_limit_is_admitted(depth):
+    # peak 5 + 6 - 1 = 10 = every slot: add() accepts it, so an idle scheduler must run it (or add()
+    # must reject it), never leave it waiting for good
+    s = make(kv_slots=10, batch_max_tokens=64, depth=depth)
+    rejected = s.add(req("a", 5, 6))
+    assert rejected is not None or s.schedule() is not None
