@@ -3,7 +3,6 @@ overrides, GPU shares, the bench command line (parsed back by scripts/bench_serv
 the sweep's size as Hydra's sweeper counts it."""
 from __future__ import annotations
 
-import importlib.util
 import io
 import math
 import sys
@@ -18,17 +17,6 @@ from llaunch.launcher import bench_job, bench_server
 from llaunch.launcher.schema import BenchConfig, ModelConfig, ProcessGraph, RunConfig, ServerConfig
 from llaunch.launcher.sweep_progress import SweepProgress, SweepShape, sweep_shape
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
 
 
 def test_server_overrides_drop_the_bench_and_pick_a_free_port():

@@ -4,28 +4,14 @@ HTTP/1.1 streaming server."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
 
 
 # ---- pure functions ------------------------------------------------------------------------------

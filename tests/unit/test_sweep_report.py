@@ -2,10 +2,8 @@
 computed by scripts/bench_serving.py's own metric code from hand-made request timings."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -14,18 +12,7 @@ import pytest
 from llaunch.launcher import report_sweep
 from llaunch.launcher.bench_job import write_status
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serving.py"
 CONSTANT = ["bench=c1", "model=tiny-qwen2", "device=cpu"]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
 
 
 def bench_result(bench, ttft: float, gap: float, duration: float) -> dict:
