@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from llaunch.launcher import derive
+from llaunch.launcher.heads import HeadLayout
 from llaunch.launcher.schema import Device, DType, LlaunchConfig, LoadFormat, Mode
 
 FAMILIES = ("llama", "qwen2")
@@ -289,16 +290,15 @@ def multinode_addresses(cfg):
 @rule(needs=("model.num_attention_heads", "model.num_key_value_heads"))
 def tp_splits_heads(cfg):
     tp, heads, kv = cfg.parallel.tp, cfg.model.num_attention_heads, cfg.model.num_key_value_heads
-    if not _serves(cfg) or tp < 1:
+    if not _serves(cfg) or tp < 1 or heads % kv:
         return
-    if heads % tp:
-        yield ("parallel.tp", "model.num_attention_heads"), (
-            f"model.num_attention_heads={heads} attention heads do not split over parallel.tp={tp} ranks; "
-            f"use a parallel.tp that divides {heads} (e.g. {_valid_tp(heads, kv, cfg.parallel.tp)})")
-    if kv % tp and tp % kv:
-        yield ("parallel.tp", "model.num_key_value_heads"), (
-            f"model.num_key_value_heads={kv} KV heads and parallel.tp={tp}: one must divide the other "
-            f"(KV heads are split, or replicated over tp/{kv} ranks)")
+    layout = HeadLayout.of(heads, kv, tp)
+    if layout.padded and not cfg.parallel.pad_heads:
+        extra = layout.padded_heads - heads
+        yield ("parallel.tp", "model.num_attention_heads", "model.num_key_value_heads"), (
+            f"model.num_attention_heads={heads} with model.num_key_value_heads={kv} do not split over "
+            f"parallel.tp={tp} ranks; use a parallel.tp of {_valid_tp(heads, kv, tp)}, or set parallel.pad_heads=true to add {extra} "
+            f"zero heads ({100 * extra / heads:.0f}% more attention work, same output)")
 
 
 def _valid_tp(heads: int, kv: int, below: int) -> str:

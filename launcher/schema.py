@@ -76,6 +76,7 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"  # rendezvous for torch.distributed (node 0's address)
     master_port: Optional[int] = None  # None: allocated
     node_addrs: List[str] = field(default_factory=list)  # nnodes > 1: every node's address, node 0 first
+    pad_heads: bool = False  # allow zero heads when attention heads do not split over tp (exact, more work)
 
 
 @dataclass(frozen=True)

@@ -12,37 +12,33 @@ from torch import nn
 from llaunch.kernels import decode_attention, prefill_attention, rope_cos_sin, rotary_embedding, silu_mul, store_kv
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
+from llaunch.launcher.heads import HeadLayout
 from llaunch.runtime.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear,
                                            Shard, TpGroup, VocabParallelEmbedding)
 
 
-def kv_heads_of_rank(arch: ModelArch, tp: TpGroup) -> tuple[int, int]:
-    """(first kv head, kv heads) on this rank. With fewer KV heads than ranks each KV head is
-    replicated on tp / kv consecutive ranks: rank r keeps head r * kv // tp, which is the head its
-    q heads [r * H/tp, (r+1) * H/tp) read under grouped-query attention."""
-    kv = arch.num_key_value_heads
-    if kv >= tp.size:
-        return tp.split(kv, "num_key_value_heads")
-    if tp.size % kv:
-        raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of num_key_value_heads={kv}")
-    return tp.rank * kv // tp.size, 1
+def head_parts(prefix: str, runs, head_dim: int, full: int) -> list:
+    """ColumnParallelLinear parts for runs of heads (checkpoint head or None for zero heads)."""
+    return [(None if h is None else prefix, full, (h or 0) * head_dim, n * head_dim) for h, n in runs]
 
 
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, prefix: str, tp: TpGroup, device, dtype):
         super().__init__()
         d, hidden = arch.head_dim, arch.hidden_size
-        q_start, self.num_heads = tp.split(arch.num_attention_heads, "num_attention_heads")
-        kv_start, self.num_kv_heads = kv_heads_of_rank(arch, tp)
+        heads = HeadLayout.of(arch.num_attention_heads, arch.num_key_value_heads, tp.size)
+        self.num_heads, self.num_kv_heads = heads.heads_per_rank, heads.kv_heads_per_rank
         self.head_dim, self.scale = d, d ** -0.5
         q_full, kv_full = arch.num_attention_heads * d, arch.num_key_value_heads * d
+        q_runs, kv_runs = heads.query_runs(tp.rank), heads.kv_runs(tp.rank)
         self.qkv_proj = ColumnParallelLinear(hidden, [
-            (f"{prefix}.q_proj", q_full, q_start * d, self.num_heads * d),
-            (f"{prefix}.k_proj", kv_full, kv_start * d, self.num_kv_heads * d),
-            (f"{prefix}.v_proj", kv_full, kv_start * d, self.num_kv_heads * d),
+            *head_parts(f"{prefix}.q_proj", q_runs, d, q_full),
+            *head_parts(f"{prefix}.k_proj", kv_runs, d, kv_full),
+            *head_parts(f"{prefix}.v_proj", kv_runs, d, kv_full),
         ], bias=arch.attention_bias, device=device, dtype=dtype)
-        self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q_full, q_start * d, self.num_heads * d, hidden,
-                                        bias=arch.o_proj_bias, tp=tp, device=device, dtype=dtype)
+        self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q_full, 0, 0, hidden, bias=arch.o_proj_bias, tp=tp,
+                                        device=device, dtype=dtype,
+                                        in_parts=[(None if h is None else h * d, n * d) for h, n in q_runs])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -22,13 +22,19 @@ from llaunch.kernels import rmsnorm
 class Shard:
     """The slice of checkpoint tensor `name` (full shape `full_shape`) that fills part of a local
     parameter: rows/cols [start, start + size) along `dim`, or the whole tensor when dim is None.
-    A parameter made of several Shards (fused q/k/v, gate/up) is their concatenation along dim 0."""
+    A parameter made of several Shards (fused q/k/v, gate/up; o_proj's columns around zero heads) is
+    their concatenation along dim 0, or dim 1 when the shards split dim 1. A shard named "" is
+    padding: zeros, read from no file."""
 
     name: str
     full_shape: tuple[int, ...]
     dim: Optional[int] = None
     start: int = 0
     size: int = 0
+
+    @property
+    def padding(self) -> bool:
+        return self.name == ""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -74,7 +80,7 @@ def _param(shape, device, dtype) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's output rows split over ranks. Several checkpoint matrices can be
     fused into one (q‖k‖v, gate‖up): `parts` lists (checkpoint prefix, full out features, local
-    start, local size) in output order."""
+    start, local size) in output order; a prefix of None makes zero rows (padded heads)."""
 
     def __init__(self, in_features: int, parts: list[tuple[str, int, int, int]], bias: bool,
                  device, dtype):
@@ -86,9 +92,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((out_local,), device, dtype) if bias else None
 
     def checkpoint_shards(self) -> dict[str, list[Shard]]:
-        shards = {"weight": [Shard(f"{n}.weight", (full, self.in_features), 0, s, k) for n, full, s, k in self.parts]}
+        name = lambda n, what: "" if n is None else f"{n}.{what}"  # noqa: E731
+        shards = {"weight": [Shard(name(n, "weight"), (full, self.in_features), 0, s, k) for n, full, s, k in self.parts]}
         if self.bias is not None:
-            shards["bias"] = [Shard(f"{n}.bias", (full,), 0, s, k) for n, full, s, k in self.parts]
+            shards["bias"] = [Shard(name(n, "bias"), (full,), 0, s, k) for n, full, s, k in self.parts]
         return shards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,19 +104,21 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local W_local^T) (+ b): W's input columns [in_start, in_start + in_local)
-    live on this rank; the bias is added once, after the reduction."""
+    live on this rank, or the runs `in_parts` lists as (start or None for zero columns, size); the
+    bias is added once, after the reduction."""
 
     def __init__(self, name: str, in_features: int, in_start: int, in_local: int, out_features: int,
-                 bias: bool, tp: TpGroup, device, dtype):
+                 bias: bool, tp: TpGroup, device, dtype, in_parts: Optional[list[tuple[Optional[int], int]]] = None):
         super().__init__()
         self.name, self.tp = name, tp
         self.full_shape = (out_features, in_features)
-        self.in_start = in_start
-        self.weight = _param((out_features, in_local), device, dtype)
+        self.in_parts = in_parts or [(in_start, in_local)]
+        self.weight = _param((out_features, sum(n for _, n in self.in_parts)), device, dtype)
         self.bias = _param((out_features,), device, dtype) if bias else None
 
     def checkpoint_shards(self) -> dict[str, list[Shard]]:
-        shards = {"weight": [Shard(f"{self.name}.weight", self.full_shape, 1, self.in_start, self.weight.shape[1])]}
+        shards = {"weight": [Shard("" if s is None else f"{self.name}.weight", self.full_shape, 1, s or 0, n)
+                             for s, n in self.in_parts]}
         if self.bias is not None:
             shards["bias"] = [Shard(f"{self.name}.bias", (self.full_shape[0],))]
         return shards

@@ -234,8 +234,10 @@ def load_from(model: torch.nn.Module, source: TensorSource) -> None:
         param = params[pname]
         if any(s.name == "lm_head.weight" for s in shards) and not source.has("lm_head.weight"):
             shards = [replace(s, name="model.embed_tokens.weight") for s in shards]  # untied config, tied file
-        parts = [source.read(s) for s in shards]
-        t = parts[0] if len(parts) == 1 else torch.cat([p.to(param.device) for p in parts], dim=0)
+        parts = [torch.zeros(s.shape, dtype=param.dtype, device=param.device) if s.padding else source.read(s)
+                 for s in shards]
+        cat_dim = 1 if shards[0].dim == 1 else 0
+        t = parts[0] if len(parts) == 1 else torch.cat([p.to(param.device, param.dtype) for p in parts], dim=cat_dim)
         with torch.no_grad():
             if tuple(t.shape) == tuple(param.shape):
                 param.copy_(t)

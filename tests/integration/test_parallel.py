@@ -2,6 +2,7 @@
 
 - tp2 greedy output equals tp1 and transformers token for token (Qwen2 with its 2 KV heads split,
   Llama with 1 KV head replicated on both ranks), and so does tp4 (Qwen2's 2 KV heads replicated);
+- heads that do not split (9 query, 3 KV, as SmolLM2) are padded with zero heads under tp2 and tp4;
 - dp2 serves 16 concurrent requests with the right output, both replicas running some of them;
 - two "nodes" (two llaunch processes on loopback: one tp rank each, or one dp replica each) serve
   requests from node 0; SIGTERM on node 0 drains its in-flight request, then node 1 stops too.
@@ -92,6 +93,30 @@ def test_tp_greedy_equals_tp1_and_transformers(tp_servers, oracles):
     for tp, server in servers.items():  # one process per rank
         workers = sorted(p.name for p in (server.run_dir / "logs").glob("worker.*.log"))
         assert workers == [f"worker.0.{r}.log" for r in range(tp)]
+
+
+# SmolLM2's head counts (9 query, 3 KV): tp2 pads one KV head and three query heads, tp4 a whole rank
+PADDED = dict(num_attention_heads=9, num_key_value_heads=3, head_dim=16, hidden_size=144)
+
+
+@pytest.fixture(scope="module")
+def padded_llama(tmp_path_factory):
+    from fixtures.tiny_models import write_tiny_checkpoint
+    from integration.conftest import HfOracle
+
+    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-9h"), "llama", seed=3, **PADDED)
+    return folder, HfOracle(folder)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_padded_heads_tp_equals_transformers(tp, tmp_path_factory, padded_llama):
+    folder, oracle = padded_llama
+    overrides = ["model=llama", f"model.path={folder}", "model.name=tiny-llama", f"parallel=tp{tp}",
+                 "parallel.pad_heads=true"]
+    with start_server(tmp_path_factory, f"llama-9h-tp{tp}", overrides) as server:
+        for prompt in PROMPTS:
+            want = oracle.greedy(oracle.tokenizer(prompt)["input_ids"], MAX_NEW)
+            assert greedy_ids(server, "llama", prompt) == want, f"tp{tp}, prompt {prompt!r}"
 
 
 # ---- data parallelism -------------------------------------------------------------------------

@@ -101,6 +101,9 @@ def test_messages_give_values_and_ranges(resolved):
     assert "cache.mem_fraction=1.5" in v.message and "(0, 1)" in v.message
     [v] = rules.check_all(resolved("model=qwen2-7b", "model.load_format=dummy", "parallel=tp8", "model.tokenizer=null"))
     assert v.rule == "tp_splits_heads" and "28" in v.message and "parallel.tp=8" in v.message
+    assert "parallel.pad_heads=true" in v.message and "4 zero heads" in v.message
+    assert rules.check_all(resolved("model=qwen2-7b", "model.load_format=dummy", "parallel=tp8",
+                                    "parallel.pad_heads=true", "model.tokenizer=null")) == []
     [v] = rules.check_all(resolved("model=qwen2", "model.tokenizer=null"))
     assert v.rule == "weights_need_path" and "model.path" in v.message and "qwen2-7b" in v.message
 
