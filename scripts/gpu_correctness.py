@@ -56,17 +56,22 @@ def batch_of(ids, positions, slots, rows, lens, prefill=None, device="cuda") -> 
                         t(list(range(n))), 0, n, n, 0)
 
 
+def decode_args(kv, b: int, context: int):
+    """graphs.run arguments for a decode step of `b` rows over `context` cached tokens each."""
+    rows = list(range(b))
+    base = 8192  # slots past the correctness check's
+    for r in rows:
+        kv.req_to_slots[r, :context] = torch.arange(base + r * context, base + (r + 1) * context,
+                                                    dtype=torch.int32, device="cuda")
+    return rows, [context - 1] * b, [base + r * context + context - 1 for r in rows], [context] * b
+
+
 def time_decode_steps(graphs: DecodeGraphs, kv, context: int = 1024) -> list[dict]:
     """Device time of one decode step (graph replay only, no sampling or host work) at batch sizes
     1, 64 and 256 over `context` cached tokens each: the floor the engine's TPOT is compared with."""
     out = []
     for b in (1, 64, 256):
-        rows = list(range(b))
-        base = 8192  # slots past the correctness check's
-        for r in rows:
-            kv.req_to_slots[r, :context] = torch.arange(base + r * context, base + (r + 1) * context,
-                                                        dtype=torch.int32, device="cuda")
-        args = (rows, [context - 1] * b, [base + r * context + context - 1 for r in rows], [context] * b)
+        args = decode_args(kv, b, context)
         for _ in range(3):
             graphs.run(*args)
         torch.cuda.synchronize()
@@ -81,12 +86,36 @@ def time_decode_steps(graphs: DecodeGraphs, kv, context: int = 1024) -> list[dic
     return out
 
 
+def profile_decode_step(graphs: DecodeGraphs, kv, context: int = 1024, steps: int = 20) -> None:
+    """Kernel time per decode step, by kernel name (torch profiler over graph replays), batch 1 and 256:
+    where the step's device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for b in (1, 256):
+        args = decode_args(kv, b, context)
+        graphs.run(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                graphs.run(*args)
+            torch.cuda.synchronize()
+        rows = [(e.key, e.device_time_total / steps, e.count / steps) for e in prof.key_averages()
+                if e.device_time_total > 0]
+        rows.sort(key=lambda r: -r[1])
+        total = sum(r[1] for r in rows)
+        print(json.dumps(dict(profile=f"decode step, batch {b}, context {context}", kernel_us_per_step=round(total, 1))))
+        for name, us, calls in rows[:18]:
+            print(json.dumps(dict(batch=b, kernel=name[:90], us_per_step=round(us, 1), calls_per_step=calls,
+                                  share=round(us / total, 3))))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--fp32-reference", action="store_true", help="also compare both bf16 runs with float32")
+    ap.add_argument("--profile", action="store_true", help="print the decode step's kernel time by kernel")
     ap.add_argument("--smoke", action="store_true", help="a small shape on CPU in float32 (checks the script)")
     args = ap.parse_args()
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
@@ -152,6 +181,8 @@ def main() -> int:
         diff = (torch.stack(replayed) - got).abs().max().item()
         checks.append(dict(check="decode CUDA graph replay vs eager", max_abs_diff=diff))
         checks += time_decode_steps(graphs, kv)
+        if args.profile:
+            profile_decode_step(graphs, kv)
     for c in checks:
         if c.pop("measurement", False):
             c["pass"] = True

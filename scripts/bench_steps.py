@@ -1,0 +1,91 @@
+"""Device time of the forward steps the router composes, on the Qwen2-7B shape with random bf16
+weights: decode batches, prefill chunks made of whole 1024-token prompts, and mixed steps (a decode
+batch plus prefill chunks, as under continuous batching). Eager forward (no CUDA graph), timed with
+CUDA events, median of repeats; prints one JSON line per step shape with its matmul TFLOP/s.
+
+    python scripts/bench_steps.py [--layers N] [--prompt-len 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from llaunch.runtime.models.arch import ModelArch
+from llaunch.runtime.models.batch import ForwardBatch
+from llaunch.runtime.models.decoder import DecoderLM
+from llaunch.runtime.models.layers import TpGroup
+from llaunch.runtime.worker.weights import DummySource, load_from
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from gpu_correctness import QWEN2_7B  # noqa: E402
+
+SPAN = 2048  # slots per row
+
+
+def step_batch(decode: int, context: int, prompts: int, prompt_len: int, device) -> ForwardBatch:
+    """`decode` rows with `context` cached tokens each decode one token; `prompts` fresh prompts of
+    `prompt_len` tokens prefill whole (rows after the decode rows)."""
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    d_rows = list(range(decode))
+    ids = [7] * decode
+    pos = [context - 1] * decode
+    slots = [r * SPAN + context - 1 for r in d_rows]
+    p_rows = list(range(decode, decode + prompts))
+    starts, lens, last = [], [], list(range(decode))
+    for r in p_rows:
+        starts.append(len(ids))
+        ids += [11] * prompt_len
+        pos += range(prompt_len)
+        slots += range(r * SPAN, r * SPAN + prompt_len)
+        lens.append(prompt_len)
+        last.append(len(ids) - 1)
+    return ForwardBatch(t(ids), t(pos), t(slots), t(d_rows), t([context] * decode), t(p_rows), t(starts), t(lens),
+                        t([0] * prompts), t(last), decode, prompts * prompt_len, prompt_len if prompts else 0,
+                        context if decode else 0)
+
+
+def time_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[2:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    arch = ModelArch.from_hf_config(dict(QWEN2_7B, num_hidden_layers=args.layers, model_type="qwen2"))
+    model = DecoderLM(arch, TpGroup(0, 1, None), device, torch.bfloat16, 4096).eval()
+    load_from(model, DummySource(0, device, full_tensors=False))
+    rows = 512
+    kv = model.make_kv_cache(rows * SPAN + 1, rows + 1, SPAN)
+    kv.req_to_slots[:rows] = torch.arange(rows * SPAN, dtype=torch.int32, device=device).view(rows, SPAN)
+    flop_per_token = 2 * (arch.num_params - arch.vocab_size * arch.hidden_size)  # embedding lookup is free
+    n = args.prompt_len
+    shapes = [(1, 0), (64, 0), (256, 0), (0, 2), (0, 4), (0, 8), (64, 4), (256, 4), (256, 7), (128, 7)]
+    for decode, prompts in shapes:
+        batch = step_batch(decode, 1024, prompts, n, device)
+        with torch.inference_mode():
+            ms = time_ms(lambda: model.forward(batch, kv), args.repeats)
+        tokens = decode + prompts * n
+        print(json.dumps(dict(decode_rows=decode, decode_context=1024 if decode else 0, prefill_tokens=prompts * n,
+                              ms=round(ms, 3), linear_tflops=round(flop_per_token * tokens / ms / 1e9, 1),
+                              ms_per_prefill_token_k=round(ms / (prompts * n) * 1000, 3) if prompts else None)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
