@@ -25,8 +25,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
 
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling: Optional[dict] = None,
                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, head_dim // 2] in float32, with Llama-3 / linear rope scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    """cos, sin tables [max_positions, head_dim // 2] in float32, with Llama-3 / linear rope scaling.
+    Computed in float32 as transformers does (the model then rounds them to its dtype, as transformers
+    does too), so a position's angle is the one the checkpoint's reference implementation uses."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
@@ -41,22 +43,24 @@ def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling: Optio
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     elif kind not in (None, "default"):
         raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
-    t = torch.arange(max_positions, dtype=torch.float64, device=device)
+    t = torch.arange(max_positions, dtype=torch.int64, device=device).float()
     freqs = torch.outer(t, inv_freq)
-    return freqs.cos().float(), freqs.sin().float()
+    return freqs.cos(), freqs.sin()
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half (GPT-NeoX) rotary embedding, as Llama and Qwen2 use in Hugging Face checkpoints.
-    q: [T, Hq, D], k: [T, Hk, D], positions: [T]. Returns new tensors."""
+    q: [T, Hq, D], k: [T, Hk, D], positions: [T]. Returns new tensors. Each product and the sum are
+    rounded to q's dtype, as transformers' `q * cos + rotate_half(q) * sin` in that dtype does."""
 
     def rotate(x):
         half = x.shape[-1] // 2
-        c = cos[positions].unsqueeze(1)
-        s = sin[positions].unsqueeze(1)
+        c = cos[positions].unsqueeze(1).float()
+        s = sin[positions].unsqueeze(1).float()
         x1, x2 = x[..., :half].float(), x[..., half:].float()
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+        r = lambda t: t.to(x.dtype).float()  # noqa: E731
+        return torch.cat([r(x1 * c) - r(x2 * s), r(x2 * c) + r(x1 * s)], dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
 

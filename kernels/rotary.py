@@ -17,8 +17,12 @@ def _rotate_heads(src_ptr, dst_ptr, token, src_tok_stride, src_head_stride, n_he
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     dst = dst_ptr + token * n_heads * 2 * HALF + heads * 2 * HALF + dims
-    tl.store(dst, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+    # each product rounded to the output dtype first: the reference's (and transformers') rounding points
+    ty = dst_ptr.dtype.element_ty
+    a, b = (x1 * cos).to(ty).to(tl.float32), (x2 * sin).to(ty).to(tl.float32)
+    c, d = (x2 * cos).to(ty).to(tl.float32), (x1 * sin).to(ty).to(tl.float32)
+    tl.store(dst, (a - b).to(ty), mask=mask)
+    tl.store(dst + HALF, (c + d).to(ty), mask=mask)
 
 
 @triton.jit
@@ -40,7 +44,7 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hk, D] (any token/head strides, unit dim stride), positions: [T],
-    cos/sin: [max_positions, D // 2] float32. Returns new contiguous tensors."""
+    cos/sin: [max_positions, D // 2] (float32, or rounded to the model's dtype). Returns new contiguous tensors."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1:

@@ -31,14 +31,15 @@ PROMPTS = [
 ]
 
 
-def reference(model_dir: str, device: str, new_tokens: int):
-    """(prompt ids, continuation ids, transformers' teacher-forced argmax per continuation position)."""
+def reference(model_dir: str, device: str, dtype: torch.dtype, new_tokens: int):
+    """(prompt ids, continuation ids, transformers' teacher-forced argmax per continuation position,
+    the same with eager attention instead of SDPA, the first answer's text)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-    prompts, conts, tops = [], [], []
+    prompts, conts, tops, eager_tops = [], [], [], []
+    eager = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to(device).eval()
     with torch.inference_mode():
         for text in PROMPTS:
             ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -52,11 +53,14 @@ def reference(model_dir: str, device: str, new_tokens: int):
             prompts.append(ids)
             conts.append(cont)
             tops.append(logits.argmax(-1).tolist())
+            eager_logits = eager(out).logits[0, len(ids) - 1: len(ids) - 1 + new_tokens]
+            eager_tops.append(eager_logits.argmax(-1).tolist())
     sample = tok.decode(conts[0], skip_special_tokens=True)
-    return prompts, conts, tops, sample
+    return prompts, conts, tops, eager_tops, sample
 
 
-def llaunch_argmax(model_dir: str, rank: int, tp: int, device: torch.device, prompts, conts) -> list[list[int]]:
+def llaunch_argmax(model_dir: str, rank: int, tp: int, device: torch.device, dtype: torch.dtype, prompts,
+                   conts) -> list[list[int]]:
     """llaunch's argmax per continuation position: one prefill step for all prompts, then decode steps
     of all rows fed the given continuation tokens."""
     from llaunch.runtime.models.arch import ModelArch
@@ -65,7 +69,6 @@ def llaunch_argmax(model_dir: str, rank: int, tp: int, device: torch.device, pro
     from llaunch.runtime.models.layers import TpGroup
     from llaunch.runtime.worker.weights import SafetensorsSource, load_from
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with open(os.path.join(model_dir, "config.json")) as f:
         arch = ModelArch.from_hf_config(json.load(f))
     model = DecoderLM(arch, TpGroup(rank, tp, None), device, dtype, 4096).eval()
@@ -99,7 +102,8 @@ def llaunch_argmax(model_dir: str, rank: int, tp: int, device: torch.device, pro
     return [list(col) for col in zip(*top)]  # per prompt
 
 
-def _rank_main(rank: int, tp: int, port: int, device_type: str, model_dir: str, data: dict, out_path: str) -> None:
+def _rank_main(rank: int, tp: int, port: int, device_type: str, dtype: torch.dtype, model_dir: str, data: dict,
+               out_path: str) -> None:
     import torch.distributed as dist
 
     if device_type == "cuda":
@@ -107,7 +111,7 @@ def _rank_main(rank: int, tp: int, port: int, device_type: str, model_dir: str, 
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=tp)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    top = llaunch_argmax(model_dir, rank, tp, device, data["prompts"], data["conts"])
+    top = llaunch_argmax(model_dir, rank, tp, device, dtype, data["prompts"], data["conts"])
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(top, f)
@@ -115,17 +119,17 @@ def _rank_main(rank: int, tp: int, port: int, device_type: str, model_dir: str, 
     dist.destroy_process_group()
 
 
-def run_tp(tp: int, device_type: str, model_dir: str, prompts, conts) -> list[list[int]]:
+def run_tp(tp: int, device_type: str, dtype: torch.dtype, model_dir: str, prompts, conts) -> list[list[int]]:
     if tp == 1:
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-        return llaunch_argmax(model_dir, 0, 1, device, prompts, conts)
+        return llaunch_argmax(model_dir, 0, 1, device, dtype, prompts, conts)
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        mp.spawn(_rank_main, args=(tp, port, device_type, model_dir, {"prompts": prompts, "conts": conts}, f.name),
+        mp.spawn(_rank_main, args=(tp, port, device_type, dtype, model_dir, {"prompts": prompts, "conts": conts}, f.name),
                  nprocs=tp)
         with open(f.name) as g:
             return json.load(g)
@@ -141,13 +145,17 @@ def main() -> int:
     ap.add_argument("--model-dir", default=".models/smollm2-135m")
     ap.add_argument("--tp", type=int, nargs="+", default=[1])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--min-agreement", type=float, default=0.99)
     args = ap.parse_args()
-    prompts, conts, hf_top, sample = reference(args.model_dir, args.device, args.new_tokens)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    prompts, conts, hf_top, eager_top, sample = reference(args.model_dir, args.device, dtype, args.new_tokens)
+    print(json.dumps(dict(check="transformers eager attention vs SDPA (the noise floor)", dtype=str(dtype),
+                          agreement=round(agreement(eager_top, hf_top), 4))))
     ok, tops = True, {}
     for tp in args.tp:
-        tops[tp] = run_tp(tp, args.device, args.model_dir, prompts, conts)
+        tops[tp] = run_tp(tp, args.device, dtype, args.model_dir, prompts, conts)
         checks = [("transformers", agreement(tops[tp], hf_top))]
         if tp != 1 and 1 in tops:
             checks.append(("tp1", agreement(tops[tp], tops[1])))
@@ -155,7 +163,7 @@ def main() -> int:
             passed = value >= args.min_agreement
             ok &= passed
             print(json.dumps(dict(check=f"teacher-forced top-1, llaunch tp{tp} vs {other}", model=args.model_dir,
-                                  device=args.device, positions=sum(map(len, conts)), agreement=round(value, 4),
+                                  device=args.device, dtype=str(dtype), positions=sum(map(len, conts)), agreement=round(value, 4),
                                   min_agreement=args.min_agreement, **{"pass": passed})))
     print(json.dumps(dict(check="transformers' answer to the first prompt", prompt=PROMPTS[0], answer=sample)))
     return 0 if ok else 1

@@ -101,6 +101,7 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm("model.norm", arch.hidden_size, arch.rms_norm_eps, device, dtype)
         self.lm_head = ParallelLMHead("lm_head", self.embed_tokens, arch.tie_word_embeddings, device, dtype)
         cos, sin = rope_cos_sin(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device=device)
+        cos, sin = cos.to(dtype), sin.to(dtype)  # transformers rounds its tables to the model dtype too
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads if arch.num_hidden_layers else 0
