@@ -8,7 +8,8 @@ Endpoint keys are role-local names the runtime looks up:
   detokenizer     binds tokens;                connects text.{i} per frontend, control
   frontend.{i}    binds text;                  connects requests.{d} per replica, control
 pd_prefill / pd_decode add router.{d} kv_transfer (bound) and frontend pd_master (dialled);
-pd_master runs frontends and a pd_master process; config_server runs one registry process.
+pd_master runs one process binding http (clients) and register (instances), both http:// URLs;
+config_server runs one registry process binding http.
 """
 from __future__ import annotations
 
@@ -122,29 +123,30 @@ def _serving_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessG
                         ipc_dir=_ipc_dir(endpoints), control=controls[p.node_rank], dist_init=dist_init)
 
 
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _pd_master_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessGraph:
+    """One process serving HTTP twice: clients at server.host:port, instances registering at
+    mode.pd_master_host:pd_master_port. It relays to the instances' own frontends, so it runs none."""
     m = cfg.mode
     control = _controls(cfg, endpoints)[0]
-    text = [endpoints.endpoint(f"frontend.{i}.text") for i in range(cfg.server.http_workers)]
-    connects = {f"text.{i}": addr for i, addr in enumerate(text)} | {"control": control}
+    connects = {"control": control}
     if m.config_server_host:
-        connects["config_server"] = f"tcp://{m.config_server_host}:{m.config_server_port}"
+        connects["config_server"] = _url(m.config_server_host, m.config_server_port)
     master = ProcessSpec(name="pd_master", role="pd_master", connects=connects,
-                         binds={"register": _pd_master_address(cfg),  # prefill/decode nodes dial in here
-                                "requests": endpoints.endpoint("pd_master.requests")})
-    # the master takes the router's place: frontends send it their requests
-    frontends = _frontends(cfg, text, [master.binds["requests"]], {"control": control})
-    return ProcessGraph(processes=[*frontends, master], http_url=_http_url(cfg), ipc_dir=_ipc_dir(endpoints),
-                        control=control)
+                         binds={"http": _http_url(cfg), "register": _url(m.pd_master_host, m.pd_master_port)})
+    return ProcessGraph(processes=[master], http_url=_http_url(cfg), ipc_dir=_ipc_dir(endpoints), control=control)
 
 
 def _config_server_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessGraph:
     m = cfg.mode
     control = _controls(cfg, endpoints)[0]
+    url = _url(m.config_server_host, m.config_server_port)
     registry = ProcessSpec(name="config_server", role="config_server", connects={"control": control},
-                           binds={"registry": f"tcp://{m.config_server_host}:{m.config_server_port}"})
-    return ProcessGraph(processes=[registry], http_url=_http_url(cfg), ipc_dir=_ipc_dir(endpoints),
-                        control=control)
+                           binds={"http": url})
+    return ProcessGraph(processes=[registry], http_url=url, ipc_dir=_ipc_dir(endpoints), control=control)
 
 
 def _ipc_dir(endpoints: EndpointAllocator) -> str:

@@ -35,8 +35,11 @@ ROLE_MODULES = {
     "router": "llaunch.runtime.router.process",
     "detokenizer": "llaunch.runtime.detokenizer.process",
     "frontend": "llaunch.runtime.http.process",
+    "config_server": "llaunch.runtime.pd.config_server",
+    "pd_master": "llaunch.runtime.pd.master_process",  # binds its own HTTP ports (no inherited fd)
 }
-START_ORDER = ["worker", "router", "detokenizer", "frontend"]  # each depends on the ones before
+# each depends on the ones before; config_server and pd_master run alone in their graphs
+START_ORDER = ["worker", "router", "detokenizer", "frontend", "config_server", "pd_master"]
 # A worker's exit status when a tp peer went away (runtime/worker/process.py EXIT_PEER_GONE): it
 # died because another did, so it is not the one to blame.
 PEER_GONE_EXIT = 3

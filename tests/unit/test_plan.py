@@ -109,20 +109,24 @@ def test_pd_nodes_add_kv_transfer_and_the_master(planned, mode):
 
 
 def test_pd_master(planned):
-    _, g = planned("mode=pd_master", "server.http_workers=2", "mode.config_server_host=10.0.0.9")
-    assert names(g) == ["frontend.0", "frontend.1", "pd_master"]
-    master = g.processes[-1]
-    assert master.role == "pd_master" and master.binds["register"] == "tcp://127.0.0.1:60011"
-    assert master.connects["config_server"] == "tcp://10.0.0.9:60088"
-    assert [f.connects["requests.0"] for f in g.processes[:2]] == [master.binds["requests"]] * 2
-    assert master.connects["text.1"] == g.processes[1].binds["text"]
+    _, g = planned("mode=pd_master", "server.http_workers=2", "mode.config_server_host=10.0.0.9",
+                   "mode.pd_master_port=18001")
+    assert names(g) == ["pd_master"]  # it relays to the instances' frontends: none of its own
+    master = g.processes[0]
+    assert master.role == "pd_master"
+    assert master.binds == {"http": "http://127.0.0.1:8123", "register": "http://127.0.0.1:18001"}
+    assert g.http_url == master.binds["http"]
+    assert master.connects["config_server"] == "http://10.0.0.9:60088"
     check_wiring(g)
+    _, g = planned("mode=pd_master", "mode.pd_master_host=::1")
+    assert g.processes[0].binds["register"] == "http://[::1]:60011" and "config_server" not in g.processes[0].connects
 
 
 def test_config_server(planned):
-    _, g = planned("mode=config_server")
+    _, g = planned("mode=config_server", "mode.config_server_port=18088")
     assert names(g) == ["config_server"]
-    assert g.processes[0].binds == {"registry": "tcp://127.0.0.1:60088"}
+    assert g.processes[0].binds == {"http": "http://127.0.0.1:18088"}
+    assert g.http_url == "http://127.0.0.1:18088"  # where masters and instances reach it
     check_wiring(g)
 
 
