@@ -7,7 +7,9 @@ Endpoint keys are role-local names the runtime looks up:
   router.{d}      binds requests, results;     connects plan.{r} per tp rank, tokens, control
   detokenizer     binds tokens;                connects text.{i} per frontend, control
   frontend.{i}    binds text;                  connects requests.{d} per replica, control
-pd_prefill / pd_decode add router.{d} kv_transfer (bound) and frontend pd_master (dialled);
+pd_decode adds worker.0.{r} kv_transfer (bound: rank r of a prefill instance sends its KV heads
+there); pd frontends dial pd_master (an http URL: frontend.0 registers there), and a decode
+instance's name every rank's kv_transfer (comma-separated, rank order);
 pd_master runs one process binding http (clients) and register (instances), both http:// URLs;
 config_server runs one registry process binding http.
 """
@@ -19,7 +21,7 @@ from llaunch.launcher.schema import Device, LlaunchConfig, Mode, ProcessGraph, P
 
 # Dialled addresses that no process of this graph binds: the launcher's own control socket,
 # torch.distributed's rendezvous (rank 0's TCPStore), and other instances of a pd deployment.
-EXTERNAL_KEYS = ("control", "dist", "pd_master", "config_server")
+EXTERNAL_KEYS = ("control", "dist", "pd_master", "config_server", "kv_transfer")
 
 
 def endpoints_for(cfg: LlaunchConfig) -> EndpointAllocator:
@@ -70,13 +72,13 @@ def _dist_inits(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> list[str]:
     return [f"tcp://{p.master_addr}:{port}" for port in ports]
 
 
-def _kv_transfer(cfg: LlaunchConfig, endpoints: EndpointAllocator, d: int) -> str:
+def _kv_transfer(cfg: LlaunchConfig, endpoints: EndpointAllocator, rank: int) -> str:
     base, host = cfg.mode.kv_transfer_port, cfg.server.host
-    return f"tcp://{host}:{base + d if base is not None else endpoints.free_port(host)}"
+    return f"tcp://{host}:{base + rank if base is not None else endpoints.free_port(host)}"
 
 
 def _pd_master_address(cfg: LlaunchConfig) -> str:
-    return f"tcp://{cfg.mode.pd_master_host}:{cfg.mode.pd_master_port}"
+    return f"http://{cfg.mode.pd_master_host}:{cfg.mode.pd_master_port}"
 
 
 def _frontends(cfg: LlaunchConfig, text: list[str], requests: list[str], extra: dict[str, str]) -> list[ProcessSpec]:
@@ -98,8 +100,6 @@ def _serving_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessG
     routers, workers = [], []
     for d in range(p.dp):
         binds = {"requests": local(f"router.{d}.requests"), "results": local(f"router.{d}.results")}
-        if pd_node:
-            binds["kv_transfer"] = _kv_transfer(cfg, endpoints, d)
         replica = []
         for r in range(p.tp):
             gpu = d * p.tp + r  # global index; each node numbers its own GPUs from 0
@@ -109,6 +109,9 @@ def _serving_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessG
                 gpus=[gpu % per_node] if cfg.device == Device.cuda else [],
                 binds={"plan": endpoints.endpoint(f"worker.{d}.{r}.plan", _node_host(cfg, node))},
                 connects={"results": binds["results"], "control": controls[node], "dist": dist_init[d]}))
+        if cfg.mode.kind == Mode.pd_decode:  # every rank receives its KV heads (the rules keep dp1)
+            for w in replica:
+                w.binds["kv_transfer"] = _kv_transfer(cfg, endpoints, w.tp_rank)
         routers.append(ProcessSpec(
             name=f"router.{d}", role="router", dp_rank=d, binds=binds,
             connects={f"plan.{w.tp_rank}": w.binds["plan"] for w in replica}
@@ -118,6 +121,8 @@ def _serving_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessG
                               connects={f"text.{i}": addr for i, addr in enumerate(text)} | {"control": controls[0]})
     # a pd node's frontends register with the pd_master
     extra = {"pd_master": _pd_master_address(cfg)} if pd_node else {}
+    if cfg.mode.kind == Mode.pd_decode:  # advertised to the master with the registration: rank r's is r-th
+        extra["kv_transfer"] = ",".join(w.binds["kv_transfer"] for w in workers)
     frontends = _frontends(cfg, text, [r.binds["requests"] for r in routers], extra | {"control": controls[0]})
     return ProcessGraph(processes=[*frontends, *routers, detokenizer, *workers], http_url=_http_url(cfg),
                         ipc_dir=_ipc_dir(endpoints), control=controls[p.node_rank], dist_init=dist_init)

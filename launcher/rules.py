@@ -331,8 +331,8 @@ def _bound_ports(cfg) -> dict[str, list[int]]:
     ports = {"server.port": [cfg.server.port] if cfg.server.port else []}
     if p.master_port is not None and _serves(cfg):
         ports["parallel.master_port"] = [p.master_port + d for d in range(max(p.dp, 1))]
-    if kind in (Mode.pd_prefill, Mode.pd_decode) and m.kv_transfer_port is not None:
-        ports["mode.kv_transfer_port"] = [m.kv_transfer_port + d for d in range(max(p.dp, 1))]
+    if kind == Mode.pd_decode and m.kv_transfer_port is not None:
+        ports["mode.kv_transfer_port"] = [m.kv_transfer_port + r for r in range(max(p.tp, 1))]
     if kind == Mode.pd_master:
         ports["mode.pd_master_port"] = [m.pd_master_port]
     if kind == Mode.config_server:
@@ -345,7 +345,7 @@ def ports_in_range(cfg):
     if not 0 <= cfg.server.port <= 65535:
         yield ("server.port",), f"server.port={cfg.server.port} must be in 1..65535 (0: any free port)"
     replicas = max(cfg.parallel.dp, 1)
-    spans = {"parallel.master_port": replicas, "mode.kv_transfer_port": replicas,  # one port per replica
+    spans = {"parallel.master_port": replicas, "mode.kv_transfer_port": max(cfg.parallel.tp, 1),  # per replica / rank
              "mode.pd_master_port": 1, "mode.config_server_port": 1}
     for key, span in spans.items():
         base = get(cfg, key)
@@ -377,6 +377,15 @@ def server_port_free(cfg):
                 yield ("server.port", "server.host"), (
                     f"server.port={port} on server.host={host} cannot be bound ({e.strerror}); another server "
                     f"holds it: pick another server.port, or 0 for any free one")
+
+
+@rule()
+def pd_instance_is_one_replica(cfg):
+    p, kind = cfg.parallel, cfg.mode.kind
+    if kind in (Mode.pd_prefill, Mode.pd_decode) and (p.dp != 1 or p.nnodes != 1):
+        yield ("mode.kind", "parallel.dp", "parallel.nnodes"), (
+            f"mode.kind={kind.value} runs one replica on one node per instance (parallel.dp=1, "
+            f"parallel.nnodes=1; got dp={p.dp}, nnodes={p.nnodes}): start more instances instead")
 
 
 @rule()

@@ -43,6 +43,17 @@ START_ORDER = ["worker", "router", "detokenizer", "frontend", "config_server", "
 # A worker's exit status when a tp peer went away (runtime/worker/process.py EXIT_PEER_GONE): it
 # died because another did, so it is not the one to blame.
 PEER_GONE_EXIT = 3
+
+
+def visible_devices(gpus: list[int]) -> str:
+    """A worker's CUDA_VISIBLE_DEVICES: the plan's GPU indices count within the launcher's own
+    CUDA_VISIBLE_DEVICES when it has one (`CUDA_VISIBLE_DEVICES=1 llaunch ...` runs on GPU 1)."""
+    outer = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not outer:
+        return ",".join(map(str, gpus))
+    if max(gpus) >= len(outer):
+        raise ValueError(f"the plan needs GPU {max(gpus)}, CUDA_VISIBLE_DEVICES={','.join(outer)} shows {len(outer)}")
+    return ",".join(outer[g] for g in gpus)
 READY_TIMEOUT_S = float(os.environ.get("LLAUNCH_READY_TIMEOUT_S", "900"))
 console = Console(stderr=True)
 
@@ -82,7 +93,7 @@ class Graph:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             pass_fds = ()
             if spec.gpus:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, spec.gpus))
+                env["CUDA_VISIBLE_DEVICES"] = visible_devices(spec.gpus)
             if spec.role == "frontend":
                 env["LLAUNCH_HTTP_FD"] = str(http_fd)
                 pass_fds = (http_fd,)

@@ -12,12 +12,13 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from llaunch.launcher.schema import RunConfig
-from llaunch.runtime.http.engine_client import EngineClient
+from llaunch.runtime.http.engine_client import EngineClient, current_pd_link
 from llaunch.runtime.http.errors import ApiError, draining, error_response, json_response, unauthorized
 from llaunch.runtime.http.generate_api import GenerateApi
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import ModelLimits
 from llaunch.runtime.http.openai_serving import OpenAIServing
+from llaunch.runtime.http.pd_instance import PrefillServing, link_from_headers
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -44,13 +45,29 @@ class FrontendSettings:
 
 
 def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: PromptTokenizer,
-               lifecycle: Lifecycle) -> Quart:
+               lifecycle: Lifecycle, pd_role: Optional[str] = None) -> Quart:
+    """`pd_role` "prefill" | "decode": requests the pd_master relays (its headers) are served as
+    runtime/http/pd_instance.py says; others as usual."""
     app = Quart("llaunch.frontend")
     app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=64 * 1024 * 1024)
     limits = settings.limits
     openai = OpenAIServing(engine, tokenizer, limits, lifecycle)
     lightllm = GenerateApi(engine, tokenizer, limits, lifecycle)
+    prefill = PrefillServing(engine, tokenizer, limits, lifecycle) if pd_role == "prefill" else None
     created = int(time.time())
+
+    async def serve(route) -> Response:
+        body = await request.get_data()
+        link = link_from_headers(request.headers) if pd_role else None
+        if link is None:
+            return await route(body)
+        if prefill is not None:
+            return await prefill.handle(request.path, body, link)
+        token = current_pd_link.set(link)  # decode: the engine requests of this one wait for its KV
+        try:
+            return await route(body)
+        finally:
+            current_pd_link.reset(token)
 
     @app.before_request
     async def gatekeeper() -> Optional[Response]:
@@ -78,19 +95,19 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        return await openai.completions(await request.get_data())
+        return await serve(openai.completions)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await openai.chat(await request.get_data())
+        return await serve(openai.chat)
 
     @app.post("/generate")
     async def generate() -> Response:
-        return await lightllm.generate(await request.get_data())
+        return await serve(lightllm.generate)
 
     @app.post("/generate_stream")
     async def generate_stream() -> Response:
-        return await lightllm.generate_stream(await request.get_data())
+        return await serve(lightllm.generate_stream)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -13,6 +13,7 @@ the frontend balances on what it knows itself (with several HTTP workers, each b
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import math
@@ -23,12 +24,14 @@ import zmq.asyncio
 
 from llaunch.launcher.schema import ProcessSpec
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, FrontendInbound, MetricsSnapshot,
-                                          RouterInbound, SamplingParams, TextBatch, TextDelta)
+                                          PdLink, RouterInbound, SamplingParams, TextBatch, TextDelta)
 from llaunch.runtime.ipc.sockets import AsyncReceiver, AsyncSender
 
 log = logging.getLogger(__name__)
 
 Post = Callable[[int, RouterInbound], Awaitable[None]]
+# A pd instance's route sets the pd_master's link of the HTTP request it handles (runtime/http/pd_instance.py)
+current_pd_link: contextvars.ContextVar[Optional[PdLink]] = contextvars.ContextVar("pd_link", default=None)
 
 
 class RequestGroup:
@@ -91,7 +94,10 @@ class EngineClient:
         """Seconds since the last MetricsSnapshot (the engine's heartbeat); inf before the first."""
         return math.inf if self._last_heartbeat is None else time.monotonic() - self._last_heartbeat
 
-    async def submit(self, jobs: list[tuple[list[int], SamplingParams]]) -> RequestGroup:
+    async def submit(self, jobs: list[tuple[list[int], SamplingParams]], pd: Optional[PdLink] = None) -> RequestGroup:
+        """`pd` (default: `current_pd_link`): the pd_master's transfer link of this HTTP request on a pd
+        instance; choice c's engine request gets `<id>.<c>`."""
+        pd = pd if pd is not None else current_pd_link.get()
         # One replica for the whole group: the n samples of a prompt share its prefix cache there.
         replica = self.least_loaded()
         ids = [f"{self.frontend_index}-{next(self._counter)}" for _ in jobs]
@@ -102,8 +108,9 @@ class EngineClient:
             self._routes[request_id] = _Route(group, choice, tokens)
             self.outstanding[replica] += 1
             self.outstanding_tokens[replica] += tokens
+            link = None if pd is None else PdLink(id=f"{pd.id}.{choice}", decode_kv=pd.decode_kv)
             await self._post(replica, AddRequest(request_id=request_id, frontend=self.frontend_index,
-                                                 prompt_ids=prompt_ids, sampling=sampling, arrival_time=now))
+                                                 prompt_ids=prompt_ids, sampling=sampling, arrival_time=now, pd=link))
         return group
 
     def least_loaded(self) -> int:

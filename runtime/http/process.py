@@ -17,11 +17,12 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 from quart import Quart
 
-from llaunch.launcher.schema import ProcessSpec, RunConfig
+from llaunch.launcher.schema import Mode, ProcessSpec, RunConfig
 from llaunch.runtime.bootstrap import report_ready, start
 from llaunch.runtime.http.app import FrontendSettings, create_app
 from llaunch.runtime.http.engine_client import EngineClient, ZmqEngineLink
 from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.http.pd_instance import start_registrar
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer, load_hf_tokenizer
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,10 @@ async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptToken
     link = ZmqEngineLink(ctx, spec)
     engine = EngineClient(spec.index, link.num_replicas, link.post)
     lifecycle = Lifecycle()
-    app = create_app(FrontendSettings.from_run_config(cfg, tokenizer), engine, tokenizer, lifecycle)
+    pd_role = {Mode.pd_prefill: "prefill", Mode.pd_decode: "decode"}.get(cfg.mode.kind)
+    app = create_app(FrontendSettings.from_run_config(cfg, tokenizer), engine, tokenizer, lifecycle, pd_role)
     pump = asyncio.ensure_future(link.pump(engine))
+    registrar = None
 
     @app.before_serving
     async def ready() -> None:
@@ -78,6 +81,8 @@ async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptToken
         sync_ctx = zmq.Context()
         report_ready(sync_ctx, cfg, spec, url=cfg.graph.http_url, replicas=str(link.num_replicas))
         sync_ctx.term()
+        nonlocal registrar
+        registrar = start_registrar(cfg, spec, engine)  # a pd instance joins its master from here on
 
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lifecycle.drain, cfg.server.drain_timeout_s)
@@ -87,6 +92,8 @@ async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptToken
         if engine.running:  # the drain timed out: the router should not keep generating for nobody
             await engine.abort_all()
     finally:
+        if registrar is not None:
+            registrar.stop()
         pump.cancel()
         await asyncio.gather(pump, return_exceptions=True)
         link.close()

@@ -46,12 +46,21 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
 # ---- frontend → router -------------------------------------------------------------------------
 
 
+class PdLink(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """A request the pd_master split: `id` names its KV transfer on both instances. A prefill
+    instance sends the prompt's KV to `decode_kv`; a decode instance receives it (decode_kv None)."""
+
+    id: str
+    decode_kv: Optional[str] = None
+
+
 class AddRequest(_Msg):
     request_id: str  # unique across frontends: "<frontend index>-<counter>"
     frontend: int  # which frontend worker gets the text back
     prompt_ids: list[int]
     sampling: SamplingParams
     arrival_time: float  # time.time() at the frontend, for TTFT / e2e latency
+    pd: Optional[PdLink] = None  # set on pd_prefill / pd_decode instances for the master's requests
 
 
 class AbortRequest(_Msg):
@@ -100,7 +109,36 @@ class Shutdown(_Msg):
     pass
 
 
-WorkerInbound = Union[StepPlan, Shutdown]
+# Prefill/decode disaggregation: KV of a prompt's tokens [0, n-1) moves between instances; the last
+# prompt token is computed on the decode instance, which samples the first output token itself.
+
+
+class SendKv(_Msg):
+    """Prefill instance: send the KV in `slots` (computed by steps already returned) to `address`."""
+
+    request_id: str
+    pd_id: str
+    slots: list[int]
+    address: str
+
+
+class ReceiveKv(_Msg):
+    """Decode instance: write the KV arriving under `pd_id` into `slots`; its first `skip` tokens
+    are a prefix this instance has cached already (written to scratch, not to the shared slots)."""
+
+    request_id: str
+    pd_id: str
+    slots: list[int]
+    skip: int = 0
+
+
+class CancelKv(_Msg):
+    """Decode instance: the request went away; stop writing into its slots, then report KvDone."""
+
+    request_id: str
+
+
+WorkerInbound = Union[StepPlan, Shutdown, SendKv, ReceiveKv, CancelKv]
 
 # ---- worker → router ---------------------------------------------------------------------------
 
@@ -122,7 +160,15 @@ class StepResult(_Msg):
     forward_s: float = 0.0  # device time of the step, for the router's stats
 
 
-RouterResults = Union[WorkerReady, StepResult]
+class KvDone(_Msg):
+    """A SendKv or ReceiveKv finished (error None) or failed; after this the slots are the router's again."""
+
+    request_id: str
+    error: Optional[str] = None
+    seconds: float = 0.0  # from the command to the last page acknowledged / written
+
+
+RouterResults = Union[WorkerReady, StepResult, KvDone]
 
 # ---- router → detokenizer ----------------------------------------------------------------------
 
@@ -141,7 +187,8 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[float] = []
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
-    finish_reason: Optional[str] = None  # stop | length | abort | error
+    finish_reason: Optional[str] = None  # stop | length | abort | error | kv_sent (pd_prefill)
+    kv_transfer_ms: float = 0.0  # pd_prefill: how long sending the KV took
 
 
 class TokenBatch(_Msg):
@@ -177,6 +224,7 @@ class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
     stopped_by_string: bool = False  # the frontend aborts the request at the router
+    kv_transfer_ms: float = 0.0  # pd_prefill: how long sending the KV took
 
 
 class TextBatch(_Msg):

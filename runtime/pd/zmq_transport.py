@@ -220,6 +220,11 @@ class _Incoming:
 
 
 @dataclass
+class _Cancel:
+    request_id: str
+
+
+@dataclass
 class _Parked:
     """Pages that came before `recv` registered their request (at most a window's worth)."""
 
@@ -252,10 +257,20 @@ class ZmqKvReceiver(KvReceiver, _IoThread):
         self.submit(_Incoming(handle, torch.tensor(dst_slots, dtype=torch.int64, device=kv.k[0].device), kv))
         return handle
 
+    def cancel(self, request_id: str) -> None:
+        """Stop writing pages of `request_id` (its slots are about to be freed); its handle fails."""
+        self.submit(_Cancel(request_id))
+
     def close(self) -> None:
         self.stop()
 
-    def on_command(self, t: _Incoming) -> None:
+    def on_command(self, t) -> None:
+        if isinstance(t, _Cancel):
+            self._parked.pop(t.request_id, None)
+            incoming = self._expected.get(t.request_id)
+            if incoming is not None:
+                self._end(incoming, "cancelled by the decode instance (request ended)")
+            return
         rid = t.handle.request_id
         if rid in self._expected:
             t.handle.finish(f"a transfer of {rid} is already expected on this receiver")

@@ -15,7 +15,8 @@ import zmq
 
 from llaunch.launcher.schema import RunConfig
 from llaunch.runtime import bootstrap
-from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, RequestOpened, RouterInbound,
+from llaunch.launcher.schema import Mode
+from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, KvDone, RequestOpened, RouterInbound,
                                           RouterResults, RouterStats, Shutdown, StepResult, TokenBatch,
                                           WorkerReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender
@@ -25,6 +26,7 @@ from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
 log = logging.getLogger("llaunch.router")
 STATS_PERIOD_S = 0.25
 PIPELINE_DEPTH = 2  # plan step N+1 while step N runs: the device never waits for the host
+PD_ROLES = {Mode.pd_prefill: "prefill", Mode.pd_decode: "decode"}
 
 
 def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
@@ -41,6 +43,7 @@ def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
         eos_ids=tuple(cfg.model.eos_token_ids or ()),
         pipeline_depth=PIPELINE_DEPTH,
         prompt_cache=cfg.cache.prompt_cache,
+        pd_role=PD_ROLES.get(cfg.mode.kind),
     )
 
 
@@ -56,6 +59,7 @@ class Router:
         self.scheduler: Scheduler | None = None
         self._rng = random.Random()
         self._last_stats = 0.0
+        self._kv_reports: dict[str, list[KvDone]] = {}  # request id → the ranks' KvDone so far
 
     def wait_for_workers(self) -> None:
         msg = self.results.recv()
@@ -70,6 +74,8 @@ class Router:
             sampling = msg.sampling
             if sampling.seed is None:  # every request gets a seed so each rank samples identically
                 sampling = msgspec.structs.replace(sampling, seed=self._rng.getrandbits(62))
+            if msg.pd is not None and sched.limits.pd_role == "prefill":
+                sampling = msgspec.structs.replace(sampling, max_new_tokens=1)  # the prompt's KV is the product
             self.detokenizer.send(RequestOpened(request_id=msg.request_id, frontend=msg.frontend,
                                                 prompt_len=len(msg.prompt_ids), sampling=sampling,
                                                 arrival_time=msg.arrival_time))
@@ -103,6 +109,41 @@ class Router:
                                               prefix_cache_hits=s.cache.hits))
             self._last_stats = now
 
+    def send_kv_commands(self) -> None:
+        """Transfers the scheduler started or cancelled go to the worker (tp rank 0 holds the link)."""
+        sched = self.scheduler
+        if sched.awaiting_kv:
+            sched.admit_transfers()
+        for command in sched.kv_commands:
+            for w in self.workers:  # each rank moves its own KV heads
+                w.send(command)
+        sched.kv_commands.clear()
+
+    def on_kv_done(self, msg: KvDone) -> None:
+        """One rank's transfer ended; the request's ends when every rank's has (failed if one did)."""
+        if msg.error is not None:
+            log.warning("KV transfer of %s failed: %s", msg.request_id, msg.error)
+        reports = self._kv_reports.setdefault(msg.request_id, [])
+        reports.append(msg)
+        if len(reports) < len(self.workers):
+            return
+        del self._kv_reports[msg.request_id]
+        errors = [r.error for r in reports if r.error is not None]
+        msg = KvDone(request_id=msg.request_id, error=errors[0] if errors else None,
+                     seconds=max(r.seconds for r in reports))
+        deltas = self.scheduler.on_kv_done(msg)
+        if deltas:
+            self.detokenizer.send(TokenBatch(deltas=deltas))
+
+    def poll_transfers(self, block_ms: int) -> None:
+        """KvDone while no step is out (collect() handles those that come between steps)."""
+        msg = self.results.recv(timeout_ms=block_ms)
+        while msg is not None:
+            if not isinstance(msg, KvDone):
+                raise RuntimeError(f"expected KvDone from the worker, got {type(msg).__name__}")
+            self.on_kv_done(msg)
+            msg = self.results.recv_nowait()
+
     def fill_pipeline(self) -> None:
         """Plan ahead up to the pipeline depth, so the worker always has its next step queued."""
         while self.scheduler.steps_in_flight < self.scheduler.limits.pipeline_depth:
@@ -116,6 +157,9 @@ class Router:
         """Wait for the oldest step's tokens, handling requests that arrive meanwhile."""
         while True:
             result = self.results.recv(timeout_ms=20)
+            if isinstance(result, KvDone):
+                self.on_kv_done(result)
+                continue
             if result is not None:
                 break
             self.drain_inbound(block_ms=0)
@@ -126,9 +170,14 @@ class Router:
             self.detokenizer.send(TokenBatch(deltas=deltas))
 
     def run(self) -> None:
+        sched = self.scheduler
         while True:
-            idle = not self.scheduler.has_work() and not self.scheduler.steps_in_flight
-            self.drain_inbound(block_ms=int(STATS_PERIOD_S * 1000) if idle else 0)
+            idle = not sched.has_work() and not sched.steps_in_flight
+            self.drain_inbound(block_ms=int(STATS_PERIOD_S * 1000) if idle and not sched.transfers else 0)
+            self.send_kv_commands()
+            if sched.transfers and not sched.steps_in_flight:
+                self.poll_transfers(block_ms=2 if idle else 0)
+                self.send_kv_commands()
             self.fill_pipeline()
             if self.scheduler.steps_in_flight:
                 self.collect()

@@ -14,13 +14,14 @@ if TYPE_CHECKING:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    TRANSFER = "transfer"  # prefill/decode disaggregation: its prompt KV is being sent or received
     FINISHED = "finished"
 
 
 class Request:
     __slots__ = ("id", "frontend", "prompt_ids", "sampling", "arrival_time", "status", "row", "slots",
                  "num_computed", "num_planned", "steps_in_flight", "output_ids", "finish_reason", "num_cached",
-                 "prefix_node")
+                 "prefix_node", "pd", "kv_ready")
 
     def __init__(self, msg: AddRequest, sampling: SamplingParams):
         self.id = msg.request_id
@@ -38,6 +39,8 @@ class Request:
         self.finish_reason: Optional[str] = None
         self.num_cached = 0  # leading tokens whose KV the prompt cache lent: slots[:num_cached] are its
         self.prefix_node: Optional[Node] = None  # where that prefix ends in the tree (locked while held)
+        self.pd = msg.pd  # the pd_master's transfer id (and the decode instance's KV address on a prefill one)
+        self.kv_ready = False  # decode instance: the prompt's KV but its last token arrived; waits for a row
 
     @property
     def prompt_len(self) -> int:

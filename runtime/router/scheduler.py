@@ -18,6 +18,14 @@ prefix of its prompt (all but its last token, which must be computed to sample) 
 finished sequence joins the tree once no step in flight uses it, so KV of a step still out is never
 matched. Admission counts the tree's unlocked tokens as free (they are evicted when allocation needs
 room) and its locked ones once, however many requests share them.
+
+Prefill/decode disaggregation (`pd_role`): a prefill instance runs the master's requests as
+one-token requests, then sends the KV of every prompt token but the last to the decode instance
+(SendKv) and ends them with `kv_sent` once it is acknowledged. A decode instance allocates slots for
+those tokens (less the prefix its prompt cache holds), receives them (ReceiveKv), then admits the
+request like a prompt-cache hit: only the last prompt token is computed, and the first output token
+is sampled here, with the request's own seed and penalties. Requests holding KV without running
+(transfers, received KV waiting for a row) count at their peak at admission.
 """
 from __future__ import annotations
 
@@ -28,7 +36,8 @@ from typing import Optional
 import numpy as np
 
 from llaunch.runtime.cache.kv_allocator import KvAllocator
-from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, StepPlan, StepResult, TokenDelta
+from llaunch.runtime.ipc.messages import (CancelKv, KvDone, NewSeq, PrefillChunk, ReceiveKv, SendKv, StepPlan,
+                                          StepResult, TokenDelta)
 from llaunch.runtime.router.prompt_cache import NoPromptCache, PromptCache
 from llaunch.runtime.router.request import Request, Status
 
@@ -46,6 +55,7 @@ class SchedulerLimits:
     eos_ids: tuple[int, ...]
     pipeline_depth: int = 1  # steps planned ahead of their results
     prompt_cache: bool = False  # share prompt prefixes through the radix tree
+    pd_role: Optional[str] = None  # "prefill" | "decode" on a pd instance
 
 
 class Scheduler:
@@ -62,6 +72,9 @@ class Scheduler:
         self._steps_since_admit = 0
         self._in_flight: deque[list[Request]] = deque()  # per step out: its requests, in sample order
         self._in_flight_all: deque[list[Request]] = deque()  # per step out: every request it touches
+        self.awaiting_kv: deque[Request] = deque()  # decode instance: waiting for slots to receive into
+        self.transfers: dict[str, Request] = {}  # request id → request whose KV is being sent / received
+        self.kv_commands: list = []  # SendKv / ReceiveKv / CancelKv for the worker, taken by the router
 
     # ---- requests in -----------------------------------------------------------------------
 
@@ -70,7 +83,10 @@ class Scheduler:
         # the pipeline margin of `_kv_fits`: a request alone must fit it, or it would wait for good
         if req.peak_tokens + self.limits.pipeline_depth - 1 > self.limits.kv_slots:
             return TokenDelta(request_id=req.id, token_ids=[], finish_reason="error")
-        self.waiting.append(req)
+        if req.pd is not None and self.limits.pd_role == "decode":
+            self.awaiting_kv.append(req)
+        else:
+            self.waiting.append(req)
         self.by_id[req.id] = req
         return None
 
@@ -81,7 +97,14 @@ class Scheduler:
         if req is None or req.status is Status.FINISHED:
             return None
         if req.status is Status.WAITING:
-            self.waiting.remove(req)
+            (self.awaiting_kv if req in self.awaiting_kv else self.waiting).remove(req)
+        if req.status is Status.TRANSFER:
+            # its slots are the worker's until KvDone: end it now, free them then
+            if req.row is None:
+                self.kv_commands.append(CancelKv(request_id=req.id))
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+            self.by_id.pop(req.id, None)
+            return TokenDelta(request_id=req.id, token_ids=[], finish_reason="abort")
         return self._finish(req, "abort")
 
     @property
@@ -90,6 +113,60 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.num_running)
+
+    # ---- prefill/decode disaggregation ---------------------------------------------------------
+
+    def admit_transfers(self) -> None:
+        """Decode instance: give waiting transfers their slots, FIFO, while the KV budget allows."""
+        while self.awaiting_kv:
+            req = self.awaiting_kv[0]
+            self.cache.lend(req)  # a prefix cached here is not written again
+            if not self._kv_fits(req, req.prompt_len):
+                self.cache.take_back(req)
+                return
+            self.awaiting_kv.popleft()
+            new = self.cache.alloc(req.prompt_len - 1 - req.num_cached)
+            req.slots = req.slots + new
+            req.status = Status.TRANSFER
+            self.transfers[req.id] = req
+            self.kv_commands.append(ReceiveKv(request_id=req.id, pd_id=req.pd.id, slots=new, skip=req.num_cached))
+
+    def _send_kv(self, req: Request) -> None:
+        """Prefill instance: the prompt is computed; ship all of it but the last token."""
+        req.status = Status.TRANSFER
+        self.transfers[req.id] = req
+        self.kv_commands.append(SendKv(request_id=req.id, pd_id=req.pd.id, slots=req.slots[: req.prompt_len - 1],
+                                       address=req.pd.decode_kv))
+
+    def on_kv_done(self, msg: KvDone) -> list[TokenDelta]:
+        req = self.transfers.pop(msg.request_id, None)
+        if req is None:
+            return []
+        if req.row is not None:  # prefill side: the slots may be cached or freed now
+            if req.status is Status.FINISHED:  # aborted while sending
+                if req.steps_in_flight == 0:
+                    self._release(req)
+                return []
+            delta = self._finish(req, "kv_sent" if msg.error is None else "error")
+            delta.kv_transfer_ms = msg.seconds * 1000
+            return [delta]
+        if msg.error is not None or req.status is Status.FINISHED:
+            self.kv.free(req.slots[req.num_cached:])  # never filled: not for the prompt cache
+            req.slots = req.slots[: req.num_cached]
+            if req.status is Status.FINISHED:
+                self.cache.release(req)
+                return []
+            return [self._finish(req, "error")]
+        req.num_computed = req.prompt_len - 1
+        req.kv_ready = True
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)  # it has waited for its KV already
+        return []
+
+    def _holding(self, candidate: Request) -> list[Request]:
+        """Requests holding KV without running: transfers, and received KV waiting for a row."""
+        held = [r for r in self.transfers.values() if r.row is None and r is not candidate]
+        return held + [r for r in self.waiting if r.kv_ready and r is not candidate]
 
     @property
     def steps_in_flight(self) -> int:
@@ -133,17 +210,19 @@ class Scheduler:
             admitted = False
             while self.waiting and budget > 0 and self._free_rows:
                 req = self.waiting[0]
-                self.cache.lend(req)
+                if not req.kv_ready:  # received KV has its slots (and its cached prefix locked) already
+                    self.cache.lend(req)
                 if ((not lim.chunked_prefill and req.prompt_len - req.num_computed > budget)
                         or not self._kv_fits(req, budget)):
-                    self.cache.take_back(req)
+                    if not req.kv_ready:
+                        self.cache.take_back(req)
                     break
                 self.waiting.popleft()
                 req.status = Status.RUNNING
                 req.row = self._free_rows.pop()
                 self.running[req.row] = req
                 plan.new.append(NewSeq(row=req.row, request_id=req.id, sampling=req.sampling,
-                                       prompt_ids=req.prompt_ids, cached_slots=req.slots[:req.num_cached]))
+                                       prompt_ids=req.prompt_ids, cached_slots=req.slots[:req.num_computed]))
                 budget -= self._add_chunk(plan, req, budget, samplers, touched)
                 self.cache.admitted(req)
                 admitted = True
@@ -195,7 +274,8 @@ class Scheduler:
         """The candidate's cached prefix must be locked already: locked tree tokens count once.
         `budget`: tokens left in this step for the candidate's first chunk."""
         lim = self.limits
-        live = [r for r in self.running.values() if r.status is Status.RUNNING]
+        live = [r for r in self.running.values() if r.status in (Status.RUNNING, Status.TRANSFER)]
+        live += self._holding(candidate)
         # finished requests whose steps are still out hold their slots a little longer
         lingering = sum(len(r.slots) - r.num_cached for r in self.running.values() if r.status is Status.FINISHED)
         shared = self.cache.locked
@@ -242,6 +322,9 @@ class Scheduler:
                     delta.top_ids = [result.top_ids[i]]
                     delta.top_logprobs = [result.top_logprobs[i]]
             reason = self._stop_reason(req, token)
+            if reason is not None and req.pd is not None and self.limits.pd_role == "prefill":
+                self._send_kv(req)  # the decode instance samples the first token itself
+                continue
             if reason is not None:
                 self._finish(req, reason)
                 delta.finish_reason = reason

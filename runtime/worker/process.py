@@ -13,14 +13,17 @@ import logging
 import os
 import threading
 import time
+from typing import Optional
 
 import torch
 import zmq
 
-from llaunch.launcher.schema import RunConfig
+from llaunch.launcher.schema import Mode, RunConfig
 from llaunch.runtime import bootstrap
-from llaunch.runtime.ipc.messages import Shutdown, StepPlan, WorkerInbound, WorkerReady
+from llaunch.runtime.ipc.messages import (CancelKv, ReceiveKv, SendKv, Shutdown, StepPlan, WorkerInbound,
+                                          WorkerReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender
+from llaunch.runtime.worker.kv_link import KvLink
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
 
@@ -155,7 +158,19 @@ def main() -> None:
     if results is not None:
         results.send(WorkerReady(kv_slots=num_slots, max_running_requests=max_rows))
     bootstrap.report_ready(ctx, cfg, spec, kv_slots=num_slots)
-    serve(runner, plans, results, overlap=device.type == "cuda")
+    link = None
+    if cfg.mode.kind in (Mode.pd_prefill, Mode.pd_decode):
+        link = KvLink(kv, spec.binds.get("kv_transfer"), scratch_slot=num_slots, tp_rank=spec.tp_rank)
+        if results is None:  # every rank reports its own transfers; the router waits for all of them
+            results = Sender(ctx, spec.connects["results"])
+        log.info("KV transfer: %s", f"receiving on {spec.binds['kv_transfer']}" if "kv_transfer" in spec.binds
+                 else "sending")
+    try:
+        serve(runner, plans, results if spec.tp_rank == 0 else None, overlap=device.type == "cuda", link=link,
+              kv_results=results)
+    finally:
+        if link is not None:
+            link.close()
     if watch is not None:
         watch.stopping = True
 
@@ -166,9 +181,11 @@ def log_admitted(plan: StepPlan) -> None:
         log.info("step %d: %d new request(s): %s", plan.step, len(plan.new), " ".join(n.request_id for n in plan.new))
 
 
-def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool) -> None:
+def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Optional[KvLink] = None,
+          kv_results=None) -> None:
     """Run plans in order. With `overlap`, step N+1 is launched before step N's tokens are read,
-    so the device is busy while the host prepares the next step."""
+    so the device is busy while the host prepares the next step. With a KV `link`, transfer
+    commands start between steps and their ends are reported as they come."""
     pending = None
 
     def send(step):
@@ -177,8 +194,18 @@ def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool) -> None:
             results.send(result)
 
     while True:
-        msg = plans.recv_nowait() if pending is not None else plans.recv()
+        if link is not None and link.busy:
+            for done in link.poll():
+                kv_results.send(done)
+            msg = plans.recv(timeout_ms=1) if pending is None else plans.recv_nowait()
+        else:
+            msg = plans.recv_nowait() if pending is not None else plans.recv()
+        if isinstance(msg, (SendKv, ReceiveKv, CancelKv)):
+            link.start(msg)  # a send waits on the device for the steps launched so far
+            continue
         if msg is None:
+            if pending is None:
+                continue
             if runner.ready(pending):
                 send(pending)
                 pending = None

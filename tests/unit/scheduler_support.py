@@ -7,16 +7,16 @@ EOS = 2
 
 
 def make(kv_slots=64, max_running=4, batch_max_tokens=16, chunked=True, chunk=8, max_wait=1, ratio=0.0,
-         max_model_len=64, depth=1, prompt_cache=False):
+         max_model_len=64, depth=1, prompt_cache=False, pd_role=None):
     return Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=max_running, batch_max_tokens=batch_max_tokens,
                                      chunked_prefill=chunked, chunked_prefill_size=chunk, max_wait_tokens=max_wait,
                                      token_ratio=ratio, max_model_len=max_model_len, eos_ids=(EOS,),
-                                     pipeline_depth=depth, prompt_cache=prompt_cache))
+                                     pipeline_depth=depth, prompt_cache=prompt_cache, pd_role=pd_role))
 
 
-def req(rid, prompt_len, max_new, **sp):
+def req(rid, prompt_len, max_new, pd=None, **sp):
     msg = AddRequest(request_id=rid, frontend=0, prompt_ids=list(range(10, 10 + prompt_len)),
-                     sampling=SamplingParams(max_new_tokens=max_new, **sp), arrival_time=0.0)
+                     sampling=SamplingParams(max_new_tokens=max_new, **sp), arrival_time=0.0, pd=pd)
     return Request(msg, msg.sampling)
 
 

@@ -96,16 +96,22 @@ def test_dp2_times_tp2_with_three_frontends(planned):
 
 
 @pytest.mark.parametrize("mode", ["pd_prefill", "pd_decode"])
-def test_pd_nodes_add_kv_transfer_and_the_master(planned, mode):
-    _, g = planned("device=cpu", f"mode={mode}", "parallel=dp2", "mode.kv_transfer_port=31000")
-    assert names(g) == ["frontend.0", "router.0", "router.1", "detokenizer", "worker.0.0", "worker.1.0"]
+def test_pd_instances_register_and_the_decode_one_receives_kv(planned, mode):
+    _, g = planned("device=cpu", f"mode={mode}", "parallel=tp2", "mode.kv_transfer_port=31000")
+    assert names(g) == ["frontend.0", "router.0", "detokenizer", "worker.0.0", "worker.0.1"]
     spec = {p.name: p for p in g.processes}
-    assert [spec[f"router.{d}"].binds["kv_transfer"] for d in (0, 1)] == ["tcp://127.0.0.1:31000",
-                                                                          "tcp://127.0.0.1:31001"]
-    assert spec["frontend.0"].connects["pd_master"] == "tcp://127.0.0.1:60011"
+    assert spec["frontend.0"].connects["pd_master"] == "http://127.0.0.1:60011"
+    if mode == "pd_decode":  # each rank receives its KV heads; the frontend advertises where, in rank order
+        assert [spec[f"worker.0.{r}"].binds["kv_transfer"] for r in (0, 1)] == ["tcp://127.0.0.1:31000",
+                                                                              "tcp://127.0.0.1:31001"]
+        assert spec["frontend.0"].connects["kv_transfer"] == "tcp://127.0.0.1:31000,tcp://127.0.0.1:31001"
+    else:
+        assert "kv_transfer" not in spec["worker.0.0"].binds and "kv_transfer" not in spec["frontend.0"].connects
     check_wiring(g)
+    if mode == "pd_prefill":
+        return
     _, g = planned("device=cpu", f"mode={mode}")  # kv port allocated
-    assert g.processes[1].binds["kv_transfer"].startswith("tcp://127.0.0.1:")
+    assert g.processes[-1].binds["kv_transfer"].startswith("tcp://127.0.0.1:")
 
 
 def test_pd_master(planned):
@@ -200,12 +206,14 @@ def test_ipc_dir_is_private_and_removed():
 
 
 def test_children_read_back_the_run_config(planned, tmp_path):
-    cfg, g = planned("device=cpu", "parallel=dp2", "mode=pd_decode", "bench=c64")
+    cfg, g = planned("device=cpu", "parallel=dp2", "bench=c64")
     path = write_run_config(run_config_of(cfg, tmp_path / "run", g))
     back = load_run_config(str(path))  # runtime/bootstrap.py: what every child does first
     assert back == run_config_of(cfg, tmp_path / "run", g)
-    assert back.bench.request_rate == float("inf") and back.router.max_wait_tokens == 0
+    assert back.bench.request_rate == float("inf")
     assert find_spec(back, "worker.1.0").connects["dist"] == g.dist_init[1]
+    cfg, g = planned("device=cpu", "mode=pd_decode")
+    assert load_run_config(str(write_run_config(run_config_of(cfg, tmp_path / "pd", g)))).router.max_wait_tokens == 0
 
 
 def test_every_profile_combination_plans_or_names_its_conflict(compose_config):
@@ -218,6 +226,10 @@ def test_every_profile_combination_plans_or_names_its_conflict(compose_config):
     for (mname, model), (pname, par), (_, mode) in itertools.product(*(o.items() for o in options.values())):
         cfg = derive.resolve(dataclasses.replace(base, model=model, parallel=par, mode=mode))
         violations = rules.check_all(cfg)
+        pd_instance = mode.kind.value in ("pd_prefill", "pd_decode")
+        if pd_instance and (par.dp, par.nnodes) != (1, 1):  # one replica per pd instance
+            assert "pd_instance_is_one_replica" in {v.rule for v in violations}
+            continue
         if violations:
             assert {v.rule for v in violations} == {"tp_splits_heads"}, (mname, pname, violations)
             assert cfg.parallel.tp > 1 and (cfg.model.num_attention_heads % cfg.parallel.tp
@@ -233,4 +245,4 @@ def test_every_profile_combination_plans_or_names_its_conflict(compose_config):
         else:
             assert workers == []
         planned += 1
-    assert planned > 150
+    assert planned > 100

@@ -62,6 +62,7 @@ BREAKS = {
     "gpus_available": [["device=cuda", "parallel.dp=512"]],
     "ports_in_range": [["server.port=70000"], ["parallel.dp=2", "parallel.master_port=65535"],
                        ["mode=pd_decode", "mode.kv_transfer_port=0"]],
+    "pd_instance_is_one_replica": [["mode=pd_decode", "parallel=dp2"], ["mode=pd_prefill", "parallel=dp2"]],
     "pd_addresses": [["mode=pd_decode", "mode.pd_master_host=''"],
                      ["mode=config_server", "mode.config_server_host=null"]],
 }
@@ -70,7 +71,8 @@ BREAKS = {
 def test_a_valid_config_passes_every_rule(resolved):
     assert rules.check_all(resolved()) == []
     assert rules.check_all(resolved("model=tiny-qwen2", "parallel=tp2")) == []
-    assert rules.check_all(resolved("parallel=dp2", "mode=pd_prefill")) == []
+    assert rules.check_all(resolved("parallel=dp2")) == []
+    assert rules.check_all(resolved("mode=pd_prefill")) == []
 
 
 def test_every_rule_has_a_break_case():

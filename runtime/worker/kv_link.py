@@ -1,0 +1,76 @@
+"""The worker's end of prefill/decode disaggregation: starts the KV transfers the router asks for
+(SendKv on a prefill instance, ReceiveKv / CancelKv on a decode instance) on the ZMQ transport, and
+reports each one's end as a KvDone. The transport's threads move the pages; the serve loop only polls."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from llaunch.runtime.ipc.messages import CancelKv, KvDone, ReceiveKv, SendKv
+from llaunch.runtime.models.batch import KvCache
+from llaunch.runtime.pd.kv_transfer import TransferHandle
+from llaunch.runtime.pd.zmq_transport import ZmqKvReceiver, ZmqKvSender
+
+log = logging.getLogger(__name__)
+
+
+class KvLink:
+    def __init__(self, kv: KvCache, receive_address: Optional[str], scratch_slot: int, tp_rank: int = 0,
+                 timeout_s: float = 30.0):
+        self.kv = kv
+        self.tp_rank = tp_rank  # rank r sends its KV heads to the decode instance's rank r
+        self.scratch_slot = scratch_slot  # where pages of a prefix this instance has cached already go
+        self.timeout_s = timeout_s
+        self.receiver = ZmqKvReceiver(receive_address, timeout_s=timeout_s) if receive_address else None
+        self.senders: dict[str, ZmqKvSender] = {}  # decode instance address → sender
+        self.active: dict[str, tuple[TransferHandle, float]] = {}  # request id → (handle, start)
+        self.pd_ids: dict[str, str] = {}  # request id → transfer id
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active)
+
+    def start(self, msg) -> None:
+        if isinstance(msg, CancelKv):
+            if self.receiver is not None and msg.request_id in self.pd_ids:
+                self.receiver.cancel(self.pd_ids[msg.request_id])
+            return
+        if isinstance(msg, SendKv):
+            ranks = msg.address.split(",")  # the decode instance's ranks, in order
+            if len(ranks) <= self.tp_rank:
+                handle = TransferHandle(msg.pd_id)
+                handle.finish(f"the decode instance has {len(ranks)} tensor-parallel rank(s), this prefill "
+                              f"instance more: both need the same parallel.tp")
+            else:
+                address = ranks[self.tp_rank]
+                sender = self.senders.get(address)
+                if sender is None:
+                    sender = self.senders[address] = ZmqKvSender(address, timeout_s=self.timeout_s)
+                handle = sender.send(msg.pd_id, msg.slots, self.kv)
+        elif isinstance(msg, ReceiveKv):
+            if self.receiver is None:
+                handle = TransferHandle(msg.pd_id)
+                handle.finish("this instance receives no KV (mode is not pd_decode)")
+            else:
+                handle = self.receiver.recv(msg.pd_id, [self.scratch_slot] * msg.skip + msg.slots, self.kv)
+        else:
+            raise TypeError(f"not a KV transfer command: {type(msg).__name__}")
+        self.active[msg.request_id] = (handle, time.perf_counter())
+        self.pd_ids[msg.request_id] = msg.pd_id
+
+    def poll(self) -> list[KvDone]:
+        """Transfers that ended since the last poll."""
+        done = []
+        for request_id, (handle, start) in list(self.active.items()):
+            if handle.done():
+                del self.active[request_id]
+                self.pd_ids.pop(request_id, None)
+                done.append(KvDone(request_id=request_id, error=handle.error, seconds=time.perf_counter() - start))
+        return done
+
+    def close(self) -> None:
+        for sender in self.senders.values():
+            sender.close()
+        if self.receiver is not None:
+            self.receiver.close()
