@@ -22,6 +22,7 @@ from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, 
 from llaunch.runtime.ipc.sockets import Receiver, Sender
 from llaunch.runtime.router.request import Request
 from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
+from llaunch.runtime.router.step_trace import StepTrace
 
 log = logging.getLogger("llaunch.router")
 STATS_PERIOD_S = 0.25
@@ -60,6 +61,7 @@ class Router:
         self._rng = random.Random()
         self._last_stats = 0.0
         self._kv_reports: dict[str, list[KvDone]] = {}  # request id → the ranks' KvDone so far
+        self.trace = StepTrace.from_env(self.dp_rank)
 
     def wait_for_workers(self) -> None:
         msg = self.results.recv()
@@ -152,6 +154,7 @@ class Router:
                 return
             for w in self.workers:
                 w.send(plan)
+            self.trace.planned(plan, self.scheduler.num_running, len(self.scheduler.waiting))
 
     def collect(self) -> None:
         """Wait for the oldest step's tokens, handling requests that arrive meanwhile."""
@@ -165,6 +168,7 @@ class Router:
             self.drain_inbound(block_ms=0)
         if not isinstance(result, StepResult):
             raise RuntimeError(f"expected a StepResult from the worker, got {type(result).__name__}")
+        self.trace.returned(result)
         deltas = self.scheduler.on_result(result)
         if deltas:
             self.detokenizer.send(TokenBatch(deltas=deltas))

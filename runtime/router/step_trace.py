@@ -1,0 +1,45 @@
+"""A per-step trace of what the router planned and when the tokens came back, for finding where a
+workload's time goes (idle gaps, step sizes, decode batch over time). Off unless LLAUNCH_STEP_TRACE
+names a file; one JSON line per step: step, sent and returned (time.monotonic), decode rows, prefill
+tokens and chunks, new requests, running and waiting counts, the worker's forward seconds."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional
+
+from llaunch.runtime.ipc.messages import StepPlan, StepResult
+
+ENV = "LLAUNCH_STEP_TRACE"
+
+
+class StepTrace:
+    def __init__(self, path: Optional[str]):
+        self._file = open(path, "a", buffering=1) if path else None  # line-buffered: the router is killed, not closed
+        self._open: dict[int, dict] = {}
+
+    @classmethod
+    def from_env(cls, dp_rank: int) -> "StepTrace":
+        path = os.environ.get(ENV)
+        return cls(f"{path}.{dp_rank}" if path and dp_rank else path)
+
+    def planned(self, plan: StepPlan, running: int, waiting: int) -> None:
+        if self._file is None:
+            return
+        self._open[plan.step] = {"step": plan.step, "sent": time.monotonic(), "decode": len(plan.decode_rows),
+                                 "prefill_tokens": sum(len(c.token_ids) for c in plan.prefill),
+                                 "chunks": len(plan.prefill), "new": len(plan.new), "running": running,
+                                 "waiting": waiting}
+
+    def returned(self, result: StepResult) -> None:
+        if self._file is None:
+            return
+        rec = self._open.pop(result.step, None)
+        if rec is not None:
+            rec.update(returned=time.monotonic(), forward_s=result.forward_s)
+            self._file.write(json.dumps(rec) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()

@@ -1,0 +1,62 @@
+"""Summarise a router step trace (LLAUNCH_STEP_TRACE=path llaunch ...): where a run's time went.
+
+    python scripts/step_trace_report.py TRACE.jsonl [--bins 10]
+
+Per step kind (decode only, mixed decode + prefill, prefill only): steps, time between consecutive
+results, decode rows and prefill tokens per step; time with no step in flight (the device idles
+for the host); the decode batch and prefill tokens over the run in equal time bins.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+
+def kind(r: dict) -> str:
+    if r["prefill_tokens"] and r["decode"]:
+        return "mixed"
+    return "prefill" if r["prefill_tokens"] else "decode"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--bins", type=int, default=10)
+    args = ap.parse_args()
+    steps = sorted((json.loads(line) for line in open(args.trace)), key=lambda r: r["step"])
+    if not steps:
+        print("empty trace")
+        return 1
+    start, end = steps[0]["sent"], steps[-1]["returned"]
+    idle, last_return = 0.0, start
+    for r in steps:  # a step sent after the previous one returned: nothing ran in between
+        idle += max(0.0, r["sent"] - last_return)
+        r["span"] = r["returned"] - max(r["sent"], last_return)
+        last_return = max(last_return, r["returned"])
+    print(f"{len(steps)} steps over {end - start:.2f} s; no step in flight for {idle:.2f} s")
+    print(f"{'kind':8} {'steps':>6} {'time s':>8} {'ms/step':>8} {'decode rows':>11} {'prefill tok':>11}")
+    for k in ("decode", "mixed", "prefill"):
+        group = [r for r in steps if kind(r) == k]
+        if group:
+            t = sum(r["span"] for r in group)
+            print(f"{k:8} {len(group):6d} {t:8.2f} {1000 * t / len(group):8.2f} "
+                  f"{statistics.mean(r['decode'] for r in group):11.1f} "
+                  f"{statistics.mean(r['prefill_tokens'] for r in group):11.1f}")
+    width = (end - start) / args.bins
+    print(f"\n{'t (s)':>8} {'steps':>6} {'decode rows':>11} {'prefill tok/s':>13} {'output tok/s':>12} {'waiting':>8}")
+    for b in range(args.bins):
+        lo, hi = start + b * width, start + (b + 1) * width
+        group = [r for r in steps if lo <= r["returned"] < hi]
+        if not group:
+            continue
+        out = sum(r["decode"] + r["chunks"] for r in group)  # upper bound: every chunk counted as sampling
+        print(f"{lo - start:8.1f} {len(group):6d} {statistics.mean(r['decode'] for r in group):11.1f} "
+              f"{sum(r['prefill_tokens'] for r in group) / width:13.0f} {out / width:12.0f} "
+              f"{statistics.mean(r['waiting'] for r in group):8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
