@@ -261,6 +261,72 @@ async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tupl
         return outputs, duration, cache
 
 
+def _share_main(args: argparse.Namespace, conversations: list, offsets: list[float], concurrency: int,
+                start_at: float) -> tuple[list[list[RequestOutput]], float]:
+    """One client process's share: its conversations from wall time `start_at` (all processes start
+    together); returns its outputs per conversation and the wall time its last one ended."""
+    async def run() -> list[list[RequestOutput]]:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=args.base_url, http1=True, http2=False, limits=limits,
+                                     timeout=httpx.Timeout(args.timeout)) as client:
+            cap = asyncio.Semaphore(concurrency)
+
+            async def capped(prompt: list[int]) -> RequestOutput:
+                async with cap:
+                    return await send_request(client, args, prompt)
+
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            start = time.perf_counter()
+            tasks = []
+            for turns, offset in zip(conversations, offsets):
+                delay = start + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(run_conversation(capped, turns)))
+            return await asyncio.gather(*tasks)
+
+    outputs = asyncio.run(run())
+    return outputs, time.time()
+
+
+def run_benchmark_procs(args: argparse.Namespace) -> tuple[list[RequestOutput], float, CacheCounts]:
+    """run_benchmark over `args.client_procs` processes: at high concurrency one Python process
+    cannot read every stream's events as they come (it would lag, and send new requests late).
+    Conversation i goes to process i % N; the concurrency is split as evenly as it goes."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+
+    n = args.client_procs
+    conversations = conversation_turns(args.num_prompts, args.input_len, args.vocab_size, args.seed,
+                                       args.shared_prefix_groups, args.shared_prefix_len, args.multi_turn)
+    offsets = arrival_offsets(args.num_prompts, args.request_rate, args.seed)
+
+    async def around(measured):
+        async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(args.timeout)) as client:
+            warm = await asyncio.gather(*(send_request(client, args, p) for p in
+                                          random_prompts(args.warmup, args.input_len, args.vocab_size, args.seed + 1)))
+            if any(not o.success for o in warm):
+                print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)
+            before = await fetch_prefix_cache_counts(client, args)
+            outputs, duration = await asyncio.get_running_loop().run_in_executor(None, measured)
+            after = await fetch_prefix_cache_counts(client, args) if before is not None else None
+            return outputs, duration, None if after is None else (after[0] - before[0], after[1] - before[1])
+
+    def measured():
+        start_at = time.time() + 1.0  # every process is up and waiting by then
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [pool.submit(_share_main, args, conversations[k::n], offsets[k::n],
+                                   args.concurrency // n + (k < args.concurrency % n), start_at) for k in range(n)]
+            shares = [f.result() for f in futures]
+        per_conversation: list = [None] * len(conversations)
+        for k, (outs, _) in enumerate(shares):
+            per_conversation[k::n] = outs
+        duration = max(end for _, end in shares) - start_at
+        return [o for conversation in per_conversation for o in conversation], duration
+
+    return asyncio.run(around(measured))
+
+
 # ---- reporting -----------------------------------------------------------------------------------
 
 
@@ -312,11 +378,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--shared-prefix-groups", type=int, default=0,
                     help="prompts share one of this many system prompts (0: none)")
     ap.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of each shared system prompt")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="client processes sharing the concurrency (one Python process saturates near 10k events/s)")
     ap.add_argument("--multi-turn", type=int, default=1,
                     help="turns per conversation; each re-sends the history plus --input-len new tokens")
     args = ap.parse_args(argv)
     if args.concurrency < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         ap.error("--concurrency, --num-prompts, --input-len and --output-len must be >= 1")
+    if not 1 <= args.client_procs <= args.concurrency:
+        ap.error("--client-procs must be in [1, --concurrency]")
     if args.multi_turn < 1 or args.shared_prefix_groups < 0:
         ap.error("--multi-turn must be >= 1 and --shared-prefix-groups >= 0")
     if (args.shared_prefix_groups > 0) != (args.shared_prefix_len > 0):
@@ -326,7 +396,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None, transport: Any = None) -> dict[str, Any]:
     args = parse_args(argv)
-    outputs, duration, cache = asyncio.run(run_benchmark(args, transport))
+    if args.client_procs > 1 and transport is None:
+        outputs, duration, cache = run_benchmark_procs(args)
+    else:
+        outputs, duration, cache = asyncio.run(run_benchmark(args, transport))
     result = compute_metrics(outputs, duration)
     if cache is not None:
         result["prefix_cache_queries"], result["prefix_cache_hits"] = cache

@@ -79,11 +79,13 @@ PYEOF
         c64) run_case $tag-c64 512 1024 256 64 150 ;;
         c256) run_case $tag-c256 1024 1024 256 256 200 ;;
         chat) $PY - <<'PYEOF'
-from openai import OpenAI
-api = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
-out = api.chat.completions.create(model=api.models.list().data[0].id, temperature=0, max_tokens=40,
-                                  messages=[{"role": "user", "content": "What is the capital of France?"}])
-print("chat answer:", repr(out.choices[0].message.content))
+import json, urllib.request
+model = json.load(urllib.request.urlopen("http://127.0.0.1:8000/v1/models"))["data"][0]["id"]
+body = {"model": model, "temperature": 0, "max_tokens": 40,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+req = urllib.request.Request("http://127.0.0.1:8000/v1/chat/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})
+print("chat answer:", repr(json.load(urllib.request.urlopen(req))["choices"][0]["message"]["content"]))
 PYEOF
         ;;
       esac
@@ -99,6 +101,7 @@ run_case() {  # name prompts input output concurrency timeout
   stamp "bench $1"
   timeout "$6" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model "$(curl -s localhost:8000/v1/models | $PY -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')" \
     --num-prompts "$2" --input-len "$3" --output-len "$4" --concurrency "$5" --warmup 2 --vocab-size ${VOCAB:-151000} \
+    --client-procs $(( $5 >= ${CLIENT_PROCS:-1} ? ${CLIENT_PROCS:-1} : 1 )) \
     --result-file "$OUT/bench-$1.json" 2>&1 | grep -E "throughput|TTFT|TPOT|Successful|Failed|duration"
 }
 

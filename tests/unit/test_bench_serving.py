@@ -265,6 +265,19 @@ def test_client_end_to_end(bench, tmp_path, capsys):
     assert "Output token throughput" in capsys.readouterr().out
 
 
+def test_client_processes_share_the_concurrency(bench):
+    """--client-procs: each process runs its share of the prompts under its share of the cap."""
+    with StreamingServer(first_s=0.05, gap_s=0.02) as server:
+        result = bench.main(["--base-url", server.url, "--model", "m", "--num-prompts", "8", "--input-len", "5",
+                             "--output-len", "5", "--concurrency", "4", "--client-procs", "2", "--warmup", "1",
+                             "--vocab-size", "500"])
+    assert result["completed"] == 8 and result["failed"] == 0 and len(server.payloads) == 9
+    assert server.peak == 4  # 2 + 2 in flight, never more
+    assert result["total_output_tokens"] == 40
+    assert 0.05 <= result["mean_ttft_ms"] / 1000 < 0.5
+    assert 2 * (0.05 + 4 * 0.02) <= result["duration"] < 5  # two rounds of four
+
+
 def test_client_reports_failures(bench):
     # nothing listens on port 1: every request fails, none is counted as completed
     result = bench.main(["--base-url", "http://127.0.0.1:1", "--model", "m", "--num-prompts", "2",
