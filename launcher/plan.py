@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from llaunch.launcher.ports import EndpointAllocator
-from llaunch.launcher.schema import Device, LlaunchConfig, Mode, ProcessGraph, ProcessSpec
+from llaunch.launcher.schema import Device, KvTransport, LlaunchConfig, Mode, ProcessGraph, ProcessSpec
 
 # Dialled addresses that no process of this graph binds: the launcher's own control socket,
 # torch.distributed's rendezvous (rank 0's TCPStore), and other instances of a pd deployment.
@@ -73,8 +73,10 @@ def _dist_inits(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> list[str]:
 
 
 def _kv_transfer(cfg: LlaunchConfig, endpoints: EndpointAllocator, rank: int) -> str:
+    """Where decode rank `rank` receives KV; the scheme names the transport (tcp: ZMQ, nccl: NCCL pairs)."""
     base, host = cfg.mode.kv_transfer_port, cfg.server.host
-    return f"tcp://{host}:{base + rank if base is not None else endpoints.free_port(host)}"
+    scheme = "nccl" if cfg.mode.kv_transport == KvTransport.nccl else "tcp"
+    return f"{scheme}://{host}:{base + rank if base is not None else endpoints.free_port(host)}"
 
 
 def _pd_master_address(cfg: LlaunchConfig) -> str:

@@ -31,6 +31,11 @@ class Device(str, Enum):
     cpu = "cpu"
 
 
+class KvTransport(str, Enum):
+    zmq = "zmq"  # pages through host memory over TCP: CPU, GPUs, across hosts
+    nccl = "nccl"  # GPU to GPU through a NCCL pair group per prefill/decode rank pair
+
+
 class Mode(str, Enum):
     normal = "normal"
     pd_prefill = "pd_prefill"
@@ -94,7 +99,8 @@ class ModeConfig:
     pd_master_port: int = 60011
     config_server_host: Optional[str] = None
     config_server_port: int = 60088
-    kv_transfer_port: Optional[int] = None  # pd nodes: None: allocated
+    kv_transfer_port: Optional[int] = None  # pd_decode: first rank's port (rank r: +r); None: allocated
+    kv_transport: KvTransport = KvTransport.zmq  # pd_decode: how prefill instances send it KV
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 # transformers, serve the Qwen2-7B-shaped dummy model, run the benchmark cases of
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
-#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels sweep prefix parallel smollm2 stash steps;
+#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels sweep prefix parallel smollm2 stash steps pd;
 #                                            default: the first five)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -112,6 +112,30 @@ for c in single c64 c256; do has $c && BENCH="$BENCH $c"; done
 if has parallel; then  # the tensor/data-parallel issue: c64 on tp1, tp2 and dp2 (two GPUs)
   for layout in ${LAYOUTS:-tp1 tp2 dp2}; do
     serve_bench $layout "$SERVE parallel=$layout" c64
+  done
+fi
+
+if has pd; then  # prefill/decode disaggregation: master, prefill on GPU 0, decode on GPU 1 (two-GPU machine)
+  for transport in ${PD_TRANSPORTS:-zmq}; do
+    stamp "pd ($transport): master + prefill (GPU 0) + decode (GPU 1)"
+    PD="mode.pd_master_port=8001 mode.kv_transport=$transport"
+    llaunch $SERVE mode=pd_master server.port=8000 mode.pd_master_port=8001 hydra.run.dir=/tmp/pd-m-$transport \
+      >"$OUT/pd-master-$transport.log" 2>&1 &
+    M=$!
+    CUDA_VISIBLE_DEVICES=0 llaunch $SERVE mode=pd_prefill server.port=8100 $PD hydra.run.dir=/tmp/pd-p-$transport \
+      >"$OUT/pd-prefill-$transport.log" 2>&1 &
+    P=$!
+    CUDA_VISIBLE_DEVICES=1 llaunch $SERVE mode=pd_decode server.port=8200 $PD hydra.run.dir=/tmp/pd-d-$transport \
+      >"$OUT/pd-decode-$transport.log" 2>&1 &
+    D=$!
+    if $PY scripts/wait_http.py http://127.0.0.1:8000/health 180; then
+      run_case pd-$transport-c64 512 1024 256 64 180
+      curl -s localhost:8000/pd/instances | tee "$OUT/pd-instances-$transport.json"; echo
+    else
+      tail -20 "$OUT"/pd-*-$transport.log; for f in /tmp/pd-*-$transport/logs/*.log; do echo "== $f"; tail -20 "$f"; done
+    fi
+    kill -TERM $M $P $D 2>/dev/null; wait $M $P $D
+    for f in /tmp/pd-*-$transport/logs/*.log; do echo "== $f"; tail -20 "$f"; done > "$OUT/pd-process-logs-$transport.txt"
   done
 fi
 

@@ -1,5 +1,6 @@
 """The worker's end of prefill/decode disaggregation: starts the KV transfers the router asks for
-(SendKv on a prefill instance, ReceiveKv / CancelKv on a decode instance) on the ZMQ transport, and
+(SendKv on a prefill instance, ReceiveKv / CancelKv on a decode instance) on the transport the
+decode address names (tcp:// ZMQ through host memory, nccl:// GPU to GPU), and
 reports each one's end as a KvDone. The transport's threads move the pages; the serve loop only polls."""
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class KvLink:
         self.tp_rank = tp_rank  # rank r sends its KV heads to the decode instance's rank r
         self.scratch_slot = scratch_slot  # where pages of a prefix this instance has cached already go
         self.timeout_s = timeout_s
-        self.receiver = ZmqKvReceiver(receive_address, timeout_s=timeout_s) if receive_address else None
+        self.receiver = _receiver(receive_address, kv, timeout_s) if receive_address else None
         self.senders: dict[str, ZmqKvSender] = {}  # decode instance address → sender
         self.active: dict[str, tuple[TransferHandle, float]] = {}  # request id → (handle, start)
         self.pd_ids: dict[str, str] = {}  # request id → transfer id
@@ -46,7 +47,7 @@ class KvLink:
                 address = ranks[self.tp_rank]
                 sender = self.senders.get(address)
                 if sender is None:
-                    sender = self.senders[address] = ZmqKvSender(address, timeout_s=self.timeout_s)
+                    sender = self.senders[address] = _sender(address, self.kv, self.timeout_s)
                 handle = sender.send(msg.pd_id, msg.slots, self.kv)
         elif isinstance(msg, ReceiveKv):
             if self.receiver is None:
@@ -74,3 +75,20 @@ class KvLink:
             sender.close()
         if self.receiver is not None:
             self.receiver.close()
+
+
+def _receiver(address: str, kv: KvCache, timeout_s: float):
+    """The transport is the address's scheme: tcp:// ZMQ, nccl:// a NCCL pair group per sender."""
+    if address.startswith("nccl://"):
+        from llaunch.runtime.pd.nccl_pairing import PairedKvReceiver
+
+        return PairedKvReceiver(address, kv.k[0].device, timeout_s=timeout_s)
+    return ZmqKvReceiver(address, timeout_s=timeout_s)
+
+
+def _sender(address: str, kv: KvCache, timeout_s: float):
+    if address.startswith("nccl://"):
+        from llaunch.runtime.pd.nccl_pairing import PairedKvSender
+
+        return PairedKvSender(address, kv.k[0].device, timeout_s=timeout_s)
+    return ZmqKvSender(address, timeout_s=timeout_s)
