@@ -145,8 +145,10 @@ if has smollm2; then  # real weights: the GGUF travels in two halves (.gpu-a, .g
     > /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
   ls -la /tmp/smollm2-gguf
   $PY scripts/prepare_models.py --gguf /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out .models 2>&1 | tail -2
-  timeout 300 $PY scripts/gpu_agreement.py --model-dir .models/smollm2-135m --tp 1 ${SMOL_TP:-2} 2>&1 \
-    | grep '^{' | tee "$OUT/agreement.jsonl"
+  for dtype in bfloat16 float32; do
+    timeout 300 $PY scripts/gpu_agreement.py --model-dir .models/smollm2-135m --dtype $dtype --tp 1 ${SMOL_TP:-2} 2>&1 \
+      | grep '^{' | tee -a "$OUT/agreement.jsonl"
+  done
   VOCAB=49000 serve_bench smollm2-tp1 "model=smollm2-135m" chat single
   VOCAB=49000 serve_bench smollm2-tp2 "model=smollm2-135m parallel=tp2 parallel.pad_heads=true" chat single
 fi
