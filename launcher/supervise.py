@@ -26,7 +26,7 @@ import zmq
 from rich.console import Console
 
 from llaunch.launcher.plan import processes_on
-from llaunch.launcher.schema import ProcessSpec, RunConfig
+from llaunch.launcher.schema import Mode, ProcessSpec, RunConfig
 from llaunch.runtime.ipc.messages import LauncherInbound, ProcessReady
 from llaunch.runtime.ipc.sockets import Receiver
 
@@ -171,8 +171,11 @@ def wait_ready(graph: Graph, control: Receiver) -> None:
             console.print(f"[green]ready[/] {msg.name} (pid {msg.pid}) {extra}")
 
 
+DRAINING_ROLES = ("frontend", "pd_master")  # the processes that answer HTTP and finish in-flight requests
+
+
 def drain(graph: Graph) -> None:
-    frontends = [n for n, s in graph.specs.items() if s.role == "frontend"]
+    frontends = [n for n, s in graph.specs.items() if s.role in DRAINING_ROLES]
     console.print("[yellow]SIGTERM: draining[/] (new requests get 503, in-flight ones finish)")
     graph.signal(frontends, signal.SIGTERM)
     deadline = time.monotonic() + graph.cfg.server.drain_timeout_s + 5.0
@@ -188,6 +191,8 @@ def drain(graph: Graph) -> None:
 def _serving_line(cfg: RunConfig, graph: Graph, ready_s: float) -> str:
     what = f"({len(graph.procs)} processes, ready in {ready_s:.1f}s; logs in {graph.log_dir})"
     p = cfg.parallel
+    if cfg.mode.kind in (Mode.pd_master, Mode.config_server):  # one process that binds its own HTTP ports
+        return f"[bold green]llaunch {cfg.mode.kind.value}[/] at {cfg.graph.http_url} {what}"
     if graph.serves_http:
         node = f" (node 0 of {p.nnodes})" if p.nnodes > 1 else ""
         return f"[bold green]llaunch serving[/] {cfg.model.name} at {cfg.graph.http_url}{node} {what}"
