@@ -389,14 +389,6 @@ def pd_instance_is_one_replica(cfg):
 
 
 @rule()
-def nccl_transport_needs_gpus(cfg):
-    if cfg.mode.kind == Mode.pd_decode and cfg.mode.kv_transport.value == "nccl" and cfg.device != Device.cuda:
-        yield ("mode.kv_transport", "device"), (
-            f"mode.kv_transport=nccl moves KV between GPUs, and device={cfg.device.value}: use "
-            "mode.kv_transport=zmq (works on CPU), or device=cuda")
-
-
-@rule()
 def pd_addresses(cfg):
     m = cfg.mode
     if m.kind in (Mode.pd_prefill, Mode.pd_decode, Mode.pd_master) and not m.pd_master_host:

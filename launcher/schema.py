@@ -33,7 +33,7 @@ class Device(str, Enum):
 
 class KvTransport(str, Enum):
     zmq = "zmq"  # pages through host memory over TCP: CPU, GPUs, across hosts
-    nccl = "nccl"  # GPU to GPU through a NCCL pair group per prefill/decode rank pair
+    nccl = "nccl"  # GPU to GPU through a NCCL pair group per prefill/decode rank pair (gloo on CPU)
 
 
 class Mode(str, Enum):

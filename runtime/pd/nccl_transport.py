@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
@@ -22,18 +21,35 @@ import torch
 import torch.distributed as dist
 
 from llaunch.runtime.models.batch import KvCache
-from llaunch.runtime.pd.kv_transfer import (DTYPES, KvAbort, KvPageHeader, KvReceiver, KvSender, KvToReceiver,
-                                            Page, SideStream, TransferHandle, check_header, compute_done_marker,
-                                            gather_page, page_header, plan_pages, scatter_page)
+from llaunch.runtime.pd.kv_landing import KvLanding
+from llaunch.runtime.pd.kv_transfer import (DTYPES, KvAbort, KvReceiver, KvSender, KvToReceiver, Page, SideStream,
+                                            TransferHandle, compute_done_marker, gather_page, page_header,
+                                            plan_pages)
 
 HEADER_BYTES = 1024
-_LINK_CLOSED = ""  # KvAbort with this request id: the sender closed the link
+LINK_CLOSED = ""  # KvAbort with this request id: the sender closed the link
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KvToReceiver)
 
 
 class LinkBroken(RuntimeError):
     pass
+
+
+def encode_frame(msg, device: torch.device) -> torch.Tensor:
+    """A header or abort as a fixed-size tensor: 4 bytes of length, then msgpack."""
+    raw = _encoder.encode(msg)
+    if len(raw) > HEADER_BYTES - 4:
+        raise ValueError(f"header of {len(raw)} bytes exceeds {HEADER_BYTES - 4}")
+    buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    buf[:4] = torch.frombuffer(bytearray(len(raw).to_bytes(4, "little")), dtype=torch.uint8)
+    buf[4:4 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return buf.to(device)
+
+
+def decode_frame(buf: torch.Tensor) -> KvToReceiver:
+    raw = buf.cpu().numpy().tobytes()
+    return _decoder.decode(raw[4:4 + int.from_bytes(raw[:4], "little")])
 
 
 class _Link:
@@ -54,25 +70,14 @@ class _Link:
             raise LinkBroken(self.broken) from e
 
     def encode(self, msg) -> torch.Tensor:
-        raw = _encoder.encode(msg)
-        if len(raw) > HEADER_BYTES - 4:
-            raise ValueError(f"header of {len(raw)} bytes exceeds {HEADER_BYTES - 4}")
-        buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-        buf[:4] = torch.frombuffer(bytearray(len(raw).to_bytes(4, "little")), dtype=torch.uint8)
-        buf[4:4 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        return buf.to(self.device)
-
-    @staticmethod
-    def decode(buf: torch.Tensor):
-        raw = buf.cpu().numpy().tobytes()
-        return _decoder.decode(raw[4:4 + int.from_bytes(raw[:4], "little")])
+        return encode_frame(msg, self.device)
 
 
 # ---- prefill side -------------------------------------------------------------------------------
 
 
 @dataclass
-class _Outgoing:
+class Outgoing:
     handle: TransferHandle
     slots: torch.Tensor
     kv: KvCache
@@ -99,7 +104,7 @@ class NcclKvSender(KvSender):
             handle.finish()
             return handle
         slots = torch.tensor(src_slots, dtype=torch.int64, device=kv.k[0].device)
-        self._commands.put(_Outgoing(handle, slots, kv, plan_pages(len(src_slots), self.page_tokens),
+        self._commands.put(Outgoing(handle, slots, kv, plan_pages(len(src_slots), self.page_tokens),
                                      compute_done_marker(kv)))
         return handle
 
@@ -108,7 +113,7 @@ class NcclKvSender(KvSender):
         self._thread.join()
 
     def _run(self) -> None:
-        active: list[_Outgoing] = []
+        active: list[Outgoing] = []
         closing = False
         while not closing or active:
             try:
@@ -133,12 +138,12 @@ class NcclKvSender(KvSender):
                 break
         if self._link.broken is None:
             try:  # lets the receiver stop listening instead of waiting on a receive forever
-                self._link.wait(dist.isend(self._link.encode(KvAbort(_LINK_CLOSED, "sender closed")),
+                self._link.wait(dist.isend(self._link.encode(KvAbort(LINK_CLOSED, "sender closed")),
                                            dst=self._link.peer, group=self._link.group), "closing the link")
             except LinkBroken:
                 pass
 
-    def _send_page(self, t: _Outgoing) -> bool:
+    def _send_page(self, t: Outgoing) -> bool:
         """Sends the next page; False when the transfer ended with an error."""
         page = t.pages[t.next_page]
         try:
@@ -167,50 +172,33 @@ class NcclKvSender(KvSender):
 # ---- decode side --------------------------------------------------------------------------------
 
 
-@dataclass
-class _Incoming:
-    handle: TransferHandle
-    slots: torch.Tensor
-    kv: KvCache
-    last_progress: float = field(default_factory=time.monotonic)
-
-
 class NcclKvReceiver(KvReceiver):
-    """Receives from global rank `peer`. A wire thread blocks on the link and queues what arrives; the
-    logic thread applies registrations and pages in order and ends idle transfers. Pages that come
-    before `recv` registers their request are parked, up to `max_parked_bytes`; beyond that such a
-    request fails (there is no back channel to stall the sender)."""
+    """Receives from global rank `peer`. A wire thread blocks on the link and hands what arrives to a
+    KvLanding (link 0), whose logic thread writes pages, parks early ones (up to `max_parked_bytes`;
+    beyond that such a request fails: there is no back channel to stall the sender) and ends idle
+    transfers."""
 
     IDLE_WAIT_S = 7 * 24 * 3600.0  # waiting for the next header is not a failure: links idle for long
 
     def __init__(self, peer: int, *, group: Optional[dist.ProcessGroup] = None, timeout_s: float = 30.0,
                  max_parked_bytes: int = 256 << 20, max_page_bytes: int = 1 << 30):
         self._link = _Link(peer, group, timeout_s)
-        self.max_parked_bytes, self.max_page_bytes = max_parked_bytes, max_page_bytes
-        self._events: queue.SimpleQueue = queue.SimpleQueue()  # registrations and wire events, in order
-        self._expected: dict[str, _Incoming] = {}
-        self._parked: dict[str, list] = {}  # request id -> [(header, payload)]
-        self._parked_bytes = 0
-        self._failed: dict[str, str] = {}  # request id -> why, for pages/registrations that come later
-        self._stream = SideStream()
-        self._closing = threading.Event()
+        self.max_page_bytes = max_page_bytes
+        self._landing = KvLanding(timeout_s, max_parked_bytes=max_parked_bytes, single_link=True,
+                                  name="kv-recv-p2p")
         self._wire = threading.Thread(target=self._read_wire, name="kv-wire-p2p", daemon=True)
-        self._thread = threading.Thread(target=self._run, name="kv-recv-p2p", daemon=True)
         self._wire.start()
-        self._thread.start()
 
     def recv(self, request_id: str, dst_slots: list[int], kv: KvCache) -> TransferHandle:
-        handle = TransferHandle(request_id)
-        if not dst_slots:
-            handle.finish()
-            return handle
-        self._events.put(_Incoming(handle, torch.tensor(dst_slots, dtype=torch.int64, device=kv.k[0].device), kv))
-        return handle
+        return self._landing.register(request_id, dst_slots, kv)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop writing pages of `request_id` (its slots are about to be freed); its handle fails."""
+        self._landing.cancel(request_id)
 
     def close(self) -> None:
         """Ends the logic thread; the wire thread ends when the sender closes the link (or at exit)."""
-        self._closing.set()
-        self._thread.join()
+        self._landing.close()
 
     def _read_wire(self) -> None:
         link = self._link
@@ -218,11 +206,12 @@ class NcclKvReceiver(KvReceiver):
             while True:
                 buf = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=link.device)
                 link.wait(dist.irecv(buf, src=link.peer, group=link.group), "waiting for a header", self.IDLE_WAIT_S)
-                msg = link.decode(buf)
+                msg = decode_frame(buf)
+                if isinstance(msg, KvAbort) and msg.request_id == LINK_CLOSED:
+                    self._landing.link_down(0, "the sender closed the link")
+                    return
                 if isinstance(msg, KvAbort):
-                    self._events.put(msg)
-                    if msg.request_id == _LINK_CLOSED:
-                        return
+                    self._landing.abort(0, msg.request_id, msg.reason)
                     continue
                 size = msg.payload_bytes
                 if msg.dtype not in DTYPES or size <= 0 or size > self.max_page_bytes:
@@ -231,92 +220,6 @@ class NcclKvReceiver(KvReceiver):
                 payload = torch.empty(size, dtype=torch.uint8, device=link.device)
                 link.wait(dist.irecv(payload, src=link.peer, group=link.group),
                           f"receiving page {msg.page} of {msg.request_id}")
-                self._events.put((msg, payload))
+                self._landing.page(0, msg, payload)
         except LinkBroken as e:
-            self._events.put(e)
-
-    def _run(self) -> None:
-        while not self._closing.is_set():
-            try:
-                event = self._events.get(timeout=0.05)
-            except queue.Empty:
-                event = None
-            if isinstance(event, _Incoming):
-                self._register(event)
-            elif isinstance(event, tuple):
-                self._on_page(*event)
-            elif isinstance(event, KvAbort) and event.request_id == _LINK_CLOSED:
-                self._link.broken = "the sender closed the link"
-            elif isinstance(event, KvAbort):
-                self._fail(event.request_id, f"prefill peer aborted the transfer: {event.reason}")
-            if self._link.broken is not None:  # nothing more will come: fail what waits for it
-                for t in list(self._expected.values()):
-                    self._end(t, f"link to rank {self._link.peer} broken: {self._link.broken}")
-            now = time.monotonic()
-            for t in list(self._expected.values()):
-                if now - t.last_progress > self._link.timeout_s:
-                    self._end(t, f"no KV page from rank {self._link.peer} for {self._link.timeout_s}s")
-        for t in list(self._expected.values()):
-            self._end(t, "receiver closed")
-
-    def _register(self, t: _Incoming) -> None:
-        rid = t.handle.request_id
-        if rid in self._expected:
-            t.handle.finish(f"a transfer of {rid} is already expected on this receiver")
-        elif rid in self._failed:
-            t.handle.finish(self._failed.pop(rid))
-        elif self._link.broken is not None and rid not in self._parked:
-            t.handle.finish(f"link to rank {self._link.peer} broken: {self._link.broken}")
-        else:
-            self._expected[rid] = t
-            for header, payload in self._parked.pop(rid, []):
-                self._parked_bytes -= payload.numel()
-                if rid in self._expected:  # an earlier parked page may have failed it
-                    self._deliver(header, payload)
-
-    def _on_page(self, header: KvPageHeader, payload: torch.Tensor) -> None:
-        size = payload.numel()
-        if header.request_id in self._expected:
-            self._deliver(header, payload)
-        elif header.request_id in self._failed:
-            pass  # the rest of a transfer that already failed
-        elif self._parked_bytes + size <= self.max_parked_bytes:
-            self._parked.setdefault(header.request_id, []).append((header, payload))
-            self._parked_bytes += size
-        else:
-            self._fail(header.request_id, "its KV came before recv() and the parking space was full")
-
-    def _deliver(self, header: KvPageHeader, payload: torch.Tensor) -> None:
-        t = self._expected[header.request_id]
-        error = check_header(header, t.kv, len(t.slots), t.handle.tokens_done)
-        if error is not None:
-            self._end(t, error)
-            return
-        rows = t.slots[header.first_token:header.first_token + header.num_tokens]
-        page = payload.view(DTYPES[header.dtype]).view(header.shape)
-        with self._stream.run(t.slots.device):
-            scatter_page(t.kv, rows, page.to(t.slots.device, non_blocking=True))
-        t.handle.tokens_done += header.num_tokens
-        t.last_progress = time.monotonic()
-        if t.handle.tokens_done == len(t.slots):
-            self._end(t, None)
-
-    def _fail(self, request_id: str, reason: str) -> None:
-        for _, payload in self._parked.pop(request_id, []):
-            self._parked_bytes -= payload.numel()
-        t = self._expected.get(request_id)
-        if t is not None:
-            self._end(t, reason)
-        else:
-            self._remember_failure(request_id, reason)
-
-    def _end(self, t: _Incoming, error: Optional[str]) -> None:
-        self._expected.pop(t.handle.request_id, None)
-        if error is not None:
-            self._remember_failure(t.handle.request_id, error)
-        t.handle.finish(error)
-
-    def _remember_failure(self, request_id: str, reason: str) -> None:
-        self._failed[request_id] = reason
-        if len(self._failed) > 4096:  # bounded: the oldest failures are long settled
-            del self._failed[next(iter(self._failed))]
+            self._landing.link_down(0, f"link to rank {link.peer} broken: {e}")

@@ -110,15 +110,18 @@ def test_killed_decode_instance_fails_its_requests_and_the_other_takes_over(pd_d
         assert out.choices[0].finish_reason == "length"
 
 
-def test_tensor_parallel_instances_move_each_ranks_kv_heads(tmp_path_factory, tiny_dirs, oracles):
-    """tp2 prefill → tp2 decode: rank r ships its KV heads to rank r (Qwen2's 2 KV heads split)."""
+@pytest.mark.parametrize("transport", ["zmq", "nccl"])
+def test_tensor_parallel_instances_move_each_ranks_kv_heads(transport, tmp_path_factory, tiny_dirs, oracles):
+    """tp2 prefill → tp2 decode: rank r ships its KV heads to rank r (Qwen2's 2 KV heads split), over
+    ZMQ, and over a torch.distributed pair group per rank pair (NCCL on GPUs; gloo here)."""
     register = free_port()
-    common = model_overrides("qwen2", tiny_dirs) + [f"mode.pd_master_port={register}", "parallel=tp2"]
+    common = model_overrides("qwen2", tiny_dirs) + [f"mode.pd_master_port={register}", "parallel=tp2",
+                                                    f"mode.kv_transport={transport}"]
     servers = start_all([
-        start_server(tmp_path_factory, "pd2-master", model_overrides("qwen2", tiny_dirs)
+        start_server(tmp_path_factory, f"pd2-{transport}-master", model_overrides("qwen2", tiny_dirs)
                      + ["mode=pd_master", f"mode.pd_master_port={register}"]),
-        start_server(tmp_path_factory, "pd2-prefill", common + ["mode=pd_prefill"]),
-        start_server(tmp_path_factory, "pd2-decode", common + ["mode=pd_decode"]),
+        start_server(tmp_path_factory, f"pd2-{transport}-prefill", common + ["mode=pd_prefill"]),
+        start_server(tmp_path_factory, f"pd2-{transport}-decode", common + ["mode=pd_decode"]),
     ])
     try:
         oracle = oracles("qwen2")
@@ -128,6 +131,6 @@ def test_tensor_parallel_instances_move_each_ranks_kv_heads(tmp_path_factory, ti
                                          extra_body=GREEDY)
             assert out.choices[0].model_extra["token_ids"] == oracle.greedy(oracle.tokenizer(prompt)["input_ids"], 16)
         [decode] = healthy(servers[0], "decode")
-        assert len(decode["kv_address"].split(",")) == 2
+        assert [a.split("://")[0] for a in decode["kv_address"].split(",")] == [{"zmq": "tcp"}.get(transport, transport)] * 2
     finally:
         stop_all(servers)

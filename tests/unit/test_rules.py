@@ -63,7 +63,6 @@ BREAKS = {
     "ports_in_range": [["server.port=70000"], ["parallel.dp=2", "parallel.master_port=65535"],
                        ["mode=pd_decode", "mode.kv_transfer_port=0"]],
     "pd_instance_is_one_replica": [["mode=pd_decode", "parallel=dp2"], ["mode=pd_prefill", "parallel=dp2"]],
-    "nccl_transport_needs_gpus": [["mode=pd_decode", "mode.kv_transport=nccl", "device=cpu"]],
     "pd_addresses": [["mode=pd_decode", "mode.pd_master_host=''"],
                      ["mode=config_server", "mode.config_server_host=null"]],
 }

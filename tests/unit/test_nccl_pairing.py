@@ -1,0 +1,379 @@
+"""KV transfer between separately started processes that share no process group: each prefill
+process joins the decode process's store and pairs with it (gloo on CPU, the NCCL path's code). The
+oracle is the source cache: after a transfer dst[dst_slots] == src[src_slots] exactly, every other
+destination slot unchanged; failures name their cause and touch only their own request."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from llaunch.runtime.models.batch import KvCache
+from llaunch.runtime.pd.kv_landing import KvLanding
+from llaunch.runtime.pd.kv_transfer import TransferError, gather_page, page_header, plan_pages
+from llaunch.runtime.pd.nccl_pairing import PairedKvReceiver, PairedKvSender
+from llaunch.runtime.pd import pair_group
+from llaunch.runtime.pd.pair_group import JoinSteps, host_pairing, join_as_sender
+from unit.test_kv_transfer import (LENGTHS, SLOTS, assert_moved, assert_untouched, clone, make_cache,
+                                   shuffled_slot_groups)
+
+pytestmark = pytest.mark.timeout(60)
+CPU = torch.device("cpu")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXTRA = [9, 37]  # per sender: "bad-count" (the receiver allocates 5 slots for its 9 tokens), "cancelled"
+CUT = 20  # tokens of a transfer whose sender dies after its first page
+LATE = 37  # tokens each live sender sends after the dying ones died
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(target, *args) -> multiprocessing.Process:
+    child = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    child.start()
+    return child
+
+
+# ---- child processes ----------------------------------------------------------------------------
+
+
+def on(kv: KvCache, device) -> KvCache:
+    return KvCache([t.to(device) for t in kv.k], [t.to(device) for t in kv.v], kv.req_to_slots)
+
+
+def _sender(address: str, tag: str, dtype: str, seed: int, events: dict, device: str) -> None:
+    """Sends every transfer of one prefill process; then, once told, one more (the link outlived the
+    others' failures); then closes its link."""
+    sender = PairedKvSender(address, device, timeout_s=10.0, page_tokens=8)
+    sender.wait_joined(30)
+    events["joined"].set()
+    assert events["start"].wait(60)
+    src = on(make_cache(seed, DTYPES[dtype]), device)
+    groups = shuffled_slot_groups(seed, LENGTHS + EXTRA + [LATE])
+    names = [f"{tag}{i}" for i in range(len(LENGTHS))] + [f"{tag}-bad-count", f"{tag}-cancelled"]
+    handles = [sender.send(name, group, src) for name, group in zip(names, groups)]
+    for h in handles:
+        h.result(timeout=10)  # sent: whether the peer accepted is the receiver's to say
+    events["sent"].set()
+    assert events["again"].wait(60)
+    sender.send(f"{tag}-late", groups[-1], src).result(timeout=10)
+    sender.close()
+
+
+def _dying_sender(address: str, request_id: str, seed: int, before_payload: bool, joined, go, device: str) -> None:
+    """Joins, sends the first page of a CUT-token transfer, then dies without closing anything; with
+    `before_payload`, after also sending the second page's header (the receiver then waits on the data
+    group, not on the control socket)."""
+    link = join_as_sender(address, torch.device(device), 10.0, JoinSteps("dying sender"))
+    joined.set()
+    assert go.wait(60)
+    src, slots = on(make_cache(seed), device), shuffled_slot_groups(seed, [CUT])[0]
+    first, second = plan_pages(CUT, 8)[:2]
+    link.send_control(page_header(request_id, first, CUT, src), "header")
+    link.send_data(gather_page(src, torch.tensor(slots[:8], device=device)), "page 0")
+    if before_payload:
+        link.send_control(page_header(request_id, second, CUT, src), "header")
+    time.sleep(0.3)
+    os._exit(0)
+
+
+def _refused_sender(address: str, errors) -> None:
+    sender = PairedKvSender(address, CPU, timeout_s=5.0)
+    with pytest.raises(TransferError) as failure:
+        sender.wait_joined(20)
+    errors.put(str(failure.value))
+    sender.close()
+
+
+def _check_default_group_untouched(world, groups_before: int, device: str) -> None:
+    assert dist.is_initialized() and dist.group.WORLD is world and dist.get_world_size() == 1
+    assert len(dist.distributed_c10d._world.pg_map) == groups_before
+    t = torch.full((3,), 2.0, device=device)
+    dist.all_reduce(t)  # the default (tensor-parallel) group still works
+    assert torch.equal(t.cpu(), torch.full((3,), 2.0))
+
+
+def _init_default_group(port: int, device: str):
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return dist.group.WORLD, len(dist.distributed_c10d._world.pg_map)
+
+
+def _receiver_with_default_group(port: int, addresses, device: str) -> None:
+    world, groups_before = _init_default_group(port, device)
+    receiver = PairedKvReceiver("nccl://127.0.0.1:0", device, timeout_s=10.0)
+    addresses.put(receiver.address)
+    dst, dst_groups = on(make_cache(2, torch.bfloat16), device), shuffled_slot_groups(4, LENGTHS)
+    handles = [receiver.recv(f"t{i}", g, dst) for i, g in enumerate(dst_groups)]
+    for h in handles:
+        h.result(timeout=20)
+    src = make_cache(1, torch.bfloat16)
+    for s, d in zip(shuffled_slot_groups(1, LENGTHS), dst_groups):
+        assert_moved(src, s, on(dst, "cpu"), d)
+    _check_default_group_untouched(world, groups_before, device)
+    receiver.close()
+    dist.destroy_process_group()
+
+
+def _sender_with_default_group(port: int, address: str, device: str) -> None:
+    world, groups_before = _init_default_group(port, device)
+    sender = PairedKvSender(address, device, timeout_s=10.0, page_tokens=8)
+    src = on(make_cache(1, torch.bfloat16), device)
+    for h in [sender.send(f"t{i}", g, src) for i, g in enumerate(shuffled_slot_groups(1, LENGTHS))]:
+        h.result(timeout=20)
+    sender.close()
+    _check_default_group_untouched(world, groups_before, device)
+    dist.destroy_process_group()
+
+
+# ---- across processes ---------------------------------------------------------------------------
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+def shared_receiver_scenario(receiver_device: str, sender_device: str, timeout_s: float,
+                             dead_link_errors: tuple[str, ...]) -> PairedKvReceiver:
+    """Two prefill processes (fp32 and bf16) and two that die mid-transfer once those joined, all into
+    one receiver; the live ones send again after that. Returns the (closed) receiver."""
+    receiver = PairedKvReceiver("nccl://127.0.0.1:0", receiver_device, timeout_s=timeout_s)
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        senders = {"a": ("float32", 1), "b": ("bfloat16", 2)}
+        events = {tag: {e: ctx.Event() for e in ("joined", "start", "sent", "again")} for tag in senders}
+        go, dying_joined = ctx.Event(), [ctx.Event(), ctx.Event()]
+        dst = {tag: on(make_cache(10 + seed, DTYPES[dtype]), receiver_device) for tag, (dtype, seed) in senders.items()}
+        late_dst = {tag: on(make_cache(30 + seed, DTYPES[dtype]), receiver_device)
+                    for tag, (dtype, seed) in senders.items()}
+        before = {tag: on(kv, "cpu") for tag, kv in dst.items()}
+        # per sender: its transfers, bad-count, cancelled; the dying senders' transfers land in a's cache
+        dst_groups = {"a": shuffled_slot_groups(20, LENGTHS + [5, 37, CUT, CUT]),
+                      "b": shuffled_slot_groups(21, LENGTHS + [5, 37])}
+        cuts = {"cut-after-page": (3, False, dst_groups["a"][-2]), "cut-before-payload": (4, True, dst_groups["a"][-1])}
+        children = [spawn(_sender, receiver.address, tag, dtype, seed, events[tag], sender_device)
+                    for tag, (dtype, seed) in senders.items()]
+        children += [spawn(_dying_sender, receiver.address, rid, seed, before_payload, joined, go, sender_device)
+                     for (rid, (seed, before_payload, _)), joined in zip(cuts.items(), dying_joined)]
+        # registering starts the idle timeout: not before the (slow to start) processes joined
+        assert all(e.wait(60) for e in [events[tag]["joined"] for tag in senders] + dying_joined)
+        handles = {}
+        for tag in senders:
+            for i in range(0, len(LENGTHS), 2):  # registered before their KV comes
+                handles[f"{tag}{i}"] = receiver.recv(f"{tag}{i}", dst_groups[tag][i], dst[tag])
+            handles[f"{tag}-bad-count"] = receiver.recv(f"{tag}-bad-count", dst_groups[tag][len(LENGTHS)], dst[tag])
+            handles[f"{tag}-cancelled"] = receiver.recv(f"{tag}-cancelled", dst_groups[tag][len(LENGTHS) + 1], dst[tag])
+            receiver.cancel(f"{tag}-cancelled")
+            events[tag]["start"].set()
+        for rid, (_, _, slots) in cuts.items():
+            handles[rid] = receiver.recv(rid, slots, dst["a"])
+        go.set()  # the dying ones send and die only now: the live links exist when a data group gets stuck
+
+        for tag in senders:
+            assert events[tag]["sent"].wait(30)  # all its pages went out, the odd ones before their recv()
+            for i in range(1, len(LENGTHS), 2):
+                handles[f"{tag}{i}"] = receiver.recv(f"{tag}{i}", dst_groups[tag][i], dst[tag])
+        for rid in cuts:  # the link broke: at once (socket closed) or after the data group's deadline
+            assert handles[rid].wait(timeout_s + 10), f"{rid} never ended"
+            cut = handles[rid]
+            assert any(e in cut.error for e in dead_link_errors) and cut.tokens_done == 8, cut
+        for tag in senders:  # the live links still carry transfers
+            handles[f"{tag}-late"] = receiver.recv(f"{tag}-late", list(range(LATE)), late_dst[tag])
+            events[tag]["again"].set()
+        got = {}
+        for tag, (dtype, seed) in senders.items():
+            for i in range(len(LENGTHS)):
+                handles[f"{tag}{i}"].result(timeout=10)
+                assert handles[f"{tag}{i}"].tokens_done == LENGTHS[i]
+            bad, cancelled = handles[f"{tag}-bad-count"], handles[f"{tag}-cancelled"]
+            assert bad.wait(10) and "transfers 9 tokens, receiver allocated 5" in bad.error, bad
+            assert cancelled.wait(10) and "cancelled" in cancelled.error, cancelled
+            handles[f"{tag}-late"].result(timeout=20)
+            got[tag] = on(dst[tag], "cpu")
+            src, src_groups = make_cache(seed, DTYPES[dtype]), shuffled_slot_groups(seed, LENGTHS + EXTRA + [LATE])
+            for i in range(len(LENGTHS)):
+                assert_moved(src, src_groups[i], got[tag], dst_groups[tag][i])
+            assert_moved(src, src_groups[-1], on(late_dst[tag], "cpu"), list(range(LATE)))
+        written = [s for g in dst_groups["a"][:len(LENGTHS)] for s in g]
+        for rid, (seed, _, slots) in cuts.items():
+            assert_moved(make_cache(seed), shuffled_slot_groups(seed, [CUT])[0][:8], got["a"], slots[:8])
+            written += slots[:8]
+        assert_untouched(got["a"], before["a"], written)  # nothing of bad-count, cancelled, cut's rest landed
+        assert_untouched(got["b"], before["b"], [s for g in dst_groups["b"][:len(LENGTHS)] for s in g])
+        for child in children:
+            child.join(30)
+            assert child.exitcode == 0
+        states = receiver.link_states()
+        assert sorted(states) == [1, 2, 3, 4] and all(s.startswith("down:") for s in states.values()), states
+        return receiver
+    finally:
+        receiver.close()
+
+
+def test_two_prefill_processes_and_two_dying_ones_share_one_receiver():
+    shared_receiver_scenario("cpu", "cpu", timeout_s=10.0, dead_link_errors=("KV link",))  # gloo sees it at once
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_nccl_two_prefill_processes_and_two_dying_ones_share_one_receiver():
+    # A dead GPU process closes its sockets only after its GPU context is torn down, and a receive
+    # posted on NCCL ends at the deadline: the link going down and the idle timeout race.
+    receiver = shared_receiver_scenario("cuda:1", "cuda:0", timeout_s=5.0,
+                                        dead_link_errors=("KV link", "no KV page from link"))
+    assert "receiving page 1 of cut-before-payload" in receiver.stuck  # that recv can't be aborted
+    late = PairedKvReceiver("nccl://127.0.0.1:0", "cuda:1", timeout_s=5.0)  # same GPU, same process
+    try:
+        sender = PairedKvSender(late.address, "cuda:0", timeout_s=5.0)
+        with pytest.raises(TransferError, match="the decode rank refused the pair: .*cut-before-payload"):
+            sender.wait_joined(20)
+        sender.close()
+    finally:
+        late.close()
+
+
+def test_a_device_with_a_stuck_operation_takes_no_new_pairs(monkeypatch):
+    monkeypatch.setitem(pair_group.stuck_devices, "cpu", "pair 7 with someone: not complete after 5s")
+    receiver = PairedKvReceiver("nccl://127.0.0.1:0", CPU, timeout_s=5.0)
+    try:
+        assert receiver.stuck == "pair 7 with someone: not complete after 5s"
+        sender = PairedKvSender(receiver.address, CPU, timeout_s=5.0)  # this process: refused before connecting
+        with pytest.raises(TransferError, match="this process takes no new pairs on cpu: pair 7 with someone"):
+            sender.wait_joined(10)
+        sender.close()
+        errors = multiprocessing.get_context("spawn").Queue()
+        child = spawn(_refused_sender, receiver.address, errors)  # another process: refused by the receiver
+        assert "the decode rank refused the pair: pair 7 with someone" in errors.get(timeout=30)
+        child.join(30)
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
+def test_pairing_leaves_each_side_default_group_alone(device):
+    addresses = multiprocessing.get_context("spawn").Queue()
+    receiver_device, sender_device = ("cuda:1", "cuda:0") if device == "cuda" else ("cpu", "cpu")
+    receiver = spawn(_receiver_with_default_group, free_port(), addresses, receiver_device)
+    sender = spawn(_sender_with_default_group, free_port(), addresses.get(timeout=60), sender_device)
+    for child in (sender, receiver):
+        child.join(60)
+        assert child.exitcode == 0
+
+
+# ---- joining ------------------------------------------------------------------------------------
+
+
+def test_join_failure_names_the_step_and_fails_the_transfers():
+    sender = PairedKvSender(f"nccl://127.0.0.1:{free_port()}", CPU, timeout_s=1.0)  # nobody listens there
+    handle = sender.send("r", [1, 2, 3], make_cache(1))
+    assert handle.wait(10)
+    assert "connecting to the decode rank's store" in handle.error, handle
+    with pytest.raises(TransferError, match="connecting to the decode rank's store"):
+        sender.wait_joined(0)
+    later = sender.send("later", [4], make_cache(1))
+    assert later.done() and "connecting" in later.error
+    sender.close()
+
+
+def test_a_join_the_decode_side_never_serves_fails_at_the_named_step():
+    store, listener = host_pairing("127.0.0.1", 0, CPU, 5.0)  # a decode rank's endpoints, nobody behind them
+    try:
+        sender = PairedKvSender(f"nccl://127.0.0.1:{store.port}", CPU, timeout_s=1.0)
+        with pytest.raises(TransferError, match=r"\(pair 1\): waiting for the decode rank's welcome failed after"):
+            sender.wait_joined(10)
+        sender.close()
+    finally:
+        listener.close()
+
+
+def test_malformed_address_fails_in_the_caller():
+    with pytest.raises(ValueError, match="nccl://host:port"):
+        PairedKvSender("tcp://127.0.0.1:1", CPU)
+
+
+# ---- the landing logic, driven directly ---------------------------------------------------------
+
+
+def page_of(src, src_slots: list[int], request_id: str, index: int, page_tokens: int = 8):
+    page = plan_pages(len(src_slots), page_tokens)[index]
+    rows = torch.tensor(src_slots[page.first_token:page.first_token + page.num_tokens])
+    return page_header(request_id, page, len(src_slots), src), gather_page(src, rows).view(torch.uint8).reshape(-1)
+
+
+def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def landing():
+    landing = KvLanding(5.0, max_parked_bytes=1 << 20)
+    yield landing
+    landing.close()
+
+
+def test_cancel_mid_transfer_writes_nothing_afterwards(landing):
+    src, dst = make_cache(1), make_cache(2)
+    before = clone(dst)
+    s, d = shuffled_slot_groups(5, [17])[0], shuffled_slot_groups(6, [17])[0]
+    handle = landing.register("r", d, dst)
+    landing.page(1, *page_of(src, s, "r", 0))
+    wait_until(lambda: handle.tokens_done == 8)
+    landing.cancel("r")
+    landing.page(1, *page_of(src, s, "r", 1))
+    landing.page(1, *page_of(src, s, "r", 2))
+    assert handle.wait(5) and "cancelled" in handle.error
+    later = landing.register("after", [0], dst)  # the landing went past the dropped pages
+    landing.page(1, *page_of(src, [1], "after", 0))
+    later.result(5)
+    assert_moved(src, s[:8], dst, d[:8])
+    assert_untouched(dst, before, d[:8] + [0])
+
+
+def test_a_link_going_down_fails_only_the_transfers_it_carried(landing):
+    src, dst = make_cache(1), make_cache(2)
+    s, d = shuffled_slot_groups(7, [12, 12, 12, 8, 12]), shuffled_slot_groups(8, [12, 12, 12, 8, 12])
+    carried, other, unheard = (landing.register(r, d[i], dst) for i, r in enumerate(["carried", "other", "unheard"]))
+    landing.page(1, *page_of(src, s[0], "carried", 0))
+    landing.page(2, *page_of(src, s[1], "other", 0))
+    landing.page(1, *page_of(src, s[3], "whole", 0))  # a whole transfer, parked before its link goes down
+    landing.page(1, *page_of(src, s[4], "partial", 0))  # a part of one
+    landing.link_down(1, "sender died")
+    assert carried.wait(5) and "KV link 1 down: sender died" in carried.error
+    landing.page(2, *page_of(src, s[1], "other", 1))
+    landing.page(3, *page_of(src, s[2], "unheard", 0))
+    landing.page(3, *page_of(src, s[2], "unheard", 1))
+    other.result(5)
+    unheard.result(5)  # no link was its link until a page came: another link could carry it
+    landing.register("whole", d[3], dst).result(5)
+    partial = landing.register("partial", d[4], dst)
+    assert partial.wait(5) and "link 1 went down" in partial.error and partial.tokens_done == 8
+    for i in (1, 2, 3):
+        assert_moved(src, s[i], dst, d[i])
+
+
+def test_parking_is_bounded_and_a_late_recv_learns_why():
+    landing = KvLanding(5.0, max_parked_bytes=4096)  # a page of 8 tokens is 2*3*8*2*8*4 = 3072 bytes
+    try:
+        src, dst = make_cache(1), make_cache(2)
+        s = shuffled_slot_groups(9, [40])[0]
+        landing.page(1, *page_of(src, s, "big", 0))
+        landing.page(1, *page_of(src, s, "big", 1))
+        landing.page(1, *page_of(src, s, "big", 2))  # dropped: the transfer already failed
+        late = landing.register("big", list(range(SLOTS - 40, SLOTS)), dst)
+        assert late.wait(5) and "parking space (4096 bytes) was full" in late.error
+        landing.page(1, *page_of(src, s[:8], "again", 0))  # fits only if the failed one's bytes were given back
+        landing.register("again", list(range(8)), dst).result(5)
+        assert_moved(src, s[:8], dst, list(range(8)))
+    finally:
+        landing.close()
