@@ -328,7 +328,8 @@ def gpus_available(cfg):
 def _bound_ports(cfg) -> dict[str, list[int]]:
     """Fixed ports this instance binds on its host, by key (None / 0 ports are allocated later)."""
     p, m, kind = cfg.parallel, cfg.mode, cfg.mode.kind
-    ports = {"server.port": [cfg.server.port] if cfg.server.port else []}
+    serves_http = kind != Mode.config_server  # a config server binds only mode.config_server_port
+    ports = {"server.port": [cfg.server.port] if cfg.server.port and serves_http else []}
     if p.master_port is not None and _serves(cfg):
         ports["parallel.master_port"] = [p.master_port + d for d in range(max(p.dp, 1))]
     if kind == Mode.pd_decode and m.kv_transfer_port is not None:
@@ -366,7 +367,7 @@ def ports_distinct(cfg):
 @rule(live="skip")
 def server_port_free(cfg):
     host, port = cfg.server.host, cfg.server.port
-    if cfg.parallel.node_rank > 0:  # only node 0 serves HTTP
+    if cfg.parallel.node_rank > 0 or cfg.mode.kind == Mode.config_server:  # only these bind server.port
         return
     if port and 0 < port <= 65535:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:

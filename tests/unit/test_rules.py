@@ -189,3 +189,15 @@ def test_server_port_rule_only_binds_on_node_0():
         node1 = LlaunchConfig(server=ServerConfig(port=port), parallel=ParallelConfig(nnodes=2, node_rank=1))
         assert list(rules.server_port_free(node0))
         assert not list(rules.server_port_free(node1))
+
+
+def test_a_config_server_does_not_bind_server_port(resolved):
+    import socket as sock
+
+    with sock.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        assert [v.rule for v in rules.check_all(resolved(f"server.port={taken}"))] == ["server_port_free"]
+        assert rules.check_all(resolved("mode=config_server", f"server.port={taken}")) == []
+        assert rules.check_all(resolved("mode=config_server", "server.port=60088")) == []  # its own port
