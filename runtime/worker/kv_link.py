@@ -61,7 +61,13 @@ class KvLink:
         self.pd_ids[msg.request_id] = msg.pd_id
 
     def poll(self) -> list[KvDone]:
-        """Transfers that ended since the last poll."""
+        """Transfers that ended since the last poll. Raises when a NCCL transport is stuck (a peer died
+        inside a NCCL operation: the GPU cannot form new pairs or synchronize), so the worker exits and
+        the instance restarts instead of hanging."""
+        for transport in [self.receiver, *self.senders.values()]:
+            stuck = getattr(transport, "stuck", None)
+            if stuck:
+                raise RuntimeError(f"KV transport stuck, this instance must restart: {stuck}")
         done = []
         for request_id, (handle, start) in list(self.active.items()):
             if handle.done():

@@ -90,3 +90,25 @@ def test_worker_gpus_count_within_the_launchers_visible_devices(monkeypatch):
     assert visible_devices([0]) == "1"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
     assert visible_devices([1, 2]) == "5,6"
+
+
+def test_worker_link_stops_when_a_nccl_transport_is_stuck():
+    import pytest
+    import torch
+
+    from llaunch.runtime.models.batch import KvCache
+    from llaunch.runtime.worker.kv_link import KvLink
+
+    kv = KvCache(k=[torch.zeros(4, 1, 2)], v=[torch.zeros(4, 1, 2)], req_to_slots=torch.zeros(1, 4, dtype=torch.int32))
+    link = KvLink(kv, None, scratch_slot=3)
+    assert link.poll() == []
+
+    class Stuck:
+        stuck = "an operation of pair 0 never completed (peer died mid-page)"
+
+        def close(self):
+            pass
+
+    link.senders["nccl://10.0.0.2:7000"] = Stuck()
+    with pytest.raises(RuntimeError, match="must restart: an operation of pair 0"):
+        link.poll()
