@@ -2,19 +2,18 @@
 tokenizer and lifecycle, so tests serve it with a scripted engine and no other process."""
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 from quart import Quart, Response, request
-from werkzeug.exceptions import HTTPException
 
 from llaunch.launcher.schema import RunConfig
 from llaunch.runtime.http.engine_client import EngineClient, current_pd_link
-from llaunch.runtime.http.errors import ApiError, draining, error_response, json_response, unauthorized
+from llaunch.runtime.http.errors import ApiError, draining, error_response, json_response
 from llaunch.runtime.http.generate_api import GenerateApi
+from llaunch.runtime.http.guards import gatekeeper, json_errors
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import ModelLimits
 from llaunch.runtime.http.openai_serving import OpenAIServing
@@ -69,29 +68,8 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
         finally:
             current_pd_link.reset(token)
 
-    @app.before_request
-    async def gatekeeper() -> Optional[Response]:
-        if settings.api_key and request.path not in _OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
-                return error_response(unauthorized())
-        if lifecycle.draining and request.path not in _DRAIN_EXEMPT:
-            return error_response(draining())
-        return None
-
-    @app.errorhandler(ApiError)
-    async def api_error(e: ApiError) -> Response:
-        return error_response(e)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(e: HTTPException) -> Response:
-        kind = "not_found_error" if e.code == 404 else "invalid_request_error"
-        return error_response(ApiError(e.code or 500, f"{e.name}: {request.method} {request.path}", type=kind))
-
-    @app.errorhandler(Exception)
-    async def internal_error(e: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(ApiError(500, f"Internal error: {type(e).__name__}: {e}", type="server_error"))
+    gatekeeper(app, settings.api_key, lifecycle, _OPEN_PATHS, _DRAIN_EXEMPT)
+    json_errors(app, log)
 
     @app.post("/v1/completions")
     async def completions() -> Response:

@@ -14,11 +14,11 @@ from typing import Any, Callable, Optional
 import msgspec
 import zmq
 from quart import Quart, Response, request
-from werkzeug.exceptions import HTTPException
 
 from llaunch.launcher.schema import ProcessSpec, RunConfig
 from llaunch.runtime.bootstrap import report_ready, start
-from llaunch.runtime.http.errors import ApiError, bad_request, error_response, json_response
+from llaunch.runtime.http.errors import bad_request, json_response
+from llaunch.runtime.http.guards import json_errors
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.pd.master_process import HEARTBEAT_TIMEOUT_S, serve_until_stopped
 
@@ -58,14 +58,7 @@ class Directory:
 def create_config_app(directory: Directory) -> Quart:
     app = Quart("llaunch.config_server")
 
-    @app.errorhandler(ApiError)
-    async def api_error(e: ApiError) -> Response:
-        return error_response(e)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(e: HTTPException) -> Response:
-        kind = "not_found_error" if e.code == 404 else "invalid_request_error"
-        return error_response(ApiError(e.code or 500, f"{e.name}: {request.method} {request.path}", type=kind))
+    json_errors(app, log)
 
     @app.post("/register")
     async def register() -> Response:

@@ -7,17 +7,16 @@ the same tokenizer, so P and D agree on the token ids.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from dataclasses import dataclass
 from typing import Coroutine, Optional
 
 import httpx
 from quart import Quart, Response, request
-from werkzeug.exceptions import HTTPException
 
 from llaunch.launcher.schema import RunConfig
-from llaunch.runtime.http.errors import ApiError, bad_request, draining, error_response, json_response, unauthorized
+from llaunch.runtime.http.errors import ApiError, bad_request, draining, error_response, json_response
+from llaunch.runtime.http.guards import gatekeeper, json_errors
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import decode_body
 from llaunch.runtime.pd.registry import InstanceRegistry, NoHealthyInstance, Registration
@@ -74,29 +73,8 @@ def create_master_app(registry: InstanceRegistry, settings: MasterSettings,
         for client in clients:
             await client.aclose()
 
-    @app.before_request
-    async def gatekeeper() -> Optional[Response]:
-        if settings.api_key and request.path not in _OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
-                return error_response(unauthorized())
-        if lifecycle.draining and request.path not in _DRAIN_EXEMPT:
-            return error_response(draining())
-        return None
-
-    @app.errorhandler(ApiError)
-    async def api_error(e: ApiError) -> Response:
-        return error_response(e)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(e: HTTPException) -> Response:
-        kind = "not_found_error" if e.code == 404 else "invalid_request_error"
-        return error_response(ApiError(e.code or 500, f"{e.name}: {request.method} {request.path}", type=kind))
-
-    @app.errorhandler(Exception)
-    async def internal_error(e: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(ApiError(500, f"Internal error: {type(e).__name__}: {e}", type="server_error"))
+    gatekeeper(app, settings.api_key, lifecycle, _OPEN_PATHS, _DRAIN_EXEMPT)
+    json_errors(app, log)
 
     def forwarded() -> dict[str, str]:
         return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
