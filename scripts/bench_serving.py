@@ -218,6 +218,18 @@ async def run_conversation(send, turns: list[list[int]]) -> list[RequestOutput]:
     return outputs
 
 
+async def run_arrivals(send, conversations: list, offsets: list[float]) -> list[list[RequestOutput]]:
+    """Start conversation i at `offsets[i]` seconds from now; their outputs, conversation by conversation."""
+    start = time.perf_counter()
+    tasks = []
+    for turns, offset in zip(conversations, offsets):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(run_conversation(send, turns)))
+    return list(await asyncio.gather(*tasks))
+
+
 async def fetch_prefix_cache_counts(client: "httpx.AsyncClient", args: argparse.Namespace) -> CacheCounts:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
@@ -248,13 +260,7 @@ async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tupl
             print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)
         cache_before = await fetch_prefix_cache_counts(client, args)
         start = time.perf_counter()
-        tasks = []
-        for turns, offset in zip(conversations, offsets):
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(run_conversation(capped, turns)))
-        outputs = [o for conversation in await asyncio.gather(*tasks) for o in conversation]
+        outputs = [o for conversation in await run_arrivals(capped, conversations, offsets) for o in conversation]
         duration = time.perf_counter() - start
         cache_after = await fetch_prefix_cache_counts(client, args) if cache_before is not None else None
         cache = None if cache_after is None else (cache_after[0] - cache_before[0], cache_after[1] - cache_before[1])
@@ -276,14 +282,7 @@ def _share_main(args: argparse.Namespace, conversations: list, offsets: list[flo
                     return await send_request(client, args, prompt)
 
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            start = time.perf_counter()
-            tasks = []
-            for turns, offset in zip(conversations, offsets):
-                delay = start + offset - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(run_conversation(capped, turns)))
-            return await asyncio.gather(*tasks)
+            return await run_arrivals(capped, conversations, offsets)
 
     outputs = asyncio.run(run())
     return outputs, time.time()
