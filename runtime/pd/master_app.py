@@ -7,11 +7,13 @@ the same tokenizer, so P and D agree on the token ids.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Coroutine, Optional
 
 import httpx
+import msgspec
 from quart import Quart, Response, request
 
 from llaunch.launcher.schema import RunConfig
@@ -43,6 +45,29 @@ class MasterSettings:
 def _no_instance(e: NoHealthyInstance) -> ApiError:
     return ApiError(503, f"No healthy {e.role} instance is registered with this pd_master.",
                     type="service_unavailable", code=f"no_{e.role}_instance")
+
+
+PREFIX_CHARS = 1024  # ~256 tokens: requests that agree this far likely share a cached system prompt
+
+
+def prefix_key(body: bytes) -> Optional[str]:
+    """What requests sharing a prompt prefix have in common, without tokenizing: the first
+    PREFIX_CHARS of the prompt (completions, /generate) or of the messages (chat). None for a
+    shorter prompt (too little cached KV to be worth steering for) or a body that is not JSON of
+    that shape (the instance then reports the error)."""
+    try:
+        req = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(req, dict):
+        return None
+    text = req.get("messages", req.get("prompt", req.get("inputs")))
+    if text is None:
+        return None
+    text = text if isinstance(text, str) else msgspec.json.encode(text).decode()
+    if len(text) < PREFIX_CHARS:
+        return None
+    return hashlib.blake2b(text[:PREFIX_CHARS].encode(), digest_size=16).hexdigest()
 
 
 def create_master_app(registry: InstanceRegistry, settings: MasterSettings,
@@ -82,7 +107,7 @@ def create_master_app(registry: InstanceRegistry, settings: MasterSettings,
     async def relay() -> Response:
         body = await request.get_data()
         try:
-            pair = registry.pick_pair()
+            pair = registry.pick_pair(prefix_key(body))
         except NoHealthyInstance as e:
             return error_response(_no_instance(e))
         exchange = PdExchange(clients[0], registry, pair, request.path, body, forwarded(), lifecycle, spawn,

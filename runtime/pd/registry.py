@@ -3,6 +3,7 @@ pairing and the master's own in-flight count per instance. Pure (the clock is in
 drive it without a server or a sleep."""
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
@@ -10,6 +11,7 @@ from typing import Callable, Literal, Optional
 import msgspec
 
 ROLES = ("prefill", "decode")
+AFFINITY_SLACK = 4  # requests more than the least loaded instance has that prefix affinity may still pick
 
 
 class InstanceLoad(msgspec.Struct):
@@ -103,21 +105,27 @@ class InstanceRegistry:
     def healthy_instances(self, role: str) -> list[Instance]:
         return [i for i in self._instances.values() if i.role == role and self.healthy(i)]
 
-    def pick(self, role: str) -> Instance:
-        """The healthy instance of `role` with the least pressure; equals take turns (round-robin)."""
+    def pick(self, role: str, prefix_key: Optional[str] = None) -> Instance:
+        """The healthy instance of `role` with the least pressure; equals take turns (round-robin).
+        With a `prefix_key` (requests that share a prompt prefix share it), instances within
+        AFFINITY_SLACK of the least pressure are ranked by rendezvous hashing instead, so the same
+        prefix keeps landing where its KV is cached while load stays balanced."""
         candidates = self.healthy_instances(role)
         if not candidates:
             raise NoHealthyInstance(role)
         least = min(i.pressure for i in candidates)
+        if prefix_key is not None:
+            near = [i for i in candidates if i.pressure <= least + max(AFFINITY_SLACK, least // 4)]
+            return max(near, key=lambda i: hashlib.blake2b(f"{prefix_key}|{i.id}".encode(), digest_size=8).digest())
         tied = sorted((i for i in candidates if i.pressure == least), key=lambda i: i.id)
         last = self._last_pick.get(role)
         chosen = next((i for i in tied if last is not None and i.id > last), tied[0])
         self._last_pick[role] = chosen.id
         return chosen
 
-    def pick_pair(self) -> tuple[Instance, Instance]:
+    def pick_pair(self, prefix_key: Optional[str] = None) -> tuple[Instance, Instance]:
         """(prefill, decode) for one request, each counted in flight: call `end` on both when done."""
-        prefill, decode = self.pick("prefill"), self.pick("decode")
+        prefill, decode = self.pick("prefill", prefix_key), self.pick("decode", prefix_key)
         self.begin(prefill)
         self.begin(decode)
         return prefill, decode

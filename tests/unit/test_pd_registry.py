@@ -128,3 +128,33 @@ def test_refuses_unusable_registrations(registry, bad, message):
     with pytest.raises(ValueError, match=message):
         registry.register(bad)
     assert registry.snapshot() == []
+
+
+def test_a_shared_prefix_keeps_its_instance_while_load_allows(registry):
+    for name in ("a", "b", "c"):
+        registry.register(reg(name))
+    keys = [f"system prompt {i}" for i in range(12)]
+    first = {k: registry.pick("decode", k).id for k in keys}
+    assert all(registry.pick("decode", k).id == first[k] for k in keys)  # same prefix, same instance
+    assert len(set(first.values())) > 1  # different prefixes spread over the instances
+    key = keys[0]
+    favourite = first[key]
+    registry.register(reg(favourite, running=10))  # far busier than the others now
+    assert registry.pick("decode", key).id != favourite
+    registry.register(reg(favourite, running=3))  # within the slack: affinity wins again
+    assert registry.pick("decode", key).id == favourite
+
+
+def test_prefix_key_of_request_bodies():
+    from llaunch.runtime.pd.master_app import PREFIX_CHARS, prefix_key
+
+    system = "You are a helpful assistant. " * 60  # longer than PREFIX_CHARS
+    chat = lambda q: ('{"model": "m", "messages": [{"role": "system", "content": "%s"}, '  # noqa: E731
+                      '{"role": "user", "content": "%s"}]}' % (system, q)).encode()
+    assert len(system) > PREFIX_CHARS
+    assert prefix_key(chat("Hi")) == prefix_key(chat("What is 2+2?"))  # the shared system prompt decides
+    long = "y" * PREFIX_CHARS
+    assert prefix_key(b'{"prompt": "a%s"}' % long.encode()) != prefix_key(b'{"prompt": "b%s"}' % long.encode())
+    assert prefix_key(b'{"inputs": "%s"}' % long.encode()) == prefix_key(b'{"prompt": "%s"}' % long.encode())
+    assert prefix_key(b'{"prompt": "short"}') is None  # too little to cache: load alone decides
+    assert prefix_key(b"not json") is None and prefix_key(b'{"model": "m"}') is None
