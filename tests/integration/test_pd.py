@@ -134,3 +134,33 @@ def test_tensor_parallel_instances_move_each_ranks_kv_heads(transport, tmp_path_
         assert [a.split("://")[0] for a in decode["kv_address"].split(",")] == [{"zmq": "tcp"}.get(transport, transport)] * 2
     finally:
         stop_all(servers)
+
+
+def test_instances_find_their_master_through_a_config_server(tmp_path_factory, tiny_dirs, oracles):
+    """mode=config_server: the master registers there, the instances ask it for masters and register
+    with every one it lists; nobody is told the master's address."""
+    register = free_port()
+    # the config server serves on the port the test harness gives it (and polls /health on)
+    servers = start_all([start_server(tmp_path_factory, "cs-registry", [
+        "mode=config_server", "mode.config_server_host=127.0.0.1", "mode.config_server_port=${server.port}"])])
+    config_port = servers[0].port
+    found_by_registry = ["mode.config_server_host=127.0.0.1", f"mode.config_server_port={config_port}"]
+    model = model_overrides("qwen2", tiny_dirs)
+    servers += start_all([
+        start_server(tmp_path_factory, "cs-master", model + ["mode=pd_master", f"mode.pd_master_port={register}"]
+                     + found_by_registry),
+        start_server(tmp_path_factory, "cs-prefill", model + ["mode=pd_prefill", "mode.pd_master_port=1"]
+                     + found_by_registry),
+        start_server(tmp_path_factory, "cs-decode", model + ["mode=pd_decode", "mode.pd_master_port=1"]
+                     + found_by_registry),
+    ])
+    try:
+        entries = httpx.get(f"http://127.0.0.1:{config_port}/registry", timeout=5).json()["entries"]
+        assert sorted(e["role"] for e in entries) == ["decode", "master", "prefill"]
+        oracle = oracles("qwen2")
+        api = OpenAI(base_url=servers[1].url + "/v1", api_key="none", max_retries=0)
+        out = api.completions.create(model="tiny-qwen2", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                     extra_body=GREEDY)
+        assert out.choices[0].model_extra["token_ids"] == oracle.greedy(oracle.tokenizer(PROMPTS[0])["input_ids"], 8)
+    finally:
+        stop_all(servers)
