@@ -23,6 +23,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 import zmq.asyncio
 
 from llaunch.launcher.schema import ProcessSpec
+from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, FrontendInbound, MetricsSnapshot,
                                           PdLink, RouterInbound, SamplingParams, TextBatch, TextDelta)
 from llaunch.runtime.ipc.sockets import AsyncReceiver, AsyncSender
@@ -38,12 +39,15 @@ class RequestGroup:
     """The engine requests behind one HTTP request (n samples, several prompts): their text arrives
     on one queue as (choice index, delta) until every one of them has finished."""
 
-    def __init__(self, client: "EngineClient", request_ids: list[str], replica: int):
+    def __init__(self, client: "EngineClient", request_ids: list[str], replica: int,
+                 lifecycle: Optional[Lifecycle] = None):
         self.request_ids = request_ids
         self.replica = replica
         self._client = client
         self._queue: asyncio.Queue[tuple[int, TextDelta]] = asyncio.Queue()
         self._open = set(range(len(request_ids)))
+        self._lifecycle = lifecycle  # counts the HTTP request in flight until `close`
+        self._closed = False
 
     @property
     def finished(self) -> bool:
@@ -58,6 +62,19 @@ class RequestGroup:
             if delta.finish_reason is not None:
                 self._open.discard(choice)
             yield choice, delta
+
+    async def close(self) -> None:
+        """The HTTP request is done with the group (answered, failed, or its client left): abort what
+        still runs, then end its count in the lifecycle, so a drain can finish. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self.finished:
+                await self.abort()
+        finally:
+            if self._lifecycle is not None:
+                self._lifecycle.end()
 
     async def abort(self) -> None:
         """Stop every request still running (client gone, or the server gave up on it)."""
@@ -94,23 +111,33 @@ class EngineClient:
         """Seconds since the last MetricsSnapshot (the engine's heartbeat); inf before the first."""
         return math.inf if self._last_heartbeat is None else time.monotonic() - self._last_heartbeat
 
-    async def submit(self, jobs: list[tuple[list[int], SamplingParams]], pd: Optional[PdLink] = None) -> RequestGroup:
+    async def submit(self, jobs: list[tuple[list[int], SamplingParams]], pd: Optional[PdLink] = None,
+                     lifecycle: Optional[Lifecycle] = None) -> RequestGroup:
         """`pd` (default: `current_pd_link`): the pd_master's transfer link of this HTTP request on a pd
-        instance; choice c's engine request gets `<id>.<c>`."""
+        instance; choice c's engine request gets `<id>.<c>`. With a `lifecycle`, the HTTP request
+        counts as in flight from here until the group's `close`."""
         pd = pd if pd is not None else current_pd_link.get()
-        # One replica for the whole group: the n samples of a prompt share its prefix cache there.
-        replica = self.least_loaded()
-        ids = [f"{self.frontend_index}-{next(self._counter)}" for _ in jobs]
-        group = RequestGroup(self, ids, replica)
-        now = time.time()
-        for choice, (request_id, (prompt_ids, sampling)) in enumerate(zip(ids, jobs)):
-            tokens = len(prompt_ids) + sampling.max_new_tokens
-            self._routes[request_id] = _Route(group, choice, tokens)
-            self.outstanding[replica] += 1
-            self.outstanding_tokens[replica] += tokens
-            link = None if pd is None else PdLink(id=f"{pd.id}.{choice}", decode_kv=pd.decode_kv)
-            await self._post(replica, AddRequest(request_id=request_id, frontend=self.frontend_index,
-                                                 prompt_ids=prompt_ids, sampling=sampling, arrival_time=now, pd=link))
+        if lifecycle is not None:
+            lifecycle.begin()
+        try:
+            # One replica for the whole group: the n samples of a prompt share its prefix cache there.
+            replica = self.least_loaded()
+            ids = [f"{self.frontend_index}-{next(self._counter)}" for _ in jobs]
+            group = RequestGroup(self, ids, replica, lifecycle)
+            now = time.time()
+            for choice, (request_id, (prompt_ids, sampling)) in enumerate(zip(ids, jobs)):
+                tokens = len(prompt_ids) + sampling.max_new_tokens
+                self._routes[request_id] = _Route(group, choice, tokens)
+                self.outstanding[replica] += 1
+                self.outstanding_tokens[replica] += tokens
+                link = None if pd is None else PdLink(id=f"{pd.id}.{choice}", decode_kv=pd.decode_kv)
+                await self._post(replica, AddRequest(request_id=request_id, frontend=self.frontend_index,
+                                                     prompt_ids=prompt_ids, sampling=sampling, arrival_time=now,
+                                                     pd=link))
+        except BaseException:
+            if lifecycle is not None:
+                lifecycle.end()
+            raise
         return group
 
     def least_loaded(self) -> int:

@@ -115,12 +115,7 @@ class GenerateApi:
     async def _submit(self, body: bytes, stream: bool) -> tuple[GenerateRequest, int, RequestGroup]:
         req = decode_body(body, GenerateRequest)
         prompt_ids, jobs = generate_jobs(req, self.tokenizer, self.limits, stream)
-        self.lifecycle.begin()
-        try:
-            return req, len(prompt_ids), await self.engine.submit([(prompt_ids, s) for s in jobs])
-        except BaseException:
-            self.lifecycle.end()
-            raise
+        return req, len(prompt_ids), await self.engine.submit([(prompt_ids, s) for s in jobs], lifecycle=self.lifecycle)
 
     def _token(self, token_id: Optional[int], logprob: Optional[float], count: int, prompt_tokens: int) -> dict:
         return {"id": token_id, "logprob": logprob,
@@ -144,11 +139,7 @@ class GenerateApi:
                     details[i].append(token)
                 finish[i] = _finish(delta)
         finally:
-            try:
-                if not group.finished:
-                    await group.abort()
-            finally:
-                self.lifecycle.end()
+            await group.close()
         one = (lambda values: values[0]) if n == 1 else (lambda values: values)  # LightLLM unwraps n == 1
         out = {"generated_text": ["".join(t) for t in texts], "count_output_tokens": one(counts),
                "finish_reason": one(finish), "prompt_tokens": prompt_tokens}
@@ -158,7 +149,7 @@ class GenerateApi:
 
     async def generate_stream(self, body: bytes) -> Response:
         _, prompt_tokens, group = await self._submit(body, stream=True)
-        return sse_response(TrackedStream(self._events(group, prompt_tokens), group, self.lifecycle))
+        return sse_response(TrackedStream(self._events(group, prompt_tokens), group))
 
     async def _events(self, group: RequestGroup, prompt_tokens: int) -> AsyncIterator[bytes]:
         count = 0

@@ -130,26 +130,17 @@ class OpenAIServing:
                      fmt) -> Response:
         header = shapes.ResponseHeader(fmt.kind, self.limits.served_name)
         prompt_tokens = sum(len(p) for p in prompts)
-        self.lifecycle.begin()
-        try:
-            group = await self.engine.submit([(c.prompt_ids, c.sampling) for c in choices])
-        except BaseException:
-            self.lifecycle.end()
-            raise
+        group = await self.engine.submit([(c.prompt_ids, c.sampling) for c in choices], lifecycle=self.lifecycle)
         if req.stream:
             events = self._stream(group, header, states, fmt, prompt_tokens, req.include_usage,
                                   bool(req.return_token_ids))
-            return sse_response(TrackedStream(events, group, self.lifecycle))
+            return sse_response(TrackedStream(events, group))
         try:
             async for index, delta in group:
                 states[index].add(delta)
                 fmt.logprobs_of(index, delta, states[index])
         finally:
-            try:
-                if not group.finished:  # an engine failure or the client went away
-                    await group.abort()
-            finally:
-                self.lifecycle.end()
+            await group.close()  # aborts what an engine failure or a gone client left running
         completion_tokens = sum(s.completion_tokens for s in states)
         final = [fmt.final_choice(i, s) for i, s in enumerate(states)]
         if req.return_token_ids:

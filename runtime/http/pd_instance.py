@@ -66,12 +66,7 @@ class PrefillServing:
             raise ApiError(400, f"{PD_ID_HEADER} without {DECODE_KV_HEADER}: where should the KV go?",
                            param=DECODE_KV_HEADER)
         jobs = self.jobs(path, body)
-        self.lifecycle.begin()
-        try:
-            group = await self.engine.submit(jobs, pd=link)
-        except BaseException:
-            self.lifecycle.end()
-            raise
+        group = await self.engine.submit(jobs, pd=link, lifecycle=self.lifecycle)
         ms = 0.0
         try:
             async for _, delta in group:
@@ -79,11 +74,7 @@ class PrefillServing:
                     raise engine_failed(delta.finish_reason)
                 ms = max(ms, delta.kv_transfer_ms)
         finally:
-            try:
-                if not group.finished:
-                    await group.abort()
-            finally:
-                self.lifecycle.end()
+            await group.close()
         return json_response({"pd_id": link.id, "prompt_tokens": sum(len(p) for p, _ in jobs), "kv_transfer_ms": ms})
 
 

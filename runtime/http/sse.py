@@ -8,7 +8,6 @@ import msgspec
 from quart import Response
 
 from llaunch.runtime.http.engine_client import RequestGroup
-from llaunch.runtime.http.lifecycle import Lifecycle
 
 DONE = b"data: [DONE]\n\n"
 
@@ -18,14 +17,12 @@ def sse_event(payload: object, prefix: bytes = b"data: ") -> bytes:
 
 
 class TrackedStream:
-    """Async iterator over SSE frames that, when it ends, aborts the group's unfinished requests
-    and tells the lifecycle the request is done (so a drain can finish)."""
+    """Async iterator over SSE frames that, when it ends, closes its request group: aborts the
+    group's unfinished requests and ends the HTTP request's count (so a drain can finish)."""
 
-    def __init__(self, events: AsyncIterator[bytes], group: RequestGroup, lifecycle: Lifecycle):
+    def __init__(self, events: AsyncIterator[bytes], group: RequestGroup):
         self._events = events
         self._group = group
-        self._lifecycle = lifecycle
-        self._closed = False
 
     def __aiter__(self) -> "TrackedStream":
         return self
@@ -34,24 +31,14 @@ class TrackedStream:
         try:
             return await self._events.__anext__()
         except BaseException:  # StopAsyncIteration included: the stream is over either way
-            await self._close()
+            await self._group.close()
             raise
 
     async def aclose(self) -> None:
         try:
             await self._events.aclose()
         finally:
-            await self._close()
-
-    async def _close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if not self._group.finished:
-                await self._group.abort()
-        finally:
-            self._lifecycle.end()
+            await self._group.close()
 
 
 def sse_response(body: TrackedStream) -> Response:
