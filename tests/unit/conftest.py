@@ -19,3 +19,9 @@ def bench():
     spec.loader.exec_module(module)
     yield module
     del sys.modules[spec.name]
+
+
+@pytest.fixture(scope="module")
+def workload(bench):
+    """scripts/bench_workload.py (prompts, stream timing, metrics), as bench_serving imported it."""
+    return sys.modules["bench_workload"]

@@ -96,10 +96,10 @@ def test_one_turn_without_groups_is_the_plain_workload(bench):
     assert bench.conversation_turns(6, 9, 500, seed=3) == [[p] for p in bench.random_prompts(6, 9, 500, seed=3)]
 
 
-def test_shared_prefix_prompts_put_a_group_system_prompt_before_each_own_part(bench):
+def test_shared_prefix_prompts_put_a_group_system_prompt_before_each_own_part(bench, workload):
     convs = bench.conversation_turns(7, 5, 1000, seed=1, groups=3, prefix_len=12)
     own = bench.random_prompts(7, 5, 1000, seed=1)
-    systems = bench.random_prompts(3, 12, 1000, seed=1 + bench.SYSTEM_PROMPT_SEED)
+    systems = bench.random_prompts(3, 12, 1000, seed=1 + workload.SYSTEM_PROMPT_SEED)
     assert len({tuple(s) for s in systems}) == 3
     for i, conv in enumerate(convs):
         assert len(conv) == 1

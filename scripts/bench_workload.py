@@ -1,0 +1,146 @@
+"""The pure parts of scripts/bench_serving.py: the workload (random token prompts, shared-prefix
+conversations, Poisson arrivals), the timing of one streamed response, and vLLM's benchmark_serving
+metrics over all of them. No I/O, so the tests check them on synthetic input."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int, seed: int, low: int = 100) -> list[list[int]]:
+    """`num` prompts of exactly `input_len` token ids, uniform in [low, vocab_size) (low skips the
+    special tokens most vocabularies put first)."""
+    if vocab_size <= low:
+        raise ValueError(f"--vocab-size {vocab_size} must exceed {low}")
+    rng = np.random.default_rng(seed)
+    return rng.integers(low, vocab_size, size=(num, input_len)).tolist()
+
+
+SYSTEM_PROMPT_SEED = 2  # seed offsets of the streams besides the first turns (seed) and warm-up (seed + 1)
+LATER_TURNS_SEED = 3
+
+
+def conversation_turns(num: int, input_len: int, vocab_size: int, seed: int, groups: int = 0,
+                       prefix_len: int = 0, turns: int = 1) -> list[list[list[int]]]:
+    """Per conversation, the new tokens of each of its `turns` user turns. First turns are
+    `random_prompts` (one turn without groups is the plain workload), conversation i's behind group
+    i % groups's system prompt when groups > 0; later turns are fresh random tokens."""
+    firsts = random_prompts(num, input_len, vocab_size, seed)
+    if groups:
+        systems = random_prompts(groups, prefix_len, vocab_size, seed + SYSTEM_PROMPT_SEED)
+        firsts = [systems[i % groups] + first for i, first in enumerate(firsts)]
+    later = random_prompts(num * (turns - 1), input_len, vocab_size, seed + LATER_TURNS_SEED)
+    return [[first] + later[i * (turns - 1) : (i + 1) * (turns - 1)] for i, first in enumerate(firsts)]
+
+
+CacheCounts = Optional[tuple[float, float]]  # the server's prefix-cache (queries, hits), if it reports them
+
+
+def prefix_cache_counts(metrics_text: str) -> CacheCounts:
+    """(queries, hits) in tokens from Prometheus text, summed over series; None when not exposed."""
+    found = {"queries": 0.0, "hits": 0.0}
+    seen = set()
+    for kind, value in re.findall(r"^\w+:prefix_cache_(queries|hits)_total(?:\{[^}]*\})? (\S+)$", metrics_text, re.M):
+        found[kind] += float(value)
+        seen.add(kind)
+    return (found["queries"], found["hits"]) if seen == {"queries", "hits"} else None
+
+
+def arrival_offsets(num: int, request_rate: float, seed: int) -> list[float]:
+    """Send times relative to the start: all at 0 for an infinite rate, else a Poisson process."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=num)
+    gaps[0] = 0.0  # the first request goes out at once
+    return np.cumsum(gaps).tolist()
+
+
+@dataclass
+class RequestOutput:
+    prompt_len: int
+    success: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    generated_text: str = ""
+    output_ids: list[int] = field(default_factory=list)  # when the server returns them (multi-turn)
+    error: str = ""
+
+
+class StreamTimer:
+    """Consumes one response's server-sent-event lines with their arrival times (perf_counter)."""
+
+    def __init__(self, prompt_len: int, start: float):
+        self.out = RequestOutput(prompt_len=prompt_len)
+        self.start = start
+        self.last: Optional[float] = None
+        self.chunks = 0
+        self.usage_tokens: Optional[int] = None
+
+    def on_line(self, line: str, now: float) -> None:
+        line = line.strip()
+        if not line.startswith("data:"):
+            return  # blank separators, ": comments", event:/id: fields
+        payload = line[len("data:"):].strip()
+        if payload == "[DONE]":
+            return
+        data = json.loads(payload)
+        if "error" in data:
+            self.out.error = json.dumps(data["error"])[:500]
+            return
+        if data.get("choices"):
+            if self.last is None:
+                self.out.ttft = now - self.start
+            else:
+                self.out.itl.append(now - self.last)
+            self.last = now
+            self.chunks += 1
+            self.out.generated_text += data["choices"][0].get("text") or ""
+            self.out.output_ids += data["choices"][0].get("token_ids") or []
+        if data.get("usage"):
+            self.usage_tokens = data["usage"].get("completion_tokens")
+
+    def finish(self, error: str = "") -> RequestOutput:
+        out = self.out
+        out.error = error or out.error
+        out.success = self.last is not None and not out.error
+        if self.last is not None:
+            out.latency = self.last - self.start
+        out.output_tokens = self.usage_tokens if self.usage_tokens is not None else self.chunks
+        if self.last is None and not out.error:
+            out.error = "never received a chunk with a choice"
+        return out
+
+
+def _stats_ms(name: str, values: Sequence[float]) -> dict[str, float]:
+    arr = np.asarray(values, dtype=float) if len(values) else np.zeros(1)  # vLLM: `values or 0`
+    return {f"mean_{name}_ms": float(arr.mean() * 1000), f"median_{name}_ms": float(np.median(arr) * 1000),
+            f"std_{name}_ms": float(arr.std() * 1000), f"p99_{name}_ms": float(np.percentile(arr, 99) * 1000)}
+
+
+def compute_metrics(outputs: Sequence[RequestOutput], duration: float) -> dict[str, Any]:
+    ok = [o for o in outputs if o.success]
+    total_input = sum(o.prompt_len for o in ok)
+    total_output = sum(o.output_tokens for o in ok)
+    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    result: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(outputs) - len(ok),
+        "duration": duration,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": total_output / duration,
+        "total_token_throughput": (total_input + total_output) / duration,
+    }
+    result.update(_stats_ms("ttft", [o.ttft for o in ok]))
+    result.update(_stats_ms("tpot", tpots))
+    result.update(_stats_ms("itl", [gap for o in ok for gap in o.itl]))
+    result.update(_stats_ms("e2el", [o.latency for o in ok]))
+    return result
