@@ -6,10 +6,13 @@ reference (kernels/reference.py) otherwise, so the same model code runs on CPU a
 from llaunch.kernels.dispatch import (  # noqa: F401
     apply_penalties,
     decode_attention,
+    gated_linear,
+    linear,
     prefill_attention,
     rmsnorm,
     rope_cos_sin,
     rotary_embedding,
+    rotary_store_kv,
     sample,
     silu_mul,
     store_kv,

@@ -16,7 +16,9 @@ from typing import Optional
 from llaunch.kernels import reference
 
 _FORCE_REFERENCE = os.environ.get("LLAUNCH_KERNELS", "") == "reference"
-_KERNEL_MODULES = ("rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention", "silu_mul", "sampling")
+# LLAUNCH_GEMV=cublas keeps batch-1 linear layers on cuBLAS (A/B timing of the GEMV kernel).
+_TRITON_GEMV = os.environ.get("LLAUNCH_GEMV", "triton") != "cublas"
+_KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention", "silu_mul", "sampling")
 
 
 def _use_triton(t) -> bool:
@@ -35,10 +37,12 @@ def triton_ops() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         rmsnorm=modules["rmsnorm"].rmsnorm,
         rotary_embedding=modules["rotary"].rotary_embedding,
+        rotary_store_kv=modules["rotary"].rotary_store_kv,
         store_kv=modules["store_kv"].store_kv,
         prefill_attention=modules["prefill_attention"].prefill_attention,
         decode_attention=modules["decode_attention"].decode_attention,
         silu_mul=modules["silu_mul"].silu_mul,
+        gemv=modules["gemv"].gemv,
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
     )
@@ -57,6 +61,12 @@ def rotary_embedding(q, k, positions, cos, sin):
     if _use_triton(q):
         return triton_ops().rotary_embedding(q, k, positions, cos, sin)
     return reference.rotary_embedding(q, k, positions, cos, sin)
+
+
+def rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots):
+    if _use_triton(q) and k_cache.dtype == k.dtype:
+        return triton_ops().rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    return reference.rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
 
 
 def store_kv(k_cache, v_cache, slots, k, v):
@@ -78,6 +88,23 @@ def decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, *
         return triton_ops().decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale,
                                              max_len=max_len)
     return reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale)
+
+
+def _one_row(x) -> bool:
+    # Batch-1 decode reads every weight for one row: the GEMV kernel; wider inputs go to cuBLAS.
+    return _TRITON_GEMV and _use_triton(x) and x.dim() == 2 and x.shape[0] == 1
+
+
+def linear(x, weight, bias=None):
+    if _one_row(x):
+        return triton_ops().gemv(x, weight, bias)
+    return reference.linear(x, weight, bias)
+
+
+def gated_linear(x, weight):
+    if _one_row(x):
+        return triton_ops().gemv(x, weight, gated=True)
+    return silu_mul(reference.linear(x, weight))
 
 
 def silu_mul(x):

@@ -72,6 +72,14 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     v_cache[slots] = v.to(v_cache.dtype)
 
 
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """rotary_embedding of q and k, store_kv of the rotated k and v; returns the rotated q."""
+    q, k = rotary_embedding(q, k, positions, cos, sin)
+    store_kv(k_cache, v_cache, slots, k, v)
+    return q
+
+
 def _attend(q, keys, values, scale, causal_offset: Optional[int]):
     """q [Lq, Hq, D], keys/values [Lk, Hk, D] → [Lq, Hq, D]; grouped heads share a KV head."""
     group = q.shape[1] // keys.shape[1]
@@ -125,6 +133,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-padding rows: zeros
         out[sl] = torch.einsum("nhgl,nlhd->nhgd", probs, values).reshape(n, q_heads, dim).to(q.dtype)
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x gateᵀ) * (x upᵀ) for a fused gate‖up weight [2I, K]."""
+    return silu_mul(torch.nn.functional.linear(x, weight))
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Rotate-half (GPT-NeoX) rotary embedding for q and k in one launch: a program per token reads its
-cos/sin row once and rotates every q and k head of that token."""
+cos/sin row once and rotates every q and k head of that token. `rotary_store_kv` also writes the
+rotated k and the v of each token straight into its KV-cache slot (one launch instead of two)."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, token, src_tok_stride, src_head_stride, n_heads, cos, sin,
+def _rotate_heads(src_ptr, dst_ptr, token, dst_row, src_tok_stride, src_head_stride, n_heads, cos, sin,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -16,7 +17,7 @@ def _rotate_heads(src_ptr, dst_ptr, token, src_tok_stride, src_head_stride, n_he
     src = src_ptr + token * src_tok_stride + heads * src_head_stride + dims
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = dst_ptr + token * n_heads * 2 * HALF + heads * 2 * HALF + dims
+    dst = dst_ptr + dst_row * n_heads * 2 * HALF + heads * 2 * HALF + dims
     # each product rounded to the output dtype first: the reference's (and transformers') rounding points
     ty = dst_ptr.dtype.element_ty
     a, b = (x1 * cos).to(ty).to(tl.float32), (x2 * sin).to(ty).to(tl.float32)
@@ -35,10 +36,33 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, token, q_tok_stride, q_head_stride, n_q_heads, cos, sin,
+    _rotate_heads(q_ptr, q_out_ptr, token, token, q_tok_stride, q_head_stride, n_q_heads, cos, sin,
                   HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr, k_out_ptr, token, k_tok_stride, k_head_stride, n_k_heads, cos, sin,
+    _rotate_heads(k_ptr, k_out_ptr, token, token, k_tok_stride, k_head_stride, n_k_heads, cos, sin,
                   HALF, BLOCK_HK, BLOCK_HALF)
+
+
+@triton.jit
+def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, cos_ptr,
+                         sin_ptr, q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride,
+                         v_head_stride, n_q_heads, n_k_heads, table_stride, HALF: tl.constexpr,
+                         BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, token, token, q_tok_stride, q_head_stride, n_q_heads, cos, sin,
+                  HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, k_cache_ptr, token, slot, k_tok_stride, k_head_stride, n_k_heads, cos, sin,
+                  HALF, BLOCK_HK, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_HK)[:, None]
+    mask = (heads < n_k_heads) & (dims < HALF)
+    src = v_ptr + token * v_tok_stride + heads * v_head_stride + dims
+    dst = v_cache_ptr + slot * n_k_heads * 2 * HALF + heads * 2 * HALF + dims
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+    tl.store(dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -62,3 +86,25 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
         n_q, n_k, cos.stride(0), HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(n_k), num_warps=4)
     return q_out, k_out
+
+
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """rotary_embedding, then store_kv of the rotated k and v at slots: returns the rotated q; the caches
+    [num_slots, Hk, D] (contiguous, the dtype of k and v) receive each token's K/V."""
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    assert k_cache.dtype == k.dtype == v.dtype == v_cache.dtype, "the fused store rounds once, to k's dtype"
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    tokens, n_q, dim = q.shape
+    n_k = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return q_out
+    half = dim // 2
+    _rotary_store_kernel[(tokens,)](
+        q, k, v, q_out, k_cache, v_cache, positions, slots, cos, sin, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), n_q, n_k, cos.stride(0), HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(n_q),
+        BLOCK_HK=triton.next_power_of_2(n_k), num_warps=4)
+    return q_out

@@ -3,10 +3,10 @@
 The floor of an op is max(bytes it must move / copy bandwidth, FLOPs / bf16 matmul rate), both
 ceilings measured on this GPU first. Kernel times are medians of `triton.testing.do_bench` over CUDA
 graph replays where the op can be captured (as decode runs in the engine), so Python launch cost
-stays out; references are timed eagerly. Shapes are Qwen2-7B's (28 q heads, 4 KV heads, head_dim
+stays out; torch references are timed eagerly, cuBLAS ones (the GEMV's) in graphs as well. Shapes are Qwen2-7B's (28 q heads, 4 KV heads, head_dim
 128, hidden 3584, intermediate 18944, vocab 152064) in bf16.
 
-    python scripts/bench_kernels.py [--json results.json] [--sweep]
+    python scripts/bench_kernels.py [--json results.json] [--sweep] [--ops gemv]
 
 --sweep also times alternative launch shapes of the attention kernels (to pick the defaults).
 """
@@ -37,6 +37,7 @@ class Case:
     reference: Optional[Callable[[], object]]
     bytes: float
     flops: float = 0.0
+    reference_in_graph: bool = False  # the reference is itself a GPU library call (cuBLAS): time it alike
 
 
 def median_ms(fn: Callable[[], object], graph: bool) -> float:
@@ -130,6 +131,23 @@ def decode_cases(attend) -> list[Case]:
     return cases
 
 
+def gemv_cases(ops) -> list[Case]:
+    """Batch-1 decode's linear layers: the GEMV kernel against cuBLAS (F.linear) on the same data."""
+    cases = []
+    for name, n, k, bias in (("qkv+bias", (HQ + 2 * HK) * D, HIDDEN, True), ("o_proj", HIDDEN, HQ * D, False),
+                             ("down_proj", HIDDEN, INTER, False), ("lm_head", VOCAB, HIDDEN, False)):
+        x, w = _randn(1, k), _randn(n, k) / k ** 0.5
+        b = _randn(n) if bias else None
+        cases.append(Case(f"gemv {name}", f"1x{k} @ {n}x{k}", lambda x=x, w=w, b=b: ops.gemv(x, w, b),
+                          lambda x=x, w=w, b=b: torch.nn.functional.linear(x, w, b), 2 * w.numel(),
+                          reference_in_graph=True))
+    x, w = _randn(1, HIDDEN), _randn(2 * INTER, HIDDEN) / HIDDEN ** 0.5
+    cases.append(Case("gemv gate_up+silu", f"1x{HIDDEN} @ {2 * INTER}x{HIDDEN}",
+                      lambda: ops.gemv(x, w, gated=True),
+                      lambda: ops.silu_mul(torch.nn.functional.linear(x, w)), 2 * w.numel(), reference_in_graph=True))
+    return cases
+
+
 def sampling_cases(ops) -> list[Case]:
     batch = 64
     logits = 4 * torch.randn(batch, VOCAB, device="cuda")
@@ -150,8 +168,11 @@ def sampling_cases(ops) -> list[Case]:
 
 
 def measure(case: Case, bandwidth: float, rate: float, with_reference: bool = True) -> dict:
+    case.kernel()  # autotuning benchmarks configs with host syncs: done before any graph capture
+    torch.cuda.synchronize()
     kernel_ms = median_ms(case.kernel, graph=True)
-    ref_ms = median_ms(case.reference, graph=False) if case.reference and with_reference else math.nan
+    ref_ms = (median_ms(case.reference, graph=case.reference_in_graph) if case.reference and with_reference
+              else math.nan)
     floor_ms = 1e3 * max(case.bytes / bandwidth, case.flops / rate)
     return {"op": case.op, "shape": case.shape, "kernel_ms": kernel_ms, "reference_ms": ref_ms,
             "floor_ms": floor_ms, "of_floor": floor_ms / kernel_ms}
@@ -189,13 +210,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows and ceilings here")
     parser.add_argument("--sweep", action="store_true", help="also time alternative attention launch shapes")
+    parser.add_argument("--ops", default="", help="only the ops whose name contains this (e.g. gemv)")
     args = parser.parse_args()
     torch.manual_seed(0)
     bandwidth, rate = ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     ops = triton_ops()
     cases = (elementwise_cases(ops) + prefill_cases(ops.prefill_attention) + decode_cases(ops.decode_attention)
-             + sampling_cases(ops))
+             + sampling_cases(ops) + gemv_cases(ops))
+    cases = [case for case in cases if args.ops in case.op]
     rows = [measure(case, bandwidth, rate) for case in cases]
     print_table(rows)
     if args.sweep:

@@ -3,7 +3,8 @@
 # transformers, serve the Qwen2-7B-shaped dummy model, run the benchmark cases of
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
-#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels sweep prefix parallel smollm2 stash steps pd;
+#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels gemv single-cublas sweep prefix parallel smollm2
+#                                            stash steps pd;
 #                                            default: the first five)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -41,6 +42,13 @@ fi
 if has steps; then
   stamp "step shapes: decode, prefill and mixed forward steps"
   timeout 200 $PY scripts/bench_steps.py 2>&1 | grep -v Warning | tee "$OUT/steps.jsonl"
+fi
+
+if has gemv; then  # the batch-1 GEMV and fused rotary+KV-store kernels: tests, then timed against cuBLAS
+  stamp "gemv: kernel tests and timings"
+  TRITON_INTERPRET=0 timeout 200 $PY -m pytest -q -m gpu tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_rotary.py \
+    --confcutdir=tests/kernels -p no:cacheprovider 2>&1 | tail -3
+  timeout 200 $PY scripts/bench_kernels.py --ops gemv --json "$OUT/kernels-gemv.json" 2>&1 | grep -v Warning
 fi
 
 if has kernels; then
@@ -108,6 +116,9 @@ run_case() {  # name prompts input output concurrency timeout
 BENCH=""
 for c in single c64 c256; do has $c && BENCH="$BENCH $c"; done
 [ -n "$BENCH" ] && serve_bench tp1 "$SERVE" $BENCH
+if has single-cublas; then  # A/B: the same single case with batch-1 linear layers left to cuBLAS
+  LLAUNCH_GEMV=cublas serve_bench cublas "$SERVE" single
+fi
 
 if has parallel; then  # the tensor/data-parallel issue: c64 on tp1, tp2 and dp2 (two GPUs)
   for layout in ${LAYOUTS:-tp1 tp2 dp2}; do

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llaunch.kernels import decode_attention, prefill_attention, rope_cos_sin, rotary_embedding, silu_mul, store_kv
+from llaunch.kernels import decode_attention, gated_linear, prefill_attention, rope_cos_sin, rotary_store_kv
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.launcher.heads import HeadLayout
@@ -44,9 +44,9 @@ class Attention(nn.Module):
                 req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-        q, k = rotary_embedding(q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d),
-                                batch.positions, cos, sin)
-        store_kv(k_cache, v_cache, batch.out_slots, k, v.view(t, self.num_kv_heads, d))
+        q = rotary_store_kv(q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d),
+                            v.view(t, self.num_kv_heads, d), batch.positions, cos, sin, k_cache, v_cache,
+                            batch.out_slots)
         nd = batch.num_decode
         if batch.num_prefill_tokens:
             # q_starts index the whole token array, so the prefill op gets all of q; decode rows follow.
@@ -73,7 +73,8 @@ class Mlp(nn.Module):
                                            bias=False, tp=tp, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        # gate_up's bias is always absent (Llama, Qwen2), so the fused gated GEMV needs none.
+        return self.down_proj(gated_linear(x, self.gate_up_proj.weight))
 
 
 class DecoderLayer(nn.Module):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from llaunch.kernels import rmsnorm
+from llaunch.kernels import linear, rmsnorm
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class ColumnParallelLinear(nn.Module):
         return shards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -124,7 +124,7 @@ class RowParallelLinear(nn.Module):
         return shards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

@@ -53,3 +53,48 @@ def test_rotary_gpu(cuda, poisoned, close, tokens, heads, dim):
     ref_q, ref_k = reference.rotary_embedding(q, k, positions, cos, sin)
     close(q_out, ref_q)
     close(k_out, ref_k)
+
+
+def _qkv_and_caches(tokens, q_heads, kv_heads, dim, dtype, device="cpu"):
+    """q/k/v views of one fused projection, NaN caches with spare slots, and shuffled target slots."""
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, device=device).to(dtype)
+    q, k, v = qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    views = q.view(tokens, q_heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    caches = [torch.full((tokens + 5, kv_heads, dim), float("nan"), device=device, dtype=dtype) for _ in range(2)]
+    slots = torch.randperm(tokens + 5, device=device)[:tokens]
+    return views, caches, slots
+
+
+def _check_rotary_store(rotary_store_kv, close, poisoned, tokens, heads, dim, dtype, device="cpu"):
+    cos, sin = reference.rope_cos_sin(dim, 4096, 1e6, device=device)
+    (q, k, v), (k_cache, v_cache), slots = _qkv_and_caches(tokens, *heads, dim, dtype, device)
+    positions = torch.randint(0, 4096, (tokens,), device=device)
+    ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    with poisoned():
+        q_out = rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    ref_q = reference.rotary_store_kv(q, k, v, positions, cos, sin, ref_k_cache, ref_v_cache, slots)
+    close(q_out, ref_q)
+    # every slot written matches, every other slot is still NaN (nothing written elsewhere)
+    torch.testing.assert_close(k_cache, ref_k_cache, equal_nan=True, **_tol(dtype))
+    torch.testing.assert_close(v_cache, ref_v_cache, equal_nan=True, atol=0, rtol=0)
+
+
+def _tol(dtype):
+    from conftest import TOLERANCE
+
+    atol, rtol = TOLERANCE[dtype]
+    return {"atol": atol, "rtol": rtol}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 19])
+@pytest.mark.parametrize("heads", [(7, 1), (9, 3)])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_rotary_store_kv_interpreted(ops, poisoned, close, dtype, tokens, heads, dim):
+    _check_rotary_store(ops.rotary_store_kv, close, poisoned, tokens, heads, dim, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,heads,dim", [(1, (28, 4), 128), (4096, (28, 4), 128), (33, (9, 3), 64)])
+def test_rotary_store_kv_gpu(cuda, poisoned, close, tokens, heads, dim):
+    _check_rotary_store(kernels.rotary_store_kv, close, poisoned, tokens, heads, dim, torch.bfloat16, cuda)

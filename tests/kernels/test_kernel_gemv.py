@@ -1,0 +1,63 @@
+"""Batch-1 GEMV (plain, with bias, gated gate‖up) vs the references it replaces."""
+import pytest
+import torch
+
+from llaunch import kernels
+from llaunch.kernels import reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, k", [(1, 1), (37, 300), (64, 256), (129, 513)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_interpreted(ops, poisoned, close, dtype, n, k, bias):
+    x = torch.randn(1, k).to(dtype)
+    w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    with poisoned():
+        out = ops.gemv(x, w, b)
+    close(out, reference.linear(x, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("inner, k", [(1, 7), (45, 260), (96, 512)])
+def test_gated_gemv_interpreted(ops, poisoned, close, dtype, inner, k):
+    x = torch.randn(1, k).to(dtype)
+    w = (2 * torch.randn(2 * inner, k) / k ** 0.5).to(dtype)
+    with poisoned():
+        out = ops.gemv(x, w, gated=True)
+    close(out, reference.gated_linear(x, w))
+
+
+def test_gemv_weight_view(ops, close):
+    """A weight with a row stride wider than K (a column slice) is read through its stride."""
+    x = torch.randn(1, 200)
+    w = torch.randn(50, 260)[:, :200]
+    close(ops.gemv(x, w), reference.linear(x, w))
+
+
+def test_gemv_refuses_several_rows(ops):
+    with pytest.raises(ValueError, match="one row"):
+        ops.gemv(torch.randn(2, 8), torch.randn(4, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, bias", [(4608, 3584, True), (3584, 3584, False), (3584, 18944, False),
+                                        (896 + 2 * 128, 896, True), (5, 17, False)])
+def test_gemv_gpu(cuda, poisoned, close, n, k, bias):
+    """Qwen2-7B's qkv, o_proj and down_proj, a Qwen2-0.5B qkv, and an odd shape, in bf16."""
+    x = torch.randn(1, k, device=cuda).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=cuda) / k ** 0.5).to(torch.bfloat16)
+    b = torch.randn(n, device=cuda).to(torch.bfloat16) if bias else None
+    with poisoned():
+        out = kernels.linear(x, w, b)
+    close(out, reference.linear(x, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inner, k", [(18944, 3584), (4864, 896), (3, 100)])
+def test_gated_gemv_gpu(cuda, poisoned, close, inner, k):
+    x = torch.randn(1, k, device=cuda).to(torch.bfloat16)
+    w = (2 * torch.randn(2 * inner, k, device=cuda) / k ** 0.5).to(torch.bfloat16)
+    with poisoned():
+        out = kernels.gated_linear(x, w)
+    close(out, reference.gated_linear(x, w))
