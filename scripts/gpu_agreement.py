@@ -6,6 +6,10 @@ Then every run feeds those same tokens (teacher forcing): llaunch prefills the 1
 step and decodes the 64 tokens as 16-row batches, and the argmax of each position's logits is
 compared with transformers' argmax over the full sequence. With --tp 2, two processes (NCCL on
 GPUs, gloo on CPU) run the tp2 model and their argmaxes are compared with tp1's.
+With --truth, transformers also scores the same tokens in float32: each bf16 run's agreement with
+that exact answer is printed, and for every position where llaunch and transformers (bf16) pick
+different tokens, the float32 logit gap between the two picks (a near-tie has a gap below bf16's
+resolution at that logit's magnitude).
 Prints one JSON line per check; exit 1 if one is under --min-agreement.
 
     python scripts/gpu_agreement.py --model-dir .models/smollm2-135m [--tp 1 2] [--device cuda|cpu]
@@ -29,6 +33,34 @@ PROMPTS = [
     "What does a CPU do?", "Suggest a name for a small bakery.", "How many days are in a leap year?",
     "What is the boiling point of water?", "Tell me a fun fact about octopuses.",
 ]
+
+
+def float32_logits(model_dir: str, device: str, prompts, conts) -> list[torch.Tensor]:
+    """transformers' float32 logits [new_tokens, vocab] at each continuation position (on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    out = []
+    with torch.inference_mode():
+        for ids, cont in zip(prompts, conts):
+            x = torch.tensor([ids + cont], device=device)
+            out.append(hf(x).logits[0, len(ids) - 1: len(ids) - 1 + len(cont)].float().cpu())
+    return out
+
+
+def tie_report(truth: list[torch.Tensor], a: list[list[int]], b: list[list[int]]) -> dict:
+    """At positions where a and b differ: the float32 logit gap between their picks, and how many of
+    those gaps are under one bf16 step (2^-7 of the logit's magnitude)."""
+    gaps, ties = [], 0
+    for logits, ra, rb in zip(truth, a, b):
+        for i, (x, y) in enumerate(zip(ra, rb)):
+            if x != y:
+                lx, ly = float(logits[i, x]), float(logits[i, y])
+                gaps.append(abs(lx - ly))
+                ties += abs(lx - ly) <= max(abs(lx), abs(ly)) * 2 ** -7
+    gaps.sort()
+    return dict(differing=len(gaps), under_one_bf16_step=ties, median_gap=round(gaps[len(gaps) // 2], 4) if gaps else None,
+                max_gap=round(gaps[-1], 4) if gaps else None)
 
 
 def reference(model_dir: str, device: str, dtype: torch.dtype, new_tokens: int):
@@ -148,6 +180,7 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--min-agreement", type=float, default=0.99)
+    ap.add_argument("--truth", action="store_true", help="also compare every run with transformers in float32")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     prompts, conts, hf_top, eager_top, sample = reference(args.model_dir, args.device, dtype, args.new_tokens)
@@ -165,6 +198,19 @@ def main() -> int:
             print(json.dumps(dict(check=f"teacher-forced top-1, llaunch tp{tp} vs {other}", model=args.model_dir,
                                   device=args.device, dtype=str(dtype), positions=sum(map(len, conts)), agreement=round(value, 4),
                                   min_agreement=args.min_agreement, **{"pass": passed})))
+    if args.truth:
+        truth = float32_logits(args.model_dir, args.device, prompts, conts)
+        truth_top = [t.argmax(-1).tolist() for t in truth]
+        runs = {f"transformers {dtype} SDPA": hf_top, f"transformers {dtype} eager": eager_top,
+                **{f"llaunch tp{tp} {dtype}": top for tp, top in tops.items()}}
+        for name, top in runs.items():
+            print(json.dumps(dict(check=f"teacher-forced top-1, {name} vs transformers float32",
+                                  agreement=round(agreement(top, truth_top), 4))))
+        for tp, top in tops.items():
+            print(json.dumps(dict(check=f"float32 logit gap where llaunch tp{tp} and transformers {dtype} differ",
+                                  **tie_report(truth, top, hf_top))))
+        print(json.dumps(dict(check=f"float32 logit gap where transformers {dtype} eager and SDPA differ",
+                              **tie_report(truth, eager_top, hf_top))))
     print(json.dumps(dict(check="transformers' answer to the first prompt", prompt=PROMPTS[0], answer=sample)))
     return 0 if ok else 1
 
