@@ -127,6 +127,10 @@ if has parallel; then  # the tensor/data-parallel issue: c64 on tp1, tp2 and dp2
 fi
 
 if has pd; then  # prefill/decode disaggregation: master, prefill on GPU 0, decode on GPU 1 (two-GPU machine)
+  if [[ " ${PD_TRANSPORTS:-zmq} " == *" nccl "* ]]; then
+    stamp "NCCL pair groups: the two-GPU tests"
+    timeout 240 $PY -m pytest -q -m gpu tests/unit/test_nccl_pairing.py -p no:cacheprovider 2>&1 | tail -3
+  fi
   for transport in ${PD_TRANSPORTS:-zmq}; do
     stamp "pd ($transport): master + prefill (GPU 0) + decode (GPU 1)"
     PD="mode.pd_master_port=8001 mode.kv_transport=$transport"
@@ -147,6 +151,8 @@ if has pd; then  # prefill/decode disaggregation: master, prefill on GPU 0, deco
     fi
     kill -TERM $M $P $D 2>/dev/null; wait $M $P $D
     for f in /tmp/pd-*-$transport/logs/*.log; do echo "== $f"; tail -20 "$f"; done > "$OUT/pd-process-logs-$transport.txt"
+    grep -h -i -E "KV sender|KV receiver|stuck|NCCL WARN|broken|Traceback|Error" /tmp/pd-*-$transport/logs/*.log \
+      | sort | uniq -c | sort -rn | head -15
   done
 fi
 
@@ -157,7 +163,8 @@ if has smollm2; then  # real weights: the GGUF travels in two halves (.gpu-a, .g
   ls -la /tmp/smollm2-gguf
   $PY scripts/prepare_models.py --gguf /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out .models 2>&1 | tail -2
   for dtype in bfloat16 float32; do
-    timeout 300 $PY scripts/gpu_agreement.py --model-dir .models/smollm2-135m --dtype $dtype --tp 1 ${SMOL_TP:-2} 2>&1 \
+    timeout 300 $PY scripts/gpu_agreement.py --model-dir .models/smollm2-135m --dtype $dtype --tp 1 ${SMOL_TP:-2} \
+      $([ $dtype = bfloat16 ] && echo --truth) 2>&1 \
       | grep '^{' | tee -a "$OUT/agreement.jsonl"
   done
   VOCAB=49000 serve_bench smollm2-tp1 "model=smollm2-135m" chat single

@@ -93,7 +93,8 @@ class KvLanding:
         if not dst_slots:
             handle.finish()
             return handle
-        self._events.put(_Incoming(handle, torch.tensor(dst_slots, dtype=torch.int64, device=kv.k[0].device), kv))
+        # kept on the host: a host→device copy here would wait for the step in flight (see _deliver)
+        self._events.put(_Incoming(handle, torch.tensor(dst_slots, dtype=torch.int64), kv))
         return handle
 
     def cancel(self, request_id: str) -> None:
@@ -197,8 +198,9 @@ class KvLanding:
         t.link = link
         rows = t.slots[header.first_token:header.first_token + header.num_tokens]
         page = payload.view(DTYPES[header.dtype]).view(header.shape)
-        with self._stream.run(t.slots.device):
-            scatter_page(t.kv, rows, page.to(t.slots.device, non_blocking=True))
+        device = t.kv.k[0].device
+        with self._stream.run(device):
+            scatter_page(t.kv, rows.to(device, non_blocking=True), page.to(device, non_blocking=True))
         t.handle.tokens_done += header.num_tokens
         t.last_progress = time.monotonic()
         if t.handle.tokens_done == len(t.slots):

@@ -68,7 +68,8 @@ class PairedKvSender(KvSender):
         if not src_slots:  # a full prefix hit on the decode side: nothing to move
             handle.finish()
             return handle
-        slots = torch.tensor(src_slots, dtype=torch.int64, device=kv.k[0].device)
+        # kept on the host: a host→device copy here would wait for the step in flight (see _send_page)
+        slots = torch.tensor(src_slots, dtype=torch.int64)
         with self._lock:
             if self.broken is not None:
                 handle.finish(f"KV link to {self.address} broken: {self.broken}")
@@ -94,7 +95,8 @@ class PairedKvSender(KvSender):
         """Sends what is queued, tells the receiver, ends the control connection (a NCCL group is kept
         until the process exits: see pair_group._retire)."""
         self._commands.put(None)
-        self._thread.join(None if self._joined.is_set() else self.join_timeout_s)
+        # bounded either way: a thread stuck in NCCL must not hold the worker's shutdown forever
+        self._thread.join(self.timeout_s if self._joined.is_set() else self.join_timeout_s)
         self._timer.cancel()
         if self._thread.is_alive():
             log.error("closing %s: the sender thread is still busy, %s", self.address, self._steps.describe())
@@ -158,8 +160,9 @@ class PairedKvSender(KvSender):
         try:
             header = page_header(rid, page, len(t.slots), t.kv)
             rows = t.slots[page.first_token:page.first_token + page.num_tokens]
-            with self._stream.run(t.slots.device, t.ready):
-                data = gather_page(t.kv, rows).to(link.device, non_blocking=True)
+            device = t.kv.k[0].device
+            with self._stream.run(device, t.ready):
+                data = gather_page(t.kv, rows.to(device, non_blocking=True)).to(link.device, non_blocking=True)
         except Exception as e:  # a bad slot or dtype: this request only
             error = f"gathering page {page.index} failed: {e}"
             t.handle.finish(error)

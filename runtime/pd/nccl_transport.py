@@ -103,7 +103,7 @@ class NcclKvSender(KvSender):
         if not src_slots:
             handle.finish()
             return handle
-        slots = torch.tensor(src_slots, dtype=torch.int64, device=kv.k[0].device)
+        slots = torch.tensor(src_slots, dtype=torch.int64)  # moved to the device on the side stream
         self._commands.put(Outgoing(handle, slots, kv, plan_pages(len(src_slots), self.page_tokens),
                                      compute_done_marker(kv)))
         return handle
@@ -149,14 +149,15 @@ class NcclKvSender(KvSender):
         try:
             header = page_header(t.handle.request_id, page, len(t.slots), t.kv)
             rows = t.slots[page.first_token:page.first_token + page.num_tokens]
-            with self._stream.run(t.slots.device, t.ready):
-                data = gather_page(t.kv, rows).to(self._link.device, non_blocking=True)
+            with self._stream.run(t.kv.k[0].device, t.ready):
+                data = gather_page(t.kv, rows.to(t.kv.k[0].device, non_blocking=True))
+                data = data.to(self._link.device, non_blocking=True)
                 header_buf = self._link.encode(header)
         except Exception as e:  # a bad slot or dtype, found before anything went out: this request only
             t.handle.finish(f"gathering page {page.index} failed: {e}")
             return False
         try:
-            with self._stream.run(t.slots.device):
+            with self._stream.run(t.kv.k[0].device):
                 sends = [dist.isend(header_buf, dst=self._link.peer, group=self._link.group),
                          dist.isend(data.view(torch.uint8).reshape(-1), dst=self._link.peer, group=self._link.group)]
             for work in sends:

@@ -132,7 +132,7 @@ class ZmqKvSender(KvSender, _IoThread):
         if not src_slots:  # a full prefix hit on the decode side: nothing to move
             handle.finish()
             return handle
-        slots = torch.tensor(src_slots, dtype=torch.int64, device=kv.k[0].device)
+        slots = torch.tensor(src_slots, dtype=torch.int64)  # moved to the device on the side stream
         self.submit(_Outgoing(handle, slots, kv, plan_pages(len(src_slots), self.page_tokens),
                               compute_done_marker(kv)))
         return handle
@@ -182,8 +182,8 @@ class ZmqKvSender(KvSender, _IoThread):
         try:
             header = page_header(t.handle.request_id, page, len(t.slots), t.kv)
             rows = t.slots[page.first_token:page.first_token + page.num_tokens]
-            with self._stream.run(t.slots.device, t.ready):
-                data = gather_page(t.kv, rows).to("cpu", non_blocking=True)
+            with self._stream.run(t.kv.k[0].device, t.ready):
+                data = gather_page(t.kv, rows.to(t.kv.k[0].device, non_blocking=True)).to("cpu", non_blocking=True)
         except Exception as e:  # a bad slot or dtype fails this request only
             self._end(t, f"gathering page {page.index} failed: {e}")
             return False
@@ -254,7 +254,7 @@ class ZmqKvReceiver(KvReceiver, _IoThread):
         if not dst_slots:
             handle.finish()
             return handle
-        self.submit(_Incoming(handle, torch.tensor(dst_slots, dtype=torch.int64, device=kv.k[0].device), kv))
+        self.submit(_Incoming(handle, torch.tensor(dst_slots, dtype=torch.int64), kv))
         return handle
 
     def cancel(self, request_id: str) -> None:
@@ -334,8 +334,10 @@ class ZmqKvReceiver(KvReceiver, _IoThread):
             self._end(t, error)
             return
         rows = t.slots[header.first_token:header.first_token + header.num_tokens]
-        with self._stream.run(t.slots.device):
-            scatter_page(t.kv, rows, from_wire(payload.buffer, header).to(t.slots.device, non_blocking=True))
+        with self._stream.run(t.kv.k[0].device):
+            device = t.kv.k[0].device
+            scatter_page(t.kv, rows.to(device, non_blocking=True),
+                         from_wire(payload.buffer, header).to(device, non_blocking=True))
         t.handle.tokens_done += header.num_tokens
         t.last_progress = time.monotonic()
         self._reply(peer, KvAck(header.request_id, header.page))

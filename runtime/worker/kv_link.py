@@ -88,7 +88,11 @@ def _receiver(address: str, kv: KvCache, timeout_s: float):
     if address.startswith("nccl://"):
         from llaunch.runtime.pd.nccl_pairing import PairedKvReceiver
 
-        return PairedKvReceiver(address, kv.k[0].device, timeout_s=timeout_s)
+        from llaunch.runtime.worker.kv_sizing import NCCL_PARKING_BYTES
+
+        # on a GPU the parking space is reserved in the KV sizing; on CPU the default keeps tests small
+        parking = NCCL_PARKING_BYTES if kv.k[0].device.type == "cuda" else 256 << 20
+        return PairedKvReceiver(address, kv.k[0].device, timeout_s=timeout_s, max_parked_bytes=parking)
     return ZmqKvReceiver(address, timeout_s=timeout_s)
 
 

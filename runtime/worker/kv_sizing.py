@@ -15,7 +15,22 @@ def activation_reserve_bytes(cfg, model) -> int:
     tokens = cfg.router.batch_max_tokens
     per_token = (6 * a.hidden_size + 3 * a.intermediate_size // cfg.parallel.tp) * 4
     logits = max(cfg.router.max_running_requests, 1) * a.vocab_size * 4 * 4
-    return tokens * per_token + logits + 2 * GiB
+    return tokens * per_token + logits + 2 * GiB + kv_link_reserve_bytes(cfg)
+
+
+# A NCCL pair communicator holds ~0.8 GiB of buffers on each side: room for two peers, plus the
+# decode side's parking space for pages that arrive before their request does.
+NCCL_PAIR_RESERVE = 2 * GiB
+NCCL_PARKING_BYTES = 1 * GiB
+
+
+def kv_link_reserve_bytes(cfg) -> int:
+    """Device memory the NCCL KV transport of a prefill/decode instance takes outside PyTorch's view."""
+    from llaunch.launcher.schema import KvTransport, Mode
+
+    if cfg.mode.kind not in (Mode.pd_prefill, Mode.pd_decode) or cfg.mode.kv_transport != KvTransport.nccl:
+        return 0
+    return NCCL_PAIR_RESERVE + (NCCL_PARKING_BYTES if cfg.mode.kind == Mode.pd_decode else 0)
 
 
 def kv_slots_for(cfg, model, device: torch.device, group=None) -> int:
