@@ -129,7 +129,7 @@ fi
 if has pd; then  # prefill/decode disaggregation: master, prefill on GPU 0, decode on GPU 1 (two-GPU machine)
   if [[ " ${PD_TRANSPORTS:-zmq} " == *" nccl "* ]]; then
     stamp "NCCL pair groups: the two-GPU tests"
-    timeout 240 $PY -m pytest -q -m gpu tests/unit/test_nccl_pairing.py -p no:cacheprovider 2>&1 | tail -3
+    timeout 300 $PY -m pytest -q -m gpu tests/unit/test_nccl_pairing.py -p no:cacheprovider --tb=short 2>&1 | tail -${NCCL_TEST_LINES:-3}
   fi
   for transport in ${PD_TRANSPORTS:-zmq}; do
     stamp "pd ($transport): master + prefill (GPU 0) + decode (GPU 1)"

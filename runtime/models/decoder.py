@@ -48,13 +48,14 @@ class Attention(nn.Module):
                             v.view(t, self.num_kv_heads, d), batch.positions, cos, sin, k_cache, v_cache,
                             batch.out_slots)
         nd = batch.num_decode
-        if batch.num_prefill_tokens:
-            # q_starts index the whole token array, so the prefill op gets all of q; decode rows follow.
-            out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,
-                                    batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale,
-                                    max_q_len=batch.max_prefill_len or None)
-        else:
-            out = torch.empty_like(q)
+        if not batch.num_prefill_tokens:  # a decode-only step: the attention output is the whole tensor
+            out = decode_attention(q, k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
+                                   self.scale, max_len=batch.max_decode_len or None)
+            return self.o_proj(out.view(t, self.num_heads * d))
+        # q_starts index the whole token array, so the prefill op gets all of q; decode rows come first.
+        out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,
+                                batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale,
+                                max_q_len=batch.max_prefill_len or None)
         if nd:
             out[:nd] = decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows,
                                         batch.decode_seq_lens, self.scale, max_len=batch.max_decode_len or None)

@@ -224,6 +224,7 @@ def test_two_prefill_processes_and_two_dying_ones_share_one_receiver():
 
 @pytest.mark.gpu
 @TWO_GPUS
+@pytest.mark.timeout(240)  # five processes each start CUDA and NCCL, and a stuck receive waits out its deadline
 def test_nccl_two_prefill_processes_and_two_dying_ones_share_one_receiver():
     # A dead GPU process closes its sockets only after its GPU context is torn down, and a receive
     # posted on NCCL ends at the deadline: the link going down and the idle timeout race.
