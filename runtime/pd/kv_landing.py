@@ -111,7 +111,10 @@ class KvLanding:
 
     def close(self) -> None:
         self._closing.set()
-        self._thread.join()
+        # bounded: on a GPU whose NCCL receive is stuck, this thread's scatter can block behind it
+        self._thread.join(self.timeout_s + 1)
+        if self._thread.is_alive():
+            log.error("KV landing %s: its thread is still busy after %.0fs", self._thread.name, self.timeout_s + 1)
 
     # ---- the logic thread ----
 

@@ -16,6 +16,11 @@ from llaunch.runtime.pd.zmq_transport import ZmqKvReceiver, ZmqKvSender
 log = logging.getLogger(__name__)
 
 
+
+class KvTransportStuck(RuntimeError):
+    """A NCCL operation of this process missed its deadline: the GPU's other streams may stall behind
+    it, so the worker must exit at once (see runtime/worker/process.py)."""
+
 class KvLink:
     def __init__(self, kv: KvCache, receive_address: Optional[str], scratch_slot: int, tp_rank: int = 0,
                  timeout_s: float = 30.0):
@@ -60,14 +65,18 @@ class KvLink:
         self.active[msg.request_id] = (handle, time.perf_counter())
         self.pd_ids[msg.request_id] = msg.pd_id
 
-    def poll(self) -> list[KvDone]:
-        """Transfers that ended since the last poll. Raises when a NCCL transport is stuck (a peer died
-        inside a NCCL operation: the GPU cannot form new pairs or synchronize), so the worker exits and
-        the instance restarts instead of hanging."""
+    def check(self) -> None:
+        """Raises when a NCCL transport is stuck (a peer died inside a NCCL operation: the GPU cannot
+        form new pairs and its other streams may stall), so the worker exits and the instance
+        restarts instead of hanging."""
         for transport in [self.receiver, *self.senders.values()]:
             stuck = getattr(transport, "stuck", None)
             if stuck:
-                raise RuntimeError(f"KV transport stuck, this instance must restart: {stuck}")
+                raise KvTransportStuck(f"KV transport stuck, this instance must restart: {stuck}")
+
+    def poll(self) -> list[KvDone]:
+        """Transfers that ended since the last poll (after `check`)."""
+        self.check()
         done = []
         for request_id, (handle, start) in list(self.active.items()):
             if handle.done():

@@ -23,7 +23,7 @@ from llaunch.runtime import bootstrap
 from llaunch.runtime.ipc.messages import (CancelKv, ReceiveKv, SendKv, Shutdown, StepPlan, WorkerInbound,
                                           WorkerReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender
-from llaunch.runtime.worker.kv_link import KvLink
+from llaunch.runtime.worker.kv_link import KvLink, KvTransportStuck
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
 
@@ -34,6 +34,7 @@ PEER_WATCH_PERIOD_S = 1.0
 # A live peer answers within one period; this only bounds a peer that hangs without exiting.
 PEER_WATCH_TIMEOUT = datetime.timedelta(seconds=120)
 EXIT_PEER_GONE = 3  # exit status when a tp peer or the router went away (launcher/supervise.py)
+EXIT_KV_STUCK = 4  # exit status when a NCCL KV transfer left the GPU stuck
 
 
 def _exit_peer_gone(message: str, *args) -> None:
@@ -168,6 +169,11 @@ def main() -> None:
     try:
         serve(runner, plans, results if spec.tp_rank == 0 else None, overlap=device.type == "cuda", link=link,
               kv_results=results)
+    except KvTransportStuck as e:
+        # Closing the link or CUDA's teardown can block behind the stuck kernel: leave now; the
+        # launcher sees the worker die and takes the instance down, the pd_master marks it unhealthy.
+        log.error("%s", e)
+        os._exit(EXIT_KV_STUCK)
     finally:
         if link is not None:
             link.close()
@@ -194,6 +200,8 @@ def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Op
             results.send(result)
 
     while True:
+        if link is not None:
+            link.check()  # a stuck transport ends the worker even when no transfer is running
         if link is not None and link.busy:
             for done in link.poll():
                 kv_results.send(done)

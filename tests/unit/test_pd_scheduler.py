@@ -97,7 +97,7 @@ def test_worker_link_stops_when_a_nccl_transport_is_stuck():
     import torch
 
     from llaunch.runtime.models.batch import KvCache
-    from llaunch.runtime.worker.kv_link import KvLink
+    from llaunch.runtime.worker.kv_link import KvLink, KvTransportStuck
 
     kv = KvCache(k=[torch.zeros(4, 1, 2)], v=[torch.zeros(4, 1, 2)], req_to_slots=torch.zeros(1, 4, dtype=torch.int32))
     link = KvLink(kv, None, scratch_slot=3)
@@ -110,5 +110,8 @@ def test_worker_link_stops_when_a_nccl_transport_is_stuck():
             pass
 
     link.senders["nccl://10.0.0.2:7000"] = Stuck()
-    with pytest.raises(RuntimeError, match="must restart: an operation of pair 0"):
+    assert not link.busy  # no transfer running: the worker's loop still checks on every message
+    with pytest.raises(KvTransportStuck, match="must restart: an operation of pair 0"):
+        link.check()
+    with pytest.raises(KvTransportStuck, match="must restart: an operation of pair 0"):
         link.poll()
