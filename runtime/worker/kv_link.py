@@ -5,6 +5,7 @@ reports each one's end as a KvDone. The transport's threads move the pages; the 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Optional
 
@@ -51,6 +52,11 @@ class KvLink:
             else:
                 address = ranks[self.tp_rank]
                 sender = self.senders.get(address)
+                if sender is not None and getattr(sender, "broken", None):
+                    # The decode rank restarted or the join failed: pair again rather than fail every
+                    # later request to this address. Its close can wait on its thread: not here.
+                    threading.Thread(target=sender.close, name=f"close-{address}", daemon=True).start()
+                    sender = None
                 if sender is None:
                     sender = self.senders[address] = _sender(address, self.kv, self.timeout_s)
                 handle = sender.send(msg.pd_id, msg.slots, self.kv)

@@ -1,5 +1,7 @@
 """The scheduler's side of prefill/decode disaggregation: which KV moves, when slots are freed, and
 what a failed or abandoned transfer leaves behind (nothing)."""
+import time
+
 from llaunch.launcher.supervise import visible_devices
 from llaunch.runtime.ipc.messages import CancelKv, KvDone, PdLink, ReceiveKv, SendKv
 from llaunch.runtime.router.request import Status
@@ -115,3 +117,44 @@ def test_worker_link_stops_when_a_nccl_transport_is_stuck():
         link.check()
     with pytest.raises(KvTransportStuck, match="must restart: an operation of pair 0"):
         link.poll()
+
+
+def test_worker_link_pairs_again_after_a_broken_sender(monkeypatch):
+    """A decode instance restarted on the same KV address: the next SendKv makes a new sender instead
+    of failing on the broken one for good."""
+    import torch
+
+    from llaunch.runtime.ipc.messages import SendKv
+    from llaunch.runtime.models.batch import KvCache
+    from llaunch.runtime.pd.kv_transfer import TransferHandle
+    from llaunch.runtime.worker import kv_link
+
+    made = []
+
+    class FakeSender:
+        broken, stuck = None, None
+
+        def __init__(self):
+            self.closed = False
+            made.append(self)
+
+        def send(self, pd_id, slots, kv):
+            return TransferHandle(pd_id)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(kv_link, "_sender", lambda address, kv, timeout_s: FakeSender())
+    kv = KvCache(k=[torch.zeros(4, 1, 2)], v=[torch.zeros(4, 1, 2)], req_to_slots=torch.zeros(1, 4, dtype=torch.int32))
+    link = kv_link.KvLink(kv, None, scratch_slot=3)
+    msg = lambda rid: SendKv(request_id=rid, pd_id=rid, address="nccl://10.0.0.2:7000", slots=[0, 1])  # noqa: E731
+    link.start(msg("r1"))
+    link.start(msg("r2"))
+    assert len(made) == 1  # one pair per decode address while it works
+    made[0].broken = "pair 1: the peer closed the control connection"
+    link.start(msg("r3"))
+    assert len(made) == 2 and link.senders["nccl://10.0.0.2:7000"] is made[1]
+    deadline = time.monotonic() + 5
+    while not made[0].closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert made[0].closed
