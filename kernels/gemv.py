@@ -22,9 +22,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 else:
     _CONFIGS = [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-        # eight shapes: each costs a compile on a cold Triton cache at start-up
-        for n, k, w in [(4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
-                        (16, 512, 8), (32, 256, 8)]
+        # ten shapes (each costs a compile on a cold Triton cache at start-up); two-row programs keep
+        # the tail short where N is small and K long (down_proj)
+        for n, k, w in [(2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4),
+                        (8, 1024, 8), (16, 256, 4), (16, 512, 8), (32, 256, 8)]
     ]
 
 

@@ -221,6 +221,9 @@ def main() -> None:
     cases = [case for case in cases if args.ops in case.op]
     rows = [measure(case, bandwidth, rate) for case in cases]
     print_table(rows)
+    gemv = importlib.import_module("llaunch.kernels.gemv")
+    for key, config in getattr(gemv._gemv_kernel, "cache", {}).items():  # what autotuning picked per shape
+        print(f"gemv autotune {key}: {config}")
     if args.sweep:
         variants = sweep(ops, bandwidth, rate)
         print_table(variants)
