@@ -26,7 +26,7 @@ from llaunch.runtime.pd.kv_transfer import (DTYPES, KvAbort, KvPageHeader, KvRec
                                             page_header, plan_pages)
 from llaunch.runtime.pd.nccl_transport import LINK_CLOSED, LinkBroken, Outgoing
 from llaunch.runtime.pd.pair_group import (JoinError, JoinSteps, PairLink, host_pairing, join_as_receiver,
-                                           join_as_sender, parse_address, stuck_reason)
+                                           join_as_sender, join_overdue, parse_address, stuck_reason)
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,7 @@ class PairedKvSender(KvSender):
         with self._lock:
             if self.link is not None or self.broken is not None:
                 return
+        join_overdue(self._steps, self.device)
         self._break(f"{self._steps.describe()} (join timeout {self.join_timeout_s}s)")
 
     def _break(self, reason: str) -> None:
@@ -284,7 +285,8 @@ class PairedKvReceiver(KvReceiver):
     def _serve_link(self, conn: socket.socket) -> None:
         _use_device(self.device)
         steps = JoinSteps(f"KV receiver {self.address}")
-        timer = threading.Timer(self.join_timeout_s, lambda: log.error("%s", steps.describe()))
+        timer = threading.Timer(self.join_timeout_s, lambda: (log.error("%s", steps.describe()),
+                                                              join_overdue(steps, self.device)))
         timer.daemon = True
         timer.start()
         try:

@@ -414,3 +414,19 @@ def test_parking_is_bounded_and_a_late_recv_learns_why():
         assert_moved(src, s[:8], dst, list(range(8)))
     finally:
         landing.close()
+
+
+def test_a_join_overdue_inside_nccl_creation_marks_the_gpu_stuck(monkeypatch):
+    """Communicator creation has no deadline of its own: a join past its deadline in that step marks
+    the GPU stuck (the worker exits); elsewhere, or on the CPU, it only fails the join."""
+    monkeypatch.setattr(pair_group, "stuck_devices", {})
+    steps = JoinSteps("KV sender nccl://h:1 from cuda:0")
+    steps.step = "waiting for the decode rank's welcome"
+    pair_group.join_overdue(steps, torch.device("cuda", 0))
+    assert pair_group.stuck_devices == {}
+    steps.step = "data group construction (nccl on cuda:0)"
+    pair_group.join_overdue(steps, torch.device("cpu"))
+    assert pair_group.stuck_devices == {}
+    pair_group.join_overdue(steps, torch.device("cuda", 0))
+    assert "NCCL communicator creation never finished" in pair_group.stuck_devices["cuda:0"]
+    assert "data group construction" in pair_group.stuck_reason(torch.device("cuda", 0))
