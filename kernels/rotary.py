@@ -27,10 +27,11 @@ def _rotate_heads(src_ptr, dst_ptr, token, dst_row, src_tok_stride, src_head_str
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
-                   q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, n_q_heads, n_k_heads,
-                   table_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                   BLOCK_HK: tl.constexpr):
+def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, pos_ptr, slots_ptr, cos_ptr, sin_ptr,
+                   q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride, v_head_stride,
+                   n_q_heads, n_k_heads, table_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr):
+    """STORE: k (rotated) and v go to the caches' row slots[token]; else k to k_out's row token."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -38,54 +39,44 @@ def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr
     sin = tl.load(sin_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     _rotate_heads(q_ptr, q_out_ptr, token, token, q_tok_stride, q_head_stride, n_q_heads, cos, sin,
                   HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr, k_out_ptr, token, token, k_tok_stride, k_head_stride, n_k_heads, cos, sin,
+    if STORE:
+        k_row = tl.load(slots_ptr + token).to(tl.int64)
+    else:
+        k_row = token
+    _rotate_heads(k_ptr, k_out_ptr, token, k_row, k_tok_stride, k_head_stride, n_k_heads, cos, sin,
                   HALF, BLOCK_HK, BLOCK_HALF)
+    if STORE:
+        heads = tl.arange(0, BLOCK_HK)[:, None]
+        mask = (heads < n_k_heads) & (dims < HALF)
+        src = v_ptr + token * v_tok_stride + heads * v_head_stride + dims
+        dst = v_out_ptr + k_row * n_k_heads * 2 * HALF + heads * 2 * HALF + dims
+        tl.store(dst, tl.load(src, mask=mask), mask=mask)
+        tl.store(dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
 
 
-@triton.jit
-def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, cos_ptr,
-                         sin_ptr, q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride,
-                         v_head_stride, n_q_heads, n_k_heads, table_stride, HALF: tl.constexpr,
-                         BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    slot = tl.load(slots_ptr + token).to(tl.int64)
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    cos = tl.load(cos_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, token, token, q_tok_stride, q_head_stride, n_q_heads, cos, sin,
-                  HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr, k_cache_ptr, token, slot, k_tok_stride, k_head_stride, n_k_heads, cos, sin,
-                  HALF, BLOCK_HK, BLOCK_HALF)
-    heads = tl.arange(0, BLOCK_HK)[:, None]
-    mask = (heads < n_k_heads) & (dims < HALF)
-    src = v_ptr + token * v_tok_stride + heads * v_head_stride + dims
-    dst = v_cache_ptr + slot * n_k_heads * 2 * HALF + heads * 2 * HALF + dims
-    tl.store(dst, tl.load(src, mask=mask), mask=mask)
-    tl.store(dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
+def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots) -> torch.Tensor:
+    """Launches the kernel; returns the rotated q. With slots, k and v go to the caches' rows slots[t]."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    cos, sin = cos.contiguous(), sin.contiguous()
+    tokens, n_q, dim = q.shape
+    n_k, half = k.shape[1], dim // 2
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return q_out
+    _rotary_kernel[(tokens,)](
+        q, k, v, q_out, k_dst, v_dst, positions, positions if slots is None else slots, cos, sin, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), n_q, n_k, cos.stride(0), HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(n_q),
+        BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, num_warps=4)
+    return q_out
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hk, D] (any token/head strides, unit dim stride), positions: [T],
     cos/sin: [max_positions, D // 2] (float32, or rounded to the model's dtype). Returns new contiguous tensors."""
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
-    tokens, n_q, dim = q.shape
-    n_k = k.shape[1]
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if tokens == 0:
-        return q_out, k_out
-    half = dim // 2
-    _rotary_kernel[(tokens,)](
-        q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        n_q, n_k, cos.stride(0), HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(n_k), num_warps=4)
-    return q_out, k_out
+    return _rotate(q, k, k, positions, cos, sin, k_out, k_out, None), k_out
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -94,17 +85,4 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     [num_slots, Hk, D] (contiguous, the dtype of k and v) receive each token's K/V."""
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
     assert k_cache.dtype == k.dtype == v.dtype == v_cache.dtype, "the fused store rounds once, to k's dtype"
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    cos, sin = cos.contiguous(), sin.contiguous()
-    tokens, n_q, dim = q.shape
-    n_k = k.shape[1]
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if tokens == 0:
-        return q_out
-    half = dim // 2
-    _rotary_store_kernel[(tokens,)](
-        q, k, v, q_out, k_cache, v_cache, positions, slots, cos, sin, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), n_q, n_k, cos.stride(0), HALF=half,
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(n_q),
-        BLOCK_HK=triton.next_power_of_2(n_k), num_warps=4)
-    return q_out
+    return _rotate(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
