@@ -8,7 +8,7 @@ stays out; torch references are timed eagerly, cuBLAS ones (the GEMV's) in graph
 
     python scripts/bench_kernels.py [--json results.json] [--sweep] [--ops gemv]
 
---sweep also times alternative launch shapes of the attention kernels (to pick the defaults).
+--sweep also times alternative launch shapes of the attention and GEMV kernels (to pick the defaults).
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def sampling_cases(ops) -> list[Case]:
 
 
 def measure(case: Case, bandwidth: float, rate: float, with_reference: bool = True) -> dict:
-    case.kernel()  # autotuning benchmarks configs with host syncs: done before any graph capture
+    case.kernel()  # compiles (host work) before any graph capture
     torch.cuda.synchronize()
     kernel_ms = median_ms(case.kernel, graph=True)
     ref_ms = (median_ms(case.reference, graph=case.reference_in_graph) if case.reference and with_reference
@@ -179,7 +179,7 @@ def measure(case: Case, bandwidth: float, rate: float, with_reference: bool = Tr
 
 
 def sweep(ops, bandwidth: float, rate: float) -> list[dict]:
-    """Alternative launch shapes for the attention kernels (patched in for the duration)."""
+    """Alternative launch shapes for the attention and GEMV kernels (patched in for the duration)."""
     pre = importlib.import_module("llaunch.kernels.prefill_attention")
     dec = importlib.import_module("llaunch.kernels.decode_attention")
     rows = []
@@ -196,6 +196,14 @@ def sweep(ops, bandwidth: float, rate: float) -> list[dict]:
                 variant = f"N,warps,stages={shape} target={target}"
                 rows.append({**measure(case, bandwidth, rate, False), "variant": variant})
     dec._launch_shape, dec._TARGET_PROGRAMS = default_dec, default_target
+    gemv = importlib.import_module("llaunch.kernels.gemv")
+    default_gemv = gemv.launch_shape
+    for shape in ((1, 2048, 4), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (2, 4096, 8), (4, 1024, 4), (8, 512, 4),
+                  (16, 256, 4)):
+        gemv.launch_shape = lambda n, k, gated, s=shape: s
+        for case in gemv_cases(ops):
+            rows.append({**measure(case, bandwidth, rate, False), "variant": f"BLOCK_N,BLOCK_K,warps={shape}"})
+    gemv.launch_shape = default_gemv
     return rows
 
 
@@ -221,9 +229,7 @@ def main() -> None:
     cases = [case for case in cases if args.ops in case.op]
     rows = [measure(case, bandwidth, rate) for case in cases]
     print_table(rows)
-    gemv = importlib.import_module("llaunch.kernels.gemv")
-    for key, config in getattr(gemv._gemv_kernel, "cache", {}).items():  # what autotuning picked per shape
-        print(f"gemv autotune {key}: {config}")
+
     if args.sweep:
         variants = sweep(ops, bandwidth, rate)
         print_table(variants)

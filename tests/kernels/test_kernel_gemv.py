@@ -61,3 +61,16 @@ def test_gated_gemv_gpu(cuda, poisoned, close, inner, k):
     with poisoned():
         out = kernels.gated_linear(x, w)
     close(out, reference.gated_linear(x, w))
+
+
+def test_gemv_strided_bias(ops, close):
+    x, w = torch.randn(1, 40), torch.randn(30, 40)
+    b = torch.randn(60)[::2]  # every other element: stride 2
+    close(ops.gemv(x, w, b), reference.linear(x, w, b))
+
+
+def test_gemv_refuses_what_the_reference_refuses(ops):
+    with pytest.raises(ValueError, match="x is torch.float32, weight torch.float16"):
+        ops.gemv(torch.randn(1, 8), torch.randn(4, 8).half())
+    with pytest.raises(ValueError, match="even row count"):
+        ops.gemv(torch.randn(1, 8), torch.randn(5, 8), gated=True)
