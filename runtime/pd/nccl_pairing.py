@@ -179,7 +179,7 @@ class PairedKvSender(KvSender):
         with self._lock:
             if self.link is not None or self.broken is not None:
                 return
-        join_overdue(self._steps, self.device)
+        join_overdue(self._steps, self.device, self.timeout_s)
         self._break(f"{self._steps.describe()} (join timeout {self.join_timeout_s}s)")
 
     def _break(self, reason: str) -> None:
@@ -286,7 +286,7 @@ class PairedKvReceiver(KvReceiver):
         _use_device(self.device)
         steps = JoinSteps(f"KV receiver {self.address}")
         timer = threading.Timer(self.join_timeout_s, lambda: (log.error("%s", steps.describe()),
-                                                              join_overdue(steps, self.device)))
+                                                              join_overdue(steps, self.device, self.timeout_s)))
         timer.daemon = True
         timer.start()
         try:

@@ -74,11 +74,13 @@ def stuck_reason(device: torch.device) -> Optional[str]:
     return stuck_devices.get(str(device))
 
 
-def join_overdue(steps: "JoinSteps", device: torch.device) -> None:
-    """A join past its deadline: when it is inside NCCL communicator creation (which has no deadline
-    of its own and cannot be aborted), the GPU is recorded as stuck like a stuck operation is, so
-    the worker exits instead of pairing next to a communicator that never finishes."""
-    if device.type == "cuda" and steps.step.startswith(("data group construction", "data handshake")):
+def join_overdue(steps: "JoinSteps", device: torch.device, timeout_s: float) -> None:
+    """A join past its deadline: when it has been inside NCCL communicator creation (which has no
+    deadline of its own and cannot be aborted) for `timeout_s`, the GPU is recorded as stuck like a
+    stuck operation is, so the worker exits instead of pairing next to a communicator that never
+    finishes. A join that only just reached that step is left alone."""
+    in_nccl = steps.step.startswith(("data group construction", "data handshake"))
+    if device.type == "cuda" and in_nccl and time.monotonic() - steps.since >= timeout_s:
         stuck_devices.setdefault(str(device), f"{steps.describe()}: NCCL communicator creation never finished")
 
 

@@ -15,6 +15,7 @@ from llaunch.runtime.pd.kv_transfer import TransferHandle
 from llaunch.runtime.pd.zmq_transport import ZmqKvReceiver, ZmqKvSender
 
 log = logging.getLogger(__name__)
+MAX_REPAIRS = 3  # new pairs per decode address after a broken one
 
 
 
@@ -31,6 +32,7 @@ class KvLink:
         self.timeout_s = timeout_s
         self.receiver = _receiver(receive_address, kv, timeout_s) if receive_address else None
         self.senders: dict[str, ZmqKvSender] = {}  # decode instance address → sender
+        self.repairs: dict[str, int] = {}  # decode address → broken senders replaced so far
         self.active: dict[str, tuple[TransferHandle, float]] = {}  # request id → (handle, start)
         self.pd_ids: dict[str, str] = {}  # request id → transfer id
 
@@ -52,9 +54,14 @@ class KvLink:
             else:
                 address = ranks[self.tp_rank]
                 sender = self.senders.get(address)
-                if sender is not None and getattr(sender, "broken", None):
+                if (sender is not None and getattr(sender, "broken", None)
+                        and self.repairs.get(address, 0) < MAX_REPAIRS):
                     # The decode rank restarted or the join failed: pair again rather than fail every
-                    # later request to this address. Its close can wait on its thread: not here.
+                    # later request to this address. Bounded: a NCCL pair's buffers are never freed
+                    # (pair_group._retire). Its close can wait on its thread: not here.
+                    self.repairs[address] = self.repairs.get(address, 0) + 1
+                    log.warning("KV sender %s is broken (%s): pairing again (%d of %d)", address, sender.broken,
+                                self.repairs[address], MAX_REPAIRS)
                     threading.Thread(target=sender.close, name=f"close-{address}", daemon=True).start()
                     sender = None
                 if sender is None:

@@ -18,19 +18,24 @@ def activation_reserve_bytes(cfg, model) -> int:
     return tokens * per_token + logits + 2 * GiB + kv_link_reserve_bytes(cfg)
 
 
-# A NCCL pair communicator holds ~0.8 GiB of buffers on each side: room for two peers, plus the
-# decode side's parking space for pages that arrive before their request does.
+# A NCCL pair communicator holds ~0.8 GiB of buffers on each side: room for two peers (each further
+# peer comes out of what cache.mem_fraction leaves), plus the decode side's parking space for pages
+# that arrive before their request does.
 NCCL_PAIR_RESERVE = 2 * GiB
 NCCL_PARKING_BYTES = 1 * GiB
 
 
 def kv_link_reserve_bytes(cfg) -> int:
-    """Device memory the NCCL KV transport of a prefill/decode instance takes outside PyTorch's view."""
+    """Device memory the NCCL KV transport of a prefill/decode instance takes outside PyTorch's view.
+    A prefill instance learns the transport from each decode instance's address, so it always
+    reserves; a decode instance only with mode.kv_transport=nccl."""
     from llaunch.launcher.schema import KvTransport, Mode
 
-    if cfg.mode.kind not in (Mode.pd_prefill, Mode.pd_decode) or cfg.mode.kv_transport != KvTransport.nccl:
-        return 0
-    return NCCL_PAIR_RESERVE + (NCCL_PARKING_BYTES if cfg.mode.kind == Mode.pd_decode else 0)
+    if cfg.mode.kind == Mode.pd_prefill:
+        return NCCL_PAIR_RESERVE
+    if cfg.mode.kind == Mode.pd_decode and cfg.mode.kv_transport == KvTransport.nccl:
+        return NCCL_PAIR_RESERVE + NCCL_PARKING_BYTES
+    return 0
 
 
 def kv_slots_for(cfg, model, device: torch.device, group=None) -> int:

@@ -173,6 +173,7 @@ def main() -> None:
         # Closing the link or CUDA's teardown can block behind the stuck kernel: leave now; the
         # launcher sees the worker die and takes the instance down, the pd_master marks it unhealthy.
         log.error("%s", e)
+        logging.shutdown()
         os._exit(EXIT_KV_STUCK)
     finally:
         if link is not None:
@@ -200,14 +201,16 @@ def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Op
             results.send(result)
 
     while True:
-        if link is not None:
-            link.check()  # a stuck transport ends the worker even when no transfer is running
         if link is not None and link.busy:
             for done in link.poll():
                 kv_results.send(done)
             msg = plans.recv(timeout_ms=1) if pending is None else plans.recv_nowait()
+        elif link is not None:  # idle, but a stuck transport must still end the worker within ~0.1 s
+            msg = plans.recv_nowait() if pending is not None else plans.recv(timeout_ms=100)
         else:
             msg = plans.recv_nowait() if pending is not None else plans.recv()
+        if link is not None:
+            link.check()  # before the message can put work on a GPU that a stuck transfer blocks
         if isinstance(msg, (SendKv, ReceiveKv, CancelKv)):
             link.start(msg)  # a send waits on the device for the steps launched so far
             continue

@@ -421,12 +421,15 @@ def test_a_join_overdue_inside_nccl_creation_marks_the_gpu_stuck(monkeypatch):
     the GPU stuck (the worker exits); elsewhere, or on the CPU, it only fails the join."""
     monkeypatch.setattr(pair_group, "stuck_devices", {})
     steps = JoinSteps("KV sender nccl://h:1 from cuda:0")
-    steps.step = "waiting for the decode rank's welcome"
-    pair_group.join_overdue(steps, torch.device("cuda", 0))
+    steps.step, steps.since = "waiting for the decode rank's welcome", time.monotonic() - 60
+    pair_group.join_overdue(steps, torch.device("cuda", 0), 10.0)
     assert pair_group.stuck_devices == {}
-    steps.step = "data group construction (nccl on cuda:0)"
-    pair_group.join_overdue(steps, torch.device("cpu"))
+    steps.step, steps.since = "data group construction (nccl on cuda:0)", time.monotonic() - 3
+    pair_group.join_overdue(steps, torch.device("cuda", 0), 10.0)  # only just got there
     assert pair_group.stuck_devices == {}
-    pair_group.join_overdue(steps, torch.device("cuda", 0))
+    steps.since = time.monotonic() - 60
+    pair_group.join_overdue(steps, torch.device("cpu"), 10.0)
+    assert pair_group.stuck_devices == {}
+    pair_group.join_overdue(steps, torch.device("cuda", 0), 10.0)
     assert "NCCL communicator creation never finished" in pair_group.stuck_devices["cuda:0"]
     assert "data group construction" in pair_group.stuck_reason(torch.device("cuda", 0))

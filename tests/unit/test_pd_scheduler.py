@@ -158,3 +158,7 @@ def test_worker_link_pairs_again_after_a_broken_sender(monkeypatch):
     while not made[0].closed and time.monotonic() < deadline:
         time.sleep(0.01)
     assert made[0].closed
+    for _ in range(kv_link.MAX_REPAIRS + 2):  # bounded: a NCCL pair's buffers are never freed
+        link.senders["nccl://10.0.0.2:7000"].broken = "down again"
+        link.start(msg("again"))
+    assert len(made) == 1 + kv_link.MAX_REPAIRS
