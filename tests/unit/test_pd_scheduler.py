@@ -162,3 +162,38 @@ def test_worker_link_pairs_again_after_a_broken_sender(monkeypatch):
         link.senders["nccl://10.0.0.2:7000"].broken = "down again"
         link.start(msg("again"))
     assert len(made) == 1 + kv_link.MAX_REPAIRS
+
+
+def test_an_idle_pd_worker_stops_on_a_stuck_transport():
+    """No transfer running and no message coming: the serve loop still wakes up and ends on a stuck
+    NCCL transport (the worker's main then exits at once)."""
+    import pytest
+
+    from llaunch.runtime.worker.kv_link import KvTransportStuck
+    from llaunch.runtime.worker.process import serve
+
+    class Plans:
+        def __init__(self):
+            self.waits = []
+
+        def recv(self, timeout_ms=None):
+            assert timeout_ms is not None, "an idle pd worker must not block forever"
+            self.waits.append(timeout_ms)
+            return None
+
+        def recv_nowait(self):
+            return None
+
+    class Link:
+        busy = False
+        checks = 0
+
+        def check(self):
+            Link.checks += 1
+            if Link.checks == 3:
+                raise KvTransportStuck("KV transport stuck, this instance must restart: pair 1: receiving page 1")
+
+    plans = Plans()
+    with pytest.raises(KvTransportStuck, match="receiving page 1"):
+        serve(runner=None, plans=plans, results=None, overlap=True, link=Link(), kv_results=None)
+    assert len(plans.waits) == 3 and all(w <= 100 for w in plans.waits)
