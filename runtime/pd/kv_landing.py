@@ -67,12 +67,10 @@ class _LinkDown:
 
 
 class KvLanding:
-    """`single_link`: every transfer comes over link 0, so when it goes down the transfers not yet
-    heard from fail too (NcclKvReceiver); otherwise they wait, since another link may carry them."""
+    """Transfers not yet heard from wait when a link goes down: another link may carry them."""
 
-    def __init__(self, timeout_s: float, *, max_parked_bytes: int = 256 << 20, single_link: bool = False,
-                 name: str = "kv-landing"):
-        self.timeout_s, self.max_parked_bytes, self.single_link = timeout_s, max_parked_bytes, single_link
+    def __init__(self, timeout_s: float, *, max_parked_bytes: int = 256 << 20, name: str = "kv-landing"):
+        self.timeout_s, self.max_parked_bytes = timeout_s, max_parked_bytes
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._expected: dict[str, _Incoming] = {}
         self._parked: dict[str, _Parked] = {}
@@ -149,9 +147,8 @@ class KvLanding:
                 if rid in self._expected:  # an earlier parked page may have failed it
                     self._deliver(parked.link, header, payload)
         if rid in self._expected:  # not complete: can more still come?
-            link = t.link if t.link is not None else (0 if self.single_link else None)
-            if link in self._down:
-                self._end(t, f"link {link} went down before the transfer completed: {self._down[link]}")
+            if t.link in self._down:
+                self._end(t, f"link {t.link} went down before the transfer completed: {self._down[t.link]}")
 
     def _cancel(self, c: _Cancel) -> None:
         self._drop_parked(c.request_id)
@@ -184,7 +181,7 @@ class KvLanding:
     def _on_link_down(self, d: _LinkDown) -> None:
         self._down[d.link] = d.reason
         for t in list(self._expected.values()):
-            if t.link == d.link or (t.link is None and self.single_link):
+            if t.link == d.link:
                 self._end(t, f"KV link {d.link} down: {d.reason}")
         # parked pages stay: a transfer that was sent whole before its link closed is still good
 

@@ -3,7 +3,7 @@ group in common: the decode rank's PairedKvReceiver hosts a store at nccl://host
 prefill rank that opens a PairedKvSender to it joins as pair n (see pair_group). Each page is a header
 on the pair's control connection, then its bytes on the pair's data group.
 
-No replies, as in nccl_transport: a sender's handle done means the peer took all the bytes; whether
+No replies: a sender's handle done means the peer took all the bytes; whether
 they were accepted is the receiver's handle's business. A broken link fails only the transfers it
 carried; a sender whose link broke stays broken (open a new one to rejoin).
 """
@@ -15,16 +15,17 @@ import queue
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from llaunch.runtime.models.batch import KvCache
 from llaunch.runtime.pd.kv_landing import KvLanding
-from llaunch.runtime.pd.kv_transfer import (DTYPES, KvAbort, KvPageHeader, KvReceiver, KvSender, SideStream,
+from llaunch.runtime.pd.kv_transfer import (DTYPES, KvAbort, KvPageHeader, KvReceiver, KvSender, Page, SideStream,
                                             TransferError, TransferHandle, compute_done_marker, gather_page,
                                             page_header, plan_pages)
-from llaunch.runtime.pd.nccl_transport import LINK_CLOSED, LinkBroken, Outgoing
+from llaunch.runtime.pd.pair_control import LINK_CLOSED, LinkBroken
 from llaunch.runtime.pd.pair_group import (JoinError, JoinSteps, PairLink, host_pairing, join_as_receiver,
                                            join_as_sender, join_overdue, parse_address, stuck_reason)
 
@@ -38,6 +39,17 @@ def _use_device(device: torch.device) -> None:
 
 # ---- prefill side -------------------------------------------------------------------------------
 
+
+
+@dataclass
+class Outgoing:
+    """One transfer in the sender thread: its pages, the next to send, the event its KV waits on."""
+    handle: TransferHandle
+    slots: torch.Tensor
+    kv: KvCache
+    pages: list[Page]
+    ready: object
+    next_page: int = 0
 
 class PairedKvSender(KvSender):
     """Joins the decode rank at `address` in the background (send() never blocks; transfers queue until

@@ -12,7 +12,13 @@ from typing import Union
 import msgspec
 
 from llaunch.runtime.pd.kv_transfer import KvAbort, KvPageHeader
-from llaunch.runtime.pd.nccl_transport import LinkBroken
+
+LINK_CLOSED = ""  # KvAbort with this request id: the sender closed the link
+
+
+class LinkBroken(RuntimeError):
+    """A pair's link cannot go on: a half-done exchange cannot be resynchronised."""
+
 
 _MAX_FRAME = 1 << 16
 

@@ -34,8 +34,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from llaunch.runtime.pd.nccl_transport import LinkBroken
-from llaunch.runtime.pd.pair_control import ControlFrame, ControlSocket, PairHello, PairWelcome
+from llaunch.runtime.pd.pair_control import ControlFrame, ControlSocket, LinkBroken, PairHello, PairWelcome
 
 log = logging.getLogger(__name__)
 

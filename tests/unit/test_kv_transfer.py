@@ -1,23 +1,19 @@
 """KV transfer between a prefill and a decode cache: ZMQ over real TCP sockets (threads and a child
-process) and torch.distributed point-to-point with gloo between two processes. The oracle is the
+process); the NCCL pairs are in test_nccl_pairing.py. The oracle is the
 source cache itself: after a transfer, dst[dst_slots] == src[src_slots] exactly, every other dst slot
 unchanged."""
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as tmp
 import zmq
 
 from llaunch.runtime.models.batch import KvCache
 from llaunch.runtime.pd.kv_transfer import (TransferError, gather_page, page_header, plan_pages, scatter_page,
                                             to_wire)
-from llaunch.runtime.pd.nccl_transport import NcclKvReceiver, NcclKvSender
 from llaunch.runtime.pd.zmq_transport import ZmqKvReceiver, ZmqKvSender
 
 pytestmark = pytest.mark.timeout(60)
@@ -208,37 +204,3 @@ def test_zmq_transfer_from_another_process():
     finally:
         receiver.close()
 
-
-def _gloo_rank(rank: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    src, src_groups = make_cache(1, torch.bfloat16), shuffled_slot_groups(13, LENGTHS)
-    if rank == 0:
-        sender = NcclKvSender(1, page_tokens=8, timeout_s=20.0)
-        handles = [sender.send(f"g{i}", g, src) for i, g in enumerate(src_groups)]
-        handles.append(sender.send("wrong-dtype", src_groups[2], make_cache(1)))
-        for h in handles:
-            h.result(timeout=20)  # sent: whether the peer accepted is the receiver's to say
-        sender.close()
-    else:
-        dst, dst_groups = make_cache(2, torch.bfloat16), shuffled_slot_groups(14, LENGTHS)
-        before = clone(dst)
-        receiver = NcclKvReceiver(0, timeout_s=20.0)
-        handles = {i: receiver.recv(f"g{i}", dst_groups[i], dst) for i in range(0, len(LENGTHS), 2)}
-        time.sleep(0.3)  # the rest come before they are registered: parked
-        handles.update({i: receiver.recv(f"g{i}", dst_groups[i], dst) for i in range(1, len(LENGTHS), 2)})
-        wrong = receiver.recv("wrong-dtype", list(range(SLOTS - 8, SLOTS)), dst)
-        for i, h in handles.items():
-            h.result(timeout=20)
-            assert h.tokens_done == LENGTHS[i]
-            assert_moved(src, src_groups[i], dst, dst_groups[i])
-        assert wrong.wait(20) and "dtype" in wrong.error
-        assert_untouched(dst, before, [s for g in dst_groups for s in g])
-        receiver.close()
-    dist.destroy_process_group()
-
-
-def test_p2p_transport_between_two_gloo_processes():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp.spawn(_gloo_rank, args=(port,), nprocs=2, join=True)
