@@ -11,7 +11,6 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-import msgspec
 import zmq
 from quart import Quart, Response, request
 
@@ -19,6 +18,7 @@ from llaunch.launcher.schema import ProcessSpec, RunConfig
 from llaunch.runtime.bootstrap import report_ready, start
 from llaunch.runtime.http.errors import bad_request, json_response
 from llaunch.runtime.http.guards import json_errors
+from llaunch.runtime.http.openai_protocol import decode_body
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.pd.master_process import HEARTBEAT_TIMEOUT_S, serve_until_stopped
 
@@ -62,12 +62,7 @@ def create_config_app(directory: Directory) -> Quart:
 
     @app.post("/register")
     async def register() -> Response:
-        try:
-            entry = msgspec.json.decode(await request.get_data())
-        except msgspec.DecodeError as e:
-            raise bad_request(f"The body is not valid JSON: {e}") from None
-        if not isinstance(entry, dict):
-            raise bad_request("The body must be a JSON object.")
+        entry = decode_body(await request.get_data(), dict[str, Any])  # any extra fields are kept
         try:
             directory.register(entry)
         except ValueError as e:
