@@ -21,7 +21,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a shape. Fixed, not autotuned: the block sizes set the
-    summation order, and a timing-dependent pick would make greedy output differ between restarts
+    summation order, and a timing-dependent pick could make greedy output differ between restarts
     and between replicas. These are what Triton's autotuner picked on an H200 among ten shapes for
     o_proj, down_proj and gate_up (docs/benchmarks.md, e3d7dfe; qkv picked 2 × 1024 there): narrow
     programs keep the tail short, the gated kernel reads two rows per output already."""
