@@ -14,6 +14,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from llaunch.kernels import pdl
 
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 256  # stage-1 programs to aim for: ~2 per SM of an H200 (swept with scripts/bench_kernels.py)
@@ -31,8 +34,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
                          mid_o_ptr, mid_lse_ptr, out_ptr, qk_scale, num_splits, q_batch_stride, q_head_stride,
                          out_batch_stride, out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride,
                          dim, GROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
-                         PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,8 +96,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
 
 @triton.jit
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, num_splits, out_batch_stride,
-                         out_head_stride, dim, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         out_head_stride, dim, PDL: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -155,14 +164,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_o = torch.empty((*mid_shape, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     block_n, warps, stages = _launch_shape(q, dim)
+    use_pdl = pdl.enabled(q)
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, req_to_slots, rows, seq_lens, mid_o, mid_lse, out, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         req_to_slots.stride(0), dim, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
+        num_stages=stages, **pdl.launch_options(use_pdl))
     if not direct:
         _decode_merge_kernel[(batch, n_q_heads)](
-            mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim,
-            BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
+            mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim, PDL=use_pdl,
+            BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
+            **pdl.launch_options(use_pdl))
     return out

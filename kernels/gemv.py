@@ -15,6 +15,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from llaunch.kernels import pdl
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -36,22 +39,35 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int]:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
+    cols = tl.arange(0, BLOCK_K)
+    # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
+    # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
+    mask = row_mask[:, None] & (cols < K)[None, :]
+    w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    up = w
+    if GATED:
+        up = tl.load(w_rows + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_mask = cols < K
-        x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        mask = row_mask[:, None] & col_mask[None, :]
-        w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        nxt = k0 + BLOCK_K + cols
+        mask = row_mask[:, None] & (nxt < K)[None, :]  # all false after the last tile: no traffic
+        w_next = tl.load(w_rows + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
+        w = w_next
         if GATED:
-            up = tl.load(w_rows + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            up_next = tl.load(w_rows + up_offset + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
             up_acc += up.to(tl.float32) * x[None, :]
+            up = up_next
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -85,7 +101,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     if n == 0:
         return out
     block_n, block_k, warps = launch_shape(n, k, gated)
+    use_pdl = pdl.enabled(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        HAS_BIAS=bias is not None, GATED=gated, PDL=use_pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        **pdl.launch_options(use_pdl))
     return out

@@ -7,11 +7,17 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from llaunch.kernels import pdl
 
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n_cols, x_stride, res_stride, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
+    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -47,7 +53,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
     block = triton.next_power_of_2(n)
     # With a residual, the normalized input is h (rounded to h's dtype), so the kernel reads it as h.
     src = x2 if residual is None or x.dtype == h_dtype else x2.to(h_dtype)
+    use_pdl = pdl.enabled(x)
     _rmsnorm_kernel[(x2.shape[0],)](
         src, r2, weight, out, h, n, src.stride(0), r2.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)))
+        HAS_RESIDUAL=residual is not None, PDL=use_pdl, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+        **pdl.launch_options(use_pdl))
     return (out, h) if residual is not None else out

@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from llaunch.kernels import pdl
 
 
 @triton.jit
@@ -30,8 +33,11 @@ def _rotate_heads(src_ptr, dst_ptr, token, dst_row, src_tok_stride, src_head_str
 def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, pos_ptr, slots_ptr, cos_ptr, sin_ptr,
                    q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride, v_head_stride,
                    n_q_heads, n_k_heads, table_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr):
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     """STORE: k (rotated) and v go to the caches' row slots[token]; else k to k_out's row token."""
+    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -63,11 +69,13 @@ def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots) -> torch.Tensor:
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return q_out
+    use_pdl = pdl.enabled(q)
     _rotary_kernel[(tokens,)](
         q, k, v, q_out, k_dst, v_dst, positions, positions if slots is None else slots, cos, sin, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), n_q, n_k, cos.stride(0), HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(n_q),
-        BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, num_warps=4)
+        BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, PDL=use_pdl, num_warps=4,
+        **pdl.launch_options(use_pdl))
     return q_out
 
 

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from llaunch.kernels import pdl
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch
 from llaunch.runtime.models.decoder import DecoderLM
@@ -66,11 +67,11 @@ def decode_args(kv, b: int, context: int):
     return rows, [context - 1] * b, [base + r * context + context - 1 for r in rows], [context] * b
 
 
-def time_decode_steps(graphs: DecodeGraphs, kv, context: int = 1024) -> list[dict]:
+def time_decode_steps(graphs: DecodeGraphs, kv, context: int = 1024, batches=(1, 64, 256)) -> list[dict]:
     """Device time of one decode step (graph replay only, no sampling or host work) at batch sizes
     1, 64 and 256 over `context` cached tokens each: the floor the engine's TPOT is compared with."""
     out = []
-    for b in (1, 64, 256):
+    for b in batches:
         args = decode_args(kv, b, context)
         for _ in range(3):
             graphs.run(*args)
@@ -181,6 +182,14 @@ def main() -> int:
         diff = (torch.stack(replayed) - got).abs().max().item()
         checks.append(dict(check="decode CUDA graph replay vs eager", max_abs_diff=diff))
         checks += time_decode_steps(graphs, kv)
+        if pdl.enabled(last):  # A/B: the batch-1 step captured with plain launches
+            pdl.set_enabled(False)
+            plain = DecodeGraphs(ours, kv, last, 1, 4096, scratch_row=256, scratch_slot=scratch)
+            plain.capture()
+            for c in time_decode_steps(plain, kv, batches=(1,)):
+                checks.append(dict(c, check=c["check"] + ", without PDL"))
+            del plain
+            pdl.set_enabled(True)
         if args.profile:
             profile_decode_step(graphs, kv)
     for c in checks:

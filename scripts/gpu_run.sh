@@ -3,7 +3,8 @@
 # transformers, serve the Qwen2-7B-shaped dummy model, run the benchmark cases of
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
-#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels gemv single-cublas sweep prefix parallel smollm2
+#   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels gemv chain single-cublas
+#                                            single-nopdl sweep prefix parallel smollm2
 #                                            stash steps pd;
 #                                            default: the first five)
 set -u
@@ -47,8 +48,14 @@ fi
 if has gemv; then  # the batch-1 GEMV and fused rotary+KV-store kernels: tests, then timed against cuBLAS
   stamp "gemv: kernel tests and timings"
   TRITON_INTERPRET=0 timeout 200 $PY -m pytest -q -m gpu tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_rotary.py \
+    tests/kernels/test_pdl.py tests/kernels/test_kernel_rmsnorm.py tests/kernels/test_kernel_decode_attention.py \
     --confcutdir=tests/kernels -p no:cacheprovider 2>&1 | tail -3
   timeout 200 $PY scripts/bench_kernels.py --ops gemv --json "$OUT/kernels-gemv.json" 2>&1 | grep -v Warning
+fi
+
+if has chain; then  # the step's linear layers over 13 GB of distinct weights: launch shapes, PDL, cuBLAS, read ceiling
+  stamp "gemv chain"
+  timeout 400 $PY scripts/bench_gemv_chain.py ${CHAIN_ARGS:---sweep} --json "$OUT/gemv-chain.json" 2>&1 | grep -v Warning
 fi
 
 if has kernels; then
@@ -118,6 +125,10 @@ for c in single c64 c256; do has $c && BENCH="$BENCH $c"; done
 [ -n "$BENCH" ] && serve_bench tp1 "$SERVE" $BENCH
 if has single-cublas; then  # A/B: the same single case with batch-1 linear layers left to cuBLAS
   LLAUNCH_GEMV=cublas serve_bench cublas "$SERVE" single
+fi
+
+if has single-nopdl; then  # A/B: the same single case with programmatic dependent launch off
+  LLAUNCH_PDL=0 serve_bench nopdl "$SERVE" single
 fi
 
 if has parallel; then  # the tensor/data-parallel issue: c64 on tp1, tp2 and dp2 (two GPUs)

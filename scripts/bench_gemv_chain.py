@@ -1,0 +1,161 @@
+"""The batch-1 decode step's linear layers as the engine runs them: 28 layers of distinct Qwen2-7B
+weights (13 GB, so nothing stays in the 50 MB L2), each layer rmsnorm → qkv+bias → o_proj →
+rmsnorm(+residual) → gate_up+SiLU → down, chained through their activations and replayed from one
+CUDA graph. Times the GEMV kernel's launch shapes with and without programmatic dependent launch,
+cuBLAS on the same chain, and the streaming-read ceiling for the same bytes (one kernel summing the
+13 GB buffer the weights live in).
+
+    python scripts/bench_gemv_chain.py [--layers 28] [--json out.json] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from llaunch.kernels import gemv as gemv_module
+from llaunch.kernels import pdl, reference
+from llaunch.kernels.dispatch import triton_ops
+
+BF16 = torch.bfloat16
+HIDDEN, INTER, QKV = 3584, 18944, 4608
+SHAPES = {"qkv": (QKV, HIDDEN), "o_proj": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+
+
+@triton.jit
+def _read_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(src_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+def read_ceiling(buf: torch.Tensor) -> list[dict]:
+    """Bytes/s of one kernel streaming the whole buffer (reads only), for a few program sizes."""
+    rows = []
+    for block, iters, warps in ((4096, 8, 8), (8192, 8, 8), (4096, 32, 8), (2048, 16, 4)):
+        grid = triton.cdiv(buf.numel(), block * iters)
+        out = torch.empty(grid, device="cuda")
+        fn = lambda: _read_kernel[(grid,)](buf, out, buf.numel(), BLOCK=block, ITERS=iters, num_warps=warps)  # noqa: E731
+        fn()
+        ms = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+        rows.append(dict(case=f"streaming read, {block}x{iters} per program, {warps} warps", ms=ms,
+                         tb_per_s=buf.numel() * 2 / ms / 1e9))
+    return rows
+
+
+class Chain:
+    """Per-layer weights carved from one buffer; activations chained so every kernel waits for the last."""
+
+    def __init__(self, layers: int):
+        per_layer = sum(n * k for n, k in SHAPES.values())
+        self.buf = torch.empty(layers * per_layer, device="cuda", dtype=BF16)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for i in range(0, self.buf.numel(), 1 << 28):  # randn in pieces: no 26 GB float32 temporary
+            piece = self.buf[i: i + (1 << 28)]
+            piece.copy_(torch.randn(piece.numel(), device="cuda", generator=g) * 0.02)
+        self.layers, off = [], 0
+        for _ in range(layers):
+            layer = {}
+            for name, (n, k) in SHAPES.items():
+                layer[name] = self.buf[off: off + n * k].view(n, k)
+                off += n * k
+            layer["bias"] = torch.randn(QKV, device="cuda").to(BF16)
+            layer["norm1"] = torch.ones(HIDDEN, device="cuda", dtype=BF16)
+            layer["norm2"] = torch.ones(HIDDEN, device="cuda", dtype=BF16)
+            self.layers.append(layer)
+        self.x = torch.randn(1, HIDDEN, device="cuda").to(BF16)
+        self.weight_bytes = 2 * off
+
+    def forward(self, linear, gated):
+        ops = triton_ops()
+        h, residual = self.x, None
+        for layer in self.layers:
+            if residual is None:
+                x, residual = ops.rmsnorm(h, layer["norm1"], 1e-6), h
+            else:
+                x, residual = ops.rmsnorm(h, layer["norm1"], 1e-6, residual)
+            qkv = linear(x, layer["qkv"], layer["bias"])
+            h = linear(qkv[:, :HIDDEN], layer["o_proj"], None)
+            x, residual = ops.rmsnorm(h, layer["norm2"], 1e-6, residual)
+            h = linear(gated(x, layer["gate_up"]), layer["down"], None)
+        return h
+
+    def time(self, linear, gated) -> tuple[float, torch.Tensor]:
+        out = self.forward(linear, gated)  # compiles outside the capture
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench_cudagraph(lambda: self.forward(linear, gated), rep=300, return_mode="median")
+        return ms, out
+
+
+def gemv_linear(x, w, b):
+    return triton_ops().gemv(x, w, b)
+
+
+def gemv_gated(x, w):
+    return triton_ops().gemv(x, w, gated=True)
+
+
+def cublas_linear(x, w, b):
+    return reference.linear(x, w, b)
+
+
+def cublas_gated(x, w):
+    return triton_ops().silu_mul(reference.linear(x, w))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--json")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative launch shapes, one op kind at a time")
+    args = ap.parse_args()
+    chain = Chain(args.layers)
+    rows = read_ceiling(chain.buf)
+    for r in rows:
+        print(json.dumps(r))
+
+    def record(case, ms, out, ref=None):
+        row = dict(case=case, ms=ms, tb_per_s=chain.weight_bytes / ms / 1e9)
+        if ref is not None:
+            row["max_abs_diff_vs_first"] = (out.float() - ref.float()).abs().max().item()
+        rows.append(row)
+        print(json.dumps(row))
+
+    pdl.set_enabled(False)
+    ms, ref = chain.time(cublas_linear, cublas_gated)
+    record("cuBLAS linear + silu_mul kernel (no PDL)", ms, ref)
+    ms, out = chain.time(gemv_linear, gemv_gated)
+    record("GEMV kernel, default shapes, no PDL", ms, out, ref)
+    pdl.set_enabled(True)
+    ms, out = chain.time(gemv_linear, gemv_gated)
+    record("GEMV kernel, default shapes, PDL", ms, out, ref)
+
+    if args.sweep:
+        default = gemv_module.launch_shape
+        plain = ((1, 2048, 4), (1, 4096, 4), (1, 4096, 8), (2, 1024, 4), (2, 2048, 4), (2, 4096, 8), (4, 1024, 4),
+                 (4, 2048, 8))
+        gated_shapes = ((2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 1024, 8), (8, 256, 4),
+                        (16, 256, 4))
+        for which, candidates in (("qkv", plain), ("o_proj", plain), ("down", plain), ("gate_up", gated_shapes)):
+            n_w, k_w = SHAPES[which]
+            for shape in candidates:
+                def patched(n, k, gated, shape=shape, n_w=n_w, k_w=k_w, which=which):
+                    mine = (gated and which == "gate_up") or (not gated and which != "gate_up" and (n, k) == (n_w, k_w))
+                    return shape if mine else default(n, k, gated)
+                gemv_module.launch_shape = patched
+                ms, out = chain.time(gemv_linear, gemv_gated)
+                record(f"PDL, {which} at BLOCK_N,BLOCK_K,warps={shape}", ms, out, ref)
+        gemv_module.launch_shape = default
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), weight_bytes=chain.weight_bytes, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
