@@ -7,16 +7,24 @@ anything an earlier kernel wrote and before it writes anything, so what it may d
 constants (the GEMV streams its first weight tiles). Every PDL kernel waits unconditionally, so
 "the previous kernel finished" still implies "every earlier kernel finished".
 
-`LLAUNCH_PDL=0` turns it off (A/B timing); the interpreter and pre-Hopper GPUs never use it.
+`LLAUNCH_PDL`: `graphs` (default) uses it for launches inside `for_graphs()` (the decode steps'
+CUDA-graph capture, where it was measured to pay), `all` for eager launches too, `0` never (A/B timing). The interpreter
+and pre-Hopper GPUs never use it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 import torch
 
-_enabled = os.environ.get("LLAUNCH_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
+MODES = ("0", "graphs", "all")
+_mode = os.environ.get("LLAUNCH_PDL", "graphs")
+if _mode not in MODES:
+    raise ValueError(f"LLAUNCH_PDL={_mode!r}: use one of {', '.join(MODES)}")
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_graph_work = 0  # > 0 inside for_graphs(): the launches are a capture or its warm-up
 
 
 @functools.cache
@@ -25,16 +33,33 @@ def _hopper_or_later(index: int) -> bool:
 
 
 def enabled(t: torch.Tensor) -> bool:
-    """Launch the kernels that produce/consume t with PDL?"""
-    return _enabled and t.is_cuda and _hopper_or_later(t.device.index if t.device.index is not None
-                                                       else torch.cuda.current_device())
+    """Launch the kernel that consumes t with PDL?"""
+    if _mode == "0" or _INTERPRETED or not t.is_cuda:
+        return False
+    if _mode == "graphs" and not _graph_work:
+        return False
+    return _hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def set_enabled(flag: bool) -> bool:
-    """For A/B timing in one process; takes effect for launches (and graph captures) after the call.
-    Returns the previous setting."""
-    global _enabled
-    before, _enabled = _enabled, flag and os.environ.get("TRITON_INTERPRET") != "1"
+@contextlib.contextmanager
+def for_graphs():
+    """Launches in this block are for CUDA graphs: wrap the warm-up with the capture, so the PDL
+    variants compile in the warm-up (a constexpr) and nothing compiles while a stream captures."""
+    global _graph_work
+    _graph_work += 1
+    try:
+        yield
+    finally:
+        _graph_work -= 1
+
+
+def set_mode(mode: str) -> str:
+    """For A/B timing in one process: takes effect for launches (and graph captures) after the call.
+    Returns the previous mode."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"PDL mode {mode!r}: use one of {', '.join(MODES)}")
+    before, _mode = _mode, mode
     return before
 
 

@@ -127,31 +127,39 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row))
 
-    pdl.set_enabled(False)
+    pdl.set_mode("0")
     ms, ref = chain.time(cublas_linear, cublas_gated)
     record("cuBLAS linear + silu_mul kernel (no PDL)", ms, ref)
     ms, out = chain.time(gemv_linear, gemv_gated)
     record("GEMV kernel, default shapes, no PDL", ms, out, ref)
-    pdl.set_enabled(True)
+    pdl.set_mode("all")
     ms, out = chain.time(gemv_linear, gemv_gated)
     record("GEMV kernel, default shapes, PDL", ms, out, ref)
 
     if args.sweep:
         default = gemv_module.launch_shape
-        plain = ((1, 2048, 4), (1, 4096, 4), (1, 4096, 8), (2, 1024, 4), (2, 2048, 4), (2, 4096, 8), (4, 1024, 4),
-                 (4, 2048, 8))
-        gated_shapes = ((2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4), (4, 1024, 8), (8, 256, 4),
-                        (16, 256, 4))
-        for which, candidates in (("qkv", plain), ("o_proj", plain), ("down", plain), ("gate_up", gated_shapes)):
+        candidates = {  # (BLOCK_N, BLOCK_K, warps, programs per SM; 0 = one program per row block)
+            "qkv": ((1, 2048, 4, 0), (2, 2048, 8, 0), (2, 1024, 4, 1), (2, 1024, 4, 2), (2, 1024, 4, 4), (1, 2048, 4, 2),
+                    (4, 1024, 4, 2)),
+            "o_proj": ((4, 1024, 4, 0), (2, 2048, 8, 0), (2, 1024, 4, 1), (2, 1024, 4, 2), (4, 1024, 4, 1),
+                       (4, 1024, 4, 2), (1, 2048, 4, 2)),
+            "down": ((2, 2048, 8, 0), (1, 4096, 4, 0), (4, 1024, 4, 1), (4, 1024, 4, 2), (4, 1024, 8, 2),
+                     (2, 2048, 8, 1), (2, 2048, 4, 2), (1, 4096, 4, 2)),
+            "gate_up": ((8, 512, 4, 0), (8, 256, 4, 0), (4, 512, 4, 2), (4, 512, 4, 4), (8, 512, 4, 1), (8, 512, 8, 1),
+                        (8, 256, 4, 2), (4, 1024, 8, 1)),
+        }
+        for which, shapes in candidates.items():
             n_w, k_w = SHAPES[which]
-            for shape in candidates:
+            for shape in shapes:
                 def patched(n, k, gated, shape=shape, n_w=n_w, k_w=k_w, which=which):
                     mine = (gated and which == "gate_up") or (not gated and which != "gate_up" and (n, k) == (n_w, k_w))
                     return shape if mine else default(n, k, gated)
                 gemv_module.launch_shape = patched
                 ms, out = chain.time(gemv_linear, gemv_gated)
-                record(f"PDL, {which} at BLOCK_N,BLOCK_K,warps={shape}", ms, out, ref)
+                record(f"PDL, {which} at BLOCK_N,BLOCK_K,warps,per_SM={shape}", ms, out, ref)
         gemv_module.launch_shape = default
+        ms, out = chain.time(gemv_linear, gemv_gated)
+        record("GEMV kernel, default shapes, PDL (again: the run-to-run spread)", ms, out, ref)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), weight_bytes=chain.weight_bytes, rows=rows), f, indent=1)

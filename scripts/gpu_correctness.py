@@ -87,6 +87,28 @@ def time_decode_steps(graphs: DecodeGraphs, kv, context: int = 1024, batches=(1,
     return out
 
 
+def time_prefill(model, kv, ids, slots) -> list[dict]:
+    """Device time of an eager prefill step (no graph) with plain launches and with PDL on every
+    Triton kernel (LLAUNCH_PDL=all): whether PDL pays outside the decode graphs."""
+    out = []
+    n = len(ids)
+    batch = batch_of(ids, list(range(n)), slots, [], [], prefill=0)
+    for mode in ("0", "all", "0", "all"):
+        pdl.set_mode(mode)
+        with torch.inference_mode():
+            for _ in range(3):
+                model.forward(batch, kv)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                model.forward(batch, kv)
+            end.record()
+            torch.cuda.synchronize()
+        out.append(dict(check=f"prefill step, {n} tokens, eager, LLAUNCH_PDL={mode}", ms=start.elapsed_time(end) / 20))
+    return out
+
+
 def profile_decode_step(graphs: DecodeGraphs, kv, context: int = 1024, steps: int = 20) -> None:
     """Kernel time per decode step, by kernel name (torch profiler over graph replays), batch 1 and 256:
     where the step's device time goes."""
@@ -182,14 +204,15 @@ def main() -> int:
         diff = (torch.stack(replayed) - got).abs().max().item()
         checks.append(dict(check="decode CUDA graph replay vs eager", max_abs_diff=diff))
         checks += time_decode_steps(graphs, kv)
-        if pdl.enabled(last):  # A/B: the batch-1 step captured with plain launches
-            pdl.set_enabled(False)
+        if torch.cuda.get_device_capability()[0] >= 9:  # A/B: the batch-1 step captured with plain launches
+            before = pdl.set_mode("0")
             plain = DecodeGraphs(ours, kv, last, 1, 4096, scratch_row=256, scratch_slot=scratch)
             plain.capture()
             for c in time_decode_steps(plain, kv, batches=(1,)):
                 checks.append(dict(c, check=c["check"] + ", without PDL"))
             del plain
-            pdl.set_enabled(True)
+            checks += time_prefill(ours, kv, ids[:n], slots[:n])
+            pdl.set_mode(before)
         if args.profile:
             profile_decode_step(graphs, kv)
     for c in checks:

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from llaunch.kernels import pdl
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 
 log = logging.getLogger("llaunch.worker")
@@ -59,6 +60,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
+        with pdl.for_graphs():  # the warm-up compiles the PDL variants the capture records
+            self._capture()
+
+    def _capture(self) -> None:
         self._fill_padding(0, self.buckets[-1])
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()

@@ -50,12 +50,12 @@ def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda):
 
     inputs = [(torch.randn(1, H, device=cuda).to(bf), torch.randn(1, H, device=cuda).to(bf)) for _ in range(3)]
     expected = []
-    before = pdl.set_enabled(False)
+    before = pdl.set_mode("0")
     try:
         for x, r in inputs:
             static["x"].copy_(x), static["r"].copy_(r)
             expected.append([t.clone() for t in run()])
-        pdl.set_enabled(True)
+        pdl.set_mode("all")
         for (x, r), want in zip(inputs, expected):  # eager, PDL
             static["x"].copy_(x), static["r"].copy_(r)
             for got, exp in zip(run(), want):
@@ -69,4 +69,4 @@ def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda):
             for got, exp in zip(outs, want):
                 assert torch.equal(got, exp)
     finally:
-        pdl.set_enabled(before)
+        pdl.set_mode(before)
