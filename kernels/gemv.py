@@ -9,7 +9,6 @@ its 2I-wide input disappear.
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
@@ -24,11 +23,11 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, programs per SM; 0: one program per row block) for a shape.
-    Fixed, not autotuned: the block sizes set the summation order, and a timing-dependent pick could
-    make greedy output differ between restarts and between replicas. Picked on an H200 by
-    `scripts/bench_gemv_chain.py --sweep` (Qwen2-7B's layers chained as in a decode step, with PDL;
-    docs/benchmarks.md)."""
+    """(BLOCK_N, BLOCK_K, num_warps, columns each program prefetches into L2 before its PDL wait) for
+    a shape. Fixed, not autotuned: the block sizes set the summation order, and a timing-dependent
+    pick could make greedy output differ between restarts and between replicas. Picked on an H200
+    by `scripts/bench_gemv_chain.py --sweep` (Qwen2-7B's layers chained as in a decode step, with
+    PDL; docs/benchmarks.md)."""
     if _INTERPRETED:  # a Python loop per program: few, large programs keep tests fast
         return 32, 256, 4, 0
     if gated:
@@ -38,68 +37,63 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     return 2, max(64, triton.next_power_of_2(k)), 4, 0
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask for the 128-byte line at each pointer to be brought into L2: holds no register, waits for nothing."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """Program p owns row blocks p, p + P, p + 2P, … (P programs) and walks their tiles in one flat
-    loop, so a grid smaller than the row-block count keeps every program busy to the end."""
-    pid = tl.program_id(0)
-    n_programs = tl.num_programs(0)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    n_tiles = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, n_programs) * k_tiles
-    offs_n = tl.arange(0, BLOCK_N)
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
     cols = tl.arange(0, BLOCK_K)
-    # Software pipelining by one tile: tile i+1's loads are in flight while tile i is summed. The
+    if PREFETCH > 0:
+        # A program launched early by PDL sits in gdc_wait while the previous kernel drains; the
+        # columns after its first tile, requested into L2 now, keep HBM busy through that tail.
+        pf_cols = tl.minimum(BLOCK_K + tl.arange(0, PREFETCH // 64) * 64, K - 1)
+        pf = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * w_stride + pf_cols[None, :]
+        _prefetch_l2(pf)
+        if GATED:
+            _prefetch_l2(pf + up_offset)
+    # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
     # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
-    rows = pid * BLOCK_N + offs_n
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    w_tile = w_ptr + rows.to(tl.int64)[:, None] * w_stride + cols[None, :]
-    w = tl.load(w_tile, mask=mask, other=0.0, eviction_policy="evict_first")
+    mask = row_mask[:, None] & (cols < K)[None, :]
+    w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
     up = w
     if GATED:
-        up = tl.load(w_tile + up_offset, mask=mask, other=0.0, eviction_policy="evict_first")
+        up = tl.load(w_rows + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for i in range(n_tiles):
-        k0 = (i % k_tiles) * BLOCK_K
-        rows = (pid + (i // k_tiles) * n_programs) * BLOCK_N + offs_n
+    for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        nk0 = ((i + 1) % k_tiles) * BLOCK_K
-        n_rows = (pid + ((i + 1) // k_tiles) * n_programs) * BLOCK_N + offs_n
-        row_limit = tl.where(i + 1 < n_tiles, N, 0)  # no next tile after the last: nothing loaded
-        mask = (n_rows < row_limit)[:, None] & (nk0 + cols < K)[None, :]
-        w_tile = w_ptr + n_rows.to(tl.int64)[:, None] * w_stride + nk0 + cols[None, :]
-        w_next = tl.load(w_tile, mask=mask, other=0.0, eviction_policy="evict_first")
+        nxt = k0 + BLOCK_K + cols
+        mask = row_mask[:, None] & (nxt < K)[None, :]  # all false after the last tile: no traffic
+        w_next = tl.load(w_rows + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
         w = w_next
         if GATED:
-            up_next = tl.load(w_tile + up_offset, mask=mask, other=0.0, eviction_policy="evict_first")
+            up_next = tl.load(w_rows + up_offset + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
             up_acc += up.to(tl.float32) * x[None, :]
             up = up_next
-        if k0 + BLOCK_K >= K:  # the row block's last tile: its outputs are complete
-            row_mask = rows < N
-            y = tl.sum(acc, axis=1)
-            if HAS_BIAS:
-                y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-            dtype = out_ptr.dtype.element_ty
-            if GATED:
-                # Round as the unfused path does: linear output to the dtype, silu(gate) to the dtype.
-                gate = y.to(dtype).to(tl.float32)
-                up_y = tl.sum(up_acc, axis=1).to(dtype).to(tl.float32)
-                act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-                y = act * up_y
-            tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        # Round as the unfused path does: linear output to the dtype, silu(gate) to the dtype.
+        gate = y.to(dtype).to(tl.float32)
+        up_y = tl.sum(up_acc, axis=1).to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        y = act * up_y
+    tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -121,13 +115,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    block_n, block_k, warps, per_sm = launch_shape(n, k, gated)
-    programs = triton.cdiv(n, block_n)
-    if per_sm:  # persistent: a fixed number of programs, each looping over its row blocks
-        programs = min(programs, per_sm * (_sm_count(x.device.index or 0) if x.is_cuda else 1))
+    block_n, block_k, warps, prefetch = launch_shape(n, k, gated)
     use_pdl = pdl.enabled(x)
-    _gemv_kernel[(programs,)](
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, PDL=use_pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        HAS_BIAS=bias is not None, GATED=gated, PDL=use_pdl, PREFETCH=prefetch if use_pdl and k > block_k else 0,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         **pdl.launch_options(use_pdl))
     return out

@@ -68,7 +68,8 @@ serve_bench() {
   local tag=$1 args=$2; shift 2
   stamp "serve $tag: llaunch $args"
   local start; start=$($PY -c "import time; print(time.time())")
-  llaunch $args server.port=8000 hydra.run.dir=/tmp/llaunch-run-$tag >"$OUT/llaunch-$tag.log" 2>&1 &
+  LLAUNCH_STEP_TRACE=${TRACE:+$OUT/trace-$tag.jsonl} llaunch $args server.port=8000 hydra.run.dir=/tmp/llaunch-run-$tag \
+    >"$OUT/llaunch-$tag.log" 2>&1 &
   local lpid=$!
   $PY - "$start" "$lpid" <<'PYEOF' | tee "$OUT/startup-$tag.txt"
 import os, sys, time, urllib.request
@@ -110,6 +111,7 @@ PYEOF
   fi
   kill -TERM $lpid 2>/dev/null; wait $lpid
   tail -2 "$OUT/llaunch-$tag.log"
+  [ -n "${TRACE:-}" ] && $PY scripts/step_trace_report.py "$OUT/trace-$tag.jsonl" --bins 1 2>&1 | head -${TRACE_LINES:-14}
   for f in /tmp/llaunch-run-$tag/logs/*.log; do echo "== $f"; tail -30 "$f"; done > "$OUT/process-logs-$tag.txt"
 }
 run_case() {  # name prompts input output concurrency timeout
