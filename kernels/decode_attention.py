@@ -164,7 +164,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_o = torch.empty((*mid_shape, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     block_n, warps, stages = _launch_shape(q, dim)
-    use_pdl = pdl.enabled(q)
+    use_pdl = pdl.enabled(q, "decode_attention")
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, req_to_slots, rows, seq_lens, mid_o, mid_lse, out, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),

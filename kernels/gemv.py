@@ -22,44 +22,29 @@ from llaunch.kernels import pdl
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, columns each program prefetches into L2 before its PDL wait) for
-    a shape. Fixed, not autotuned: the block sizes set the summation order, and a timing-dependent
-    pick could make greedy output differ between restarts and between replicas. Picked on an H200
-    by `scripts/bench_gemv_chain.py --sweep` (Qwen2-7B's layers chained as in a decode step, with
-    PDL; docs/benchmarks.md)."""
+def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a shape. Fixed, not autotuned: the block sizes set the
+    summation order, and a timing-dependent pick could make greedy output differ between restarts
+    and between replicas. Picked on an H200 by `scripts/bench_gemv_chain.py --sweep` (Qwen2-7B's
+    layers chained as in a decode step, 13 GB of distinct weights, with PDL; docs/benchmarks.md):
+    programs of 1–2k columns × 4 warps, more rows per program where outputs are fewer than inputs."""
     if _INTERPRETED:  # a Python loop per program: few, large programs keep tests fast
-        return 32, 256, 4, 0
+        return 32, 256, 4
     if gated:
-        return 4, 512, 4, 0
+        return 8, 256, 4
     if k >= 2048:
-        return (4, 1024, 4, 0) if k >= 8192 else (2, 1024, 4, 0)
-    return 2, max(64, triton.next_power_of_2(k)), 4, 0
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask for the 128-byte line at each pointer to be brought into L2: holds no register, waits for nothing."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
+        return (2, 1024, 4) if n > k else (4, 1024, 4)
+    return 2, max(64, triton.next_power_of_2(k)), 4
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
     cols = tl.arange(0, BLOCK_K)
-    if PREFETCH > 0:
-        # A program launched early by PDL sits in gdc_wait while the previous kernel drains; the
-        # columns after its first tile, requested into L2 now, keep HBM busy through that tail.
-        pf_cols = tl.minimum(BLOCK_K + tl.arange(0, PREFETCH // 64) * 64, K - 1)
-        pf = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * w_stride + pf_cols[None, :]
-        _prefetch_l2(pf)
-        if GATED:
-            _prefetch_l2(pf + up_offset)
     # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
     # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
     mask = row_mask[:, None] & (cols < K)[None, :]
@@ -115,11 +100,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    block_n, block_k, warps, prefetch = launch_shape(n, k, gated)
-    use_pdl = pdl.enabled(x)
+    block_n, block_k, warps = launch_shape(n, k, gated)
+    use_pdl = pdl.enabled(x, "gemv")
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, PDL=use_pdl, PREFETCH=prefetch if use_pdl and k > block_k else 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        HAS_BIAS=bias is not None, GATED=gated, PDL=use_pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         **pdl.launch_options(use_pdl))
     return out

@@ -25,6 +25,11 @@ if _mode not in MODES:
     raise ValueError(f"LLAUNCH_PDL={_mode!r}: use one of {', '.join(MODES)}")
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _graph_work = 0  # > 0 inside for_graphs(): the launches are a capture or its warm-up
+KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention")
+# which kernels launch with PDL: LLAUNCH_PDL_KERNELS=gemv,rmsnorm (A/B of subsets; default all)
+_kernels = frozenset(k for k in os.environ.get("LLAUNCH_PDL_KERNELS", ",".join(KERNELS)).split(",") if k)
+if _kernels - set(KERNELS):
+    raise ValueError(f"LLAUNCH_PDL_KERNELS: {sorted(_kernels - set(KERNELS))} unknown; kernels are {', '.join(KERNELS)}")
 
 
 @functools.cache
@@ -32,9 +37,9 @@ def _hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def enabled(t: torch.Tensor) -> bool:
-    """Launch the kernel that consumes t with PDL?"""
-    if _mode == "0" or _INTERPRETED or not t.is_cuda:
+def enabled(t: torch.Tensor, kernel: str) -> bool:
+    """Launch `kernel` (one of KERNELS), which consumes t, with PDL?"""
+    if _mode == "0" or _INTERPRETED or not t.is_cuda or kernel not in _kernels:
         return False
     if _mode == "graphs" and not _graph_work:
         return False
@@ -60,6 +65,16 @@ def set_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"PDL mode {mode!r}: use one of {', '.join(MODES)}")
     before, _mode = _mode, mode
+    return before
+
+
+def set_kernels(names) -> frozenset:
+    """For A/B timing: only these kernels launch with PDL. Returns the previous set."""
+    global _kernels
+    unknown = set(names) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"no PDL switch for {sorted(unknown)}: kernels are {', '.join(KERNELS)}")
+    before, _kernels = _kernels, frozenset(names)
     return before
 
 

@@ -53,7 +53,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
     block = triton.next_power_of_2(n)
     # With a residual, the normalized input is h (rounded to h's dtype), so the kernel reads it as h.
     src = x2 if residual is None or x.dtype == h_dtype else x2.to(h_dtype)
-    use_pdl = pdl.enabled(x)
+    use_pdl = pdl.enabled(x, "rmsnorm")
     _rmsnorm_kernel[(x2.shape[0],)](
         src, r2, weight, out, h, n, src.stride(0), r2.stride(0), eps,
         HAS_RESIDUAL=residual is not None, PDL=use_pdl, BLOCK=block, num_warps=min(16, max(1, block // 512)),

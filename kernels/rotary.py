@@ -69,7 +69,7 @@ def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots) -> torch.Tensor:
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return q_out
-    use_pdl = pdl.enabled(q)
+    use_pdl = pdl.enabled(q, "rotary")
     _rotary_kernel[(tokens,)](
         q, k, v, q_out, k_dst, v_dst, positions, positions if slots is None else slots, cos, sin, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), n_q, n_k, cos.stride(0), HALF=half,

@@ -138,15 +138,11 @@ def main() -> None:
 
     if args.sweep:
         default = gemv_module.launch_shape
-        candidates = {  # (BLOCK_N, BLOCK_K, warps, columns prefetched into L2 before the PDL wait)
-            "qkv": ((2, 1024, 4, 1024), (2, 1024, 4, 2048), (2, 1024, 4, 4096), (1, 2048, 4, 0), (1, 2048, 4, 2048),
-                    (4, 1024, 4, 2048)),
-            "o_proj": ((2, 1024, 4, 1024), (2, 1024, 4, 2048), (2, 1024, 4, 4096), (4, 1024, 4, 0), (4, 1024, 4, 2048),
-                       (1, 2048, 4, 2048)),
-            "down": ((4, 1024, 4, 1024), (4, 1024, 4, 2048), (4, 1024, 4, 4096), (4, 1024, 4, 8192), (2, 2048, 8, 0),
-                     (2, 2048, 8, 4096), (1, 4096, 4, 4096)),
-            "gate_up": ((4, 512, 4, 1024), (4, 512, 4, 2048), (4, 512, 4, 4096), (8, 256, 4, 0), (8, 256, 4, 2048),
-                        (2, 1024, 4, 2048)),
+        candidates = {  # (BLOCK_N, BLOCK_K, warps)
+            "qkv": ((1, 2048, 4), (2, 2048, 8), (4, 1024, 4)),
+            "o_proj": ((2, 1024, 4), (1, 2048, 4), (2, 2048, 8)),
+            "down": ((2, 2048, 8), (1, 4096, 4), (2, 1024, 4)),
+            "gate_up": ((4, 512, 4), (8, 512, 4), (16, 128, 4)),
         }
         for which, shapes in candidates.items():
             n_w, k_w = SHAPES[which]
@@ -156,7 +152,7 @@ def main() -> None:
                     return shape if mine else default(n, k, gated)
                 gemv_module.launch_shape = patched
                 ms, out = chain.time(gemv_linear, gemv_gated)
-                record(f"PDL, {which} at BLOCK_N,BLOCK_K,warps,L2 prefetch={shape}", ms, out, ref)
+                record(f"PDL, {which} at BLOCK_N,BLOCK_K,warps={shape}", ms, out, ref)
         gemv_module.launch_shape = default
         ms, out = chain.time(gemv_linear, gemv_gated)
         record("GEMV kernel, default shapes, PDL (again: the run-to-run spread)", ms, out, ref)

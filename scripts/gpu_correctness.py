@@ -87,12 +87,30 @@ def time_decode_steps(graphs: DecodeGraphs, kv, context: int = 1024, batches=(1,
     return out
 
 
+def pdl_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
+    """The batch-1 step captured with PDL on every kernel that has it, on the GEMVs and norms only,
+    and on none, alternated `rounds` times (the spread between rounds is the noise)."""
+    out = []
+    subsets = {"all": pdl.KERNELS, "gemv+rmsnorm": ("gemv", "rmsnorm"), "none": ()}
+    for _ in range(rounds):
+        for name, kernels in subsets.items():
+            before = pdl.set_kernels(kernels)
+            graphs = DecodeGraphs(model, kv, last, 1, 4096, scratch_row=256, scratch_slot=scratch)
+            graphs.capture()
+            for c in time_decode_steps(graphs, kv, batches=(1,)):
+                out.append(dict(c, check=c["check"] + f", PDL on {name}"))
+            del graphs
+            pdl.set_kernels(before)
+    return out
+
+
 def time_prefill(model, kv, ids, slots) -> list[dict]:
     """Device time of an eager prefill step (no graph) with plain launches and with PDL on every
     Triton kernel (LLAUNCH_PDL=all): whether PDL pays outside the decode graphs."""
     out = []
     n = len(ids)
     batch = batch_of(ids, list(range(n)), slots, [], [], prefill=0)
+    before = pdl.set_mode("0")
     for mode in ("0", "all", "0", "all"):
         pdl.set_mode(mode)
         with torch.inference_mode():
@@ -106,6 +124,7 @@ def time_prefill(model, kv, ids, slots) -> list[dict]:
             end.record()
             torch.cuda.synchronize()
         out.append(dict(check=f"prefill step, {n} tokens, eager, LLAUNCH_PDL={mode}", ms=start.elapsed_time(end) / 20))
+    pdl.set_mode(before)
     return out
 
 
@@ -204,15 +223,9 @@ def main() -> int:
         diff = (torch.stack(replayed) - got).abs().max().item()
         checks.append(dict(check="decode CUDA graph replay vs eager", max_abs_diff=diff))
         checks += time_decode_steps(graphs, kv)
-        if torch.cuda.get_device_capability()[0] >= 9:  # A/B: the batch-1 step captured with plain launches
-            before = pdl.set_mode("0")
-            plain = DecodeGraphs(ours, kv, last, 1, 4096, scratch_row=256, scratch_slot=scratch)
-            plain.capture()
-            for c in time_decode_steps(plain, kv, batches=(1,)):
-                checks.append(dict(c, check=c["check"] + ", without PDL"))
-            del plain
+        if torch.cuda.get_device_capability()[0] >= 9:
+            checks += pdl_ab(ours, kv, last, scratch)
             checks += time_prefill(ours, kv, ids[:n], slots[:n])
-            pdl.set_mode(before)
         if args.profile:
             profile_decode_step(graphs, kv)
     for c in checks:

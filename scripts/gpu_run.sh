@@ -4,7 +4,7 @@
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
 #   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels gemv chain single-cublas
-#                                            single-nopdl sweep prefix parallel smollm2
+#                                            single-nopdl single-pdl-linear sweep prefix parallel smollm2
 #                                            stash steps pd;
 #                                            default: the first five)
 set -u
@@ -131,6 +131,9 @@ fi
 
 if has single-nopdl; then  # A/B: the same single case with programmatic dependent launch off
   LLAUNCH_PDL=0 serve_bench nopdl "$SERVE" single
+fi
+if has single-pdl-linear; then  # A/B: PDL on the GEMVs and norms only
+  LLAUNCH_PDL_KERNELS=gemv,rmsnorm serve_bench pdl-linear "$SERVE" single
 fi
 
 if has parallel; then  # the tensor/data-parallel issue: c64 on tp1, tp2 and dp2 (two GPUs)

@@ -2,8 +2,6 @@
 eager calls and replayed from a CUDA graph, give bit-identical results to the same kernels without
 it. A kernel that read its input before the previous kernel finished would see the last replay's
 values, so every replay gets new inputs."""
-import importlib
-
 import pytest
 import torch
 
@@ -73,20 +71,3 @@ def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda):
     finally:
         pdl.set_mode(before)
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("gated", [False, True])
-def test_gemv_l2_prefetch_before_the_wait_leaves_results_unchanged(cuda, monkeypatch, gated):
-    """The L2 prefetch ahead of the PDL wait (launch shapes with a prefetch width) changes no output bit."""
-    gemv = importlib.import_module("llaunch.kernels.gemv")
-    k = 3584
-    x = torch.randn(1, k, device=cuda).to(torch.bfloat16)
-    w = (torch.randn(2 * INTER if gated else H, k, device=cuda) / 60).to(torch.bfloat16)
-    before = pdl.set_mode("all")
-    try:
-        plain = triton_ops().gemv(x, w, gated=gated)
-        original = gemv.launch_shape
-        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, g: (*original(n, k, g)[:3], 2048))
-        assert torch.equal(triton_ops().gemv(x, w, gated=gated), plain)
-    finally:
-        pdl.set_mode(before)
