@@ -9,6 +9,7 @@ from llaunch.kernels.dispatch import (  # noqa: F401
     gated_linear,
     linear,
     prefill_attention,
+    qkv_rotary_store_kv,
     rmsnorm,
     rope_cos_sin,
     rotary_embedding,

@@ -18,7 +18,9 @@ from llaunch.kernels import reference
 _FORCE_REFERENCE = os.environ.get("LLAUNCH_KERNELS", "") == "reference"
 # LLAUNCH_GEMV=cublas keeps batch-1 linear layers on cuBLAS (A/B timing of the GEMV kernel).
 _TRITON_GEMV = os.environ.get("LLAUNCH_GEMV", "triton") != "cublas"
-_KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention", "silu_mul", "sampling")
+# LLAUNCH_QKV_ROTARY=0 runs the one-row qkv GEMV and the rotary + KV store as two kernels (A/B timing).
+_FUSED_QKV_ROTARY = os.environ.get("LLAUNCH_QKV_ROTARY", "1") != "0"
+_KERNEL_MODULES = ("gemv", "qkv_rotary", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention", "silu_mul", "sampling")
 
 
 def _use_triton(t) -> bool:
@@ -43,6 +45,7 @@ def triton_ops() -> types.SimpleNamespace:
         decode_attention=modules["decode_attention"].decode_attention,
         silu_mul=modules["silu_mul"].silu_mul,
         gemv=modules["gemv"].gemv,
+        qkv_rotary_store_kv=modules["qkv_rotary"].qkv_rotary_store_kv,
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
     )
@@ -105,6 +108,20 @@ def gated_linear(x, weight):
     if _one_row(x):
         return triton_ops().gemv(x, weight, gated=True)
     return silu_mul(reference.linear(x, weight))
+
+
+def qkv_rotary_store_kv(x, weight, bias, n_q_heads: int, n_kv_heads: int, positions, cos, sin, k_cache, v_cache,
+                        slots):
+    """The attention block's input half: x through the fused q‖k‖v weight, rotary on q and k, k and v
+    stored at each token's slot; returns the rotated q [T, Hq, D]. One row on a GPU: one kernel."""
+    d = k_cache.shape[-1]
+    if _FUSED_QKV_ROTARY and _one_row(x) and k_cache.dtype == x.dtype:
+        return triton_ops().qkv_rotary_store_kv(x, weight, bias, n_q_heads, n_kv_heads, positions, cos, sin,
+                                                k_cache, v_cache, slots)
+    t = x.shape[0]
+    q, k, v = linear(x, weight, bias).split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1)
+    return rotary_store_kv(q.view(t, n_q_heads, d), k.view(t, n_kv_heads, d), v.view(t, n_kv_heads, d), positions,
+                           cos, sin, k_cache, v_cache, slots)
 
 
 def silu_mul(x):

@@ -38,20 +38,18 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_stride
+def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Σ_k w[r, k]·x[k] in float32 for a program's rows (w_rows: a pointer per row), and for the rows
+    up_offset further when GATED. Shared by every one-row kernel, so all sum in the same order."""
     cols = tl.arange(0, BLOCK_K)
     # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
     # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
     mask = row_mask[:, None] & (cols < K)[None, :]
-    w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    w = tl.load(w_rows[:, None] + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
     up = w
     if GATED:
-        up = tl.load(w_rows + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        up = tl.load(w_rows[:, None] + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -61,21 +59,32 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
         x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         nxt = k0 + BLOCK_K + cols
         mask = row_mask[:, None] & (nxt < K)[None, :]  # all false after the last tile: no traffic
-        w_next = tl.load(w_rows + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        w_next = tl.load(w_rows[:, None] + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
         w = w_next
         if GATED:
-            up_next = tl.load(w_rows + up_offset + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            up_next = tl.load(w_rows[:, None] + up_offset + nxt[None, :], mask=mask, other=0.0,
+                              eviction_policy="evict_first")
             up_acc += up.to(tl.float32) * x[None, :]
             up = up_next
-    y = tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1), tl.sum(up_acc, axis=1)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    y, up_y = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED, PDL,
+                       BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if GATED:
         # Round as the unfused path does: linear output to the dtype, silu(gate) to the dtype.
         gate = y.to(dtype).to(tl.float32)
-        up_y = tl.sum(up_acc, axis=1).to(dtype).to(tl.float32)
+        up_y = up_y.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = act * up_y
     tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)

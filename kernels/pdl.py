@@ -26,8 +26,12 @@ if _mode not in MODES:
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _graph_work = 0  # > 0 inside for_graphs(): the launches are a capture or its warm-up
 KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention")
-# which kernels launch with PDL: LLAUNCH_PDL_KERNELS=gemv,rmsnorm (A/B of subsets; default all)
-_kernels = frozenset(k for k in os.environ.get("LLAUNCH_PDL_KERNELS", ",".join(KERNELS)).split(",") if k)
+# Which kernels launch with PDL (LLAUNCH_PDL_KERNELS, comma-separated): by default the GEMVs and the
+# norms. With rotary and decode attention too, the batch-1 step measured 3.99 ms against 3.80 on an
+# H200 (docs/benchmarks.md): each of those short kernels let the next grid in early, and the chain of
+# early grids waiting on SMs cost more than the launch latency it hid.
+DEFAULT_KERNELS = ("gemv", "rmsnorm")
+_kernels = frozenset(k for k in os.environ.get("LLAUNCH_PDL_KERNELS", ",".join(DEFAULT_KERNELS)).split(",") if k)
 if _kernels - set(KERNELS):
     raise ValueError(f"LLAUNCH_PDL_KERNELS: {sorted(_kernels - set(KERNELS))} unknown; kernels are {', '.join(KERNELS)}")
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from llaunch.kernels import pdl
+from llaunch.kernels import dispatch, pdl
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch
 from llaunch.runtime.models.decoder import DecoderLM
@@ -87,20 +87,26 @@ def time_decode_steps(graphs: DecodeGraphs, kv, context: int = 1024, batches=(1,
     return out
 
 
-def pdl_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
-    """The batch-1 step captured with PDL on every kernel that has it, on the GEMVs and norms only,
-    and on none, alternated `rounds` times (the spread between rounds is the noise)."""
+def step_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
+    """The batch-1 step captured with the qkv + rotary fusion on and off, and with PDL on subsets of
+    the kernels that have it, alternated `rounds` times (the spread between rounds is the noise)."""
     out = []
-    subsets = {"all": pdl.KERNELS, "gemv+rmsnorm": ("gemv", "rmsnorm"), "none": ()}
+    variants = {"default (fused qkv+rotary, PDL on gemv+rmsnorm)": (True, pdl.DEFAULT_KERNELS),
+                "qkv GEMV then rotary kernel, PDL on gemv+rmsnorm": (False, pdl.DEFAULT_KERNELS),
+                "fused, PDL on gemv+rmsnorm+decode_attention": (True, ("gemv", "rmsnorm", "decode_attention")),
+                "fused, PDL on every kernel": (True, pdl.KERNELS),
+                "fused, no PDL": (True, ())}
     for _ in range(rounds):
-        for name, kernels in subsets.items():
-            before = pdl.set_kernels(kernels)
+        for name, (fused, kernels) in variants.items():
+            before, dispatch._FUSED_QKV_ROTARY = dispatch._FUSED_QKV_ROTARY, fused  # what LLAUNCH_QKV_ROTARY sets
+            kernels_before = pdl.set_kernels(kernels)
             graphs = DecodeGraphs(model, kv, last, 1, 4096, scratch_row=256, scratch_slot=scratch)
             graphs.capture()
             for c in time_decode_steps(graphs, kv, batches=(1,)):
-                out.append(dict(c, check=c["check"] + f", PDL on {name}"))
+                out.append(dict(c, check=c["check"] + f", {name}"))
             del graphs
-            pdl.set_kernels(before)
+            pdl.set_kernels(kernels_before)
+            dispatch._FUSED_QKV_ROTARY = before
     return out
 
 
@@ -224,7 +230,7 @@ def main() -> int:
         checks.append(dict(check="decode CUDA graph replay vs eager", max_abs_diff=diff))
         checks += time_decode_steps(graphs, kv)
         if torch.cuda.get_device_capability()[0] >= 9:
-            checks += pdl_ab(ours, kv, last, scratch)
+            checks += step_ab(ours, kv, last, scratch)
             checks += time_prefill(ours, kv, ids[:n], slots[:n])
         if args.profile:
             profile_decode_step(graphs, kv)

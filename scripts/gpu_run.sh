@@ -48,7 +48,8 @@ fi
 if has gemv; then  # the batch-1 GEMV and fused rotary+KV-store kernels: tests, then timed against cuBLAS
   stamp "gemv: kernel tests and timings"
   TRITON_INTERPRET=0 timeout 200 $PY -m pytest -q -m gpu tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_rotary.py \
-    tests/kernels/test_pdl.py tests/kernels/test_kernel_rmsnorm.py tests/kernels/test_kernel_decode_attention.py \
+    tests/kernels/test_pdl.py tests/kernels/test_kernel_qkv_rotary.py tests/kernels/test_kernel_rmsnorm.py \
+    tests/kernels/test_kernel_decode_attention.py \
     --confcutdir=tests/kernels -p no:cacheprovider 2>&1 | tail -3
   timeout 200 $PY scripts/bench_kernels.py --ops gemv --json "$OUT/kernels-gemv.json" 2>&1 | grep -v Warning
 fi

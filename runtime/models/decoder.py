@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llaunch.kernels import decode_attention, gated_linear, prefill_attention, rope_cos_sin, rotary_store_kv
+from llaunch.kernels import decode_attention, gated_linear, prefill_attention, qkv_rotary_store_kv, rope_cos_sin
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.launcher.heads import HeadLayout
@@ -43,10 +43,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-        q = rotary_store_kv(q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d),
-                            v.view(t, self.num_kv_heads, d), batch.positions, cos, sin, k_cache, v_cache,
-                            batch.out_slots)
+        q = qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
+                                batch.positions, cos, sin, k_cache, v_cache, batch.out_slots)
         nd = batch.num_decode
         if not batch.num_prefill_tokens:  # a decode-only step: the attention output is the whole tensor
             out = decode_attention(q, k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,

@@ -11,13 +11,16 @@ from llaunch.kernels.dispatch import triton_ops
 H, QH, KVH, D, INTER = 3584, 28, 4, 128, 18944
 
 
-def _layer_chain(weights, x, residual, k_cache, v_cache, req_to_slots, positions, slots, seq_lens, cos, sin):
+def _layer_chain(weights, x, residual, k_cache, v_cache, req_to_slots, positions, slots, seq_lens, cos, sin, fused):
     ops = triton_ops()
     n, h = ops.rmsnorm(x, weights["norm"], 1e-6, residual)
-    qkv = ops.gemv(n, weights["qkv"], weights["bias"])
-    q, k, v = qkv.split([QH * D, KVH * D, KVH * D], -1)
-    q = ops.rotary_store_kv(q.view(1, QH, D), k.view(1, KVH, D), v.view(1, KVH, D), positions, cos, sin,
-                            k_cache, v_cache, slots)
+    if fused:
+        q = ops.qkv_rotary_store_kv(n, weights["qkv"], weights["bias"], QH, KVH, positions, cos, sin, k_cache, v_cache,
+                                    slots)
+    else:
+        q, k, v = ops.gemv(n, weights["qkv"], weights["bias"]).split([QH * D, KVH * D, KVH * D], -1)
+        q = ops.rotary_store_kv(q.view(1, QH, D), k.view(1, KVH, D), v.view(1, KVH, D), positions, cos, sin,
+                                k_cache, v_cache, slots)
     rows = torch.zeros(1, dtype=torch.int64, device=x.device)
     attn = ops.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, D ** -0.5, max_len=1024)
     o = ops.gemv(attn.view(1, QH * D), weights["o"])
@@ -26,7 +29,8 @@ def _layer_chain(weights, x, residual, k_cache, v_cache, req_to_slots, positions
 
 
 @pytest.mark.gpu
-def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda):
+@pytest.mark.parametrize("fused", [True, False], ids=["qkv+rotary fused", "qkv then rotary"])
+def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda, fused):
     if not torch.cuda.get_device_capability()[0] >= 9:
         pytest.skip("PDL needs Hopper or later")
     bf = torch.bfloat16
@@ -46,11 +50,11 @@ def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda):
 
     def run():
         return _layer_chain(w, static["x"], static["r"], k_cache, v_cache, req_to_slots, positions, slots, seq_lens,
-                            cos, sin)
+                            cos, sin, fused)
 
     inputs = [(torch.randn(1, H, device=cuda).to(bf), torch.randn(1, H, device=cuda).to(bf)) for _ in range(3)]
     expected = []
-    before = pdl.set_mode("0")
+    before, kernels_before = pdl.set_mode("0"), pdl.set_kernels(pdl.KERNELS)  # every kernel that has PDL
     try:
         for x, r in inputs:
             static["x"].copy_(x), static["r"].copy_(r)
@@ -69,5 +73,5 @@ def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda):
             for got, exp in zip(outs, want):
                 assert torch.equal(got, exp)
     finally:
-        pdl.set_mode(before)
+        pdl.set_mode(before), pdl.set_kernels(kernels_before)
 
