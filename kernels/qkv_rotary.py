@@ -4,8 +4,9 @@ A batch-1 decode step otherwise runs the qkv GEMV, then a one-program rotary + s
 only waits for it. Rotate-half pairs output rows i and i + D/2 of one head, so a program here owns
 exactly that pair: it sums both rows over all of K (`gemv.row_dots`, the same order as the GEMV),
 adds the bias, rounds as a linear layer would, rotates q and k heads with the rounding points of
-`rotary.py`, and writes q to its output and k, v to the token's cache slot. The result is
-bit-identical to gemv → rotary_store_kv.
+`rotary.py`, and writes q to its output and k, v to the token's cache slot. Same arithmetic and
+rounding points as gemv → rotary_store_kv, but not bit-identical to it on an H200 (the compiler may
+lay out the two rows' tile, and so order its sum, differently): equal within bf16 rounding.
 """
 from __future__ import annotations
 
