@@ -4,7 +4,7 @@
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
 #   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels gemv chain single-cublas
-#                                            single-nopdl single-pdl-linear sweep prefix parallel smollm2
+#                                            single-nopdl single-pdl-linear smollm2-chat sweep prefix parallel smollm2
 #                                            stash steps pd;
 #                                            default: the first five)
 set -u
@@ -171,6 +171,14 @@ if has pd; then  # prefill/decode disaggregation: master, prefill on GPU 0, deco
     grep -h -i -E "KV sender|KV receiver|stuck|NCCL WARN|broken|Traceback|Error" /tmp/pd-*-$transport/logs/*.log \
       | sort | uniq -c | sort -rn | head -15
   done
+fi
+
+if has smollm2-chat; then  # real weights through the one-row decode path (fused qkv + rotary, PDL): tp1 chat + single
+  mkdir -p /tmp/smollm2-gguf && cat /tmp/stash/smollm2.part-* .gpu-b/smollm2.part-* 2>/dev/null \
+    > /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+  $PY scripts/prepare_models.py --gguf /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out .models 2>&1 | tail -1
+  VOCAB=49000 serve_bench smollm2-tp1 "model=smollm2-135m" chat single
+  VOCAB=49000 LLAUNCH_PDL=0 LLAUNCH_QKV_ROTARY=0 serve_bench smollm2-tp1-plain "model=smollm2-135m" chat single
 fi
 
 if has smollm2; then  # real weights: the GGUF travels in two halves (.gpu-a, .gpu-b), too big for one call
