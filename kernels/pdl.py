@@ -8,8 +8,8 @@ constants (the GEMV streams its first weight tiles). Every PDL kernel waits unco
 "the previous kernel finished" still implies "every earlier kernel finished".
 
 `LLAUNCH_PDL`: `graphs` (default) uses it for launches inside `for_graphs()` (the decode steps'
-CUDA-graph capture, where it was measured to pay), `all` for eager launches too, `0` never (A/B timing). The interpreter
-and pre-Hopper GPUs never use it.
+CUDA-graph capture, where it was measured to pay), `all` for eager launches too, `0` never (A/B
+timing). The interpreter and pre-Hopper GPUs never use it.
 """
 from __future__ import annotations
 
