@@ -18,7 +18,8 @@ from llaunch.kernels import reference
 _FORCE_REFERENCE = os.environ.get("LLAUNCH_KERNELS", "") == "reference"
 # LLAUNCH_GEMV=cublas keeps batch-1 linear layers on cuBLAS (A/B timing of the GEMV kernel).
 _TRITON_GEMV = os.environ.get("LLAUNCH_GEMV", "triton") != "cublas"
-# LLAUNCH_QKV_ROTARY=0 runs the one-row qkv GEMV and the rotary + KV store as two kernels (A/B timing).
+# LLAUNCH_QKV_ROTARY=0 runs the one-row qkv GEMV and the rotary + KV store as two kernels (A/B timing);
+# LLAUNCH_GEMV=cublas turns the fusion off too (it is a GEMV).
 _FUSED_QKV_ROTARY = os.environ.get("LLAUNCH_QKV_ROTARY", "1") != "0"
 _KERNEL_MODULES = ("gemv", "qkv_rotary", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention", "silu_mul", "sampling")
 
@@ -115,7 +116,8 @@ def qkv_rotary_store_kv(x, weight, bias, n_q_heads: int, n_kv_heads: int, positi
     """The attention block's input half: x through the fused q‖k‖v weight, rotary on q and k, k and v
     stored at each token's slot; returns the rotated q [T, Hq, D]. One row on a GPU: one kernel."""
     d = k_cache.shape[-1]
-    if _FUSED_QKV_ROTARY and _one_row(x) and k_cache.dtype == x.dtype:
+    if (_FUSED_QKV_ROTARY and _one_row(x) and k_cache.dtype == v_cache.dtype == x.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] == n_kv_heads):
         return triton_ops().qkv_rotary_store_kv(x, weight, bias, n_q_heads, n_kv_heads, positions, cos, sin,
                                                 k_cache, v_cache, slots)
     t = x.shape[0]

@@ -27,7 +27,8 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int]:
     summation order, and a timing-dependent pick could make greedy output differ between restarts
     and between replicas. Picked on an H200 by `scripts/bench_gemv_chain.py --sweep` (Qwen2-7B's
     layers chained as in a decode step, 13 GB of distinct weights, with PDL; docs/benchmarks.md):
-    programs of 1–2k columns × 4 warps, more rows per program where outputs are fewer than inputs."""
+    tiles of 1k columns (256 for the gated gate‖up, whose programs read two rows per output) × 4 warps,
+    more rows per program where outputs are fewer than inputs."""
     if _INTERPRETED:  # a Python loop per program: few, large programs keep tests fast
         return 32, 256, 4
     if gated:
@@ -41,7 +42,8 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int]:
 def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Σ_k w[r, k]·x[k] in float32 for a program's rows (w_rows: a pointer per row), and for the rows
-    up_offset further when GATED. Shared by every one-row kernel, so all sum in the same order."""
+    up_offset further when GATED. Shared by every one-row kernel, so all walk K tile by tile alike;
+    the compiler still lays out each kernel's tile, and so its final in-tile sum, on its own."""
     cols = tl.arange(0, BLOCK_K)
     # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
     # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
@@ -100,7 +102,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         raise ValueError(f"gemv: x is {x.dtype}, weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
     if gated and weight.shape[0] % 2:
         raise ValueError(f"gemv: a gated weight stacks gate and up, so it needs an even row count, got {weight.shape[0]}")
-    if weight.stride(-1) != 1:
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv: x has {x.shape[1]} columns, weight {weight.shape[1]}")
+    copied = weight.stride(-1) != 1
+    if copied:
         weight = weight.contiguous()
     x = x.contiguous()
     bias = bias.contiguous() if bias is not None else None
@@ -110,7 +115,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     if n == 0:
         return out
     block_n, block_k, warps = launch_shape(n, k, gated)
-    use_pdl = pdl.enabled(x, "gemv")
+    # Under PDL the first weight tile is read before the wait: only a weight no earlier kernel wrote.
+    use_pdl = pdl.enabled(x, "gemv") and not copied
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, PDL=use_pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,

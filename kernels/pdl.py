@@ -25,7 +25,7 @@ if _mode not in MODES:
     raise ValueError(f"LLAUNCH_PDL={_mode!r}: use one of {', '.join(MODES)}")
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _graph_work = 0  # > 0 inside for_graphs(): the launches are a capture or its warm-up
-KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention")
+KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention")  # "gemv" covers the fused qkv + rotary GEMV too
 # Which kernels launch with PDL (LLAUNCH_PDL_KERNELS, comma-separated): by default the GEMVs and the
 # norms. With rotary and decode attention too, the batch-1 step measured 3.99 ms against 3.80 on an
 # H200 (docs/benchmarks.md): each of those short kernels let the next grid in early, and the chain of

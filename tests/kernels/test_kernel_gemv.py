@@ -74,4 +74,5 @@ def test_gemv_refuses_what_the_reference_refuses(ops):
         ops.gemv(torch.randn(1, 8), torch.randn(4, 8).half())
     with pytest.raises(ValueError, match="even row count"):
         ops.gemv(torch.randn(1, 8), torch.randn(5, 8), gated=True)
-
+    with pytest.raises(ValueError, match="x has 8 columns, weight 9"):
+        ops.gemv(torch.randn(1, 8), torch.randn(4, 9))
