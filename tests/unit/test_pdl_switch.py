@@ -1,5 +1,7 @@
 """The PDL switch (kernels/pdl.py): modes and kernel subsets are validated, and nothing but a CUDA
 tensor inside a graph capture (mode `graphs`) is ever launched with PDL."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -25,3 +27,31 @@ def test_cpu_tensors_never_launch_with_pdl():
 def test_launch_options_name_the_triton_keyword_only_when_on():
     assert pdl.launch_options(True) == {"launch_pdl": True}
     assert pdl.launch_options(False) == {}
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A stand-in CUDA tensor on a Hopper GPU (enabled() reads is_cuda and the device only)."""
+    monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: True)
+    monkeypatch.setattr(pdl, "_INTERPRETED", False)
+    return SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+
+
+def test_graphs_mode_uses_pdl_only_inside_for_graphs_and_for_the_chosen_kernels(hopper):
+    before_mode, before_kernels = pdl.set_mode("graphs"), pdl.set_kernels(pdl.DEFAULT_KERNELS)
+    try:
+        assert not pdl.enabled(hopper, "gemv")  # an eager launch
+        with pdl.for_graphs():
+            assert pdl.enabled(hopper, "gemv") and pdl.enabled(hopper, "rmsnorm")
+            assert not pdl.enabled(hopper, "rotary") and not pdl.enabled(hopper, "decode_attention")
+            with pdl.for_graphs():  # nested (capture inside a warm-up block) stays on, and off after both
+                assert pdl.enabled(hopper, "gemv")
+            assert pdl.enabled(hopper, "gemv")
+        assert not pdl.enabled(hopper, "gemv")
+        pdl.set_mode("all")
+        assert pdl.enabled(hopper, "gemv")
+        pdl.set_mode("0")
+        with pdl.for_graphs():
+            assert not pdl.enabled(hopper, "gemv")
+    finally:
+        pdl.set_mode(before_mode), pdl.set_kernels(before_kernels)
