@@ -111,8 +111,9 @@ def step_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
 
 
 def time_prefill(model, kv, ids, slots) -> list[dict]:
-    """Device time of an eager prefill step (no graph) with plain launches and with PDL on every
-    Triton kernel (LLAUNCH_PDL=all): whether PDL pays outside the decode graphs."""
+    """Device time of an eager prefill step (no graph) with plain launches and with PDL on eager
+    launches too (LLAUNCH_PDL=all), for the kernels LLAUNCH_PDL_KERNELS names: whether PDL pays
+    outside the decode graphs. Of the default set (gemv, rmsnorm) a prefill launches only rmsnorm."""
     out = []
     n = len(ids)
     batch = batch_of(ids, list(range(n)), slots, [], [], prefill=0)
