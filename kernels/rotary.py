@@ -10,6 +10,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llaunch.kernels import pdl
 
+# No FP contraction: LLVM narrows round(x1·cos) − round(x2·sin) to bf16 ops, and contraction would
+# then make it fma(x1, cos, −round(x2·sin)), one rounding fewer than transformers' q·cos +
+# rotate_half(q)·sin (the sm90 build of Triton 3.6 did: on an H200 ~20% of rotated elements moved by
+# one bf16 step). tests/kernels/test_rounding_points.py checks the compiled code.
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
 
 @triton.jit
 def _rotate_heads(src_ptr, dst_ptr, token, dst_row, src_tok_stride, src_head_stride, n_heads, cos, sin,
@@ -75,7 +81,7 @@ def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots) -> torch.Tensor:
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), n_q, n_k, cos.stride(0), HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(n_q),
         BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, PDL=use_pdl, num_warps=4,
-        **pdl.launch_options(use_pdl))
+        **COMPILE_OPTIONS, **pdl.launch_options(use_pdl))
     return q_out
 
 

@@ -1,0 +1,54 @@
+"""The GPU build keeps the rounding points the kernels spell out. The kernels are compiled for sm90
+(Hopper) here, without a GPU, in a subprocess without the interpreter, and their PTX is read: a bf16
+FMA in a rotary kernel would round round(x1·cos) − round(x2·sin) once instead of three times, which
+is not what transformers computes (q·cos + rotate_half(q)·sin, each op rounded to bf16)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_COMPILE = r'''
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llaunch.kernels import qkv_rotary, rotary
+
+target = GPUTarget("cuda", 90, 32)
+ptrs = lambda *names: {n: "*bf16" for n in names}  # noqa: E731
+rot_sig = {**ptrs("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "k_out_ptr", "v_out_ptr"), "pos_ptr": "*i64",
+           "slots_ptr": "*i64", **ptrs("cos_ptr", "sin_ptr"),
+           **{n: "i32" for n in ("q_tok_stride", "q_head_stride", "k_tok_stride", "k_head_stride", "v_tok_stride",
+                                 "v_head_stride", "n_q_heads", "n_k_heads", "table_stride")},
+           **{n: "constexpr" for n in ("HALF", "BLOCK_HALF", "BLOCK_HQ", "BLOCK_HK", "STORE", "PDL")}}
+rot = triton.compile(ASTSource(fn=rotary._rotary_kernel, signature=rot_sig,
+                               constexprs={"HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 4,
+                                           "STORE": True, "PDL": False}),
+                     target=target, options={"num_warps": 4, **rotary.COMPILE_OPTIONS})
+qkv_sig = {**ptrs("x_ptr", "w_ptr", "b_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr"), "pos_ptr": "*i64",
+           "slot_ptr": "*i64", **ptrs("cos_ptr", "sin_ptr"),
+           **{n: "i32" for n in ("K", "w_stride", "table_stride", "n_q_heads", "n_kv_heads")},
+           **{n: "constexpr" for n in ("HAS_BIAS", "PDL", "HALF", "BLOCK_K")}}
+qkv = triton.compile(ASTSource(fn=qkv_rotary._qkv_rotary_kernel, signature=qkv_sig,
+                               constexprs={"HAS_BIAS": True, "PDL": False, "HALF": 64, "BLOCK_K": 1024}),
+                     target=target, options={"num_warps": 4})
+print(json.dumps({"rotary": rot.asm["ptx"], "qkv_rotary": qkv.asm["ptx"]}))
+'''
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx():
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr.lower():
+        pytest.skip("this Triton install has no ptxas to compile for sm90")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kernel", ["rotary", "qkv_rotary"])
+def test_rotary_kernels_compile_without_a_bf16_fma(sm90_ptx, kernel):
+    ptx = sm90_ptx[kernel]
+    assert ".target sm_90" in ptx
+    assert "fma.rn.bf16" not in ptx
