@@ -5,9 +5,9 @@ only waits for it. Rotate-half pairs output rows i and i + D/2 of one head, so a
 exactly that pair: it sums both rows over all of K (`gemv.row_dots`, the same order as the GEMV),
 adds the bias, rounds as a linear layer would, rotates q and k heads with the rounding points of
 `rotary.py`, and writes q to its output and k, v to the token's cache slot. Same arithmetic and
-rounding points as gemv → rotary_store_kv (under the interpreter the two are bit-identical), but on
-an H200 ~20% of the q elements differ from them by one bf16 step; the cause is not yet known
-(docs/benchmarks.md). Both are within bf16 tolerance of the torch reference.
+rounding points as gemv → rotary_store_kv (bit-identical under the interpreter; on an H200 ~20% of
+q differed by one bf16 step while rotary.py's build fused two of its roundings into an FMA, fixed
+since and not yet re-measured there).
 """
 from __future__ import annotations
 
