@@ -1,7 +1,9 @@
 """GPU timing of every Triton kernel against its torch reference and against its floor.
 
-The floor of an op is max(bytes it must move / copy bandwidth, FLOPs / bf16 matmul rate), both
-ceilings measured on this GPU first. Kernel times are medians of `triton.testing.do_bench` over CUDA
+The floor of an op is max(bytes it must move / bandwidth, FLOPs / bf16 matmul rate), the ceilings
+measured on this GPU first: the bandwidth of a device-to-device copy (read + write counted) for ops
+that write about as much as they read, of a streaming read for the GEMVs (which only read weights;
+an H200 reads at ~4.7 TB/s but copies at ~4.2). Kernel times are medians of `triton.testing.do_bench` over CUDA
 graph replays where the op can be captured (as decode runs in the engine), so Python launch cost
 stays out; torch references are timed eagerly, cuBLAS ones (the GEMV's) in graphs as well. Shapes are Qwen2-7B's (28 q heads, 4 KV heads, head_dim
 128, hidden 3584, intermediate 18944, vocab 152064) in bf16.
@@ -38,6 +40,7 @@ class Case:
     bytes: float
     flops: float = 0.0
     reference_in_graph: bool = False  # the reference is itself a GPU library call (cuBLAS): time it alike
+    read_only: bool = False  # the bytes are reads (weights): the floor uses the streaming-read ceiling
 
 
 def median_ms(fn: Callable[[], object], graph: bool) -> float:
@@ -49,15 +52,19 @@ def median_ms(fn: Callable[[], object], graph: bool) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def ceilings() -> tuple[float, float]:
-    """(bytes/s of a device-to-device copy counting read + write, bf16 matmul FLOP/s)."""
+def ceilings() -> tuple[float, float, float]:
+    """(bytes/s of a device-to-device copy counting read + write, bytes/s of a streaming read, bf16
+    matmul FLOP/s)."""
+    from bench_gemv_chain import read_ceiling  # scripts/ is on the path when this runs as a script
+
     src = torch.randn(1 << 28, device="cuda")
     dst = torch.empty_like(src)
     copy_s = median_ms(lambda: dst.copy_(src), graph=False) / 1e3
+    read = max(r["tb_per_s"] for r in read_ceiling(src.view(BF16))) * 1e12  # 1 GB: far past the L2
     a = torch.randn(8192, 8192, device="cuda", dtype=BF16)
     b = torch.randn(8192, 8192, device="cuda", dtype=BF16)
     mm_s = median_ms(lambda: a @ b, graph=False) / 1e3
-    return 2 * src.numel() * 4 / copy_s, 2 * 8192 ** 3 / mm_s
+    return 2 * src.numel() * 4 / copy_s, read, 2 * 8192 ** 3 / mm_s
 
 
 def _randn(*shape, dtype=BF16):
@@ -140,11 +147,12 @@ def gemv_cases(ops) -> list[Case]:
         b = _randn(n) if bias else None
         cases.append(Case(f"gemv {name}", f"1x{k} @ {n}x{k}", lambda x=x, w=w, b=b: ops.gemv(x, w, b),
                           lambda x=x, w=w, b=b: torch.nn.functional.linear(x, w, b), 2 * w.numel(),
-                          reference_in_graph=True))
+                          reference_in_graph=True, read_only=True))
     x, w = _randn(1, HIDDEN), _randn(2 * INTER, HIDDEN) / HIDDEN ** 0.5
     cases.append(Case("gemv gate_up+silu", f"1x{HIDDEN} @ {2 * INTER}x{HIDDEN}",
                       lambda: ops.gemv(x, w, gated=True),
-                      lambda: ops.silu_mul(torch.nn.functional.linear(x, w)), 2 * w.numel(), reference_in_graph=True))
+                      lambda: ops.silu_mul(torch.nn.functional.linear(x, w)), 2 * w.numel(), reference_in_graph=True,
+                      read_only=True))
     return cases
 
 
@@ -167,13 +175,14 @@ def sampling_cases(ops) -> list[Case]:
     ]
 
 
-def measure(case: Case, bandwidth: float, rate: float, with_reference: bool = True) -> dict:
+def measure(case: Case, bandwidth: tuple[float, float], rate: float, with_reference: bool = True) -> dict:
+    """bandwidth: (copy, streaming read) bytes/s."""
     case.kernel()  # compiles (host work) before any graph capture
     torch.cuda.synchronize()
     kernel_ms = median_ms(case.kernel, graph=True)
     ref_ms = (median_ms(case.reference, graph=case.reference_in_graph) if case.reference and with_reference
               else math.nan)
-    floor_ms = 1e3 * max(case.bytes / bandwidth, case.flops / rate)
+    floor_ms = 1e3 * max(case.bytes / bandwidth[1 if case.read_only else 0], case.flops / rate)
     return {"op": case.op, "shape": case.shape, "kernel_ms": kernel_ms, "reference_ms": ref_ms,
             "floor_ms": floor_ms, "of_floor": floor_ms / kernel_ms}
 
@@ -221,8 +230,10 @@ def main() -> None:
     parser.add_argument("--ops", default="", help="only the ops whose name contains this (e.g. gemv)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    bandwidth, rate = ceilings()
-    print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    copy, read, rate = ceilings()
+    bandwidth = (copy, read)
+    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s, streaming read {read / 1e12:.2f} TB/s, "
+          f"bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     ops = triton_ops()
     cases = (elementwise_cases(ops) + prefill_cases(ops.prefill_attention) + decode_cases(ops.decode_attention)
              + sampling_cases(ops) + gemv_cases(ops))
@@ -236,7 +247,7 @@ def main() -> None:
         rows += variants
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bandwidth,
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy, "read_bytes_per_s": read,
                        "bf16_flops_per_s": rate, "rows": rows}, f, indent=1)
 
 
