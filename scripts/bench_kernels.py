@@ -187,7 +187,7 @@ def measure(case: Case, bandwidth: tuple[float, float], rate: float, with_refere
             "floor_ms": floor_ms, "of_floor": floor_ms / kernel_ms}
 
 
-def sweep(ops, bandwidth: float, rate: float) -> list[dict]:
+def sweep(ops, bandwidth: tuple[float, float], rate: float) -> list[dict]:
     """Alternative launch shapes for the attention and GEMV kernels (patched in for the duration)."""
     pre = importlib.import_module("llaunch.kernels.prefill_attention")
     dec = importlib.import_module("llaunch.kernels.decode_attention")
