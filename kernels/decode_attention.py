@@ -171,10 +171,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         req_to_slots.stride(0), dim, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
-        num_stages=stages, **pdl.launch_options(use_pdl))
+        num_stages=stages, launch_pdl=use_pdl)
     if not direct:
         _decode_merge_kernel[(batch, n_q_heads)](
             mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim, PDL=use_pdl,
             BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
-            **pdl.launch_options(use_pdl))
+            launch_pdl=use_pdl)
     return out

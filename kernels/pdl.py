@@ -80,8 +80,3 @@ def set_kernels(names) -> frozenset:
         raise ValueError(f"no PDL switch for {sorted(unknown)}: kernels are {', '.join(KERNELS)}")
     before, _kernels = _kernels, frozenset(names)
     return before
-
-
-def launch_options(pdl: bool) -> dict:
-    """Extra launch keywords: the interpreter's launcher does not take `launch_pdl`."""
-    return {"launch_pdl": True} if pdl else {}

@@ -57,5 +57,5 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
     _rmsnorm_kernel[(x2.shape[0],)](
         src, r2, weight, out, h, n, src.stride(0), r2.stride(0), eps,
         HAS_RESIDUAL=residual is not None, PDL=use_pdl, BLOCK=block, num_warps=min(16, max(1, block // 512)),
-        **pdl.launch_options(use_pdl))
+        launch_pdl=use_pdl)
     return (out, h) if residual is not None else out

@@ -24,11 +24,6 @@ def test_cpu_tensors_never_launch_with_pdl():
         pdl.set_mode(before)
 
 
-def test_launch_options_name_the_triton_keyword_only_when_on():
-    assert pdl.launch_options(True) == {"launch_pdl": True}
-    assert pdl.launch_options(False) == {}
-
-
 @pytest.fixture
 def hopper(monkeypatch):
     """A stand-in CUDA tensor on a Hopper GPU (enabled() reads is_cuda and the device only)."""
