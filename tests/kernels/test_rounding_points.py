@@ -41,8 +41,6 @@ print(json.dumps({"rotary": rot.asm["ptx"], "qkv_rotary": qkv.asm["ptx"]}))
 def sm90_ptx():
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr.lower():
-        pytest.skip("this Triton install has no ptxas to compile for sm90")
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
