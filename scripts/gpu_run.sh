@@ -173,24 +173,26 @@ if has pd; then  # prefill/decode disaggregation: master, prefill on GPU 0, deco
   done
 fi
 
+# smollm2_model: join the GGUF halves (stash, .gpu-b) and convert it to .models/smollm2-135m
+smollm2_model() {
+  if ! ls /tmp/stash/smollm2.part-* .gpu-b/smollm2.part-* >/dev/null 2>&1; then
+    echo "smollm2: the GGUF halves are missing (run 'stash' with .gpu-a first, then this with .gpu-b)"; return 1
+  fi
+  mkdir -p /tmp/smollm2-gguf && cat /tmp/stash/smollm2.part-* .gpu-b/smollm2.part-* \
+    > /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+  $PY scripts/prepare_models.py --gguf /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out .models 2>&1 | tail -2
+}
+
 if has smollm2-chat; then  # real weights through the one-row decode path (fused qkv + rotary, PDL): tp1 chat + single
-  if ls /tmp/stash/smollm2.part-* >/dev/null 2>&1 && ls .gpu-b/smollm2.part-* >/dev/null 2>&1; then
-    mkdir -p /tmp/smollm2-gguf && cat /tmp/stash/smollm2.part-* .gpu-b/smollm2.part-* \
-      > /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-    $PY scripts/prepare_models.py --gguf /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out .models 2>&1 | tail -1
+  if smollm2_model; then
     VOCAB=49000 serve_bench smollm2-chat "model=smollm2-135m" chat single
     VOCAB=49000 LLAUNCH_PDL=0 LLAUNCH_QKV_ROTARY=0 serve_bench smollm2-chat-plain "model=smollm2-135m" chat single
-  else
-    echo "smollm2-chat: the GGUF halves are missing (run 'stash' with .gpu-a first, then this with .gpu-b)"
   fi
 fi
 
 if has smollm2; then  # real weights: the GGUF travels in two halves (.gpu-a, .gpu-b), too big for one call
   stamp "smollm2: convert the GGUF, agreement with transformers and tp2 vs tp1"
-  mkdir -p /tmp/smollm2-gguf && cat /tmp/stash/smollm2.part-* .gpu-b/smollm2.part-* 2>/dev/null \
-    > /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-  ls -la /tmp/smollm2-gguf
-  $PY scripts/prepare_models.py --gguf /tmp/smollm2-gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out .models 2>&1 | tail -2
+  smollm2_model
   for dtype in bfloat16 float32; do
     timeout 300 $PY scripts/gpu_agreement.py --model-dir .models/smollm2-135m --dtype $dtype --tp 1 ${SMOL_TP:-2} \
       $([ $dtype = bfloat16 ] && echo --truth) 2>&1 \
