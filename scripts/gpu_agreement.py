@@ -92,9 +92,11 @@ def reference(model_dir: str, device: str, dtype: torch.dtype, new_tokens: int):
 
 
 def llaunch_argmax(model_dir: str, rank: int, tp: int, device: torch.device, dtype: torch.dtype, prompts,
-                   conts) -> list[list[int]]:
-    """llaunch's argmax per continuation position: one prefill step for all prompts, then decode steps
-    of all rows fed the given continuation tokens."""
+                   conts, whole: bool = False) -> list[list[int]]:
+    """llaunch's argmax per continuation position. Served shape: one prefill step for all prompts, then
+    decode steps of all rows fed the given continuation tokens. whole: one prefill step per prompt over
+    prompt + continuation, logits at every continuation position, the shape transformers' reference
+    forward has (the same matrix shapes, so cuBLAS picks the same algorithms)."""
     from llaunch.runtime.models.arch import ModelArch
     from llaunch.runtime.models.batch import ForwardBatch
     from llaunch.runtime.models.decoder import DecoderLM
@@ -120,6 +122,8 @@ def llaunch_argmax(model_dir: str, rank: int, tp: int, device: torch.device, dty
         slots += range(r * span, r * span + len(p))
         lens.append(len(p))
         last.append(len(ids) - 1)
+    if whole:
+        return [_whole_argmax(model, kv, r, span, p, c, t) for r, (p, c) in enumerate(zip(prompts, conts))]
     rows = list(range(n))
     batch = ForwardBatch(t(ids), t(pos), t(slots), t([]), t([]), t(rows), t(starts), t(lens), t([0] * n), t(last),
                          0, len(ids), max(lens), 0)
@@ -134,8 +138,20 @@ def llaunch_argmax(model_dir: str, rank: int, tp: int, device: torch.device, dty
     return [list(col) for col in zip(*top)]  # per prompt
 
 
+def _whole_argmax(model, kv, row: int, span: int, prompt: list[int], cont: list[int], t) -> list[int]:
+    from llaunch.runtime.models.batch import ForwardBatch
+
+    ids, first_slot = prompt + cont, row * span
+    n = len(ids)
+    logits_at = list(range(len(prompt) - 1, len(prompt) - 1 + len(cont)))
+    batch = ForwardBatch(t(ids), t(range(n)), t(range(first_slot, first_slot + n)), t([]), t([]),
+                         t([row]), t([0]), t([n]), t([0]), t(logits_at), 0, n, n, 0)
+    with torch.inference_mode():
+        return model.forward(batch, kv).argmax(-1).tolist()
+
+
 def _rank_main(rank: int, tp: int, port: int, device_type: str, dtype: torch.dtype, model_dir: str, data: dict,
-               out_path: str) -> None:
+               out_path: str, whole: bool) -> None:
     import torch.distributed as dist
 
     if device_type == "cuda":
@@ -143,7 +159,7 @@ def _rank_main(rank: int, tp: int, port: int, device_type: str, dtype: torch.dty
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=tp)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    top = llaunch_argmax(model_dir, rank, tp, device, dtype, data["prompts"], data["conts"])
+    top = llaunch_argmax(model_dir, rank, tp, device, dtype, data["prompts"], data["conts"], whole)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(top, f)
@@ -151,17 +167,18 @@ def _rank_main(rank: int, tp: int, port: int, device_type: str, dtype: torch.dty
     dist.destroy_process_group()
 
 
-def run_tp(tp: int, device_type: str, dtype: torch.dtype, model_dir: str, prompts, conts) -> list[list[int]]:
+def run_tp(tp: int, device_type: str, dtype: torch.dtype, model_dir: str, prompts, conts,
+           whole: bool = False) -> list[list[int]]:
     if tp == 1:
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-        return llaunch_argmax(model_dir, 0, 1, device, dtype, prompts, conts)
+        return llaunch_argmax(model_dir, 0, 1, device, dtype, prompts, conts, whole)
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        mp.spawn(_rank_main, args=(tp, port, device_type, dtype, model_dir, {"prompts": prompts, "conts": conts}, f.name),
+        mp.spawn(_rank_main, args=(tp, port, device_type, dtype, model_dir, {"prompts": prompts, "conts": conts}, f.name, whole),
                  nprocs=tp)
         with open(f.name) as g:
             return json.load(g)
@@ -181,6 +198,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--min-agreement", type=float, default=0.99)
     ap.add_argument("--truth", action="store_true", help="also compare every run with transformers in float32")
+    ap.add_argument("--whole", action="store_true",
+                    help="also run llaunch tp1 as one prefill per prompt over prompt + continuation (the reference's shape)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     prompts, conts, hf_top, eager_top, sample = reference(args.model_dir, args.device, dtype, args.new_tokens)
@@ -198,6 +217,14 @@ def main() -> int:
             print(json.dumps(dict(check=f"teacher-forced top-1, llaunch tp{tp} vs {other}", model=args.model_dir,
                                   device=args.device, dtype=str(dtype), positions=sum(map(len, conts)), agreement=round(value, 4),
                                   min_agreement=args.min_agreement, **{"pass": passed})))
+    if args.whole:
+        tops["1-whole"] = run_tp(1, args.device, dtype, args.model_dir, prompts, conts, whole=True)
+        print(json.dumps(dict(check="teacher-forced top-1, llaunch tp1 one prefill per prompt (the reference's shape) "
+                                    "vs transformers", model=args.model_dir, device=args.device, dtype=str(dtype),
+                              positions=sum(map(len, conts)), agreement=round(agreement(tops["1-whole"], hf_top), 4))))
+        if 1 in tops:
+            print(json.dumps(dict(check="teacher-forced top-1, llaunch tp1 one prefill per prompt vs served shape",
+                                  agreement=round(agreement(tops["1-whole"], tops[1]), 4))))
     if args.truth:
         truth = float32_logits(args.model_dir, args.device, prompts, conts)
         truth_top = [t.argmax(-1).tolist() for t in truth]

@@ -4,7 +4,7 @@
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
 #   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels gemv chain single-cublas
-#                                            single-nopdl single-pdl-linear smollm2-chat sweep prefix parallel smollm2
+#                                            single-nopdl single-pdl-linear smollm2-chat sweep prefix parallel smollm2 smollm2-agree
 #                                            stash steps pd;
 #                                            default: the first five)
 set -u
@@ -200,6 +200,14 @@ if has smollm2; then  # real weights: the GGUF travels in two halves (.gpu-a, .g
   done
   VOCAB=49000 serve_bench smollm2-tp1 "model=smollm2-135m" chat single
   VOCAB=49000 serve_bench smollm2-tp2 "model=smollm2-135m parallel=tp2 parallel.pad_heads=true" chat single
+fi
+
+if has smollm2-agree; then  # real weights, one GPU: bf16 agreement with transformers, served shape and reference shape
+  stamp "smollm2-agree: convert the GGUF, bf16 agreement with transformers (tp1)"
+  if smollm2_model; then
+    timeout 300 $PY scripts/gpu_agreement.py --model-dir .models/smollm2-135m --dtype bfloat16 --tp 1 --whole --truth 2>&1 \
+      | grep '^{' | tee -a "$OUT/agreement.jsonl"
+  fi
 fi
 
 if has sweep; then  # the H200 sweep of the sweeps issue: max_running_requests under bench=c256
