@@ -6,11 +6,6 @@ reaches 2.8–3.8 TB/s on them; here each program owns BLOCK_N whole output rows
 so there is no reduce and no second kernel. `gated=True` reads the gate and up rows of a fused
 gate‖up weight side by side and writes silu(gate) * up: the MLP's SiLU kernel and the round trip of
 its 2I-wide input disappear.
-
-The decoder's RMSNorms and residual adds live in these kernels too (batch-1, one GPU): `norm` makes
-x the residual stream and each program normalizes it as it reads it (every program computes the
-same sum of squares over all of x, 7 KB from L2), and `residual` makes the output the residual
-stream, updated in place. A batch-1 step then has no norm kernels between its GEMVs.
 """
 from __future__ import annotations
 
@@ -44,29 +39,11 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int]:
 
 
 @triton.jit
-def rms_rstd(x_ptr, K, eps, NORM_BLOCK: tl.constexpr):
-    """1 / sqrt(mean(x²) + eps) of the row x[0:K], in float32, as rmsnorm.py computes it."""
-    offs = tl.arange(0, NORM_BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-    return tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-
-
-@triton.jit
-def normed_tile(x, nw_ptr, k_idx, k_mask, rstd):
-    """RMSNorm of a tile of x with rmsnorm.py's rounding points: x·rstd to x's dtype, then · weight
-    to x's dtype (the fused path requires the weight in x's dtype)."""
-    nw = tl.load(nw_ptr + k_idx, mask=k_mask, other=0.0).to(tl.float32)
-    xn = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
-    return (xn * nw).to(x.dtype)
-
-
-@triton.jit
-def row_dots(x_ptr, w_rows, row_mask, K, up_offset, nw_ptr, eps, GATED: tl.constexpr, NORM: tl.constexpr,
-             PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Σ_k w[r, k]·x[k] in float32 for a program's rows (w_rows: a pointer per row), and for the rows
-    up_offset further when GATED; NORM: x is RMSNorm(x) with weight nw_ptr. Shared by every one-row
-    kernel, so all walk K tile by tile alike; the compiler still lays out each kernel's tile, and so
-    its final in-tile sum, on its own."""
+    up_offset further when GATED. Shared by every one-row kernel, so all walk K tile by tile alike;
+    the compiler still lays out each kernel's tile, and so its final in-tile sum, on its own."""
     cols = tl.arange(0, BLOCK_K)
     # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
     # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
@@ -78,16 +55,10 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, nw_ptr, eps, GATED: tl.const
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    rstd = 1.0
-    if NORM:
-        rstd = rms_rstd(x_ptr, K, eps, NORM_BLOCK)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0)
-        if NORM:
-            x = normed_tile(x, nw_ptr, k0 + cols, k0 + cols < K, rstd)
-        x = x.to(tl.float32)
+        x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         nxt = k0 + BLOCK_K + cols
         mask = row_mask[:, None] & (nxt < K)[None, :]  # all false after the last tile: no traffic
         w_next = tl.load(w_rows[:, None] + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
@@ -102,13 +73,13 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, nw_ptr, eps, GATED: tl.const
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, N, K, w_stride, up_offset, eps,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    y, up_y = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, nw_ptr, eps, GATED,
-                       NORM, PDL, BLOCK_N, BLOCK_K, NORM_BLOCK)
+    y, up_y = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED, PDL,
+                       BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
@@ -118,24 +89,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, N, K, w_stride, up_offset
         up_y = up_y.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = act * up_y
-    if RESIDUAL:  # out is the residual stream: out + linear output, each rounded as the unfused path does
-        y = y.to(dtype).to(tl.float32) + tl.load(out_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
 
 
-def check_norm(x: torch.Tensor, norm: Optional[tuple[torch.Tensor, float]]) -> None:
-    """A fused RMSNorm's weight: one per column of x, x's dtype (the unfused norm's output dtype)."""
-    if norm is not None and (norm[0].shape != (x.shape[-1],) or norm[0].dtype != x.dtype):
-        raise ValueError(f"fused RMSNorm: weight {tuple(norm[0].shape)} {norm[0].dtype} for x with {x.shape[-1]} "
-                         f"columns of {x.dtype}")
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-         gated: bool = False, norm: Optional[tuple[torch.Tensor, float]] = None,
-         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+         gated: bool = False) -> torch.Tensor:
     """x [1, K] @ weight [N, K]ᵀ (+ bias [N]) → [1, N]; gated: weight is gate‖up [2I, K] and the
-    result silu(x gateᵀ) * (x upᵀ), [1, I]. norm=(weight [K], eps): RMSNorm(x) is multiplied
-    instead of x. residual [1, N]: the result is added to it in place, and it is returned."""
+    result silu(x gateᵀ) * (x upᵀ), [1, I]."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, got x of shape {tuple(x.shape)}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
@@ -144,27 +104,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         raise ValueError(f"gemv: a gated weight stacks gate and up, so it needs an even row count, got {weight.shape[0]}")
     if x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x has {x.shape[1]} columns, weight {weight.shape[1]}")
-    check_norm(x, norm)
-    n_total, k = weight.shape
-    n = n_total // 2 if gated else n_total
-    if residual is not None and (residual.shape != (1, n) or residual.dtype != x.dtype or not residual.is_contiguous()):
-        raise ValueError(f"gemv: residual must be a contiguous [1, {n}] {x.dtype} tensor, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
     copied = weight.stride(-1) != 1
     if copied:
         weight = weight.contiguous()
     x = x.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    norm_weight = norm[0].contiguous() if norm is not None else x
-    out = residual if residual is not None else torch.empty((1, n), dtype=x.dtype, device=x.device)
+    n_total, k = weight.shape
+    n = n_total // 2 if gated else n_total
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
     block_n, block_k, warps = launch_shape(n, k, gated)
     # Under PDL the first weight tile is read before the wait: only a weight no earlier kernel wrote.
     use_pdl = pdl.enabled(x, "gemv") and not copied
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else x, out, norm_weight, n, k, weight.stride(0), n * weight.stride(0),
-        norm[1] if norm is not None else 0.0, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None,
-        RESIDUAL=residual is not None, PDL=use_pdl, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1, num_warps=warps, launch_pdl=use_pdl)
+        x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, PDL=use_pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        launch_pdl=use_pdl)
     return out

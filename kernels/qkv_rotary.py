@@ -5,9 +5,9 @@ only waits for it. Rotate-half pairs output rows i and i + D/2 of one head, so a
 exactly that pair: it sums both rows over all of K (`gemv.row_dots`, the same order as the GEMV),
 adds the bias, rounds as a linear layer would, rotates q and k heads with the rounding points of
 `rotary.py`, and writes q to its output and k, v to the token's cache slot. Same arithmetic and
-rounding points as gemv → rotary_store_kv: bit-identical under the interpreter and on an H200
-(docs/benchmarks.md). With `norm`, x is the residual stream and the layer's input RMSNorm is the
-prologue, as in gemv.py.
+rounding points as gemv → rotary_store_kv (bit-identical under the interpreter; on an H200 ~20% of
+q differed by one bf16 step while rotary.py's build fused two of its roundings into an FMA, fixed
+since and not yet re-measured there).
 """
 from __future__ import annotations
 
@@ -18,20 +18,18 @@ import triton
 import triton.language as tl
 
 from llaunch.kernels import pdl
-from llaunch.kernels.gemv import check_norm, launch_shape, row_dots
+from llaunch.kernels.gemv import launch_shape, row_dots
 
 
 @triton.jit
 def _qkv_rotary_kernel(x_ptr, w_ptr, b_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
-                       nw_ptr, K, w_stride, table_stride, n_q_heads, n_kv_heads, eps, HAS_BIAS: tl.constexpr,
-                       NORM: tl.constexpr, PDL: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
-                       NORM_BLOCK: tl.constexpr):
+                       K, w_stride, table_stride, n_q_heads, n_kv_heads, HAS_BIAS: tl.constexpr,
+                       PDL: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr):
     head = tl.program_id(0) // HALF
     i = tl.program_id(0) % HALF
     lane = tl.arange(0, 2)
     rows = head * 2 * HALF + i + lane * HALF  # the rotate-half pair (i, i + D/2) of this head
-    y, _ = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, rows >= 0, K, 0, nw_ptr, eps, False, NORM, PDL, 2,
-                    BLOCK_K, NORM_BLOCK)
+    y, _ = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, rows >= 0, K, 0, False, PDL, 2, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     ty = q_out_ptr.dtype.element_ty
@@ -57,11 +55,9 @@ def _qkv_rotary_kernel(x_ptr, w_ptr, b_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
 
 def qkv_rotary_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], n_q_heads: int,
                         n_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                        norm: Optional[tuple[torch.Tensor, float]] = None) -> torch.Tensor:
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """x [1, K] through the fused weight [(Hq + 2·Hkv)·D, K] (+ bias): returns the rotated q [1, Hq, D];
-    the rotated k and the v of the token go to row slots[0] of the caches [num_slots, Hkv, D].
-    norm=(weight [K], eps): RMSNorm(x) is projected instead of x."""
+    the rotated k and the v of the token go to row slots[0] of the caches [num_slots, Hkv, D]."""
     dim = k_cache.shape[-1]
     n, k = weight.shape
     if x.dim() != 2 or x.shape[0] != 1:
@@ -74,7 +70,6 @@ def qkv_rotary_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if x.shape[1] != k or k_cache.shape[1] != n_kv_heads:
         raise ValueError(f"qkv_rotary_store_kv: x has {x.shape[1]} columns for a weight of {k}, the cache "
                          f"{k_cache.shape[1]} KV heads for {n_kv_heads}")
-    check_norm(x, norm)
     copied = weight.stride(-1) != 1
     if copied:
         weight = weight.contiguous()
@@ -85,9 +80,7 @@ def qkv_rotary_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     block_k, warps = launch_shape(n, k, False)[1:]
     use_pdl = pdl.enabled(x, "gemv") and not copied  # the first weight tile is read before the PDL wait
     _qkv_rotary_kernel[(n // 2,)](
-        x, weight, bias if bias is not None else x, q, k_cache, v_cache, positions, slots, cos, sin,
-        norm[0].contiguous() if norm is not None else x, k, weight.stride(0), cos.stride(0), n_q_heads, n_kv_heads,
-        norm[1] if norm is not None else 0.0, HAS_BIAS=bias is not None, NORM=norm is not None, PDL=use_pdl,
-        HALF=dim // 2, BLOCK_K=block_k, NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
-        num_warps=warps, launch_pdl=use_pdl)
+        x, weight, bias if bias is not None else x, q, k_cache, v_cache, positions, slots, cos, sin, k,
+        weight.stride(0), cos.stride(0), n_q_heads, n_kv_heads, HAS_BIAS=bias is not None, PDL=use_pdl,
+        HALF=dim // 2, BLOCK_K=block_k, num_warps=warps, launch_pdl=use_pdl)
     return q

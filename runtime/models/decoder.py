@@ -6,13 +6,10 @@ is stored into its slot first. Only the rows in `logits_index` go through the fi
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
-from llaunch.kernels import (decode_attention, fused_norms, gated_linear, prefill_attention, qkv_rotary_store_kv,
-                             rope_cos_sin)
+from llaunch.kernels import decode_attention, gated_linear, prefill_attention, qkv_rotary_store_kv, rope_cos_sin
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.launcher.heads import HeadLayout
@@ -44,20 +41,15 @@ class Attention(nn.Module):
                                         in_parts=[(None if h is None else h * d, n * d) for h, n in q_runs])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                norm: Optional[tuple[torch.Tensor, float]] = None,
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """→ the attention block's output. norm: x is the residual stream and the input RMSNorm
-        (weight, eps) is applied by the qkv projection; residual: the output is added to it in place
-        by o_proj, and it is returned."""
+                req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q = qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
-                                batch.positions, cos, sin, k_cache, v_cache, batch.out_slots, norm=norm)
+                                batch.positions, cos, sin, k_cache, v_cache, batch.out_slots)
         nd = batch.num_decode
         if not batch.num_prefill_tokens:  # a decode-only step: the attention output is the whole tensor
             out = decode_attention(q, k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
                                    self.scale, max_len=batch.max_decode_len or None)
-            return self.o_proj(out.view(t, self.num_heads * d), residual)
+            return self.o_proj(out.view(t, self.num_heads * d))
         # q_starts index the whole token array, so the prefill op gets all of q; decode rows come first.
         out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,
                                 batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale,
@@ -65,7 +57,7 @@ class Attention(nn.Module):
         if nd:
             out[:nd] = decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows,
                                         batch.decode_seq_lens, self.scale, max_len=batch.max_decode_len or None)
-        return self.o_proj(out.view(t, self.num_heads * d), residual)
+        return self.o_proj(out.view(t, self.num_heads * d))
 
 
 class Mlp(nn.Module):
@@ -79,11 +71,9 @@ class Mlp(nn.Module):
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", full, start, local, arch.hidden_size,
                                            bias=False, tp=tp, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, *, norm: Optional[tuple[torch.Tensor, float]] = None,
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """norm and residual as for Attention.forward."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate_up's bias is always absent (Llama, Qwen2), so the fused gated GEMV needs none.
-        return self.down_proj(gated_linear(x, self.gate_up_proj.weight, norm=norm), residual)
+        return self.down_proj(gated_linear(x, self.gate_up_proj.weight))
 
 
 class DecoderLayer(nn.Module):
@@ -143,8 +133,6 @@ class DecoderLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KvCache) -> torch.Tensor:
         """→ float32 logits [len(batch.logits_index), vocab]."""
-        if batch.num_tokens == 1 and self.tp.size == 1 and fused_norms():
-            return self._forward_one_row(batch, kv)
         h = self.embed_tokens(batch.input_ids)
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
@@ -158,14 +146,3 @@ class DecoderLM(nn.Module):
         rows = batch.logits_index
         h = h[rows] if residual is None else h[rows] + residual[rows]
         return self.lm_head(self.norm(h))
-
-    def _forward_one_row(self, batch: ForwardBatch, kv: KvCache) -> torch.Tensor:
-        """A one-token step (batch-1 decode): the residual stream stays in one buffer; each RMSNorm is
-        applied by the linear layer that reads it and each residual add by the one that writes it, so
-        on a GPU the step has no norm kernels between its GEMVs (same rounding points as forward)."""
-        residual = self.embed_tokens(batch.input_ids)
-        for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
-            layer.self_attn(residual, batch, k_cache, v_cache, kv.req_to_slots, self.rope_cos, self.rope_sin,
-                            norm=layer.input_layernorm.params, residual=residual)
-            layer.mlp(residual, norm=layer.post_attention_layernorm.params, residual=residual)
-        return self.lm_head(self.norm(residual[batch.logits_index]))

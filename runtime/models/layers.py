@@ -123,13 +123,9 @@ class RowParallelLinear(nn.Module):
             shards["bias"] = [Shard(f"{self.name}.bias", (self.full_shape[0],))]
         return shards
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """→ the output, or with `residual` the residual stream with the output added in place."""
-        if residual is not None and self.tp.size == 1 and self.bias is None:
-            return linear(x, self.weight, residual=residual)  # one GPU, one row: the add is the GEMV's epilogue
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(linear(x, self.weight))
-        y = y if self.bias is None else y + self.bias
-        return y if residual is None else residual.add_(y)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -191,11 +187,6 @@ class RMSNorm(nn.Module):
 
     def checkpoint_shards(self) -> dict[str, list[Shard]]:
         return {"weight": [Shard(f"{self.name}.weight", tuple(self.weight.shape))]}
-
-    @property
-    def params(self) -> tuple[torch.Tensor, float]:
-        """(weight, eps): what a linear layer needs to apply this norm to its input itself."""
-        return self.weight, self.eps
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         return rmsnorm(x, self.weight, self.eps, residual)

@@ -51,18 +51,6 @@ def test_qkv_rotary_interpreted_equals_the_two_kernels_bit_for_bit(ops, dtype):
     assert torch.equal(q, q_two) and torch.equal(kc, two_kc) and torch.equal(vc, two_vc)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_qkv_rotary_norm_prologue_interpreted_equals_rmsnorm_first(ops, dtype):
-    """norm=(weight, eps): the layer's input RMSNorm as the prologue, bit for bit rmsnorm → fused kernel."""
-    x, w, b, positions, cos, sin, slots, (kc, vc, two_kc, two_vc) = _case(300, 3, 1, 64, dtype, True)
-    x = 3 * x
-    two_kc.copy_(kc), two_vc.copy_(vc)
-    norm = ((torch.rand(300) + 0.5).to(dtype), 1e-6)
-    q = ops.qkv_rotary_store_kv(x, w, b, 3, 1, positions, cos, sin, kc, vc, slots, norm)
-    q_two = ops.qkv_rotary_store_kv(ops.rmsnorm(x, *norm), w, b, 3, 1, positions, cos, sin, two_kc, two_vc, slots)
-    assert torch.equal(q, q_two) and torch.equal(kc, two_kc) and torch.equal(vc, two_vc)
-
-
 def test_qkv_rotary_refuses_a_weight_that_is_not_whole_heads(ops):
     x, w, b, positions, cos, sin, slots, (kc, vc, _, _) = _case(40, 7, 1, 16, torch.float32, False)
     with pytest.raises(ValueError, match=r"\(6 \+ 2·1\) heads × 16"):

@@ -1,8 +1,7 @@
 """The GPU build keeps the rounding points the kernels spell out. The kernels are compiled for sm90
 (Hopper) here, without a GPU, in a subprocess without the interpreter, and their PTX is read: a bf16
 FMA in a rotary kernel would round round(x1·cos) − round(x2·sin) once instead of three times, which
-is not what transformers computes (q·cos + rotate_half(q)·sin, each op rounded to bf16). The qkv
-kernel and the GEMV are compiled with their RMSNorm prologue and residual epilogue."""
+is not what transformers computes (q·cos + rotate_half(q)·sin, each op rounded to bf16)."""
 import json
 import os
 import subprocess
@@ -14,7 +13,7 @@ _COMPILE = r'''
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from llaunch.kernels import gemv, qkv_rotary, rotary
+from llaunch.kernels import qkv_rotary, rotary
 
 target = GPUTarget("cuda", 90, 32)
 ptrs = lambda *names: {n: "*bf16" for n in names}  # noqa: E731
@@ -28,25 +27,13 @@ rot = triton.compile(ASTSource(fn=rotary._rotary_kernel, signature=rot_sig,
                                            "STORE": True, "PDL": False}),
                      target=target, options={"num_warps": 4, **rotary.COMPILE_OPTIONS})
 qkv_sig = {**ptrs("x_ptr", "w_ptr", "b_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr"), "pos_ptr": "*i64",
-           "slot_ptr": "*i64", **ptrs("cos_ptr", "sin_ptr", "nw_ptr"),
-           **{n: "i32" for n in ("K", "w_stride", "table_stride", "n_q_heads", "n_kv_heads")}, "eps": "fp32",
-           **{n: "constexpr" for n in ("HAS_BIAS", "NORM", "PDL", "HALF", "BLOCK_K", "NORM_BLOCK")}}
+           "slot_ptr": "*i64", **ptrs("cos_ptr", "sin_ptr"),
+           **{n: "i32" for n in ("K", "w_stride", "table_stride", "n_q_heads", "n_kv_heads")},
+           **{n: "constexpr" for n in ("HAS_BIAS", "PDL", "HALF", "BLOCK_K")}}
 qkv = triton.compile(ASTSource(fn=qkv_rotary._qkv_rotary_kernel, signature=qkv_sig,
-                               constexprs={"HAS_BIAS": True, "NORM": True, "PDL": False, "HALF": 64, "BLOCK_K": 1024,
-                                           "NORM_BLOCK": 4096}),
+                               constexprs={"HAS_BIAS": True, "PDL": False, "HALF": 64, "BLOCK_K": 1024}),
                      target=target, options={"num_warps": 4})
-gemv_sig = {**ptrs("x_ptr", "w_ptr", "b_ptr", "out_ptr", "nw_ptr"),
-            **{n: "i32" for n in ("N", "K", "w_stride", "up_offset")}, "eps": "fp32",
-            **{n: "constexpr" for n in ("HAS_BIAS", "GATED", "NORM", "RESIDUAL", "PDL", "BLOCK_N", "BLOCK_K",
-                                        "NORM_BLOCK")}}
-gemvs = {}
-for name, flags in (("gemv norm gated", dict(GATED=True, NORM=True, RESIDUAL=False)),
-                    ("gemv residual", dict(GATED=False, NORM=False, RESIDUAL=True))):
-    gemvs[name] = triton.compile(ASTSource(fn=gemv._gemv_kernel, signature=gemv_sig,
-                                           constexprs={"HAS_BIAS": False, "PDL": False, "BLOCK_N": 4, "BLOCK_K": 1024,
-                                                       "NORM_BLOCK": 4096, **flags}),
-                                 target=target, options={"num_warps": 4}).asm["ptx"]
-print(json.dumps({"rotary": rot.asm["ptx"], "qkv_rotary": qkv.asm["ptx"], **gemvs}))
+print(json.dumps({"rotary": rot.asm["ptx"], "qkv_rotary": qkv.asm["ptx"]}))
 '''
 
 
@@ -58,9 +45,8 @@ def sm90_ptx():
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kernel", ["rotary", "qkv_rotary", "gemv norm gated", "gemv residual"])
-def test_kernels_compile_without_a_bf16_fma(sm90_ptx, kernel):
-    """The rotary kernels, and the GEMV's fused RMSNorm prologue and residual epilogue."""
+@pytest.mark.parametrize("kernel", ["rotary", "qkv_rotary"])
+def test_rotary_kernels_compile_without_a_bf16_fma(sm90_ptx, kernel):
     ptx = sm90_ptx[kernel]
     assert ".target sm_90" in ptx
     assert "fma.rn.bf16" not in ptx

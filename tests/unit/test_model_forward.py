@@ -125,20 +125,3 @@ def test_kv_cache_shape_and_bytes(setup):
     assert kv.k[0].shape == (10, arch.num_key_value_heads, arch.head_dim) and kv.num_slots == 10
     assert kv.req_to_slots.shape == (3, 64) and kv.req_to_slots.dtype == torch.int32
     assert model.kv_bytes_per_token == 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * 4
-
-
-@pytest.mark.parametrize("fused_norms", [True, False], ids=["norms in the linear layers", "norm kernels"])
-def test_decode_one_sequence_alone(setup, monkeypatch, fused_norms):
-    """One-token steps take the decoder's one-row path (norms and residual adds inside the linear
-    layers); with it switched off (LLAUNCH_FUSED_NORMS=0) the general path: both match transformers."""
-    from llaunch.kernels import dispatch
-
-    monkeypatch.setattr(dispatch, "_FUSED_NORMS", fused_norms)
-    model, (a, _) = setup
-    tables = SlotTables(model, seed=4)
-    p = a.prompt_len
-    model.forward(tables.batch(prefill=[(0, a.tokens[:p])]), tables.kv)
-    for j in range(NEW_TOKENS - 1):
-        logits = model.forward(tables.batch(decode=[(0, a.tokens[p + j])]), tables.kv)
-        assert_close(logits[0], a.logits[p + j])
-        assert logits[0].argmax().item() == a.greedy()[j + 1]
