@@ -4,16 +4,11 @@ Stage 1: each sequence's context is cut into `num_splits` equal chunks (whole BL
 owns one chunk of one KV head and loads its keys/values once for all the q heads of that head's
 group, writing a partial output and its log-sum-exp. Stage 2 merges the partials per (sequence,
 head). With one split (large batches) stage 1 writes the output itself and stage 2 is skipped.
-
-Stage 2 is done by the last stage-1 program of each (sequence, KV head) to finish, counted on an
-atomic counter it then resets (the counters stay zero between launches), so small batches pay for
-one short kernel a layer, not two; `LLAUNCH_ATTN_MERGE=kernel` runs it as its own kernel (A/B timing).
 The grid depends only on host ints (batch, heads, num_splits), so it can be captured in a CUDA
 graph; the per-sequence lengths are read on the device.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -26,8 +21,6 @@ from llaunch.kernels import pdl
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 256  # stage-1 programs to aim for: ~2 per SM of an H200 (swept with scripts/bench_kernels.py)
 _MIN_CHUNK = 64
-_MERGE_IN_SPLITS = os.environ.get("LLAUNCH_ATTN_MERGE", "last") != "kernel"
-_counters: dict = {}  # device → int32 zeros, one per (sequence, KV head): stage-1 programs done
 
 
 @triton.jit
@@ -37,35 +30,11 @@ def _chunk_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, mid_heads, heads, h_mask, n_valid, num_splits, out_head_stride,
-                 dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Stage 2 for a KV head's group, by the last stage-1 program: the partials of the other programs
-    are read from L2 (.cg), not from this SM's L1, which may hold stale lines of the scratch."""
-    offs_d = tl.arange(0, BLOCK_D)
-    base = mid_heads * num_splits  # [BLOCK_H]
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for s in range(0, n_valid):
-        m = tl.maximum(m, tl.load(mid_lse_ptr + base + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg"))
-    m = tl.where(h_mask, m, 0.0)
-    total = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    weight = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for s in range(0, n_valid):
-        w = tl.exp2(tl.load(mid_lse_ptr + base + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg") - m)
-        o = tl.load(mid_o_ptr + (base + s)[:, None] * BLOCK_D + offs_d[None, :], mask=h_mask[:, None], other=0.0,
-                    cache_modifier=".cg")
-        total += w[:, None] * o
-        weight += w
-    result = total / tl.maximum(weight, 1.0)[:, None]  # the best split weighs exactly 1
-    tl.store(out_ptr + heads[:, None] * out_head_stride + offs_d[None, :], result.to(out_ptr.dtype.element_ty),
-             mask=h_mask[:, None] & (offs_d < dim)[None, :])
-
-
-@triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows_ptr, seq_lens_ptr,
-                         mid_o_ptr, mid_lse_ptr, out_ptr, counters_ptr, qk_scale, num_splits, q_batch_stride,
-                         q_head_stride, out_batch_stride, out_head_stride, cache_tok_stride, cache_head_stride,
-                         slots_row_stride, dim, GROUP: tl.constexpr, DIRECT: tl.constexpr, MERGE: tl.constexpr,
-                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_H: tl.constexpr,
+                         mid_o_ptr, mid_lse_ptr, out_ptr, qk_scale, num_splits, q_batch_stride, q_head_stride,
+                         out_batch_stride, out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride,
+                         dim, GROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+                         PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
         gdc_launch_dependents()
@@ -77,18 +46,14 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
     chunk = _chunk_len(seq_len, num_splits, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    if not DIRECT:
+        if start >= end:  # the merge reads only the splits that hold tokens
+            return
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + offs_h
     h_mask = offs_h < GROUP
     d_mask = offs_d < dim
-    if not DIRECT:
-        if start >= end:  # the merge reads only the splits that hold tokens
-            if MERGE and seq_len == 0 and split == 0:  # an empty row (graph padding) comes out as zeros
-                tl.store(out_ptr + b * out_batch_stride + heads[:, None] * out_head_stride + offs_d[None, :],
-                         tl.zeros([BLOCK_H, BLOCK_D], dtype=out_ptr.dtype.element_ty),
-                         mask=h_mask[:, None] & d_mask[None, :])
-            return
     q = tl.load(q_ptr + b * q_batch_stride + heads[:, None] * q_head_stride + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:  # the interpreter has no bf16/fp16 dot
@@ -127,18 +92,6 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
         tl.store(mid_o_ptr + mid[:, None] * BLOCK_D + offs_d[None, :], acc / l_i[:, None],
                  mask=h_mask[:, None] & d_mask[None, :])
         tl.store(mid_lse_ptr + mid, m_i + tl.log2(l_i), mask=h_mask)
-        if MERGE:
-            # Every thread's partials are written before one thread counts the program done; the
-            # atomic is a release for them and, for the last program, an acquire of everyone's.
-            tl.debug_barrier()
-            counter = counters_ptr + b * tl.num_programs(1) + kv_head
-            n_valid = (seq_len + chunk - 1) // chunk
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == n_valid - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-                _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr + b * out_batch_stride,
-                             b * GROUP * tl.num_programs(1) + heads, heads, h_mask, n_valid, num_splits,
-                             out_head_stride, dim, BLOCK_H, BLOCK_D)
 
 
 @triton.jit
@@ -189,18 +142,6 @@ def num_splits_for(batch: int, kv_heads: int, max_len: int) -> int:
     return max(1, min(triton.cdiv(max_len, _MIN_CHUNK), triton.cdiv(_TARGET_PROGRAMS, batch * kv_heads)))
 
 
-def _merge_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
-    """n zeroed stage-1 counters on the device (a buffer kept for the process, grown outside CUDA-graph
-    captures only); None while a capture would need a new one."""
-    have = _counters.get(device)
-    if have is not None and have.numel() >= n:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    _counters[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_slots: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, *, max_len: Optional[int] = None) -> torch.Tensor:
@@ -224,17 +165,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     block_n, warps, stages = _launch_shape(q, dim)
     use_pdl = pdl.enabled(q, "decode_attention")
-    counters = None if direct or not _MERGE_IN_SPLITS else _merge_counters(q.device, batch * kv_heads)
-    merge_in_splits = counters is not None
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, req_to_slots, rows, seq_lens, mid_o, mid_lse, out,
-        counters if merge_in_splits else mid_lse, scale * _LOG2E, splits, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_slots.stride(0), dim, GROUP=group,
-        DIRECT=direct, MERGE=merge_in_splits, UPCAST=not q.is_cuda,
+        q, k_cache, v_cache, req_to_slots, rows, seq_lens, mid_o, mid_lse, out, scale * _LOG2E, splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        req_to_slots.stride(0), dim, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
         num_stages=stages, launch_pdl=use_pdl)
-    if not direct and not merge_in_splits:
+    if not direct:
         _decode_merge_kernel[(batch, n_q_heads)](
             mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim, PDL=use_pdl,
             BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,

@@ -1,6 +1,4 @@
 """Grouped-query flash-decoding attention vs reference.decode_attention."""
-import importlib
-
 import pytest
 import torch
 
@@ -54,28 +52,6 @@ def test_decode_empty_padding_row_gives_zeros(ops, poisoned, kv_cache, max_len):
     ref = reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.125)
     assert torch.equal(ref[1], torch.zeros_like(ref[1])) and torch.equal(out[1], ref[1])
     torch.testing.assert_close(out[0], ref[0], atol=2e-5, rtol=1e-5)
-
-
-def test_decode_merge_by_the_last_split_leaves_its_counters_zero(ops, poisoned, close, kv_cache):
-    """The last stage-1 program of each (row, KV head) merges and resets its counter: after a call
-    every counter is zero again, and a second call (same counters) gives the same output."""
-    module = importlib.import_module("llaunch.kernels.decode_attention")  # the package binds the op's name
-
-    with poisoned():
-        out, ref = _run(ops.decode_attention, LENGTHS, 6, 2, 64, torch.float32, kv_cache, max_len=4096)
-    close(out, ref)
-    counters = module._counters[torch.device("cpu")]
-    assert counters.numel() >= len(LENGTHS) * 2 and not counters.any()
-
-
-def test_decode_merge_kernel_path(ops, poisoned, close, kv_cache, monkeypatch):
-    """LLAUNCH_ATTN_MERGE=kernel: stage 2 as its own kernel gives the reference's answer too."""
-    module = importlib.import_module("llaunch.kernels.decode_attention")  # the package binds the op's name
-
-    monkeypatch.setattr(module, "_MERGE_IN_SPLITS", False)
-    with poisoned():
-        out, ref = _run(ops.decode_attention, LENGTHS + [0], 7, 1, 128, torch.float32, kv_cache, max_len=4096)
-    close(out, ref)
 
 
 @pytest.mark.gpu
