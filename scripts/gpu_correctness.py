@@ -88,25 +88,37 @@ def time_decode_steps(graphs: DecodeGraphs, kv, context: int = 1024, batches=(1,
 
 
 def step_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
-    """The batch-1 step captured with the qkv + rotary fusion on and off, and with PDL on subsets of
-    the kernels that have it, alternated `rounds` times (the spread between rounds is the noise)."""
+    """The batch-1 step captured with each switch on and off (the attention's L2 prefetch of o_proj,
+    the qkv + rotary fusion) and with PDL on subsets of the kernels that have it, alternated `rounds`
+    times (the spread between rounds is the noise)."""
+    from llaunch.kernels import l2_prefetch
+
+    switches = {  # (module, attribute): what LLAUNCH_L2_PREFETCH and LLAUNCH_QKV_ROTARY set
+        "l2_prefetch": (l2_prefetch, "ENABLED"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY")}
+    default = dict(l2_prefetch=True, qkv_rotary=True, pdl=pdl.DEFAULT_KERNELS)
+    variants = {
+        "default (L2 prefetch of o_proj, fused qkv+rotary, PDL on gemv+rmsnorm)": {},
+        "no L2 prefetch (the 11c98d0 step)": dict(l2_prefetch=False),
+        "no L2 prefetch, qkv GEMV then rotary kernel": dict(l2_prefetch=False, qkv_rotary=False),
+        "PDL on gemv+rmsnorm+decode_attention": dict(pdl=("gemv", "rmsnorm", "decode_attention")),
+        "no PDL": dict(pdl=()),
+    }
     out = []
-    variants = {"default (fused qkv+rotary, PDL on gemv+rmsnorm)": (True, pdl.DEFAULT_KERNELS),
-                "qkv GEMV then rotary kernel, PDL on gemv+rmsnorm": (False, pdl.DEFAULT_KERNELS),
-                "fused, PDL on gemv+rmsnorm+decode_attention": (True, ("gemv", "rmsnorm", "decode_attention")),
-                "fused, PDL on every kernel": (True, pdl.KERNELS),
-                "fused, no PDL": (True, ())}
     for _ in range(rounds):
-        for name, (fused, kernels) in variants.items():
-            before, dispatch._FUSED_QKV_ROTARY = dispatch._FUSED_QKV_ROTARY, fused  # what LLAUNCH_QKV_ROTARY sets
-            kernels_before = pdl.set_kernels(kernels)
+        for name, changes in variants.items():
+            setting = dict(default, **changes)
+            saved = {key: getattr(*where) for key, where in switches.items()}
+            for key, (module, attr) in switches.items():
+                setattr(module, attr, setting[key])
+            kernels_before = pdl.set_kernels(setting["pdl"])
             graphs = DecodeGraphs(model, kv, last, 1, 4096, scratch_row=256, scratch_slot=scratch)
             graphs.capture()
             for c in time_decode_steps(graphs, kv, batches=(1,)):
                 out.append(dict(c, check=c["check"] + f", {name}"))
             del graphs
             pdl.set_kernels(kernels_before)
-            dispatch._FUSED_QKV_ROTARY = before
+            for key, (module, attr) in switches.items():
+                setattr(module, attr, saved[key])
     return out
 
 
@@ -206,6 +218,20 @@ def main() -> int:
         cos = cosine_rows(got, ref[n:total])
         checks.append(dict(check="teacher-forced decode vs transformers", min_cosine=cos.min().item(),
                            top1_agreement=(got.argmax(-1) == ref[n:total].argmax(-1)).float().mean().item()))
+        # transformers' own decode steps (KV cache, one token each) against its whole-sequence forward:
+        # how far two bf16 shapes of the same model are apart, the floor for the check above
+        past = hf(torch.tensor([ids[:n]], device=device), use_cache=True).past_key_values
+        hf_steps = []
+        for i in range(n, total):
+            o = hf(torch.tensor([[ids[i]]], device=device), past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            hf_steps.append(o.logits[0, -1].float())
+        hf_steps = torch.stack(hf_steps)
+        for name, a, b in (("transformers decode steps vs its whole-sequence forward", hf_steps, ref[n:total]),
+                           ("teacher-forced decode vs transformers decode steps", got, hf_steps)):
+            c = cosine_rows(a, b)
+            checks.append(dict(check=name, min_cosine=c.min().item(), mean_cosine=c.mean().item(),
+                               top1_agreement=(a.argmax(-1) == b.argmax(-1)).float().mean().item(), measurement=True))
         if args.fp32_reference:
             # Which bf16 run is closer to the exact answer? transformers in float32 on the same weights.
             ours_prefill = ours.forward(batch_of(ids[:n], list(range(n)), slots[:n], [], [], prefill=0,
