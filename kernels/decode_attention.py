@@ -16,8 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from llaunch.kernels import l2_prefetch, pdl
-from llaunch.kernels.l2_prefetch import prefetch_share
+from llaunch.kernels import pdl
 
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 256  # stage-1 programs to aim for: ~2 per SM of an H200 (swept with scripts/bench_kernels.py)
@@ -32,14 +31,11 @@ def _chunk_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows_ptr, seq_lens_ptr,
-                         mid_o_ptr, mid_lse_ptr, out_ptr, pf_ptr, pf_lines, qk_scale, num_splits, q_batch_stride,
-                         q_head_stride, out_batch_stride, out_head_stride, cache_tok_stride, cache_head_stride,
-                         slots_row_stride, dim, GROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_H: tl.constexpr,
+                         mid_o_ptr, mid_lse_ptr, out_ptr, qk_scale, num_splits, q_batch_stride, q_head_stride,
+                         out_batch_stride, out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride,
+                         dim, GROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+                         PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    if PREFETCH:  # the next layer's weight into L2 while this latency-bound kernel leaves the bus idle
-        part = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-        prefetch_share(pf_ptr, pf_lines, part, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), 128)
     if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
         gdc_launch_dependents()
         gdc_wait()
@@ -148,12 +144,10 @@ def num_splits_for(batch: int, kv_heads: int, max_len: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_slots: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, *, max_len: Optional[int] = None,
-                     prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     scale: float, *, max_len: Optional[int] = None) -> torch.Tensor:
     """q [B, Hq, D] attends to the first seq_lens[b] cached tokens of row rows[b] → [B, Hq, D].
     `max_len` (host int, default max_model_len) bounds seq_lens; it only sets the split count, so
-    it must stay fixed while a CUDA graph replays. `prefetch`: a tensor the next kernel reads (the
-    o_proj weight), pulled into L2 meanwhile (kernels/l2_prefetch.py)."""
+    it must stay fixed while a CUDA graph replays."""
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride(), "caches: same layout, unit dim stride"
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -171,13 +165,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     block_n, warps, stages = _launch_shape(q, dim)
     use_pdl = pdl.enabled(q, "decode_attention")
-    pf_lines = l2_prefetch.lines_to_prefetch(prefetch)
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, req_to_slots, rows, seq_lens, mid_o, mid_lse, out,
-        prefetch.view(torch.int8) if pf_lines else mid_lse, pf_lines, scale * _LOG2E, splits,
+        q, k_cache, v_cache, req_to_slots, rows, seq_lens, mid_o, mid_lse, out, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         req_to_slots.stride(0), dim, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, PREFETCH=pf_lines > 0,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
         num_stages=stages, launch_pdl=use_pdl)
     if not direct:

@@ -87,11 +87,10 @@ def prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens,
     return reference.prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale)
 
 
-def decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, *, max_len: Optional[int] = None,
-                     prefetch=None):
+def decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, *, max_len: Optional[int] = None):
     if _use_triton(q):
         return triton_ops().decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale,
-                                             max_len=max_len, prefetch=prefetch)
+                                             max_len=max_len)
     return reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale)
 
 

@@ -22,6 +22,31 @@ from llaunch.kernels import pdl
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def parse_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int, int]]:
+    """`LLAUNCH_GEMV_SHAPES`: launch shapes per weight shape, overriding launch_shape's, as
+    comma-separated `NxK=BLOCK_N/BLOCK_K/WARPS` (N output rows, K inputs; `NxK:gated=...` for a
+    gate‖up weight, N its output rows, I). What `scripts/bench_gemv_chain.py --sweep --emit-shapes`
+    writes for the GPU it ran on."""
+    shapes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            key, value = item.split("=")
+            dims, _, kind = key.partition(":")
+            n, k = (int(v) for v in dims.split("x"))
+            block_n, block_k, warps = (int(v) for v in value.split("/"))
+        except ValueError:
+            raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r} is not NxK[:gated]=BLOCK_N/BLOCK_K/WARPS") from None
+        powers = all(v > 0 and v & (v - 1) == 0 for v in (block_n, block_k, warps))
+        if kind not in ("", "gated") or not powers or warps > 16:
+            raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r}: blocks and warps must be powers of two (warps ≤ 16), "
+                             "the only suffix is ':gated'")
+        shapes[(n, k, kind == "gated")] = (block_n, block_k, warps)
+    return shapes
+
+
+_OVERRIDES = parse_shapes(os.environ.get("LLAUNCH_GEMV_SHAPES", ""))
+
+
 def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a shape. Fixed, not autotuned: the block sizes set the
     summation order, and a timing-dependent pick could make greedy output differ between restarts
@@ -31,6 +56,8 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int]:
     more rows per program where outputs are fewer than inputs."""
     if _INTERPRETED:  # a Python loop per program: few, large programs keep tests fast
         return 32, 256, 4
+    if (n, k, gated) in _OVERRIDES:
+        return _OVERRIDES[(n, k, gated)]
     if gated:
         return 8, 256, 4
     if k >= 2048:

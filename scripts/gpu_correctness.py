@@ -88,21 +88,22 @@ def time_decode_steps(graphs: DecodeGraphs, kv, context: int = 1024, batches=(1,
 
 
 def step_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
-    """The batch-1 step captured with each switch on and off (the attention's L2 prefetch of o_proj,
-    the qkv + rotary fusion) and with PDL on subsets of the kernels that have it, alternated `rounds`
-    times (the spread between rounds is the noise)."""
-    from llaunch.kernels import l2_prefetch
+    """The batch-1 step captured with each switch on and off (the GEMV launch shapes of
+    LLAUNCH_GEMV_SHAPES, the qkv + rotary fusion) and with PDL on subsets of the kernels that have
+    it, alternated `rounds` times (the spread between rounds is the noise)."""
+    from llaunch.kernels import gemv
 
-    switches = {  # (module, attribute): what LLAUNCH_L2_PREFETCH and LLAUNCH_QKV_ROTARY set
-        "l2_prefetch": (l2_prefetch, "ENABLED"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY")}
-    default = dict(l2_prefetch=True, qkv_rotary=True, pdl=pdl.DEFAULT_KERNELS)
+    switches = {  # (module, attribute): what LLAUNCH_GEMV_SHAPES and LLAUNCH_QKV_ROTARY set
+        "shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY")}
+    default = dict(shapes=gemv._OVERRIDES, qkv_rotary=True, pdl=pdl.DEFAULT_KERNELS)
     variants = {
-        "default (L2 prefetch of o_proj, fused qkv+rotary, PDL on gemv+rmsnorm)": {},
-        "no L2 prefetch (the 11c98d0 step)": dict(l2_prefetch=False),
-        "no L2 prefetch, qkv GEMV then rotary kernel": dict(l2_prefetch=False, qkv_rotary=False),
+        "default (fused qkv+rotary, PDL on gemv+rmsnorm, LLAUNCH_GEMV_SHAPES if set)": {},
+        "qkv GEMV then rotary kernel": dict(qkv_rotary=False),
         "PDL on gemv+rmsnorm+decode_attention": dict(pdl=("gemv", "rmsnorm", "decode_attention")),
         "no PDL": dict(pdl=()),
     }
+    if gemv._OVERRIDES:
+        variants["built-in launch shapes (LLAUNCH_GEMV_SHAPES ignored)"] = dict(shapes={})
     out = []
     for _ in range(rounds):
         for name, changes in variants.items():

@@ -4,7 +4,7 @@
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
 #   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels gemv chain single-cublas
-#                                            single-nopdl single-pdl-linear smollm2-chat sweep prefix parallel smollm2 smollm2-agree
+#                                            single-nopdl single-pdl-linear smollm2-chat sweep prefix parallel smollm2 smollm2-agree tune
 #                                            stash steps pd;
 #                                            default: the first five)
 set -u
@@ -34,6 +34,14 @@ if has stash; then  # the first half of the SmolLM2 GGUF, kept on this machine f
 fi
 [ -f .gpu/qwen2-tokenizer.tar.xz ] && [ ! -f .models/qwen2-tokenizer/tokenizer.json ] && \
   mkdir -p .models && tar xJf .gpu/qwen2-tokenizer.tar.xz -C .models
+
+if has tune; then  # sweep the GEMV launch shapes on this GPU; the later cases of this call run with the winners
+  stamp "tune: GEMV launch shapes, chain sweep"
+  timeout 450 $PY scripts/bench_gemv_chain.py --sweep --emit-shapes "$OUT/gemv-shapes.txt" --json "$OUT/gemv-chain.json" \
+    2>&1 | grep -v Warning
+  export LLAUNCH_GEMV_SHAPES=$(cat "$OUT/gemv-shapes.txt" 2>/dev/null)
+  echo "LLAUNCH_GEMV_SHAPES=$LLAUNCH_GEMV_SHAPES"
+fi
 
 if has correctness; then
   stamp "correctness: Qwen2-7B shape, bf16, vs transformers"

@@ -47,10 +47,8 @@ class Attention(nn.Module):
                                 batch.positions, cos, sin, k_cache, v_cache, batch.out_slots)
         nd = batch.num_decode
         if not batch.num_prefill_tokens:  # a decode-only step: the attention output is the whole tensor
-            # One row: o_proj is a weight stream, so its weight is pulled into L2 while attention runs.
             out = decode_attention(q, k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
-                                   self.scale, max_len=batch.max_decode_len or None,
-                                   prefetch=self.o_proj.weight if t == 1 else None)
+                                   self.scale, max_len=batch.max_decode_len or None)
             return self.o_proj(out.view(t, self.num_heads * d))
         # q_starts index the whole token array, so the prefill op gets all of q; decode rows come first.
         out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,

@@ -66,30 +66,6 @@ def test_decode_gpu(cuda, poisoned, close, kv_cache, heads, dim, batch, max_len)
     close(out, ref)
 
 
-def test_decode_prefetch_hint_is_ignored_without_a_gpu(ops, poisoned, close, kv_cache):
-    # the L2 prefetch is inline PTX: under the interpreter the hint must be accepted and change nothing
-    with poisoned():
-        out, ref = _run(ops.decode_attention, LENGTHS, 7, 1, 64, torch.float32, kv_cache, max_len=4096,
-                        prefetch=torch.randn(300, 64))
-    close(out, ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 64])
-def test_decode_with_l2_prefetch_gpu(cuda, kv_cache, batch):
-    """Pulling another tensor (Qwen2-7B's o_proj weight) into L2 from the attention kernel leaves the
-    output bit-identical, at one split per sequence and at several."""
-    lengths = [700] * batch
-    k_cache, v_cache, req_to_slots, rows = kv_cache(lengths, 4, 128, torch.bfloat16, cuda)
-    q = torch.randn(batch, 28, 128, device=cuda).to(torch.bfloat16)
-    seq_lens = torch.tensor(lengths, device=cuda)
-    weight = torch.randn(3584, 3584, device=cuda).to(torch.bfloat16)
-    plain = kernels.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.088, max_len=1024)
-    fetched = kernels.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.088, max_len=1024,
-                                       prefetch=weight)
-    assert torch.equal(plain, fetched)
-
-
 @pytest.mark.gpu
 def test_decode_replays_in_a_cuda_graph(cuda, close, kv_cache):
     lengths = [1000] * 64

@@ -76,3 +76,26 @@ def test_gemv_refuses_what_the_reference_refuses(ops):
         ops.gemv(torch.randn(1, 8), torch.randn(5, 8), gated=True)
     with pytest.raises(ValueError, match="x has 8 columns, weight 9"):
         ops.gemv(torch.randn(1, 8), torch.randn(4, 9))
+
+
+def test_launch_shapes_from_the_environment(monkeypatch):
+    """LLAUNCH_GEMV_SHAPES (what the chain sweep emits) overrides the built-in shape per weight shape."""
+    from llaunch.kernels import gemv
+
+    shapes = gemv.parse_shapes("3584x3584=2/4096/8, 18944x3584:gated=16/256/8,")
+    assert shapes == {(3584, 3584, False): (2, 4096, 8), (18944, 3584, True): (16, 256, 8)}
+    monkeypatch.setattr(gemv, "_INTERPRETED", False)
+    monkeypatch.setattr(gemv, "_OVERRIDES", shapes)
+    assert gemv.launch_shape(3584, 3584, False) == (2, 4096, 8)
+    assert gemv.launch_shape(18944, 3584, True) == (16, 256, 8)
+    assert gemv.launch_shape(3584, 18944, False) == (4, 1024, 4)  # not overridden: built in
+
+
+@pytest.mark.parametrize("text, message", [("3584x3584=2/4096", "is not NxK"), ("3584=2/4096/8", "is not NxK"),
+                                           ("3584x3584=3/4096/8", "powers of two"),
+                                           ("3584x3584:fast=2/4096/8", "':gated'")])
+def test_launch_shapes_from_the_environment_refuses_bad_values(text, message):
+    from llaunch.kernels import gemv
+
+    with pytest.raises(ValueError, match=message):
+        gemv.parse_shapes(text)
