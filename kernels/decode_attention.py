@@ -37,8 +37,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
                          PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
-        gdc_launch_dependents()
+        if PDL == 1:  # pdl.EARLY: dependents may launch now
+            gdc_launch_dependents()
         gdc_wait()
+        if PDL == 2:  # pdl.LATE: only once this grid runs
+            gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -99,8 +102,11 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, num_spli
                          out_head_stride, dim, PDL: tl.constexpr, BLOCK_S: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
-        gdc_launch_dependents()
+        if PDL == 1:  # pdl.EARLY: dependents may launch now
+            gdc_launch_dependents()
         gdc_wait()
+        if PDL == 2:  # pdl.LATE: only once this grid runs
+            gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -169,12 +175,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, req_to_slots, rows, seq_lens, mid_o, mid_lse, out, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         req_to_slots.stride(0), dim, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl.flavor(use_pdl),
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
         num_stages=stages, launch_pdl=use_pdl)
     if not direct:
         _decode_merge_kernel[(batch, n_q_heads)](
-            mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim, PDL=use_pdl,
+            mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim, PDL=pdl.flavor(use_pdl),
             BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
             launch_pdl=use_pdl)
     return out

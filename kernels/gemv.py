@@ -80,8 +80,11 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
     if GATED:
         up = tl.load(w_rows[:, None] + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
     if PDL:
-        gdc_launch_dependents()
+        if PDL == 1:  # pdl.EARLY: dependents may launch now
+            gdc_launch_dependents()
         gdc_wait()
+        if PDL == 2:  # pdl.LATE: only once this grid runs
+            gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -146,6 +149,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     use_pdl = pdl.enabled(x, "gemv") and not copied
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, PDL=use_pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         launch_pdl=use_pdl)
     return out

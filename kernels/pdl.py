@@ -36,6 +36,31 @@ if _kernels - set(KERNELS):
     raise ValueError(f"LLAUNCH_PDL_KERNELS: {sorted(_kernels - set(KERNELS))} unknown; kernels are {', '.join(KERNELS)}")
 
 
+# When a PDL kernel lets the next kernel launch (`gdc_launch_dependents`): EARLY at its top, or LATE
+# once its own gdc_wait returned, i.e. once the kernel before it finished. With EARLY a chain of PDL
+# kernels can have several grids resident and waiting at once, holding SM slots the running grid's
+# later waves need; LATE keeps it to the running grid and the next one. LLAUNCH_PDL_TRIGGER.
+EARLY, LATE = 1, 2
+TRIGGERS = {"early": EARLY, "late": LATE}
+_trigger = os.environ.get("LLAUNCH_PDL_TRIGGER", "early")
+if _trigger not in TRIGGERS:
+    raise ValueError(f"LLAUNCH_PDL_TRIGGER={_trigger!r}: use one of {', '.join(TRIGGERS)}")
+
+
+def flavor(use_pdl: bool) -> int:
+    """The PDL constexpr of a launch: 0 (no PDL), EARLY or LATE."""
+    return TRIGGERS[_trigger] if use_pdl else 0
+
+
+def set_trigger(name: str) -> str:
+    """For A/B timing: takes effect for launches (and graph captures) after the call; returns the previous."""
+    global _trigger
+    if name not in TRIGGERS:
+        raise ValueError(f"PDL trigger {name!r}: use one of {', '.join(TRIGGERS)}")
+    before, _trigger = _trigger, name
+    return before
+
+
 @functools.cache
 def _hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9

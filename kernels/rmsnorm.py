@@ -16,8 +16,11 @@ from llaunch.kernels import pdl
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n_cols, x_stride, res_stride, eps,
                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
     if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
-        gdc_launch_dependents()
+        if PDL == 1:  # pdl.EARLY: dependents may launch now
+            gdc_launch_dependents()
         gdc_wait()
+        if PDL == 2:  # pdl.LATE: only once this grid runs
+            gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -56,6 +59,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
     use_pdl = pdl.enabled(x, "rmsnorm")
     _rmsnorm_kernel[(x2.shape[0],)](
         src, r2, weight, out, h, n, src.stride(0), r2.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, PDL=use_pdl, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+        HAS_RESIDUAL=residual is not None, PDL=pdl.flavor(use_pdl), BLOCK=block, num_warps=min(16, max(1, block // 512)),
         launch_pdl=use_pdl)
     return (out, h) if residual is not None else out

@@ -42,8 +42,11 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, pos_ptr
                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     """STORE: k (rotated) and v go to the caches' row slots[token]; else k to k_out's row token."""
     if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
-        gdc_launch_dependents()
+        if PDL == 1:  # pdl.EARLY: dependents may launch now
+            gdc_launch_dependents()
         gdc_wait()
+        if PDL == 2:  # pdl.LATE: only once this grid runs
+            gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
@@ -80,7 +83,7 @@ def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots) -> torch.Tensor:
         q, k, v, q_out, k_dst, v_dst, positions, positions if slots is None else slots, cos, sin, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), n_q, n_k, cos.stride(0), HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(n_q),
-        BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, PDL=use_pdl, num_warps=4,
+        BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, PDL=pdl.flavor(use_pdl), num_warps=4,
         **COMPILE_OPTIONS, launch_pdl=use_pdl)
     return q_out
 

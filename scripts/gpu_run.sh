@@ -4,7 +4,7 @@
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
 #   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels gemv chain single-cublas
-#                                            single-nopdl single-pdl-linear smollm2-chat sweep prefix parallel smollm2 smollm2-agree tune
+#                                            single-nopdl single-pdl-linear single-late smollm2-chat sweep prefix parallel smollm2 smollm2-agree tune
 #                                            stash steps pd;
 #                                            default: the first five)
 set -u
@@ -143,6 +143,9 @@ if has single-nopdl; then  # A/B: the same single case with programmatic depende
 fi
 if has single-pdl-linear; then  # A/B: PDL on the GEMVs and norms only
   LLAUNCH_PDL_KERNELS=gemv,rmsnorm serve_bench pdl-linear "$SERVE" single
+fi
+if has single-late; then  # A/B: PDL triggered after each kernel's wait, on the kernels of SINGLE_LATE_KERNELS
+  LLAUNCH_PDL_TRIGGER=late LLAUNCH_PDL_KERNELS=${SINGLE_LATE_KERNELS:-gemv,rmsnorm} serve_bench pdl-late "$SERVE" single
 fi
 
 if has parallel; then  # the tensor/data-parallel issue: c64 on tp1, tp2 and dp2 (two GPUs)

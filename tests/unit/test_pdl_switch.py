@@ -50,3 +50,16 @@ def test_graphs_mode_uses_pdl_only_inside_for_graphs_and_for_the_chosen_kernels(
             assert not pdl.enabled(hopper, "gemv")
     finally:
         pdl.set_mode(before_mode), pdl.set_kernels(before_kernels)
+
+
+def test_trigger_sets_the_launch_constexpr():
+    """LLAUNCH_PDL_TRIGGER: where a PDL kernel lets the next one launch; no PDL is always 0."""
+    before = pdl.set_trigger("late")
+    try:
+        assert (pdl.flavor(True), pdl.flavor(False)) == (pdl.LATE, 0)
+        pdl.set_trigger("early")
+        assert (pdl.flavor(True), pdl.flavor(False)) == (pdl.EARLY, 0)
+        with pytest.raises(ValueError, match="'eventually'"):
+            pdl.set_trigger("eventually")
+    finally:
+        pdl.set_trigger(before)
