@@ -175,12 +175,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, req_to_slots, rows, seq_lens, mid_o, mid_lse, out, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         req_to_slots.stride(0), dim, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl.flavor(use_pdl),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl.flavor(use_pdl, "decode_attention"),
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
         num_stages=stages, launch_pdl=use_pdl)
     if not direct:
         _decode_merge_kernel[(batch, n_q_heads)](
-            mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim, PDL=pdl.flavor(use_pdl),
+            mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim, PDL=pdl.flavor(use_pdl, "decode_attention"),
             BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
             launch_pdl=use_pdl)
     return out

@@ -38,26 +38,29 @@ if _kernels - set(KERNELS):
 
 # When a PDL kernel lets the next kernel launch (`gdc_launch_dependents`): EARLY at its top, or LATE
 # once its own gdc_wait returned, i.e. once the kernel before it finished. With EARLY a chain of PDL
-# kernels can have several grids resident and waiting at once, holding SM slots the running grid's
-# later waves need; LATE keeps it to the running grid and the next one. LLAUNCH_PDL_TRIGGER.
+# kernels can have several grids resident and waiting at once. Measured on an H200 (docs/benchmarks.md):
+# that cascade is what made PDL on decode attention cost 0.25 ms a step, while for the GEMVs it pays
+# (their waiting programs have their first weight tiles in flight). LLAUNCH_PDL_LATE names the
+# kernels that trigger late (comma-separated, from KERNELS); the others trigger early.
 EARLY, LATE = 1, 2
-TRIGGERS = {"early": EARLY, "late": LATE}
-_trigger = os.environ.get("LLAUNCH_PDL_TRIGGER", "early")
-if _trigger not in TRIGGERS:
-    raise ValueError(f"LLAUNCH_PDL_TRIGGER={_trigger!r}: use one of {', '.join(TRIGGERS)}")
+_late = frozenset(k for k in os.environ.get("LLAUNCH_PDL_LATE", "").split(",") if k)
+if _late - set(KERNELS):
+    raise ValueError(f"LLAUNCH_PDL_LATE: {sorted(_late - set(KERNELS))} unknown; kernels are {', '.join(KERNELS)}")
 
 
-def flavor(use_pdl: bool) -> int:
-    """The PDL constexpr of a launch: 0 (no PDL), EARLY or LATE."""
-    return TRIGGERS[_trigger] if use_pdl else 0
+def flavor(use_pdl: bool, kernel: str) -> int:
+    """The PDL constexpr of a launch of `kernel`: 0 (no PDL), EARLY or LATE."""
+    return (LATE if kernel in _late else EARLY) if use_pdl else 0
 
 
-def set_trigger(name: str) -> str:
-    """For A/B timing: takes effect for launches (and graph captures) after the call; returns the previous."""
-    global _trigger
-    if name not in TRIGGERS:
-        raise ValueError(f"PDL trigger {name!r}: use one of {', '.join(TRIGGERS)}")
-    before, _trigger = _trigger, name
+def set_late(names) -> frozenset:
+    """For A/B timing: these kernels trigger late (launches and captures after the call); returns the
+    previous set."""
+    global _late
+    unknown = set(names) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"no PDL switch for {sorted(unknown)}: kernels are {', '.join(KERNELS)}")
+    before, _late = _late, frozenset(names)
     return before
 
 

@@ -90,25 +90,22 @@ def time_decode_steps(graphs: DecodeGraphs, kv, context: int = 1024, batches=(1,
 def step_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
     """The batch-1 step captured with each switch on and off (the GEMV launch shapes of
     LLAUNCH_GEMV_SHAPES, the qkv + rotary fusion) and with PDL on subsets of the kernels that have
-    it, triggered early or late (LLAUNCH_PDL_TRIGGER), alternated `rounds` times (the spread
-    between rounds is the noise)."""
+    it, some triggering late (LLAUNCH_PDL_LATE), alternated `rounds` times (the spread between
+    rounds is the noise)."""
     from llaunch.kernels import gemv
 
-    switches = {  # (module, attribute): what LLAUNCH_GEMV_SHAPES, LLAUNCH_QKV_ROTARY, LLAUNCH_PDL_TRIGGER set
-        "shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"), "trigger": (pdl, "_trigger")}
-    default = dict(shapes=gemv._OVERRIDES, qkv_rotary=True, trigger=pdl._trigger, pdl=pdl.DEFAULT_KERNELS)
+    switches = {  # (module, attribute): what LLAUNCH_GEMV_SHAPES, LLAUNCH_QKV_ROTARY, LLAUNCH_PDL_LATE set
+        "shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"), "late": (pdl, "_late")}
+    default = dict(shapes=gemv._OVERRIDES, qkv_rotary=True, late=pdl._late, pdl=pdl.DEFAULT_KERNELS)
     attention = ("gemv", "rmsnorm", "decode_attention")
     variants = {
-        f"default (fused qkv+rotary, PDL on gemv+rmsnorm, trigger {pdl._trigger})": {},
+        f"default (fused qkv+rotary, PDL on {'+'.join(pdl.DEFAULT_KERNELS)}, late: {'+'.join(pdl._late) or '-'})": {},
         "qkv GEMV then rotary kernel": dict(qkv_rotary=False),
-        "PDL on gemv+rmsnorm+decode_attention": dict(pdl=attention),
         "no PDL": dict(pdl=()),
+        "PDL on gemv+rmsnorm+decode_attention, attention late": dict(pdl=attention, late=("decode_attention",)),
+        "PDL on every kernel, rotary and attention late": dict(pdl=pdl.KERNELS, late=("rotary", "decode_attention")),
+        "PDL on every kernel, all late": dict(pdl=pdl.KERNELS, late=pdl.KERNELS),
     }
-    for trigger in pdl.TRIGGERS:
-        if trigger != pdl._trigger:
-            variants[f"trigger {trigger}"] = dict(trigger=trigger)
-            variants[f"trigger {trigger}, PDL on gemv+rmsnorm+decode_attention"] = dict(trigger=trigger, pdl=attention)
-            variants[f"trigger {trigger}, PDL on every kernel"] = dict(trigger=trigger, pdl=pdl.KERNELS)
     if gemv._OVERRIDES:
         variants["built-in launch shapes (LLAUNCH_GEMV_SHAPES ignored)"] = dict(shapes={})
     out = []

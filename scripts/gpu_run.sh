@@ -144,8 +144,9 @@ fi
 if has single-pdl-linear; then  # A/B: PDL on the GEMVs and norms only
   LLAUNCH_PDL_KERNELS=gemv,rmsnorm serve_bench pdl-linear "$SERVE" single
 fi
-if has single-late; then  # A/B: PDL triggered after each kernel's wait, on the kernels of SINGLE_LATE_KERNELS
-  LLAUNCH_PDL_TRIGGER=late LLAUNCH_PDL_KERNELS=${SINGLE_LATE_KERNELS:-gemv,rmsnorm} serve_bench pdl-late "$SERVE" single
+if has single-late; then  # A/B: PDL on every kernel, those of SINGLE_LATE triggering after their wait
+  LLAUNCH_PDL_LATE=${SINGLE_LATE:-rotary,decode_attention} LLAUNCH_PDL_KERNELS=gemv,rmsnorm,rotary,decode_attention \
+    serve_bench pdl-late "$SERVE" single
 fi
 
 if has parallel; then  # the tensor/data-parallel issue: c64 on tp1, tp2 and dp2 (two GPUs)

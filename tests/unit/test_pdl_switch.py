@@ -52,14 +52,13 @@ def test_graphs_mode_uses_pdl_only_inside_for_graphs_and_for_the_chosen_kernels(
         pdl.set_mode(before_mode), pdl.set_kernels(before_kernels)
 
 
-def test_trigger_sets_the_launch_constexpr():
-    """LLAUNCH_PDL_TRIGGER: where a PDL kernel lets the next one launch; no PDL is always 0."""
-    before = pdl.set_trigger("late")
+def test_late_trigger_is_chosen_per_kernel():
+    """LLAUNCH_PDL_LATE: the kernels that let the next one launch only after their own wait."""
+    before = pdl.set_late(["decode_attention"])
     try:
-        assert (pdl.flavor(True), pdl.flavor(False)) == (pdl.LATE, 0)
-        pdl.set_trigger("early")
-        assert (pdl.flavor(True), pdl.flavor(False)) == (pdl.EARLY, 0)
-        with pytest.raises(ValueError, match="'eventually'"):
-            pdl.set_trigger("eventually")
+        assert pdl.flavor(True, "decode_attention") == pdl.LATE and pdl.flavor(True, "gemv") == pdl.EARLY
+        assert pdl.flavor(False, "decode_attention") == pdl.flavor(False, "gemv") == 0
+        with pytest.raises(ValueError, match="'softmax'"):
+            pdl.set_late(["softmax"])
     finally:
-        pdl.set_trigger(before)
+        pdl.set_late(before)
