@@ -26,11 +26,11 @@ if _mode not in MODES:
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _graph_work = 0  # > 0 inside for_graphs(): the launches are a capture or its warm-up
 KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention")  # "gemv" covers the fused qkv + rotary GEMV too
-# Which kernels launch with PDL (LLAUNCH_PDL_KERNELS, comma-separated): by default the GEMVs and the
-# norms. With rotary and decode attention too, the batch-1 step measured 3.99 ms against 3.80 on an
-# H200 (docs/benchmarks.md): each of those short kernels let the next grid in early, and the chain of
-# early grids waiting on SMs cost more than the launch latency it hid.
-DEFAULT_KERNELS = ("gemv", "rmsnorm")
+# Which kernels launch with PDL (LLAUNCH_PDL_KERNELS, comma-separated): by default all of them, with
+# rotary and decode attention triggering late (below). Measured on an H200 (docs/benchmarks.md, runs
+# L and M): all four triggering early, 4.05 ms a step; the GEMVs and norms only, 3.81; all four with
+# the two short kernels late, 3.79.
+DEFAULT_KERNELS = KERNELS
 _kernels = frozenset(k for k in os.environ.get("LLAUNCH_PDL_KERNELS", ",".join(DEFAULT_KERNELS)).split(",") if k)
 if _kernels - set(KERNELS):
     raise ValueError(f"LLAUNCH_PDL_KERNELS: {sorted(_kernels - set(KERNELS))} unknown; kernels are {', '.join(KERNELS)}")
@@ -43,7 +43,8 @@ if _kernels - set(KERNELS):
 # (their waiting programs have their first weight tiles in flight). LLAUNCH_PDL_LATE names the
 # kernels that trigger late (comma-separated, from KERNELS); the others trigger early.
 EARLY, LATE = 1, 2
-_late = frozenset(k for k in os.environ.get("LLAUNCH_PDL_LATE", "").split(",") if k)
+DEFAULT_LATE = ("rotary", "decode_attention")
+_late = frozenset(k for k in os.environ.get("LLAUNCH_PDL_LATE", ",".join(DEFAULT_LATE)).split(",") if k)
 if _late - set(KERNELS):
     raise ValueError(f"LLAUNCH_PDL_LATE: {sorted(_late - set(KERNELS))} unknown; kernels are {', '.join(KERNELS)}")
 

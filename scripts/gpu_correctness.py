@@ -102,8 +102,9 @@ def step_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
         f"default (fused qkv+rotary, PDL on {'+'.join(pdl.DEFAULT_KERNELS)}, late: {'+'.join(pdl._late) or '-'})": {},
         "qkv GEMV then rotary kernel": dict(qkv_rotary=False),
         "no PDL": dict(pdl=()),
+        "PDL on gemv+rmsnorm (the 11c98d0 default)": dict(pdl=("gemv", "rmsnorm"), late=()),
         "PDL on gemv+rmsnorm+decode_attention, attention late": dict(pdl=attention, late=("decode_attention",)),
-        "PDL on every kernel, rotary and attention late": dict(pdl=pdl.KERNELS, late=("rotary", "decode_attention")),
+        "PDL on every kernel, none late": dict(pdl=pdl.KERNELS, late=()),
         "PDL on every kernel, all late": dict(pdl=pdl.KERNELS, late=pdl.KERNELS),
     }
     if gemv._OVERRIDES:

@@ -33,7 +33,7 @@ def hopper(monkeypatch):
 
 
 def test_graphs_mode_uses_pdl_only_inside_for_graphs_and_for_the_chosen_kernels(hopper):
-    before_mode, before_kernels = pdl.set_mode("graphs"), pdl.set_kernels(pdl.DEFAULT_KERNELS)
+    before_mode, before_kernels = pdl.set_mode("graphs"), pdl.set_kernels(["gemv", "rmsnorm"])
     try:
         assert not pdl.enabled(hopper, "gemv")  # an eager launch
         with pdl.for_graphs():
@@ -50,6 +50,10 @@ def test_graphs_mode_uses_pdl_only_inside_for_graphs_and_for_the_chosen_kernels(
             assert not pdl.enabled(hopper, "gemv")
     finally:
         pdl.set_mode(before_mode), pdl.set_kernels(before_kernels)
+
+
+def test_defaults_are_every_kernel_with_the_short_ones_late():
+    assert set(pdl.DEFAULT_KERNELS) == set(pdl.KERNELS) and set(pdl.DEFAULT_LATE) == {"rotary", "decode_attention"}
 
 
 def test_late_trigger_is_chosen_per_kernel():
