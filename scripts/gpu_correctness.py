@@ -128,6 +128,23 @@ def step_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
     return out
 
 
+def pdl_ab_wide(model, kv, last, scratch, batches=(64, 256), rounds: int = 2) -> list[dict]:
+    """The default PDL kernel set against the GEMVs and norms only, at batch sizes where decode
+    attention reads most of the bytes (every bucket up to 256 captured, as the server does)."""
+    out = []
+    for _ in range(rounds):
+        for name, kernels, late in (("default PDL set", pdl.DEFAULT_KERNELS, pdl.DEFAULT_LATE),
+                                    ("PDL on gemv+rmsnorm (the 11c98d0 default)", ("gemv", "rmsnorm"), ())):
+            kernels_before, late_before = pdl.set_kernels(kernels), pdl.set_late(late)
+            graphs = DecodeGraphs(model, kv, last, 256, 4096, scratch_row=256, scratch_slot=scratch)
+            graphs.capture()
+            for c in time_decode_steps(graphs, kv, batches=batches):
+                out.append(dict(c, check=c["check"] + f", {name}"))
+            del graphs
+            pdl.set_kernels(kernels_before), pdl.set_late(late_before)
+    return out
+
+
 def time_prefill(model, kv, ids, slots) -> list[dict]:
     """Device time of an eager prefill step (no graph) with plain launches and with PDL on eager
     launches too (LLAUNCH_PDL=all), for the kernels LLAUNCH_PDL_KERNELS names: whether PDL pays
@@ -264,6 +281,7 @@ def main() -> int:
         checks += time_decode_steps(graphs, kv)
         if torch.cuda.get_device_capability()[0] >= 9:
             checks += step_ab(ours, kv, last, scratch)
+            checks += pdl_ab_wide(ours, kv, last, scratch)
             checks += time_prefill(ours, kv, ids[:n], slots[:n])
         if args.profile:
             profile_decode_step(graphs, kv)
