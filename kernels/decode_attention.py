@@ -9,7 +9,6 @@ graph; the per-sequence lengths are read on the device.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -22,8 +21,6 @@ from llaunch.kernels import pdl
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 256  # stage-1 programs to aim for: ~2 per SM of an H200 (swept with scripts/bench_kernels.py)
 _MIN_CHUNK = 64
-# LLAUNCH_ATTN_PRELOAD=0: split programs under PDL read nothing before the wait either (A/B timing).
-_PRELOAD = os.environ.get("LLAUNCH_ATTN_PRELOAD", "1") != "0"
 
 
 @triton.jit
@@ -33,82 +30,43 @@ def _chunk_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, k, v, n_mask, acc, m_i, l_i, qk_scale, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """One BLOCK_N tile of keys and values into the running (acc, max, sum) of online softmax."""
-    if UPCAST:  # the interpreter has no bf16/fp16 dot
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    qk = tl.where(n_mask[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows_ptr, seq_lens_ptr,
                          mid_o_ptr, mid_lse_ptr, out_ptr, qk_scale, num_splits, q_batch_stride, q_head_stride,
                          out_batch_stride, out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride,
                          dim, GROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                         PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    # Rows, lengths and the slot table are the step's inputs, and the cached K/V of every token but
-    # the step's own were written by earlier steps: under PDL (kernels/pdl.py) a split program's first
-    # tile is requested before the wait, while the kernel that writes q and the new token's K/V still
-    # runs (PRELOAD: PDL and several splits). Not with one split (large batches): there the kernel
-    # streams most of the step's bytes, and the fix-up below takes 28 KB more shared memory a program.
-    seq_len = tl.load(seq_lens_ptr + b)
-    chunk = _chunk_len(seq_len, num_splits, BLOCK_N)
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + offs_h
-    h_mask = offs_h < GROUP
-    d_mask = offs_d < dim
-    slot_row_ptr = req_to_slots_ptr + tl.load(rows_ptr + b).to(tl.int64) * slots_row_stride
-    if PRELOAD:
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        slots = tl.load(slot_row_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_off = slots[:, None] * cache_tok_stride + kv_head * cache_head_stride + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    if PDL:  # every program waits, even one with no tokens: the kernel's end implies the previous one's
+    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
         if PDL == 1:  # pdl.EARLY: dependents may launch now
             gdc_launch_dependents()
         gdc_wait()
         if PDL == 2:  # pdl.LATE: only once this grid runs
             gdc_launch_dependents()
-    if PRELOAD:
-        last = seq_len - 1  # the step's own token: its K and V are read again, now that they are written
-        if (last >= start) & (last < start + BLOCK_N):
-            last_off = tl.load(slot_row_ptr + last).to(tl.int64) * cache_tok_stride + kv_head * cache_head_stride
-            is_last = (offs_n == last)[:, None]
-            k = tl.where(is_last, tl.load(k_cache_ptr + last_off + offs_d, mask=d_mask, other=0.0)[None, :], k)
-            v = tl.where(is_last, tl.load(v_cache_ptr + last_off + offs_d, mask=d_mask, other=0.0)[None, :], v)
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    chunk = _chunk_len(seq_len, num_splits, BLOCK_N)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
     if not DIRECT:
         if start >= end:  # the merge reads only the splits that hold tokens
             return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < dim
     q = tl.load(q_ptr + b * q_batch_stride + heads[:, None] * q_head_stride + offs_d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
+    if UPCAST:  # the interpreter has no bf16/fp16 dot
         q = q.to(tl.float32)
+    slot_row_ptr = req_to_slots_ptr + tl.load(rows_ptr + b).to(tl.int64) * slots_row_stride
 
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    first = start
-    if PRELOAD:  # (start < end here: a split without tokens has returned)
-        acc, m_i, l_i = _attend_tile(q, k, v, n_mask, acc, m_i, l_i, qk_scale, UPCAST, PRECISION)
-        first = start + BLOCK_N
-    for start_n in range(first, end, BLOCK_N):
+    for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         slots = tl.load(slot_row_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
@@ -116,7 +74,17 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc, m_i, l_i = _attend_tile(q, k, v, n_mask, acc, m_i, l_i, qk_scale, UPCAST, PRECISION)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
 
     if DIRECT:  # one split: this is the answer (an empty row, graph padding, gives zeros)
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -208,7 +176,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         req_to_slots.stride(0), dim, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl.flavor(use_pdl, "decode_attention"),
-        PRELOAD=_PRELOAD and use_pdl and not direct,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
         num_stages=stages, launch_pdl=use_pdl)
     if not direct:

@@ -94,19 +94,13 @@ def step_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
     rounds is the noise)."""
     from llaunch.kernels import gemv
 
-    import importlib
-
-    attention_module = importlib.import_module("llaunch.kernels.decode_attention")
-    switches = {  # (module, attribute): LLAUNCH_GEMV_SHAPES, LLAUNCH_QKV_ROTARY, LLAUNCH_PDL_LATE, LLAUNCH_ATTN_PRELOAD
-        "shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"), "late": (pdl, "_late"),
-        "preload": (attention_module, "_PRELOAD")}
-    default = dict(shapes=gemv._OVERRIDES, qkv_rotary=True, late=pdl._late, pdl=pdl.DEFAULT_KERNELS,
-                   preload=attention_module._PRELOAD)
+    switches = {  # (module, attribute): what LLAUNCH_GEMV_SHAPES, LLAUNCH_QKV_ROTARY, LLAUNCH_PDL_LATE set
+        "shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"), "late": (pdl, "_late")}
+    default = dict(shapes=gemv._OVERRIDES, qkv_rotary=True, late=pdl._late, pdl=pdl.DEFAULT_KERNELS)
     attention = ("gemv", "rmsnorm", "decode_attention")
     variants = {
         f"default (fused qkv+rotary, PDL on {'+'.join(pdl.DEFAULT_KERNELS)}, late: {'+'.join(pdl._late) or '-'})": {},
         "qkv GEMV then rotary kernel": dict(qkv_rotary=False),
-        "attention reads nothing before its PDL wait (LLAUNCH_ATTN_PRELOAD=0)": dict(preload=False),
         "no PDL": dict(pdl=()),
         "PDL on gemv+rmsnorm (the 11c98d0 default)": dict(pdl=("gemv", "rmsnorm"), late=()),
         "PDL on gemv+rmsnorm+decode_attention, attention late": dict(pdl=attention, late=("decode_attention",)),
