@@ -180,7 +180,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_stages=stages, launch_pdl=use_pdl)
     if not direct:
         _decode_merge_kernel[(batch, n_q_heads)](
-            mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim, PDL=pdl.flavor(use_pdl, "decode_attention"),
+            mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim,
+            PDL=pdl.flavor(use_pdl, "decode_attention"),
             BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
             launch_pdl=use_pdl)
     return out

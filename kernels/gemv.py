@@ -149,6 +149,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     use_pdl = pdl.enabled(x, "gemv") and not copied
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        launch_pdl=use_pdl)
+        HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, launch_pdl=use_pdl)
     return out

@@ -28,7 +28,7 @@ _graph_work = 0  # > 0 inside for_graphs(): the launches are a capture or its wa
 KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention")  # "gemv" covers the fused qkv + rotary GEMV too
 # Which kernels launch with PDL (LLAUNCH_PDL_KERNELS, comma-separated): by default all of them, with
 # rotary and decode attention triggering late (below). Measured on an H200 (docs/benchmarks.md, runs
-# L and M): all four triggering early, 4.05 ms a step; the GEMVs and norms only, 3.81; all four with
+# N and O): all four triggering early, 4.05 ms a step; the GEMVs and norms only, 3.81; all four with
 # the two short kernels late, 3.79.
 DEFAULT_KERNELS = KERNELS
 _kernels = frozenset(k for k in os.environ.get("LLAUNCH_PDL_KERNELS", ",".join(DEFAULT_KERNELS)).split(",") if k)
@@ -38,7 +38,7 @@ if _kernels - set(KERNELS):
 
 # When a PDL kernel lets the next kernel launch (`gdc_launch_dependents`): EARLY at its top, or LATE
 # once its own gdc_wait returned, i.e. once the kernel before it finished. With EARLY a chain of PDL
-# kernels can have several grids resident and waiting at once. Measured on an H200 (docs/benchmarks.md):
+# kernels can have several grids resident and waiting at once. Measured on an H200 (docs/benchmarks.md),
 # that cascade is what made PDL on decode attention cost 0.25 ms a step, while for the GEMVs it pays
 # (their waiting programs have their first weight tiles in flight). LLAUNCH_PDL_LATE names the
 # kernels that trigger late (comma-separated, from KERNELS); the others trigger early.

@@ -81,6 +81,6 @@ def qkv_rotary_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     use_pdl = pdl.enabled(x, "gemv") and not copied  # the first weight tile is read before the PDL wait
     _qkv_rotary_kernel[(n // 2,)](
         x, weight, bias if bias is not None else x, q, k_cache, v_cache, positions, slots, cos, sin, k,
-        weight.stride(0), cos.stride(0), n_q_heads, n_kv_heads, HAS_BIAS=bias is not None, PDL=pdl.flavor(use_pdl, "gemv"),
-        HALF=dim // 2, BLOCK_K=block_k, num_warps=warps, launch_pdl=use_pdl)
+        weight.stride(0), cos.stride(0), n_q_heads, n_kv_heads, HAS_BIAS=bias is not None,
+        PDL=pdl.flavor(use_pdl, "gemv"), HALF=dim // 2, BLOCK_K=block_k, num_warps=warps, launch_pdl=use_pdl)
     return q

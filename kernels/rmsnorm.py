@@ -59,6 +59,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
     use_pdl = pdl.enabled(x, "rmsnorm")
     _rmsnorm_kernel[(x2.shape[0],)](
         src, r2, weight, out, h, n, src.stride(0), r2.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, PDL=pdl.flavor(use_pdl, "rmsnorm"), BLOCK=block, num_warps=min(16, max(1, block // 512)),
-        launch_pdl=use_pdl)
+        HAS_RESIDUAL=residual is not None, PDL=pdl.flavor(use_pdl, "rmsnorm"), BLOCK=block,
+        num_warps=min(16, max(1, block // 512)), launch_pdl=use_pdl)
     return (out, h) if residual is not None else out

@@ -83,8 +83,8 @@ def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots) -> torch.Tensor:
         q, k, v, q_out, k_dst, v_dst, positions, positions if slots is None else slots, cos, sin, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), n_q, n_k, cos.stride(0), HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(n_q),
-        BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, PDL=pdl.flavor(use_pdl, "rotary"), num_warps=4,
-        **COMPILE_OPTIONS, launch_pdl=use_pdl)
+        BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, PDL=pdl.flavor(use_pdl, "rotary"),
+        num_warps=4, **COMPILE_OPTIONS, launch_pdl=use_pdl)
     return q_out
 
 

@@ -1,7 +1,5 @@
 """The offline Qwen2 and Llama-3 tokenizers (scripts/prepare_tokenizers.py) reproduce llama.cpp's
 reference token ids for its test strings (odd whitespace, accents, CJK, emoji, Cyrillic)."""
-from pathlib import Path
-
 import pytest
 from transformers import AutoTokenizer
 
