@@ -60,3 +60,14 @@ def test_prefill_gpu(cuda, poisoned, close, kv_cache, chunks, heads, dim):
         out, ref = _run(kernels.prefill_attention, chunks, *heads, dim, torch.bfloat16, kv_cache, cuda,
                         q_view=True)
     close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,dim", [((28, 4), 128), ((9, 3), 64)])
+def test_prefill_float32_gpu(cuda, poisoned, close, kv_cache, heads, dim):
+    """float32 models (SmolLM2's checkpoint) on a GPU: three-pass TF32 dots stay within float32
+    tolerance of the IEEE reference."""
+    with poisoned():
+        out, ref = _run(kernels.prefill_attention, [(0, 512), (100, 300)], *heads, dim, torch.float32, kv_cache,
+                        cuda, q_view=True)
+    close(out, ref)
