@@ -214,10 +214,12 @@ if has smollm2; then  # real weights: the GGUF travels in two halves (.gpu-a, .g
   VOCAB=49000 serve_bench smollm2-tp2 "model=smollm2-135m parallel=tp2 parallel.pad_heads=true" chat single
 fi
 
-if has smollm2-agree; then  # real weights, one GPU: bf16 agreement with transformers, served shape and reference shape
-  stamp "smollm2-agree: convert the GGUF, bf16 agreement with transformers (tp1)"
+if has smollm2-agree; then  # real weights, one GPU: agreement with transformers in bf16 (both shapes) and float32
+  stamp "smollm2-agree: convert the GGUF, agreement with transformers (tp1), bf16 then float32"
   if smollm2_model; then
     timeout 300 $PY scripts/gpu_agreement.py --model-dir .models/smollm2-135m --dtype bfloat16 --tp 1 --whole --truth 2>&1 \
+      | grep '^{' | tee -a "$OUT/agreement.jsonl"
+    timeout 300 $PY scripts/gpu_agreement.py --model-dir .models/smollm2-135m --dtype float32 --tp 1 --whole 2>&1 \
       | grep '^{' | tee -a "$OUT/agreement.jsonl"
   fi
 fi
