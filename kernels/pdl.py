@@ -31,9 +31,21 @@ KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention")  # "gemv" covers the
 # N and O): all four triggering early, 4.05 ms a step; the GEMVs and norms only, 3.81; all four with
 # the two short kernels late, 3.79.
 DEFAULT_KERNELS = KERNELS
-_kernels = frozenset(k for k in os.environ.get("LLAUNCH_PDL_KERNELS", ",".join(DEFAULT_KERNELS)).split(",") if k)
-if _kernels - set(KERNELS):
-    raise ValueError(f"LLAUNCH_PDL_KERNELS: {sorted(_kernels - set(KERNELS))} unknown; kernels are {', '.join(KERNELS)}")
+
+
+def _kernel_set(names, source: str) -> frozenset:
+    """names as a set of KERNELS; an unknown name is refused, naming `source` (a variable or call)."""
+    unknown = set(names) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"{source}: {sorted(unknown)} unknown; kernels are {', '.join(KERNELS)}")
+    return frozenset(names)
+
+
+def _from_env(variable: str, default) -> frozenset:
+    return _kernel_set((k for k in os.environ.get(variable, ",".join(default)).split(",") if k), variable)
+
+
+_kernels = _from_env("LLAUNCH_PDL_KERNELS", DEFAULT_KERNELS)
 
 
 # When a PDL kernel lets the next kernel launch (`gdc_launch_dependents`): EARLY at its top, or LATE
@@ -44,9 +56,7 @@ if _kernels - set(KERNELS):
 # kernels that trigger late (comma-separated, from KERNELS); the others trigger early.
 EARLY, LATE = 1, 2
 DEFAULT_LATE = ("rotary", "decode_attention")
-_late = frozenset(k for k in os.environ.get("LLAUNCH_PDL_LATE", ",".join(DEFAULT_LATE)).split(",") if k)
-if _late - set(KERNELS):
-    raise ValueError(f"LLAUNCH_PDL_LATE: {sorted(_late - set(KERNELS))} unknown; kernels are {', '.join(KERNELS)}")
+_late = _from_env("LLAUNCH_PDL_LATE", DEFAULT_LATE)
 
 
 def flavor(use_pdl: bool, kernel: str) -> int:
@@ -58,10 +68,7 @@ def set_late(names) -> frozenset:
     """For A/B timing: these kernels trigger late (launches and captures after the call); returns the
     previous set."""
     global _late
-    unknown = set(names) - set(KERNELS)
-    if unknown:
-        raise ValueError(f"no PDL switch for {sorted(unknown)}: kernels are {', '.join(KERNELS)}")
-    before, _late = _late, frozenset(names)
+    before, _late = _late, _kernel_set(names, "set_late")
     return before
 
 
@@ -104,8 +111,5 @@ def set_mode(mode: str) -> str:
 def set_kernels(names) -> frozenset:
     """For A/B timing: only these kernels launch with PDL. Returns the previous set."""
     global _kernels
-    unknown = set(names) - set(KERNELS)
-    if unknown:
-        raise ValueError(f"no PDL switch for {sorted(unknown)}: kernels are {', '.join(KERNELS)}")
-    before, _kernels = _kernels, frozenset(names)
+    before, _kernels = _kernels, _kernel_set(names, "set_kernels")
     return before

@@ -9,6 +9,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import contextlib  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -106,3 +109,18 @@ def build_kv_cache(lengths, kv_heads: int, head_dim: int, dtype, device="cpu"):
 @pytest.fixture
 def kv_cache():
     return build_kv_cache
+
+
+def _compile_for_sm90(code: str) -> dict:
+    """Run `code` (which compiles kernels with triton.compile for an sm90 target and prints one JSON
+    line last) in a subprocess without the interpreter: GPU builds, checked on a machine without one."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def sm90_compile():
+    """_compile_for_sm90, for the tests that read GPU builds (PTX, shared memory) without a GPU."""
+    return _compile_for_sm90

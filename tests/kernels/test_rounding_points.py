@@ -2,11 +2,6 @@
 (Hopper) here, without a GPU, in a subprocess without the interpreter, and their PTX is read: a bf16
 FMA in a rotary kernel would round round(x1·cos) − round(x2·sin) once instead of three times, which
 is not what transformers computes (q·cos + rotate_half(q)·sin, each op rounded to bf16)."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 _COMPILE = r'''
@@ -38,11 +33,8 @@ print(json.dumps({"rotary": rot.asm["ptx"], "qkv_rotary": qkv.asm["ptx"]}))
 
 
 @pytest.fixture(scope="module")
-def sm90_ptx():
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def sm90_ptx(sm90_compile):
+    return sm90_compile(_COMPILE)
 
 
 @pytest.mark.parametrize("kernel", ["rotary", "qkv_rotary"])

@@ -2,11 +2,6 @@
 Compiled here for sm90 without a GPU (a subprocess without the interpreter), with the launch shapes
 and dot precisions the wrappers pick per dtype and head size. A shape over the limit fails at its
 first launch on the GPU (float32 with head_dim 128 needed 257 KB until the float32 shapes)."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 SHARED_LIMIT = 232448  # bytes a program may use on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
@@ -69,11 +64,8 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def shared_bytes():
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def shared_bytes(sm90_compile):
+    return sm90_compile(_COMPILE)
 
 
 def test_every_attention_build_fits_sm90_shared_memory(shared_bytes):
