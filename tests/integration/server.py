@@ -15,10 +15,20 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before in this test run: a port given to one server but not
+    yet bound is free to the OS, which may offer it again (a PD deployment once got its master's
+    register port as another server's HTTP port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def port_is_free(port: int) -> bool:
