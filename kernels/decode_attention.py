@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llaunch.kernels import pdl
+from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
 _TARGET_PROGRAMS = 256  # stage-1 programs to aim for: ~2 per SM of an H200 (swept with scripts/bench_kernels.py)
@@ -36,12 +36,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
                          dim, GROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
                          PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
-        if PDL == 1:  # pdl.EARLY: dependents may launch now
-            gdc_launch_dependents()
-        gdc_wait()
-        if PDL == 2:  # pdl.LATE: only once this grid runs
-            gdc_launch_dependents()
+    wait_for_previous_kernel(PDL)  # nothing before this reads or writes what an earlier kernel touches
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -101,12 +96,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, num_splits, out_batch_stride,
                          out_head_stride, dim, PDL: tl.constexpr, BLOCK_S: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
-        if PDL == 1:  # pdl.EARLY: dependents may launch now
-            gdc_launch_dependents()
-        gdc_wait()
-        if PDL == 2:  # pdl.LATE: only once this grid runs
-            gdc_launch_dependents()
+    wait_for_previous_kernel(PDL)  # nothing before this reads or writes what an earlier kernel touches
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)

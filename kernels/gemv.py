@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llaunch.kernels import pdl
+from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -79,12 +79,7 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
     up = w
     if GATED:
         up = tl.load(w_rows[:, None] + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-    if PDL:
-        if PDL == 1:  # pdl.EARLY: dependents may launch now
-            gdc_launch_dependents()
-        gdc_wait()
-        if PDL == 2:  # pdl.LATE: only once this grid runs
-            gdc_launch_dependents()
+    wait_for_previous_kernel(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

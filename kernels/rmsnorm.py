@@ -7,20 +7,15 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llaunch.kernels import pdl
+from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, n_cols, x_stride, res_stride, eps,
                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, BLOCK: tl.constexpr):
-    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
-        if PDL == 1:  # pdl.EARLY: dependents may launch now
-            gdc_launch_dependents()
-        gdc_wait()
-        if PDL == 2:  # pdl.LATE: only once this grid runs
-            gdc_launch_dependents()
+    wait_for_previous_kernel(PDL)  # nothing before this reads or writes what an earlier kernel touches
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols

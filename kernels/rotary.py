@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from llaunch.kernels import pdl
+from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 # No FP contraction: LLVM narrows round(x1·cos) − round(x2·sin) to bf16 ops, and contraction would
 # then make it fma(x1, cos, −round(x2·sin)), one rounding fewer than transformers' q·cos +
@@ -41,12 +41,7 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, pos_ptr
                    n_q_heads, n_k_heads, table_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     """STORE: k (rotated) and v go to the caches' row slots[token]; else k to k_out's row token."""
-    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel is done
-        if PDL == 1:  # pdl.EARLY: dependents may launch now
-            gdc_launch_dependents()
-        gdc_wait()
-        if PDL == 2:  # pdl.LATE: only once this grid runs
-            gdc_launch_dependents()
+    wait_for_previous_kernel(PDL)  # nothing before this reads or writes what an earlier kernel touches
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
