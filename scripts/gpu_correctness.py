@@ -87,19 +87,40 @@ def time_decode_steps(graphs: DecodeGraphs, kv, context: int = 1024, batches=(1,
     return out
 
 
-def step_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
-    """The batch-1 step captured with each switch on and off (the GEMV launch shapes of
-    LLAUNCH_GEMV_SHAPES, the qkv + rotary fusion) and with PDL on subsets of the kernels that have
-    it, some triggering late (LLAUNCH_PDL_LATE), alternated `rounds` times (the spread between
-    rounds is the noise)."""
+def time_variants(model, kv, last, scratch, variants: dict, batches, rounds: int = 2) -> list[dict]:
+    """Decode-step device time per variant, `rounds` times alternated (the spread between rounds is
+    the noise). A variant changes some switches from the process's settings: `pdl` and `late` (the
+    kernel sets of LLAUNCH_PDL_KERNELS and LLAUNCH_PDL_LATE), `qkv_rotary` (LLAUNCH_QKV_ROTARY), `shapes`
+    (LLAUNCH_GEMV_SHAPES). Each is captured as the server does, every bucket up to max(batches)."""
     from llaunch.kernels import gemv
 
-    switches = {  # (module, attribute): what LLAUNCH_GEMV_SHAPES, LLAUNCH_QKV_ROTARY, LLAUNCH_PDL_LATE set
-        "shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"), "late": (pdl, "_late")}
-    default = dict(shapes=gemv._OVERRIDES, qkv_rotary=True, late=pdl._late, pdl=pdl.DEFAULT_KERNELS)
+    attributes = {"shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY")}
+    out = []
+    for _ in range(rounds):
+        for name, changes in variants.items():
+            saved = {key: getattr(*where) for key, where in attributes.items()}
+            for key, (module, attr) in attributes.items():
+                setattr(module, attr, changes.get(key, saved[key]))
+            kernels_before = pdl.set_kernels(changes.get("pdl", pdl._kernels))
+            late_before = pdl.set_late(changes.get("late", pdl._late))
+            graphs = DecodeGraphs(model, kv, last, max(batches), 4096, scratch_row=256, scratch_slot=scratch)
+            graphs.capture()
+            for c in time_decode_steps(graphs, kv, batches=batches):
+                out.append(dict(c, check=c["check"] + f", {name}"))
+            del graphs
+            pdl.set_kernels(kernels_before), pdl.set_late(late_before)
+            for key, (module, attr) in attributes.items():
+                setattr(module, attr, saved[key])
+    return out
+
+
+def step_ab(model, kv, last, scratch) -> list[dict]:
+    """The batch-1 step with each switch on and off and PDL on subsets of the kernels that have it."""
+    from llaunch.kernels import gemv
+
     attention = ("gemv", "rmsnorm", "decode_attention")
     variants = {
-        f"default (fused qkv+rotary, PDL on {'+'.join(pdl.DEFAULT_KERNELS)}, late: {'+'.join(pdl._late) or '-'})": {},
+        f"default (fused qkv+rotary, PDL on {'+'.join(pdl._kernels)}, late: {'+'.join(pdl._late) or '-'})": {},
         "qkv GEMV then rotary kernel": dict(qkv_rotary=False),
         "no PDL": dict(pdl=()),
         "PDL on gemv+rmsnorm (the 11c98d0 default)": dict(pdl=("gemv", "rmsnorm"), late=()),
@@ -109,40 +130,15 @@ def step_ab(model, kv, last, scratch, rounds: int = 2) -> list[dict]:
     }
     if gemv._OVERRIDES:
         variants["built-in launch shapes (LLAUNCH_GEMV_SHAPES ignored)"] = dict(shapes={})
-    out = []
-    for _ in range(rounds):
-        for name, changes in variants.items():
-            setting = dict(default, **changes)
-            saved = {key: getattr(*where) for key, where in switches.items()}
-            for key, (module, attr) in switches.items():
-                setattr(module, attr, setting[key])
-            kernels_before = pdl.set_kernels(setting["pdl"])
-            graphs = DecodeGraphs(model, kv, last, 1, 4096, scratch_row=256, scratch_slot=scratch)
-            graphs.capture()
-            for c in time_decode_steps(graphs, kv, batches=(1,)):
-                out.append(dict(c, check=c["check"] + f", {name}"))
-            del graphs
-            pdl.set_kernels(kernels_before)
-            for key, (module, attr) in switches.items():
-                setattr(module, attr, saved[key])
-    return out
+    return time_variants(model, kv, last, scratch, variants, batches=(1,))
 
 
-def pdl_ab_wide(model, kv, last, scratch, batches=(64, 256), rounds: int = 2) -> list[dict]:
+def pdl_ab_wide(model, kv, last, scratch) -> list[dict]:
     """The default PDL kernel set against the GEMVs and norms only, at batch sizes where decode
-    attention reads most of the bytes (every bucket up to 256 captured, as the server does)."""
-    out = []
-    for _ in range(rounds):
-        for name, kernels, late in (("default PDL set", pdl.DEFAULT_KERNELS, pdl.DEFAULT_LATE),
-                                    ("PDL on gemv+rmsnorm (the 11c98d0 default)", ("gemv", "rmsnorm"), ())):
-            kernels_before, late_before = pdl.set_kernels(kernels), pdl.set_late(late)
-            graphs = DecodeGraphs(model, kv, last, 256, 4096, scratch_row=256, scratch_slot=scratch)
-            graphs.capture()
-            for c in time_decode_steps(graphs, kv, batches=batches):
-                out.append(dict(c, check=c["check"] + f", {name}"))
-            del graphs
-            pdl.set_kernels(kernels_before), pdl.set_late(late_before)
-    return out
+    attention reads most of the bytes."""
+    variants = {"default PDL set": {},
+                "PDL on gemv+rmsnorm (the 11c98d0 default)": dict(pdl=("gemv", "rmsnorm"), late=())}
+    return time_variants(model, kv, last, scratch, variants, batches=(64, 256))
 
 
 def time_prefill(model, kv, ids, slots) -> list[dict]:
