@@ -21,7 +21,8 @@ _TRITON_GEMV = os.environ.get("LLAUNCH_GEMV", "triton") != "cublas"
 # LLAUNCH_QKV_ROTARY=0 runs the one-row qkv GEMV and the rotary + KV store as two kernels (A/B timing);
 # LLAUNCH_GEMV=cublas turns the fusion off too (it is a GEMV).
 _FUSED_QKV_ROTARY = os.environ.get("LLAUNCH_QKV_ROTARY", "1") != "0"
-_KERNEL_MODULES = ("gemv", "qkv_rotary", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention", "silu_mul", "sampling")
+_KERNEL_MODULES = ("gemv", "qkv_rotary", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
+                   "silu_mul", "sampling")
 
 
 def _use_triton(t) -> bool:

@@ -40,7 +40,6 @@ def _use_device(device: torch.device) -> None:
 # ---- prefill side -------------------------------------------------------------------------------
 
 
-
 @dataclass
 class Outgoing:
     """One transfer in the sender thread: its pages, the next to send, the event its KV waits on."""
@@ -50,6 +49,7 @@ class Outgoing:
     pages: list[Page]
     ready: object
     next_page: int = 0
+
 
 class PairedKvSender(KvSender):
     """Joins the decode rank at `address` in the background (send() never blocks; transfers queue until
