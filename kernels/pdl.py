@@ -35,10 +35,11 @@ DEFAULT_KERNELS = KERNELS
 
 def _kernel_set(names, source: str) -> frozenset:
     """names as a set of KERNELS; an unknown name is refused, naming `source` (a variable or call)."""
-    unknown = set(names) - set(KERNELS)
+    names = frozenset(names)  # once: a generator would be spent by the check below
+    unknown = names - set(KERNELS)
     if unknown:
         raise ValueError(f"{source}: {sorted(unknown)} unknown; kernels are {', '.join(KERNELS)}")
-    return frozenset(names)
+    return names
 
 
 def _from_env(variable: str, default) -> frozenset:

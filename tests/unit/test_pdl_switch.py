@@ -56,6 +56,24 @@ def test_defaults_are_every_kernel_with_the_short_ones_late():
     assert set(pdl.DEFAULT_KERNELS) == set(pdl.KERNELS) and set(pdl.DEFAULT_LATE) == {"rotary", "decode_attention"}
 
 
+@pytest.mark.parametrize("env, kernels, late", [
+    ({}, set(pdl.KERNELS), {"rotary", "decode_attention"}),
+    ({"LLAUNCH_PDL_KERNELS": "gemv,rmsnorm", "LLAUNCH_PDL_LATE": ""}, {"gemv", "rmsnorm"}, set()),
+])
+def test_the_process_starts_with_the_kernel_sets_of_its_environment(env, kernels, late):
+    """What a worker gets at import: the defaults, or the variables' sets (2d98bb0 parsed both into
+    empty sets, which switched PDL off everywhere without an error)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = "import json; from llaunch.kernels import pdl; print(json.dumps([sorted(pdl._kernels), sorted(pdl._late)]))"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LLAUNCH_PDL")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [sorted(kernels), sorted(late)]
+
+
 def test_late_trigger_is_chosen_per_kernel():
     """LLAUNCH_PDL_LATE: the kernels that let the next one launch only after their own wait."""
     before = pdl.set_late(["decode_attention"])
