@@ -8,6 +8,7 @@ from llaunch.kernels.dispatch import (  # noqa: F401
     decode_attention,
     gated_linear,
     linear,
+    lm_head_linear,
     prefill_attention,
     qkv_rotary_store_kv,
     rmsnorm,

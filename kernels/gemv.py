@@ -16,85 +16,72 @@ import torch
 import triton
 import triton.language as tl
 
-from llaunch.kernels import pdl
-from llaunch.kernels.pdl_wait import wait_for_previous_kernel
+from llaunch.kernels import gemv_staged, pdl
+from llaunch.kernels.row_dots import row_dots
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_TMA_BOX = 256  # elements per dimension of one TMA copy
+# Under the interpreter (a Python loop per program) few, large programs keep tests fast; the tests
+# set STAGES here to run the staged kernel too.
+INTERPRETED_SHAPE = (32, 256, 4, 0)
 
 
-def parse_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int, int]]:
+def parse_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int, int, int]]:
     """`LLAUNCH_GEMV_SHAPES`: launch shapes per weight shape, overriding launch_shape's, as
-    comma-separated `NxK=BLOCK_N/BLOCK_K/WARPS` (N output rows, K inputs; `NxK:gated=...` for a
-    gate‖up weight, N its output rows, I). What `scripts/bench_gemv_chain.py --sweep --emit-shapes`
-    writes for the GPU it ran on."""
+    comma-separated `NxK=BLOCK_N/BLOCK_K/WARPS[/STAGES]` (N output rows, K inputs; `NxK:gated=...` for a
+    gate‖up weight, N its output rows, I; STAGES: see launch_shape, absent 0). What
+    `scripts/bench_gemv_chain.py --sweep --emit-shapes` writes for the GPU it ran on."""
     shapes = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         try:
             key, value = item.split("=")
             dims, _, kind = key.partition(":")
             n, k = (int(v) for v in dims.split("x"))
-            block_n, block_k, warps = (int(v) for v in value.split("/"))
+            values = [int(v) for v in value.split("/")]
+            if len(values) not in (3, 4):
+                raise ValueError
+            block_n, block_k, warps, stages = (*values, 0)[:4]
         except ValueError:
-            raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r} is not NxK[:gated]=BLOCK_N/BLOCK_K/WARPS") from None
+            raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r} is not NxK[:gated]=BLOCK_N/BLOCK_K/WARPS[/STAGES]") from None
         powers = all(v > 0 and v & (v - 1) == 0 for v in (block_n, block_k, warps))
         if kind not in ("", "gated") or not powers or warps > 16:
             raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r}: blocks and warps must be powers of two (warps ≤ 16), "
                              "the only suffix is ':gated'")
-        shapes[(n, k, kind == "gated")] = (block_n, block_k, warps)
+        if stages and (stages < 2 or max(block_n, block_k) > MAX_TMA_BOX):
+            raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r}: STAGES is 0 or ≥ 2, and the staged kernel (≥ 2) "
+                             f"takes blocks of at most {MAX_TMA_BOX} (a TMA box)")
+        shapes[(n, k, kind == "gated")] = (block_n, block_k, warps, stages)
     return shapes
 
 
 _OVERRIDES = parse_shapes(os.environ.get("LLAUNCH_GEMV_SHAPES", ""))
 
 
-def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a shape. Fixed, not autotuned: the block sizes set the
-    summation order, and a timing-dependent pick could make greedy output differ between restarts
-    and between replicas. Picked on an H200 by `scripts/bench_gemv_chain.py --sweep` (Qwen2-7B's
+def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, STAGES) for a shape. STAGES 0: the register kernel here; ≥ 2: the
+    TMA-staged kernel (gemv_staged.py) with that pipeline depth. Fixed, not autotuned: the block sizes
+    set the summation order, and a timing-dependent pick could make greedy output differ between
+    restarts and between replicas. Picked on an H200 by `scripts/bench_gemv_chain.py --sweep` (Qwen2-7B's
     layers chained as in a decode step, 13 GB of distinct weights, with PDL; docs/benchmarks.md):
     tiles of 1k columns (256 for the gated gate‖up, whose programs read two rows per output) × 4 warps,
     more rows per program where outputs are fewer than inputs."""
-    if _INTERPRETED:  # a Python loop per program: few, large programs keep tests fast
-        return 32, 256, 4
+    if _INTERPRETED:
+        return INTERPRETED_SHAPE
     if (n, k, gated) in _OVERRIDES:
         return _OVERRIDES[(n, k, gated)]
+    if n >= 65536:  # an LM head: the staged kernel (run 4: 0.237 ms for Qwen2-7B's, cuBLAS 0.248)
+        return 16, 256, 4, 4
     if gated:
-        return 8, 256, 4
+        return 8, 256, 4, 0
     if k >= 2048:
-        return (2, 1024, 4) if n > k else (4, 1024, 4)
-    return 2, max(64, triton.next_power_of_2(k)), 4
+        return (2, 1024, 4, 0) if n > k else (4, 1024, 4, 0)
+    return 2, max(64, triton.next_power_of_2(k)), 4, 0
 
 
-@triton.jit
-def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Σ_k w[r, k]·x[k] in float32 for a program's rows (w_rows: a pointer per row), and for the rows
-    up_offset further when GATED. Shared by every one-row kernel, so all walk K tile by tile alike;
-    the compiler still lays out each kernel's tile, and so its final in-tile sum, on its own."""
-    cols = tl.arange(0, BLOCK_K)
-    # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
-    # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
-    mask = row_mask[:, None] & (cols < K)[None, :]
-    w = tl.load(w_rows[:, None] + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-    up = w
-    if GATED:
-        up = tl.load(w_rows[:, None] + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-    wait_for_previous_kernel(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        nxt = k0 + BLOCK_K + cols
-        mask = row_mask[:, None] & (nxt < K)[None, :]  # all false after the last tile: no traffic
-        w_next = tl.load(w_rows[:, None] + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x[None, :]
-        w = w_next
-        if GATED:
-            up_next = tl.load(w_rows[:, None] + up_offset + nxt[None, :], mask=mask, other=0.0,
-                              eviction_policy="evict_first")
-            up_acc += up.to(tl.float32) * x[None, :]
-            up = up_next
-    return tl.sum(acc, axis=1), tl.sum(up_acc, axis=1)
+def staged_for(n: int, k: int) -> bool:
+    """Does an [n, k] weight's launch shape pick the staged kernel? (The LM head leaves cuBLAS only
+    where LLAUNCH_GEMV_SHAPES gives it a staged shape that a sweep found faster.)"""
+    return launch_shape(n, k, False)[3] >= 2
 
 
 @triton.jit
@@ -139,9 +126,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    block_n, block_k, warps = launch_shape(n, k, gated)
-    # Under PDL the first weight tile is read before the wait: only a weight no earlier kernel wrote.
+    block_n, block_k, warps, stages = launch_shape(n, k, gated)
+    # Under PDL the first weight tiles are read before the wait: only a weight no earlier kernel wrote.
     use_pdl = pdl.enabled(x, "gemv") and not copied
+    if stages >= 2 and gemv_staged.tma_ready(weight):
+        gemv_staged.gemv_staged(x, weight, bias, out, n, gated, use_pdl, pdl.flavor(use_pdl, "gemv"), block_n,
+                                block_k, warps, stages)
+        return out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from llaunch.kernels import pdl
-from llaunch.kernels.gemv import launch_shape, row_dots
+from llaunch.kernels.gemv import launch_shape
+from llaunch.kernels.row_dots import row_dots
 
 
 @triton.jit
@@ -77,7 +78,9 @@ def qkv_rotary_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     bias = bias.contiguous() if bias is not None else None
     cos, sin = cos.contiguous(), sin.contiguous()
     q = torch.empty((1, n_q_heads, dim), dtype=x.dtype, device=x.device)
-    block_k, warps = launch_shape(n, k, False)[1:]
+    # a program owns two rows (a rotate-half pair): only BLOCK_K and warps come from the qkv weight's
+    # launch shape (the staged kernel has no fused epilogue)
+    block_k, warps = launch_shape(n, k, False)[1:3]
     use_pdl = pdl.enabled(x, "gemv") and not copied  # the first weight tile is read before the PDL wait
     _qkv_rotary_kernel[(n // 2,)](
         x, weight, bias if bias is not None else x, q, k_cache, v_cache, positions, slots, cos, sin, k,

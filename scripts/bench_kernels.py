@@ -207,11 +207,12 @@ def sweep(ops, bandwidth: tuple[float, float], rate: float) -> list[dict]:
     dec._launch_shape, dec._TARGET_PROGRAMS = default_dec, default_target
     gemv = importlib.import_module("llaunch.kernels.gemv")
     default_gemv = gemv.launch_shape
-    for shape in ((1, 2048, 4), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (2, 4096, 8), (4, 1024, 4), (8, 512, 4),
-                  (16, 256, 4)):
+    for shape in ((1, 2048, 4, 0), (2, 1024, 4, 0), (2, 4096, 8, 0), (4, 1024, 4, 0), (8, 512, 4, 0), (16, 256, 4, 0),
+                  (8, 256, 4, 4), (8, 256, 4, 6), (16, 256, 4, 4)):
         gemv.launch_shape = lambda n, k, gated, s=shape: s
         for case in gemv_cases(ops):
-            rows.append({**measure(case, bandwidth, rate, False), "variant": f"BLOCK_N,BLOCK_K,warps={shape}"})
+            rows.append({**measure(case, bandwidth, rate, False),
+                         "variant": f"BLOCK_N,BLOCK_K,warps,STAGES={shape}"})
     gemv.launch_shape = default_gemv
     return rows
 

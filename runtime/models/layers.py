@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from llaunch.kernels import linear, rmsnorm
+from llaunch.kernels import linear, lm_head_linear, rmsnorm
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.embedding[0].weight if self.weight is None else self.weight
-        logits = self.tp.all_gather_last_dim(F.linear(x, weight).float())
+        logits = self.tp.all_gather_last_dim(lm_head_linear(x, weight).float())
         return logits[..., : self.vocab_size]
 
 

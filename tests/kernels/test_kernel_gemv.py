@@ -6,10 +6,23 @@ from llaunch import kernels
 from llaunch.kernels import reference
 
 
+# The interpreter's launch shape: the register kernel, and the TMA-staged one (tiles of 16 × 64, a
+# 3-deep pipeline), which takes weights whose rows a TMA descriptor can address (16-byte strides).
+KERNELS = {"registers": (32, 256, 4, 0), "staged": (16, 64, 4, 3)}
+
+
+@pytest.fixture(params=list(KERNELS))
+def kernel(request, monkeypatch):
+    from llaunch.kernels import gemv
+
+    monkeypatch.setattr(gemv, "INTERPRETED_SHAPE", KERNELS[request.param])
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n, k", [(1, 1), (37, 300), (64, 256), (129, 513)])
+@pytest.mark.parametrize("n, k", [(1, 1), (37, 300), (37, 296), (64, 256), (129, 520)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_interpreted(ops, poisoned, close, dtype, n, k, bias):
+def test_gemv_interpreted(ops, poisoned, close, kernel, dtype, n, k, bias):
     x = torch.randn(1, k).to(dtype)
     w = (torch.randn(n, k) / k ** 0.5).to(dtype)
     b = torch.randn(n).to(dtype) if bias else None
@@ -19,8 +32,8 @@ def test_gemv_interpreted(ops, poisoned, close, dtype, n, k, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("inner, k", [(1, 7), (45, 260), (96, 512)])
-def test_gated_gemv_interpreted(ops, poisoned, close, dtype, inner, k):
+@pytest.mark.parametrize("inner, k", [(1, 7), (45, 264), (96, 512)])
+def test_gated_gemv_interpreted(ops, poisoned, close, kernel, dtype, inner, k):
     x = torch.randn(1, k).to(dtype)
     w = (2 * torch.randn(2 * inner, k) / k ** 0.5).to(dtype)
     with poisoned():
@@ -28,11 +41,24 @@ def test_gated_gemv_interpreted(ops, poisoned, close, dtype, inner, k):
     close(out, reference.gated_linear(x, w))
 
 
-def test_gemv_weight_view(ops, close):
+def test_gemv_weight_view(ops, close, kernel):
     """A weight with a row stride wider than K (a column slice) is read through its stride."""
     x = torch.randn(1, 200)
     w = torch.randn(50, 260)[:, :200]
     close(ops.gemv(x, w), reference.linear(x, w))
+
+
+def test_staged_kernel_takes_what_tma_can_address(ops, monkeypatch):
+    """The staged kernel runs where a TMA descriptor can address the weight's rows (16-byte aligned
+    strides); elsewhere (an fp16 row of 300 elements: 600 bytes) the register kernel does."""
+    from llaunch.kernels import gemv, gemv_staged
+
+    monkeypatch.setattr(gemv, "INTERPRETED_SHAPE", KERNELS["staged"])
+    launched = []
+    monkeypatch.setattr(gemv_staged, "gemv_staged", lambda *a, **kw: launched.append(a[1].shape))
+    ops.gemv(torch.randn(1, 296).half(), torch.randn(8, 296).half())
+    ops.gemv(torch.randn(1, 300).half(), torch.randn(8, 300).half())
+    assert launched == [(8, 296)]
 
 
 def test_gemv_refuses_several_rows(ops):
@@ -40,10 +66,23 @@ def test_gemv_refuses_several_rows(ops):
         ops.gemv(torch.randn(2, 8), torch.randn(4, 8))
 
 
+# GPU launch shapes: the built-in ones, and the TMA-staged kernel at a few depths
+GPU_SHAPES = [None, (8, 256, 4, 4), (16, 256, 4, 4), (16, 256, 8, 6), (4, 128, 4, 8)]
+
+
+@pytest.fixture(params=GPU_SHAPES, ids=lambda s: "built-in" if s is None else "/".join(map(str, s)))
+def gpu_shape(request, monkeypatch):
+    from llaunch.kernels import gemv
+
+    if request.param is not None:
+        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated: request.param)
+    return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, k, bias", [(4608, 3584, True), (3584, 3584, False), (3584, 18944, False),
-                                        (896 + 2 * 128, 896, True), (5, 17, False)])
-def test_gemv_gpu(cuda, poisoned, close, n, k, bias):
+                                        (896 + 2 * 128, 896, True), (5, 17, False), (5, 24, False)])
+def test_gemv_gpu(cuda, poisoned, close, gpu_shape, n, k, bias):
     """Qwen2-7B's qkv, o_proj and down_proj, a Qwen2-0.5B qkv, and an odd shape, in bf16."""
     x = torch.randn(1, k, device=cuda).to(torch.bfloat16)
     w = (torch.randn(n, k, device=cuda) / k ** 0.5).to(torch.bfloat16)
@@ -54,8 +93,8 @@ def test_gemv_gpu(cuda, poisoned, close, n, k, bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inner, k", [(18944, 3584), (4864, 896), (3, 100)])
-def test_gated_gemv_gpu(cuda, poisoned, close, inner, k):
+@pytest.mark.parametrize("inner, k", [(18944, 3584), (4864, 896), (3, 100), (3, 104)])
+def test_gated_gemv_gpu(cuda, poisoned, close, gpu_shape, inner, k):
     x = torch.randn(1, k, device=cuda).to(torch.bfloat16)
     w = (2 * torch.randn(2 * inner, k, device=cuda) / k ** 0.5).to(torch.bfloat16)
     with poisoned():
@@ -82,17 +121,20 @@ def test_launch_shapes_from_the_environment(monkeypatch):
     """LLAUNCH_GEMV_SHAPES (what the chain sweep emits) overrides the built-in shape per weight shape."""
     from llaunch.kernels import gemv
 
-    shapes = gemv.parse_shapes("3584x3584=2/4096/8, 18944x3584:gated=16/256/8,")
-    assert shapes == {(3584, 3584, False): (2, 4096, 8), (18944, 3584, True): (16, 256, 8)}
+    shapes = gemv.parse_shapes("3584x3584=2/4096/8, 18944x3584:gated=16/256/8/4,")
+    assert shapes == {(3584, 3584, False): (2, 4096, 8, 0), (18944, 3584, True): (16, 256, 8, 4)}
     monkeypatch.setattr(gemv, "_INTERPRETED", False)
     monkeypatch.setattr(gemv, "_OVERRIDES", shapes)
-    assert gemv.launch_shape(3584, 3584, False) == (2, 4096, 8)
-    assert gemv.launch_shape(18944, 3584, True) == (16, 256, 8)
-    assert gemv.launch_shape(3584, 18944, False) == (4, 1024, 4)  # not overridden: built in
+    assert gemv.launch_shape(3584, 3584, False) == (2, 4096, 8, 0)
+    assert gemv.launch_shape(18944, 3584, True) == (16, 256, 8, 4)
+    assert gemv.launch_shape(3584, 18944, False) == (4, 1024, 4, 0)  # not overridden: built in
 
 
 @pytest.mark.parametrize("text, message", [("3584x3584=2/4096", "is not NxK"), ("3584=2/4096/8", "is not NxK"),
                                            ("3584x3584=3/4096/8", "powers of two"),
+                                           ("3584x3584=8/512/4/4", "blocks of at most 256"),
+                                           ("3584x3584=8/256/4/1", "STAGES is 0 or ≥ 2"),
+                                           ("3584x3584=8/256/4/4/2", "is not NxK"),
                                            ("3584x3584:fast=2/4096/8", "':gated'")])
 def test_launch_shapes_from_the_environment_refuses_bad_values(text, message):
     from llaunch.kernels import gemv

@@ -28,11 +28,21 @@ def _layer_chain(weights, x, residual, k_cache, v_cache, req_to_slots, positions
     return ops.gemv(ops.gemv(n, weights["gate_up"], gated=True), weights["down"]), h
 
 
+# The TMA-staged GEMV (kernels/gemv_staged.py) for every weight shape of the chain: its pipeline
+# issues weight tiles before the PDL wait and loads x after it in every iteration.
+STAGED = {(QH * D + 2 * KVH * D, H, False): (8, 256, 4, 6), (H, QH * D, False): (8, 256, 4, 6),
+          (INTER, H, True): (8, 256, 4, 4), (H, INTER, False): (16, 256, 4, 6)}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [True, False], ids=["qkv+rotary fused", "qkv then rotary"])
-def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda, fused):
+@pytest.mark.parametrize("shapes", [{}, STAGED], ids=["built-in GEMV shapes", "staged GEMVs"])
+def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda, monkeypatch, fused, shapes):
     if not torch.cuda.get_device_capability()[0] >= 9:
         pytest.skip("PDL needs Hopper or later")
+    from llaunch.kernels import gemv
+
+    monkeypatch.setattr(gemv, "_OVERRIDES", {**gemv._OVERRIDES, **shapes})
     bf = torch.bfloat16
     w = {"norm": torch.rand(H, device=cuda).to(bf) + 0.5, "qkv": (torch.randn(QH * D + 2 * KVH * D, H, device=cuda) / 60).to(bf),
          "bias": torch.randn(QH * D + 2 * KVH * D, device=cuda).to(bf), "o": (torch.randn(H, QH * D, device=cuda) / 60).to(bf),

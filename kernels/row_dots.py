@@ -1,0 +1,42 @@
+"""The dot products of a one-row linear layer's program: its rows of W against x, walking K tile by
+tile with the next weight tiles in flight (the batch-1 GEMV and the fused qkv + rotary kernel)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from llaunch.kernels.pdl_wait import wait_for_previous_kernel
+
+
+@triton.jit
+def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Σ_k w[r, k]·x[k] in float32 for a program's rows (w_rows: a pointer per row), and for the rows
+    up_offset further when GATED. Shared by every one-row kernel, so all walk K tile by tile alike;
+    the compiler still lays out each kernel's tile, and so its final in-tile sum, on its own.
+    (Two tiles in flight, each summed to its rows as it is used, measured slower on an H200 at every
+    launch shape tried: docs/benchmarks.md, run 4 of the third session.)"""
+    cols = tl.arange(0, BLOCK_K)
+    # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
+    # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
+    mask = row_mask[:, None] & (cols < K)[None, :]
+    w = tl.load(w_rows[:, None] + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    up = w
+    if GATED:
+        up = tl.load(w_rows[:, None] + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    wait_for_previous_kernel(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        nxt = k0 + BLOCK_K + cols
+        mask = row_mask[:, None] & (nxt < K)[None, :]  # all false after the last tile: no traffic
+        w_next = tl.load(w_rows[:, None] + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x[None, :]
+        w = w_next
+        if GATED:
+            up_next = tl.load(w_rows[:, None] + up_offset + nxt[None, :], mask=mask, other=0.0,
+                              eviction_policy="evict_first")
+            up_acc += up.to(tl.float32) * x[None, :]
+            up = up_next
+    return tl.sum(acc, axis=1), tl.sum(up_acc, axis=1)
