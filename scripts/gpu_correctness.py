@@ -8,6 +8,7 @@ eager and replayed from a CUDA graph). Prints one JSON line per check; exit 1 if
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -91,10 +92,12 @@ def time_variants(model, kv, last, scratch, variants: dict, batches, rounds: int
     """Decode-step device time per variant, `rounds` times alternated (the spread between rounds is
     the noise). A variant changes some switches from the process's settings: `pdl` and `late` (the
     kernel sets of LLAUNCH_PDL_KERNELS and LLAUNCH_PDL_LATE), `qkv_rotary` (LLAUNCH_QKV_ROTARY), `shapes`
-    (LLAUNCH_GEMV_SHAPES). Each is captured as the server does, every bucket up to max(batches)."""
+    (LLAUNCH_GEMV_SHAPES), `attn_pre_wait` (LLAUNCH_ATTN_PRE_WAIT). Each is captured as the server does, every bucket up to max(batches)."""
     from llaunch.kernels import gemv
 
-    attributes = {"shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY")}
+    attention = importlib.import_module("llaunch.kernels.decode_attention")  # the package binds the op's name
+    attributes = {"shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"),
+                  "attn_pre_wait": (attention, "PRE_WAIT")}
     out = []
     for _ in range(rounds):
         for name, changes in variants.items():
@@ -122,11 +125,12 @@ def step_ab(model, kv, last, scratch) -> list[dict]:
     variants = {
         f"default (fused qkv+rotary, PDL on {'+'.join(pdl._kernels)}, late: {'+'.join(pdl._late) or '-'})": {},
         "qkv GEMV then rotary kernel": dict(qkv_rotary=False),
+        "decode attention waits before its early exit (LLAUNCH_ATTN_PRE_WAIT=0)": dict(attn_pre_wait=False),
+        "LM head on cuBLAS": dict(shapes={**gemv._OVERRIDES, (QWEN2_7B["vocab_size"], QWEN2_7B["hidden_size"], False):
+                                          (2, 1024, 4, 0)}),
         "no PDL": dict(pdl=()),
         "PDL on gemv+rmsnorm (the 11c98d0 default)": dict(pdl=("gemv", "rmsnorm"), late=()),
         "PDL on gemv+rmsnorm+decode_attention, attention late": dict(pdl=attention, late=("decode_attention",)),
-        "PDL on every kernel, none late": dict(pdl=pdl.KERNELS, late=()),
-        "PDL on every kernel, all late": dict(pdl=pdl.KERNELS, late=pdl.KERNELS),
     }
     if gemv._OVERRIDES:
         variants["built-in launch shapes (LLAUNCH_GEMV_SHAPES ignored)"] = dict(shapes={})
@@ -268,12 +272,16 @@ def main() -> int:
         kv.req_to_slots[256].fill_(scratch)
         graphs = DecodeGraphs(ours, kv, last, 256, 4096, scratch_row=256, scratch_slot=scratch)
         graphs.capture()
-        replayed = []
+        replayed, greedy_ok = [], True
         for i in range(n, total):
             last[0] = ids[i]
-            replayed.append(graphs.run([0], [i], [slots[i]], [i + 1])[0].clone())
+            logits, tokens = graphs.run([0], [i], [slots[i]], [i + 1])
+            replayed.append(logits[0].clone())
+            greedy_ok = greedy_ok and tokens[0].item() == logits[0].argmax().item() == last[0].item()
         diff = (torch.stack(replayed) - got).abs().max().item()
         checks.append(dict(check="decode CUDA graph replay vs eager", max_abs_diff=diff))
+        checks.append(dict(check="decode graph's greedy token = argmax of its logits, recorded as the last token",
+                           max_abs_diff=0.0 if greedy_ok else 1.0))
         checks += time_decode_steps(graphs, kv)
         if torch.cuda.get_device_capability()[0] >= 9:
             checks += step_ab(ours, kv, last, scratch)

@@ -44,7 +44,7 @@ class DecodeGraphs:
         self._host_turn = 0
         self.logits_index = torch.arange(n, dtype=torch.int64, device=device)
         self._empty = torch.zeros(0, dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = None
 
     def _step(self, b: int) -> torch.Tensor:
@@ -55,7 +55,12 @@ class DecodeGraphs:
             decode_rows=rows, decode_seq_lens=lens, prefill_rows=self._empty, prefill_q_starts=self._empty,
             prefill_q_lens=self._empty, prefill_prefix_lens=self._empty, logits_index=self.logits_index[:b],
             num_decode=b, num_prefill_tokens=0, max_decode_len=self.max_model_len)
-        return self.model.forward(batch, self.kv)
+        logits = self.model.forward(batch, self.kv)
+        # greedy tokens inside the graph, recorded as each row's last token (a sampling step writes
+        # its own over them): an all-greedy step then needs no kernels of its own between replays
+        tokens = torch.argmax(logits, dim=-1)
+        self.last_token[rows] = tokens
+        return logits, tokens
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -94,8 +99,10 @@ class DecodeGraphs:
     def fits(self, num_decode: int) -> bool:
         return 0 < num_decode <= self.buckets[-1]
 
-    def run(self, rows: list[int], positions: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:
-        """Logits [len(rows), vocab] of a decode-only step."""
+    def run(self, rows: list[int], positions: list[int], slots: list[int], lens: list[int]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [len(rows), vocab] of a decode-only step, and their argmax [len(rows)], which the
+        graph has also written to each row's last token."""
         n = len(rows)
         b = next(s for s in self.buckets if s >= n)
         # a ring of pinned buffers: the copy of step N may still be queued while N+1 is prepared
@@ -110,6 +117,6 @@ class DecodeGraphs:
         host[2, n:b] = self.scratch_slot
         host[3, n:b] = 1
         self.inputs[:, :b].copy_(host[:, :b], non_blocking=True)
-        graph, out = self.graphs[b]
+        graph, (logits, tokens) = self.graphs[b]
         graph.replay()
-        return out[:n]
+        return logits[:n], tokens[:n]

@@ -114,28 +114,34 @@ class ModelRunner:
         )
         return batch, sampled_rows
 
-    def _forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], list[int]]:
+    def _forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], list[int], Optional[torch.Tensor]]:
+        """(logits, sampled rows, greedy tokens already recorded as the rows' last tokens, or None)."""
         if self.graphs is not None and not plan.prefill and self.graphs.fits(len(plan.decode_rows)):
             rows = list(plan.decode_rows)
             positions = [self.seq_len[r] for r in rows]
             for r in rows:
                 self.seq_len[r] += 1
             lens = [p + 1 for p in positions]
-            return self.graphs.run(rows, positions, list(plan.decode_slots), lens), rows
+            logits, greedy = self.graphs.run(rows, positions, list(plan.decode_slots), lens)
+            return logits, rows, greedy
         batch, rows = self.build_batch(plan)
         if batch.num_tokens == 0:
-            return None, []
-        return self.model.forward(batch, self.kv), rows
+            return None, [], None
+        return self.model.forward(batch, self.kv), rows, None
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         t0 = time.perf_counter()
         self._start_rows(plan)
-        logits, rows = self._forward(plan)
+        logits, rows, greedy = self._forward(plan)
         if logits is None or not rows:
             return PendingStep(plan.step, [], None, None, None, t0)
-        tokens = self.sampling.sample(logits, rows)
-        self.last_token[self._tensor(rows)] = tokens
+        if greedy is not None and self.sampling.plain_greedy(rows):
+            tokens = greedy  # the graph's argmax, already each row's last token
+            self.sampling.advance(rows)
+        else:
+            tokens = self.sampling.sample(logits, rows)
+            self.last_token[self._tensor(rows)] = tokens
         logprobs = self.sampling.logprobs(logits, rows, tokens)
         done = None
         if self.device.type == "cuda":

@@ -59,6 +59,15 @@ class SamplingState:
             if prompt_ids:
                 seen[row, to_device(prompt_ids, torch.int64, self.device)] = True
 
+    def plain_greedy(self, rows: list[int]) -> bool:
+        """Is every row's token the argmax of its raw logits (greedy, no penalties)?"""
+        return all(self.greedy[r] and not self.penalized[r] for r in rows)
+
+    def advance(self, rows: list[int]) -> None:
+        """Count a token sampled elsewhere (the decode graph's argmax) for these rows."""
+        for r in rows:
+            self.generated[r] += 1
+
     def sample(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Tokens [len(rows)] for logits [len(rows), V]; also advances the rows' counters."""
         penalized = any(self.penalized[r] for r in rows)
@@ -76,8 +85,7 @@ class SamplingState:
         if penalized:
             counts[rows_t, tokens] += 1
             seen[rows_t, tokens] = True
-        for r in rows:
-            self.generated[r] += 1
+        self.advance(rows)
         return tokens
 
     def logprobs(self, logits: torch.Tensor, rows: list[int], tokens: torch.Tensor):
