@@ -123,9 +123,14 @@ class RowParallelLinear(nn.Module):
             shards["bias"] = [Shard(f"{self.name}.bias", (self.full_shape[0],))]
         return shards
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """→ the layer's output, or residual + it (the residual stream; in the GEMV when nothing sits
+        between them)."""
+        if residual is not None and self.tp.size == 1 and self.bias is None:
+            return linear(x, self.weight, residual=residual)
         y = self.tp.all_reduce(linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None else residual + y
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -141,3 +141,62 @@ def test_launch_shapes_from_the_environment_refuses_bad_values(text, message):
 
     with pytest.raises(ValueError, match=message):
         gemv.parse_shapes(text)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_gemv_with_the_norm_in_its_loop(ops, poisoned, close, dtype, gated):
+    """norm=(weight, eps): the GEMV of RMSNorm(x), the norm's sum of squares taken in the same walk
+    over K (without the norm kernel's two roundings of its output, so within the dtype's tolerance)."""
+    k = 520
+    x = (3 * torch.randn(1, k)).to(dtype)
+    g = (torch.rand(k) + 0.5).to(dtype)
+    w = (torch.randn(2 * 45 if gated else 77, k) / k ** 0.5).to(dtype)
+    with poisoned():
+        out = ops.gemv(x, w, gated=gated, norm=(g, 1e-6))
+    normed = reference.rmsnorm(x, g, 1e-6)
+    close(out, reference.gated_linear(normed, w) if gated else reference.linear(normed, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_adds_the_residual_as_linear_then_add(ops, poisoned, dtype):
+    """residual: residual + x Wᵀ, each rounded to the dtype as the two ops are: bit for bit the
+    GEMV's own output added to the residual."""
+    x, w = torch.randn(1, 300).to(dtype), (torch.randn(70, 300) / 17).to(dtype)
+    r = (4 * torch.randn(1, 70)).to(dtype)
+    with poisoned():
+        out = ops.gemv(x, w, residual=r)
+    assert torch.equal(out, r + ops.gemv(x, w))
+
+
+def test_gemv_refuses_a_norm_or_residual_of_the_wrong_shape(ops):
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="norm weight must be"):
+        ops.gemv(x, w, norm=(torch.ones(7), 1e-6))
+    with pytest.raises(ValueError, match="residual must be"):
+        ops.gemv(x, w, residual=torch.zeros(1, 5))
+
+
+def test_linear_ops_take_norm_and_residual_on_cpu_too():
+    """The CPU (reference) side of the same calls: the model's fused-norm path runs anywhere."""
+    x, w, g = torch.randn(1, 16), torch.randn(12, 16), torch.rand(16) + 0.5
+    r = torch.randn(1, 12)
+    torch.testing.assert_close(kernels.linear(x, w, residual=r), r + reference.linear(x, w))
+    torch.testing.assert_close(kernels.gated_linear(x, w, norm=(g, 1e-6)),
+                               reference.gated_linear(reference.rmsnorm(x, g, 1e-6), w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, gated", [(18944, 3584, True), (4608, 3584, False), (5, 24, False)])
+def test_gemv_norm_and_residual_gpu(cuda, poisoned, close, n, k, gated):
+    """The one-row step's fused shapes in bf16: gate_up of RMSNorm(h), and o_proj / down adding the
+    residual stream."""
+    bf = torch.bfloat16
+    x = (3 * torch.randn(1, k, device=cuda)).to(bf)
+    g = (torch.rand(k, device=cuda) + 0.5).to(bf)
+    w = (torch.randn(2 * n if gated else n, k, device=cuda) / k ** 0.5).to(bf)
+    normed = reference.rmsnorm(x, g, 1e-6)
+    r = (4 * torch.randn(1, n, device=cuda)).to(bf)
+    with poisoned():
+        out = kernels.gated_linear(x, w, norm=(g, 1e-6)) if gated else kernels.linear(x, w, residual=r)
+    close(out, reference.gated_linear(normed, w) if gated else r + reference.linear(x, w))
