@@ -6,7 +6,6 @@ reference (kernels/reference.py) otherwise, so the same model code runs on CPU a
 from llaunch.kernels.dispatch import (  # noqa: F401
     apply_penalties,
     decode_attention,
-    fuses_norms,
     gated_linear,
     linear,
     lm_head_linear,

@@ -21,9 +21,6 @@ _TRITON_GEMV = os.environ.get("LLAUNCH_GEMV", "triton") != "cublas"
 # LLAUNCH_QKV_ROTARY=0 runs the one-row qkv GEMV and the rotary + KV store as two kernels (A/B timing);
 # LLAUNCH_GEMV=cublas turns the fusion off too (it is a GEMV).
 _FUSED_QKV_ROTARY = os.environ.get("LLAUNCH_QKV_ROTARY", "1") != "0"
-# LLAUNCH_FUSED_NORMS=0 keeps a batch-1 step's RMSNorms and residual adds as norm kernels between the
-# GEMVs (A/B timing); by default DecoderLM's one-row path folds them into the GEMVs (row_dots' NORM).
-_FUSED_NORMS = os.environ.get("LLAUNCH_FUSED_NORMS", "1") != "0"
 _KERNEL_MODULES = ("gemv", "qkv_rotary", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
                    "silu_mul", "sampling")
 
@@ -104,21 +101,10 @@ def _one_row(x) -> bool:
     return _TRITON_GEMV and _use_triton(x) and x.dim() == 2 and x.shape[0] == 1
 
 
-def fuses_norms(x) -> bool:
-    """Does a step whose hidden states are x fold its norms and residual adds into the GEMVs?"""
-    return _FUSED_NORMS and _one_row(x)
-
-
-def _normed(x, norm):
-    return x if norm is None else rmsnorm(x, norm[0], norm[1])
-
-
-def linear(x, weight, bias=None, *, residual=None):
-    """x Wᵀ (+ b); with residual: residual + that (each rounded to the dtype, as linear → add)."""
+def linear(x, weight, bias=None):
     if _one_row(x):
-        return triton_ops().gemv(x, weight, bias, residual=residual)
-    y = reference.linear(x, weight, bias)
-    return y if residual is None else residual + y
+        return triton_ops().gemv(x, weight, bias)
+    return reference.linear(x, weight, bias)
 
 
 def lm_head_linear(x, weight):
@@ -129,25 +115,23 @@ def lm_head_linear(x, weight):
     return reference.linear(x, weight)
 
 
-def gated_linear(x, weight, *, norm=None):
-    """silu(x gateᵀ) * (x upᵀ) for a fused gate‖up weight; norm=(weight, eps): of RMSNorm(x)."""
+def gated_linear(x, weight):
     if _one_row(x):
-        return triton_ops().gemv(x, weight, gated=True, norm=norm)
-    return silu_mul(reference.linear(_normed(x, norm), weight))
+        return triton_ops().gemv(x, weight, gated=True)
+    return silu_mul(reference.linear(x, weight))
 
 
 def qkv_rotary_store_kv(x, weight, bias, n_q_heads: int, n_kv_heads: int, positions, cos, sin, k_cache, v_cache,
-                        slots, *, norm=None):
-    """The attention block's input half: x (RMSNorm(x) with norm=(weight, eps)) through the fused
-    q‖k‖v weight, rotary on q and k, k and v stored at each token's slot; returns the rotated
-    q [T, Hq, D]. One row on a GPU: one kernel."""
+                        slots):
+    """The attention block's input half: x through the fused q‖k‖v weight, rotary on q and k, k and v
+    stored at each token's slot; returns the rotated q [T, Hq, D]. One row on a GPU: one kernel."""
     d = k_cache.shape[-1]
     if (_FUSED_QKV_ROTARY and _one_row(x) and k_cache.dtype == v_cache.dtype == x.dtype
             and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] == n_kv_heads):
         return triton_ops().qkv_rotary_store_kv(x, weight, bias, n_q_heads, n_kv_heads, positions, cos, sin,
-                                                k_cache, v_cache, slots, norm)
+                                                k_cache, v_cache, slots)
     t = x.shape[0]
-    q, k, v = linear(_normed(x, norm), weight, bias).split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1)
+    q, k, v = linear(x, weight, bias).split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1)
     return rotary_store_kv(q.view(t, n_q_heads, d), k.view(t, n_kv_heads, d), v.view(t, n_kv_heads, d), positions,
                            cos, sin, k_cache, v_cache, slots)
 

@@ -85,13 +85,13 @@ def staged_for(n: int, k: int) -> bool:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, norm_ptr, res_ptr, N, K, w_stride, up_offset, eps,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                 PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    y, up_y, residual = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, norm_ptr, eps,
-                                 res_ptr + rows, GATED, NORM, RESIDUAL, PDL, BLOCK_N, BLOCK_K)
+    y, up_y = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED, PDL,
+                       BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
@@ -101,17 +101,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, norm_ptr, res_ptr, N, K, w_stride
         up_y = up_y.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = act * up_y
-    if RESIDUAL:  # the residual stream's next value, rounded as linear → add would: y, then the sum
-        y = y.to(dtype).to(tl.float32) + residual
     tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-         gated: bool = False, norm: Optional[tuple[torch.Tensor, float]] = None,
-         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+         gated: bool = False) -> torch.Tensor:
     """x [1, K] @ weight [N, K]ᵀ (+ bias [N]) → [1, N]; gated: weight is gate‖up [2I, K] and the
-    result silu(x gateᵀ) * (x upᵀ), [1, I]. norm=(weight [K], eps): of RMSNorm(x) instead of x (in
-    the loop, row_dots' NORM); residual [1, N]: returns residual + the result (the residual stream)."""
+    result silu(x gateᵀ) * (x upᵀ), [1, I]."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, got x of shape {tuple(x.shape)}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
@@ -120,32 +116,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
         raise ValueError(f"gemv: a gated weight stacks gate and up, so it needs an even row count, got {weight.shape[0]}")
     if x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv: x has {x.shape[1]} columns, weight {weight.shape[1]}")
-    n_total, k = weight.shape
-    n = n_total // 2 if gated else n_total
-    if norm is not None and (norm[0].shape != (k,) or norm[0].dtype != x.dtype):
-        raise ValueError(f"gemv: the norm weight must be [{k}] of {x.dtype}, got {tuple(norm[0].shape)} of {norm[0].dtype}")
-    if residual is not None and (residual.shape != (1, n) or residual.dtype != x.dtype):
-        raise ValueError(f"gemv: the residual must be [1, {n}] of {x.dtype}, got {tuple(residual.shape)} of "
-                         f"{residual.dtype}")
     copied = weight.stride(-1) != 1
     if copied:
         weight = weight.contiguous()
     x = x.contiguous()
     bias = bias.contiguous() if bias is not None else None
+    n_total, k = weight.shape
+    n = n_total // 2 if gated else n_total
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
     block_n, block_k, warps, stages = launch_shape(n, k, gated)
     # Under PDL the first weight tiles are read before the wait: only a weight no earlier kernel wrote.
     use_pdl = pdl.enabled(x, "gemv") and not copied
-    if stages >= 2 and norm is None and residual is None and gemv_staged.tma_ready(weight):
+    if stages >= 2 and gemv_staged.tma_ready(weight):
         gemv_staged.gemv_staged(x, weight, bias, out, n, gated, use_pdl, pdl.flavor(use_pdl, "gemv"), block_n,
                                 block_k, warps, stages)
         return out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else x, out, norm[0].contiguous() if norm is not None else x,
-        residual.contiguous() if residual is not None else x, n, k, weight.stride(0), n * weight.stride(0),
-        norm[1] if norm is not None else 0.0, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None,
-        RESIDUAL=residual is not None, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
+        x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, launch_pdl=use_pdl)
     return out

@@ -24,14 +24,13 @@ from llaunch.kernels.row_dots import row_dots
 
 @triton.jit
 def _qkv_rotary_kernel(x_ptr, w_ptr, b_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
-                       norm_ptr, K, w_stride, table_stride, n_q_heads, n_kv_heads, eps, HAS_BIAS: tl.constexpr,
-                       NORM: tl.constexpr, PDL: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr):
+                       K, w_stride, table_stride, n_q_heads, n_kv_heads, HAS_BIAS: tl.constexpr,
+                       PDL: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr):
     head = tl.program_id(0) // HALF
     i = tl.program_id(0) % HALF
     lane = tl.arange(0, 2)
     rows = head * 2 * HALF + i + lane * HALF  # the rotate-half pair (i, i + D/2) of this head
-    y, _, _ = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, rows >= 0, K, 0, norm_ptr, eps, x_ptr + rows, False,
-                       NORM, False, PDL, 2, BLOCK_K)
+    y, _ = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, rows >= 0, K, 0, False, PDL, 2, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     ty = q_out_ptr.dtype.element_ty
@@ -57,11 +56,9 @@ def _qkv_rotary_kernel(x_ptr, w_ptr, b_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
 
 def qkv_rotary_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], n_q_heads: int,
                         n_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                        norm: Optional[tuple[torch.Tensor, float]] = None) -> torch.Tensor:
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """x [1, K] through the fused weight [(Hq + 2·Hkv)·D, K] (+ bias): returns the rotated q [1, Hq, D];
-    the rotated k and the v of the token go to row slots[0] of the caches [num_slots, Hkv, D].
-    norm=(weight [K], eps): of RMSNorm(x) instead of x (row_dots' NORM)."""
+    the rotated k and the v of the token go to row slots[0] of the caches [num_slots, Hkv, D]."""
     dim = k_cache.shape[-1]
     n, k = weight.shape
     if x.dim() != 2 or x.shape[0] != 1:
@@ -74,8 +71,6 @@ def qkv_rotary_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if x.shape[1] != k or k_cache.shape[1] != n_kv_heads:
         raise ValueError(f"qkv_rotary_store_kv: x has {x.shape[1]} columns for a weight of {k}, the cache "
                          f"{k_cache.shape[1]} KV heads for {n_kv_heads}")
-    if norm is not None and (norm[0].shape != (k,) or norm[0].dtype != x.dtype):
-        raise ValueError(f"qkv_rotary_store_kv: the norm weight must be [{k}] of {x.dtype}")
     copied = weight.stride(-1) != 1
     if copied:
         weight = weight.contiguous()
@@ -88,8 +83,7 @@ def qkv_rotary_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     block_k, warps = launch_shape(n, k, False)[1:3]
     use_pdl = pdl.enabled(x, "gemv") and not copied  # the first weight tile is read before the PDL wait
     _qkv_rotary_kernel[(n // 2,)](
-        x, weight, bias if bias is not None else x, q, k_cache, v_cache, positions, slots, cos, sin,
-        norm[0].contiguous() if norm is not None else x, k, weight.stride(0), cos.stride(0), n_q_heads, n_kv_heads,
-        norm[1] if norm is not None else 0.0, HAS_BIAS=bias is not None, NORM=norm is not None,
+        x, weight, bias if bias is not None else x, q, k_cache, v_cache, positions, slots, cos, sin, k,
+        weight.stride(0), cos.stride(0), n_q_heads, n_kv_heads, HAS_BIAS=bias is not None,
         PDL=pdl.flavor(use_pdl, "gemv"), HALF=dim // 2, BLOCK_K=block_k, num_warps=warps, launch_pdl=use_pdl)
     return q

@@ -92,13 +92,12 @@ def time_variants(model, kv, last, scratch, variants: dict, batches, rounds: int
     """Decode-step device time per variant, `rounds` times alternated (the spread between rounds is
     the noise). A variant changes some switches from the process's settings: `pdl` and `late` (the
     kernel sets of LLAUNCH_PDL_KERNELS and LLAUNCH_PDL_LATE), `qkv_rotary` (LLAUNCH_QKV_ROTARY), `shapes`
-    (LLAUNCH_GEMV_SHAPES), `attn_pre_wait` (LLAUNCH_ATTN_PRE_WAIT), `fused_norms` (LLAUNCH_FUSED_NORMS).
-    Each is captured as the server does, every bucket up to max(batches)."""
+    (LLAUNCH_GEMV_SHAPES), `attn_pre_wait` (LLAUNCH_ATTN_PRE_WAIT). Each is captured as the server does, every bucket up to max(batches)."""
     from llaunch.kernels import gemv
 
     attention = importlib.import_module("llaunch.kernels.decode_attention")  # the package binds the op's name
     attributes = {"shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"),
-                  "attn_pre_wait": (attention, "PRE_WAIT"), "fused_norms": (dispatch, "_FUSED_NORMS")}
+                  "attn_pre_wait": (attention, "PRE_WAIT")}
     out = []
     for _ in range(rounds):
         for name, changes in variants.items():
@@ -125,7 +124,6 @@ def step_ab(model, kv, last, scratch) -> list[dict]:
     attention = ("gemv", "rmsnorm", "decode_attention")
     variants = {
         f"default (fused qkv+rotary, PDL on {'+'.join(pdl._kernels)}, late: {'+'.join(pdl._late) or '-'})": {},
-        "norm kernels between the GEMVs (LLAUNCH_FUSED_NORMS=0)": dict(fused_norms=False),
         "qkv GEMV then rotary kernel": dict(qkv_rotary=False),
         "decode attention waits before its early exit (LLAUNCH_ATTN_PRE_WAIT=0)": dict(attn_pre_wait=False),
         "LM head on cuBLAS": dict(shapes={**gemv._OVERRIDES, (QWEN2_7B["vocab_size"], QWEN2_7B["hidden_size"], False):

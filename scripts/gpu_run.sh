@@ -4,7 +4,7 @@
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
 #   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels gemv chain single-cublas
-#                                            single-unfused single-nopdl single-pdl-linear single-late smollm2-chat sweep prefix parallel smollm2 smollm2-agree tune
+#                                            single-nopdl single-pdl-linear single-late smollm2-chat sweep prefix parallel smollm2 smollm2-agree tune
 #                                            stash steps pd;
 #                                            default: the first five)
 set -u
@@ -136,10 +136,6 @@ for c in single c64 c256; do has $c && BENCH="$BENCH $c"; done
 [ -n "$BENCH" ] && serve_bench tp1 "$SERVE" $BENCH
 if has single-cublas; then  # A/B: the same single case with batch-1 linear layers left to cuBLAS
   LLAUNCH_GEMV=cublas serve_bench cublas "$SERVE" single
-fi
-
-if has single-unfused; then  # A/B: the batch-1 step with its norm kernels between the GEMVs
-  LLAUNCH_FUSED_NORMS=0 serve_bench unfused "$SERVE" single
 fi
 
 if has single-nopdl; then  # A/B: the same single case with programmatic dependent launch off

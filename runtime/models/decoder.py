@@ -6,13 +6,10 @@ is stored into its slot first. Only the rows in `logits_index` go through the fi
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
-from llaunch.kernels import (decode_attention, fuses_norms, gated_linear, prefill_attention, qkv_rotary_store_kv,
-                             rope_cos_sin)
+from llaunch.kernels import decode_attention, gated_linear, prefill_attention, qkv_rotary_store_kv, rope_cos_sin
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.launcher.heads import HeadLayout
@@ -44,19 +41,15 @@ class Attention(nn.Module):
                                         in_parts=[(None if h is None else h * d, n * d) for h, n in q_runs])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                norm: Optional[tuple[torch.Tensor, float]] = None,
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """→ the attention block's output. norm: x is the residual stream and the qkv projection applies
-        the input RMSNorm (weight, eps); residual: returns residual + the output (o_proj adds it)."""
+                req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q = qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
-                                batch.positions, cos, sin, k_cache, v_cache, batch.out_slots, norm=norm)
+                                batch.positions, cos, sin, k_cache, v_cache, batch.out_slots)
         nd = batch.num_decode
         if not batch.num_prefill_tokens:  # a decode-only step: the attention output is the whole tensor
             out = decode_attention(q, k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
                                    self.scale, max_len=batch.max_decode_len or None)
-            return self.o_proj(out.view(t, self.num_heads * d), residual)
+            return self.o_proj(out.view(t, self.num_heads * d))
         # q_starts index the whole token array, so the prefill op gets all of q; decode rows come first.
         out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,
                                 batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale,
@@ -64,7 +57,7 @@ class Attention(nn.Module):
         if nd:
             out[:nd] = decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows,
                                         batch.decode_seq_lens, self.scale, max_len=batch.max_decode_len or None)
-        return self.o_proj(out.view(t, self.num_heads * d), residual)
+        return self.o_proj(out.view(t, self.num_heads * d))
 
 
 class Mlp(nn.Module):
@@ -78,11 +71,9 @@ class Mlp(nn.Module):
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", full, start, local, arch.hidden_size,
                                            bias=False, tp=tp, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, *, norm: Optional[tuple[torch.Tensor, float]] = None,
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """norm and residual as for Attention.forward."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate_up's bias is always absent (Llama, Qwen2), so the fused gated GEMV needs none.
-        return self.down_proj(gated_linear(x, self.gate_up_proj.weight, norm=norm), residual)
+        return self.down_proj(gated_linear(x, self.gate_up_proj.weight))
 
 
 class DecoderLayer(nn.Module):
@@ -143,8 +134,6 @@ class DecoderLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KvCache) -> torch.Tensor:
         """→ float32 logits [len(batch.logits_index), vocab]."""
         h = self.embed_tokens(batch.input_ids)
-        if self.tp.size == 1 and fuses_norms(h):
-            return self._forward_fused_norms(h, batch, kv)
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
             if residual is None:
@@ -155,19 +144,9 @@ class DecoderLM(nn.Module):
             x, residual = layer.post_attention_layernorm(h, residual)
             h = layer.mlp(x)
         rows = batch.logits_index
-        if residual is not None and batch.every_token:
-            # the residual add is the final norm's: one kernel instead of two gathers, an add and the norm
+        if residual is not None and len(rows) == h.shape[0]:
+            # every token is sampled (decode rows; logits_index rises, so it is 0..T-1): the residual
+            # add is the final norm's, one kernel instead of two gathers, an add and the norm
             return self.lm_head(self.norm(h, residual)[0])
         h = h[rows] if residual is None else h[rows] + residual[rows]
         return self.lm_head(self.norm(h))
-
-    def _forward_fused_norms(self, h: torch.Tensor, batch: ForwardBatch, kv: KvCache) -> torch.Tensor:
-        """The one-row step with h the residual stream throughout: each block's RMSNorm is folded into
-        its first GEMV and the residual add into its last, so no norm kernel runs between layers."""
-        for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
-            attn_norm = (layer.input_layernorm.weight, layer.input_layernorm.eps)
-            h = layer.self_attn(h, batch, k_cache, v_cache, kv.req_to_slots, self.rope_cos, self.rope_sin,
-                                norm=attn_norm, residual=h)
-            h = layer.mlp(h, norm=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
-                          residual=h)
-        return self.lm_head(self.norm(h if batch.every_token else h[batch.logits_index]))

@@ -123,14 +123,9 @@ class RowParallelLinear(nn.Module):
             shards["bias"] = [Shard(f"{self.name}.bias", (self.full_shape[0],))]
         return shards
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """→ the layer's output, or residual + it (the residual stream; in the GEMV when nothing sits
-        between them)."""
-        if residual is not None and self.tp.size == 1 and self.bias is None:
-            return linear(x, self.weight, residual=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(linear(x, self.weight))
-        y = y if self.bias is None else y + self.bias
-        return y if residual is None else residual + y
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -11,25 +11,7 @@ from llaunch.kernels.dispatch import triton_ops
 H, QH, KVH, D, INTER = 3584, 28, 4, 128, 18944
 
 
-def _layer_chain_fused_norms(weights, x, residual, k_cache, v_cache, req_to_slots, positions, slots, seq_lens,
-                             cos, sin):
-    """The one-row step's shape with the norms in the GEMVs: h, the residual stream, read after the
-    wait by the qkv projection (through the norm) and by o_proj and down (added)."""
-    ops = triton_ops()
-    h = ops.gemv(x, weights["o"], residual=residual)  # the residual stream, written by a PDL kernel
-    norm = (weights["norm"], 1e-6)
-    q = ops.qkv_rotary_store_kv(h, weights["qkv"], weights["bias"], QH, KVH, positions, cos, sin, k_cache, v_cache,
-                                slots, norm)
-    rows = torch.zeros(1, dtype=torch.int64, device=x.device)
-    attn = ops.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, D ** -0.5, max_len=1024)
-    h = ops.gemv(attn.view(1, QH * D), weights["o"], residual=h)
-    return ops.gemv(ops.gemv(h, weights["gate_up"], gated=True, norm=norm), weights["down"], residual=h), h
-
-
 def _layer_chain(weights, x, residual, k_cache, v_cache, req_to_slots, positions, slots, seq_lens, cos, sin, fused):
-    if fused == "norms":
-        return _layer_chain_fused_norms(weights, x, residual, k_cache, v_cache, req_to_slots, positions, slots,
-                                        seq_lens, cos, sin)
     ops = triton_ops()
     n, h = ops.rmsnorm(x, weights["norm"], 1e-6, residual)
     if fused:
@@ -53,8 +35,7 @@ STAGED = {(QH * D + 2 * KVH * D, H, False): (8, 256, 4, 6), (H, QH * D, False): 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False, "norms"],
-                         ids=["qkv+rotary fused", "qkv then rotary", "norms in the GEMVs"])
+@pytest.mark.parametrize("fused", [True, False], ids=["qkv+rotary fused", "qkv then rotary"])
 @pytest.mark.parametrize("shapes", [{}, STAGED], ids=["built-in GEMV shapes", "staged GEMVs"])
 def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda, monkeypatch, fused, shapes):
     if not torch.cuda.get_device_capability()[0] >= 9:

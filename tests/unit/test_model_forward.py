@@ -125,25 +125,3 @@ def test_kv_cache_shape_and_bytes(setup):
     assert kv.k[0].shape == (10, arch.num_key_value_heads, arch.head_dim) and kv.num_slots == 10
     assert kv.req_to_slots.shape == (3, 64) and kv.req_to_slots.dtype == torch.int32
     assert model.kv_bytes_per_token == 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * 4
-
-
-def test_one_row_path_with_norms_in_the_linear_layers(setup, monkeypatch):
-    """The one-row step's other shape (on a GPU: each RMSNorm folded into its block's first GEMV, the
-    residual add into its last, h the residual stream throughout), here through the CPU ops: the
-    same logits as the layer-by-layer path, for a prefill and the decode steps after it."""
-    from llaunch.runtime.models import decoder
-
-    model, (a, _) = setup
-    p = a.prompt_len
-    results = []
-    for fused in (False, True):
-        monkeypatch.setattr(decoder, "fuses_norms", lambda x, fused=fused: fused)
-        tables = SlotTables(model, seed=4)
-        out = [model.forward(tables.batch(prefill=[(0, a.tokens[:p])]), tables.kv)]
-        for j in range(2):
-            batch = tables.batch(decode=[(0, a.tokens[p + j])])
-            assert batch.every_token  # a decode-only step: no gather before the final norm
-            out.append(model.forward(batch, tables.kv))
-        results.append(torch.cat(out))
-    torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-5 * results[0].abs().max().item())
-    assert_close(results[1], a.logits[p - 1: p + 2])
