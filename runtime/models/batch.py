@@ -26,6 +26,7 @@ class ForwardBatch:
     num_prefill_tokens: int
     max_prefill_len: int = 0  # host-side hints for kernels' grids (avoid a device sync)
     max_decode_len: int = 0
+    every_token: bool = False  # logits_index is 0..T-1 (a decode-only step): no gather before the LM head
 
     @property
     def num_tokens(self) -> int:

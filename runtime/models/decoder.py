@@ -144,9 +144,8 @@ class DecoderLM(nn.Module):
             x, residual = layer.post_attention_layernorm(h, residual)
             h = layer.mlp(x)
         rows = batch.logits_index
-        if residual is not None and len(rows) == h.shape[0]:
-            # every token is sampled (decode rows; logits_index rises, so it is 0..T-1): the residual
-            # add is the final norm's, one kernel instead of two gathers, an add and the norm
+        if residual is not None and batch.every_token:
+            # the residual add is the final norm's: one kernel instead of two gathers, an add and the norm
             return self.lm_head(self.norm(h, residual)[0])
         h = h[rows] if residual is None else h[rows] + residual[rows]
         return self.lm_head(self.norm(h))

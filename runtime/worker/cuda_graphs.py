@@ -54,7 +54,7 @@ class DecodeGraphs:
             input_ids=self.last_token[rows], positions=positions, out_slots=slots,
             decode_rows=rows, decode_seq_lens=lens, prefill_rows=self._empty, prefill_q_starts=self._empty,
             prefill_q_lens=self._empty, prefill_prefix_lens=self._empty, logits_index=self.logits_index[:b],
-            num_decode=b, num_prefill_tokens=0, max_decode_len=self.max_model_len)
+            num_decode=b, num_prefill_tokens=0, max_decode_len=self.max_model_len, every_token=True)
         logits = self.model.forward(batch, self.kv)
         # greedy tokens inside the graph, recorded as each row's last token (a sampling step writes
         # its own over them): an all-greedy step then needs no kernels of its own between replays

@@ -111,6 +111,7 @@ class ModelRunner:
             num_prefill_tokens=len(prefill_ids),
             max_prefill_len=max(q_lens, default=0),
             max_decode_len=max(decode_lens, default=0),
+            every_token=not plan.prefill,  # logits_index is range(nd)
         )
         return batch, sampled_rows
 

@@ -125,3 +125,19 @@ def test_kv_cache_shape_and_bytes(setup):
     assert kv.k[0].shape == (10, arch.num_key_value_heads, arch.head_dim) and kv.num_slots == 10
     assert kv.req_to_slots.shape == (3, 64) and kv.req_to_slots.dtype == torch.int32
     assert model.kv_bytes_per_token == 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * 4
+
+
+def test_decode_only_step_takes_the_final_norm_without_gathers(setup):
+    """A decode-only step (every_token: logits for tokens 0..T-1) adds the residual in the final norm
+    instead of gathering rows first: the same logits as the gather path."""
+    model, (a, b) = setup
+    out = []
+    for every_token in (False, True):
+        tables = SlotTables(model, seed=5)
+        model.forward(tables.batch(prefill=[(0, a.tokens[:a.prompt_len]), (1, b.tokens[:b.prompt_len])]), tables.kv)
+        batch = tables.batch(decode=[(0, a.tokens[a.prompt_len]), (1, b.tokens[b.prompt_len])])
+        assert batch.every_token
+        batch.every_token = every_token
+        out.append(model.forward(batch, tables.kv))
+    assert torch.equal(out[0], out[1])
+    assert_close(out[1][0], a.logits[a.prompt_len])
