@@ -18,9 +18,10 @@ from llaunch.kernels import reference
 _FORCE_REFERENCE = os.environ.get("LLAUNCH_KERNELS", "") == "reference"
 # LLAUNCH_GEMV=cublas keeps batch-1 linear layers on cuBLAS (A/B timing of the GEMV kernel).
 _TRITON_GEMV = os.environ.get("LLAUNCH_GEMV", "triton") != "cublas"
-# LLAUNCH_QKV_ROTARY=0 runs the one-row qkv GEMV and the rotary + KV store as two kernels (A/B timing);
-# LLAUNCH_GEMV=cublas turns the fusion off too (it is a GEMV).
-_FUSED_QKV_ROTARY = os.environ.get("LLAUNCH_QKV_ROTARY", "1") != "0"
+# LLAUNCH_QKV_ROTARY=1 runs the one-row qkv GEMV with the rotary + KV store in its epilogue, one kernel;
+# by default they are two (the GEMV, then rotary_store_kv): since rotary launches with PDL, two kernels
+# measured 1–11 µs a step faster in four runs on an H200 (docs/benchmarks.md), bit-identical results.
+_FUSED_QKV_ROTARY = os.environ.get("LLAUNCH_QKV_ROTARY", "0") == "1"
 _KERNEL_MODULES = ("gemv", "qkv_rotary", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
                    "silu_mul", "sampling")
 

@@ -92,12 +92,13 @@ def time_variants(model, kv, last, scratch, variants: dict, batches, rounds: int
     """Decode-step device time per variant, `rounds` times alternated (the spread between rounds is
     the noise). A variant changes some switches from the process's settings: `pdl` and `late` (the
     kernel sets of LLAUNCH_PDL_KERNELS and LLAUNCH_PDL_LATE), `qkv_rotary` (LLAUNCH_QKV_ROTARY), `shapes`
-    (LLAUNCH_GEMV_SHAPES), `attn_pre_wait` (LLAUNCH_ATTN_PRE_WAIT). Each is captured as the server does, every bucket up to max(batches)."""
+    (LLAUNCH_GEMV_SHAPES), `attn_pre_wait` (LLAUNCH_ATTN_PRE_WAIT), `attn_shape` (decode attention's
+    stage-1 launch shape function). Each is captured as the server does, every bucket up to max(batches)."""
     from llaunch.kernels import gemv
 
     attention = importlib.import_module("llaunch.kernels.decode_attention")  # the package binds the op's name
     attributes = {"shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"),
-                  "attn_pre_wait": (attention, "PRE_WAIT")}
+                  "attn_pre_wait": (attention, "PRE_WAIT"), "attn_shape": (attention, "_launch_shape")}
     out = []
     for _ in range(rounds):
         for name, changes in variants.items():
@@ -122,9 +123,13 @@ def step_ab(model, kv, last, scratch) -> list[dict]:
     from llaunch.kernels import gemv
 
     attention = ("gemv", "rmsnorm", "decode_attention")
+    other_qkv = ("qkv GEMV then rotary kernel (LLAUNCH_QKV_ROTARY=0)" if dispatch._FUSED_QKV_ROTARY
+                 else "qkv GEMV and rotary in one kernel (LLAUNCH_QKV_ROTARY=1)")
     variants = {
-        f"default (fused qkv+rotary, PDL on {'+'.join(pdl._kernels)}, late: {'+'.join(pdl._late) or '-'})": {},
-        "qkv GEMV then rotary kernel": dict(qkv_rotary=False),
+        f"default ({'fused' if dispatch._FUSED_QKV_ROTARY else 'unfused'} qkv+rotary, PDL on "
+        f"{'+'.join(sorted(pdl._kernels))}, late: {'+'.join(sorted(pdl._late)) or '-'})": {},
+        other_qkv: dict(qkv_rotary=not dispatch._FUSED_QKV_ROTARY),
+        "decode attention tiles of 64 tokens (128 by default)": dict(attn_shape=lambda q, dim: (64, 4, 2)),
         "decode attention waits before its early exit (LLAUNCH_ATTN_PRE_WAIT=0)": dict(attn_pre_wait=False),
         "LM head on cuBLAS": dict(shapes={**gemv._OVERRIDES, (QWEN2_7B["vocab_size"], QWEN2_7B["hidden_size"], False):
                                           (2, 1024, 4, 0)}),
