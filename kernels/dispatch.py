@@ -20,7 +20,7 @@ _FORCE_REFERENCE = os.environ.get("LLAUNCH_KERNELS", "") == "reference"
 _TRITON_GEMV = os.environ.get("LLAUNCH_GEMV", "triton") != "cublas"
 # LLAUNCH_QKV_ROTARY=1 runs the one-row qkv GEMV with the rotary + KV store in its epilogue, one kernel;
 # by default they are two (the GEMV, then rotary_store_kv): since rotary launches with PDL, two kernels
-# measured 1–11 µs a step faster in four runs on an H200 (docs/benchmarks.md), bit-identical results.
+# measured 1–12 µs a step faster in five runs on an H200 (docs/benchmarks.md), bit-identical results.
 _FUSED_QKV_ROTARY = os.environ.get("LLAUNCH_QKV_ROTARY", "0") == "1"
 _KERNEL_MODULES = ("gemv", "qkv_rotary", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
                    "silu_mul", "sampling")
