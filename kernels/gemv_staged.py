@@ -25,39 +25,34 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _x_load_asm(bits: int, pdl: bool) -> str:
+    """The PTX of one x element's load, predicated on its mask; under PDL it waits for the previous
+    kernel in the same block, so no scheduling can put the load before the wait (a separate gdc_wait
+    was not enough: the first tile's load went ahead of it)."""
+    reg = f"b{bits}"
+    wait = "griddepcontrol.wait; " if pdl else ""
+    return f"{{ .reg .pred p; {wait}setp.ne.b32 p, $2, 0; mov.{reg} $0, 0; @p ld.global.{reg} $0, [$1]; }}"
+
+
 @triton.jit
-def _load_x(ptrs, mask, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
-    """x's tile, loaded where the loop pipeliner leaves it: inline asm that, under PDL, waits for the
-    previous kernel in the same instruction block, so no scheduling can put the load before the
-    wait (a separate gdc_wait was: the first tile's load went ahead of it)."""
+def _load_x(ptrs, mask, X_ASM: tl.constexpr, INTERPRETED: tl.constexpr):
+    """x's tile, loaded where the loop pipeliner leaves it (inline asm: the pipeliner hoists a
+    tl.load, volatile or not, into its prologue, ahead of the PDL wait)."""
     if INTERPRETED:
         return tl.load(ptrs, mask=mask, other=0.0)
-    predicate = mask.to(tl.int32)
     if ptrs.dtype.element_ty.primitive_bitwidth == 16:
-        if PDL:
-            bits = tl.inline_asm_elementwise(
-                "{ .reg .pred p; griddepcontrol.wait; setp.ne.b32 p, $2, 0; mov.b16 $0, 0; @p ld.global.b16 $0, [$1]; }",
-                "=h,l,r", [ptrs, predicate], dtype=tl.int16, is_pure=False, pack=1)
-        else:
-            bits = tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b16 $0, 0; @p ld.global.b16 $0, [$1]; }",
-                "=h,l,r", [ptrs, predicate], dtype=tl.int16, is_pure=False, pack=1)
+        bits = tl.inline_asm_elementwise(X_ASM, "=h,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int16, is_pure=False,
+                                         pack=1)
     else:
-        if PDL:
-            bits = tl.inline_asm_elementwise(
-                "{ .reg .pred p; griddepcontrol.wait; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }",
-                "=r,l,r", [ptrs, predicate], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            bits = tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }",
-                "=r,l,r", [ptrs, predicate], dtype=tl.int32, is_pure=False, pack=1)
+        bits = tl.inline_asm_elementwise(X_ASM, "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                                         pack=1)
     return bits.to(ptrs.dtype.element_ty, bitcast=True)
 
 
 @triton.jit
 def _gemv_staged_kernel(x_ptr, w_desc, b_ptr, out_ptr, N, K, up_row, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                        PDL: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        STAGES: tl.constexpr):
+                        PDL: tl.constexpr, X_ASM: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     if PDL == 1:  # EARLY (kernels/pdl.py): the next kernel may launch from now on
         gdc_launch_dependents()
     row0 = tl.program_id(0) * BLOCK_N
@@ -73,12 +68,12 @@ def _gemv_staged_kernel(x_ptr, w_desc, b_ptr, out_ptr, N, K, up_row, HAS_BIAS: t
             up = w_desc.load([up_row + row0, k0])
         # x one tile ahead, so no iteration but the first waits for its load (an L2 round trip)
         if k0 == 0:
-            x = _load_x(x_ptr + cols, cols < K, PDL, INTERPRETED).to(tl.float32)
+            x = _load_x(x_ptr + cols, cols < K, X_ASM, INTERPRETED).to(tl.float32)
             if PDL == 2:  # LATE (kernels/pdl.py): the next kernel may launch once this one's wait returned
                 gdc_launch_dependents()
         else:
             x = x_next
-        x_next = _load_x(x_ptr + k0 + BLOCK_K + cols, k0 + BLOCK_K + cols < K, PDL, INTERPRETED).to(tl.float32)
+        x_next = _load_x(x_ptr + k0 + BLOCK_K + cols, k0 + BLOCK_K + cols < K, X_ASM, INTERPRETED).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
         if GATED:
             up_acc += up.to(tl.float32) * x[None, :]
@@ -110,5 +105,6 @@ def gemv_staged(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, 
                             block_shape=[block_n, block_k])
     _gemv_staged_kernel[(triton.cdiv(n, block_n),)](
         x, desc, bias if bias is not None else x, out, n, k, n, HAS_BIAS=bias is not None, GATED=gated,
-        PDL=pdl_flavor, INTERPRETED=_INTERPRETED, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+        PDL=pdl_flavor, X_ASM=_x_load_asm(8 * x.element_size(), bool(pdl_flavor)), INTERPRETED=_INTERPRETED,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
         num_warps=warps, launch_pdl=use_pdl)
