@@ -109,9 +109,10 @@ def linear(x, weight, bias=None):
 
 
 def lm_head_linear(x, weight):
-    """The LM head: cuBLAS (at the read rate for its 1 GB), or for one row the staged GEMV where
-    LLAUNCH_GEMV_SHAPES gives its weight shape a staged launch shape."""
-    if _one_row(x) and triton_ops().gemv_staged_for(*weight.shape):
+    """The LM head: for one row on a GPU the staged GEMV where gemv.staged_for says so (by default a
+    vocabulary-sized weight on Hopper: 0.237 ms for Qwen2-7B's against cuBLAS's 0.248), else cuBLAS.
+    LLAUNCH_GEMV_SHAPES with STAGES 0 for the LM head's shape keeps it on cuBLAS."""
+    if _one_row(x) and triton_ops().gemv_staged_for(weight):
         return triton_ops().gemv(x, weight)
     return reference.linear(x, weight)
 

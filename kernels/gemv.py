@@ -5,7 +5,8 @@ cuBLAS picks split-K plus a separate reduce kernel for the narrow outputs (o_pro
 reaches 2.8–3.8 TB/s on them; here each program owns BLOCK_N whole output rows and walks all of K,
 so there is no reduce and no second kernel. `gated=True` reads the gate and up rows of a fused
 gate‖up weight side by side and writes silu(gate) * up: the MLP's SiLU kernel and the round trip of
-its 2I-wide input disappear.
+its 2I-wide input disappear. A launch shape with STAGES ≥ 2 runs the TMA-staged kernel instead
+(gemv_staged.py), which only the vocabulary-sized LM head takes by default.
 """
 from __future__ import annotations
 
@@ -42,14 +43,15 @@ def parse_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int, int, 
                 raise ValueError
             block_n, block_k, warps, stages = (*values, 0)[:4]
         except ValueError:
-            raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r} is not NxK[:gated]=BLOCK_N/BLOCK_K/WARPS[/STAGES]") from None
+            raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r} is not "
+                             "NxK[:gated]=BLOCK_N/BLOCK_K/WARPS[/STAGES]") from None
         powers = all(v > 0 and v & (v - 1) == 0 for v in (block_n, block_k, warps))
         if kind not in ("", "gated") or not powers or warps > 16:
             raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r}: blocks and warps must be powers of two (warps ≤ 16), "
                              "the only suffix is ':gated'")
-        if stages and (stages < 2 or max(block_n, block_k) > MAX_TMA_BOX):
+        if stages and (stages < 2 or max(block_n, block_k) > MAX_TMA_BOX or block_k < 16):
             raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r}: STAGES is 0 or ≥ 2, and the staged kernel (≥ 2) "
-                             f"takes blocks of at most {MAX_TMA_BOX} (a TMA box)")
+                             f"takes blocks of at most {MAX_TMA_BOX} (a TMA box) and BLOCK_K ≥ 16 (16-byte rows)")
         shapes[(n, k, kind == "gated")] = (block_n, block_k, warps, stages)
     return shapes
 
@@ -58,8 +60,9 @@ _OVERRIDES = parse_shapes(os.environ.get("LLAUNCH_GEMV_SHAPES", ""))
 
 
 def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, STAGES) for a shape. STAGES 0: the register kernel here; ≥ 2: the
-    TMA-staged kernel (gemv_staged.py) with that pipeline depth. Fixed, not autotuned: the block sizes
+    """(BLOCK_N, BLOCK_K, num_warps, STAGES) for a shape. STAGES 0: the register kernel here (for the
+    LM head, called through dispatch.lm_head_linear: cuBLAS); ≥ 2: the TMA-staged kernel
+    (gemv_staged.py) with that pipeline depth. Fixed, not autotuned: the block sizes
     set the summation order, and a timing-dependent pick could make greedy output differ between
     restarts and between replicas. Picked on an H200 by `scripts/bench_gemv_chain.py --sweep` (Qwen2-7B's
     layers chained as in a decode step, 13 GB of distinct weights, with PDL; docs/benchmarks.md):
@@ -78,10 +81,13 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     return 2, max(64, triton.next_power_of_2(k)), 4, 0
 
 
-def staged_for(n: int, k: int) -> bool:
-    """Does an [n, k] weight's launch shape pick the staged kernel? (The LM head leaves cuBLAS only
-    where LLAUNCH_GEMV_SHAPES gives it a staged shape that a sweep found faster.)"""
-    return launch_shape(n, k, False)[3] >= 2
+def staged_for(weight: torch.Tensor) -> bool:
+    """Does a one-row product with this weight run the staged kernel: a launch shape with STAGES ≥ 2
+    (the built-in one for an LM head, or LLAUNCH_GEMV_SHAPES), a weight TMA can address, and a GPU
+    it was measured on (Hopper; before it Triton lowers the descriptors to plain loads)? What
+    dispatch.lm_head_linear asks before it leaves cuBLAS."""
+    return (launch_shape(*weight.shape, False)[3] >= 2 and gemv_staged.tma_ready(weight)
+            and pdl.hopper_or_later(weight.device.index or 0))
 
 
 @triton.jit

@@ -9,8 +9,9 @@ with `tl.range(num_stages=)`), and registers hold only the tile being summed and
 Under programmatic dependent launch the pipeliner's prologue, the first STAGES - 1 weight tiles, is
 issued before the wait (weights are constants), and x, which the previous kernel writes, is loaded
 one tile ahead by inline asm that waits for the previous kernel itself: the pipeliner hoists a
-tl.load (volatile or not) into its prologue, and the scheduler moved a load past a separate wait. Same arithmetic as gemv.py: a float32 tile accumulator
-summed at the end, gate and up rows side by side when gated, SiLU·up as the epilogue.
+tl.load (volatile or not) into its prologue, and the scheduler moved a load past a separate wait.
+Same arithmetic as gemv.py: a float32 tile accumulator summed at the end, gate and up rows side by
+side when gated, SiLU·up as the epilogue.
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def _gemv_staged_kernel(x_ptr, w_desc, b_ptr, out_ptr, N, K, up_row, HAS_BIAS: t
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     x_next = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        w = w_desc.load([row0, k0])  # rows ≥ N and columns ≥ K come back as zeros
+        # past the weight's rows or K the copy gives zeros (a gate tile past N reads up rows: not stored)
+        w = w_desc.load([row0, k0])
         if GATED:
             up = w_desc.load([up_row + row0, k0])
         # x one tile ahead, so no iteration but the first waits for its load (an L2 round trip)

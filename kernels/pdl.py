@@ -3,9 +3,11 @@
 A batch-1 decode step is ~250 short kernels; each pays a ramp-up (its first loads in flight) and a
 tail (its last programs draining) while the memory system idles. A kernel launched with PDL may be
 scheduled while the previous kernel in the stream still runs; it calls `gdc_wait` before it reads
-anything an earlier kernel wrote and before it writes anything, so what it may do early is read
-constants (the GEMV streams its first weight tiles). Every PDL kernel waits unconditionally, so
-"the previous kernel finished" still implies "every earlier kernel finished".
+anything an earlier PDL kernel wrote and before it writes anything, so what it may do early is read
+constants (the GEMVs stream their first weight tiles) and the step's inputs, which non-PDL ops
+write before the first PDL kernel (decode attention reads lengths and slot indices). Every PDL
+grid has programs that wait, so "the previous kernel finished" still implies "every earlier
+kernel finished".
 
 `LLAUNCH_PDL`: `graphs` (default) uses it for launches inside `for_graphs()` (the decode steps'
 CUDA-graph capture, where it was measured to pay), `all` for eager launches too, `0` never (A/B
@@ -74,7 +76,7 @@ def set_late(names) -> frozenset:
 
 
 @functools.cache
-def _hopper_or_later(index: int) -> bool:
+def hopper_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -84,7 +86,7 @@ def enabled(t: torch.Tensor, kernel: str) -> bool:
         return False
     if _mode == "graphs" and not _graph_work:
         return False
-    return _hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 @contextlib.contextmanager

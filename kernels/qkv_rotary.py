@@ -1,13 +1,13 @@
 """One-row q‖k‖v projection with the rotary embedding and the KV-cache store in its epilogue.
 
-A batch-1 decode step otherwise runs the qkv GEMV, then a one-program rotary + store kernel that
-only waits for it. Rotate-half pairs output rows i and i + D/2 of one head, so a program here owns
-exactly that pair: it sums both rows over all of K (`gemv.row_dots`, the same order as the GEMV),
-adds the bias, rounds as a linear layer would, rotates q and k heads with the rounding points of
+Used with LLAUNCH_QKV_ROTARY=1; by default a batch-1 decode step runs the qkv GEMV, then the
+rotary + store kernel (with rotary under PDL the two measured 1–12 µs a step faster on an H200,
+docs/benchmarks.md). Rotate-half pairs output rows i and i + D/2 of one head, so a program here owns
+exactly that pair: it sums both rows over all of K (`row_dots`, the same order as the GEMV), adds
+the bias, rounds as a linear layer would, rotates q and k heads with the rounding points of
 `rotary.py`, and writes q to its output and k, v to the token's cache slot. Same arithmetic and
-rounding points as gemv → rotary_store_kv (bit-identical under the interpreter; on an H200 ~20% of
-q differed by one bf16 step while rotary.py's build fused two of its roundings into an FMA, fixed
-since and not yet re-measured there).
+rounding points as gemv → rotary_store_kv: bit-identical under the interpreter, and on an H200
+since rotary.py's build keeps its roundings (46f7d98; 0 of 3,584 q elements differ).
 """
 from __future__ import annotations
 

@@ -3,9 +3,10 @@ forward of a decode step is replayed with one launch, so batch-1 decode is bound
 not by Python).
 
 The graph reads static buffers: each decode row's id, position, new slot and length. Inside the
-graph it records the new slots in `req_to_slots` and gathers each row's last sampled token, so a
-step costs one host→device copy and one replay. Padding rows use a scratch row whose every position
-maps to a scratch KV slot, which no request owns.
+graph it records the new slots in `req_to_slots`, gathers each row's last sampled token, and ends
+with the logits' argmax, recorded as each row's next last token, so an all-greedy step costs one
+host→device copy, one replay and the tokens' copy back. Padding rows use a scratch row whose every
+position maps to a scratch KV slot, which no request owns.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.pool = None
 
-    def _step(self, b: int) -> torch.Tensor:
+    def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows, positions, slots, lens = self.inputs[0, :b], self.inputs[1, :b], self.inputs[2, :b], self.inputs[3, :b]
         self.kv.req_to_slots[rows, positions] = slots.to(self.kv.req_to_slots.dtype)
         batch = ForwardBatch(

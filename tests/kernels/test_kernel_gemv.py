@@ -80,6 +80,23 @@ def gpu_shape(request, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, k", [(151936, 896), (49152, 576), (37, 296)])
+def test_staged_gemv_gpu_float32_and_float16(cuda, poisoned, close, monkeypatch, dtype, n, k):
+    """The staged kernel in the other dtypes a model may serve in (an LM head at Qwen2-0.5B's and
+    SmolLM2's sizes, as the vocabulary-sized rule sends a float32 one there) and an odd shape."""
+    from llaunch.kernels import gemv
+
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated: (16, 256, 4, 4))
+    x = torch.randn(1, k, device=cuda).to(dtype)
+    w = (torch.randn(n, k, device=cuda) / k ** 0.5).to(dtype)
+    assert gemv.staged_for(w)
+    with poisoned():
+        out = kernels.lm_head_linear(x, w)
+    close(out, reference.linear(x, w))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n, k, bias", [(4608, 3584, True), (3584, 3584, False), (3584, 18944, False),
                                         (896 + 2 * 128, 896, True), (5, 17, False), (5, 24, False)])
 def test_gemv_gpu(cuda, poisoned, close, gpu_shape, n, k, bias):
@@ -141,3 +158,23 @@ def test_launch_shapes_from_the_environment_refuses_bad_values(text, message):
 
     with pytest.raises(ValueError, match=message):
         gemv.parse_shapes(text)
+
+
+def test_lm_head_takes_the_staged_kernel_where_it_was_measured(monkeypatch):
+    """A vocabulary-sized one-row product (the LM head) runs the staged kernel on Hopper, with a
+    weight TMA can address; elsewhere, or with STAGES 0 from LLAUNCH_GEMV_SHAPES, it stays on cuBLAS."""
+    from llaunch.kernels import gemv, pdl
+
+    monkeypatch.setattr(gemv, "_INTERPRETED", False)
+    monkeypatch.setattr(gemv, "_OVERRIDES", {})
+    monkeypatch.setattr(pdl, "hopper_or_later", lambda index: True)
+    qwen2_7b = torch.empty(152064, 3584, dtype=torch.bfloat16, device="meta")
+    assert gemv.launch_shape(152064, 3584, False) == (16, 256, 4, 4)
+    assert gemv.staged_for(qwen2_7b)
+    assert not gemv.staged_for(torch.empty(152064, 3583, dtype=torch.bfloat16, device="meta"))  # 7,166-byte rows
+    assert not gemv.staged_for(torch.empty(49152, 576, dtype=torch.float32, device="meta"))  # SmolLM2's: cuBLAS
+    monkeypatch.setattr(gemv, "_OVERRIDES", gemv.parse_shapes("152064x3584=2/1024/4/0"))
+    assert not gemv.staged_for(qwen2_7b)
+    monkeypatch.setattr(gemv, "_OVERRIDES", {})
+    monkeypatch.setattr(pdl, "hopper_or_later", lambda index: False)
+    assert not gemv.staged_for(qwen2_7b)

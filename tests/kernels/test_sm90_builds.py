@@ -72,3 +72,55 @@ def test_every_attention_build_fits_sm90_shared_memory(shared_bytes):
     assert len(shared_bytes) == 18
     over = {name: size for name, size in shared_bytes.items() if size > SHARED_LIMIT}
     assert not over, f"over the {SHARED_LIMIT} bytes of shared memory a program may use on sm90: {over}"
+
+
+_COMPILE_STAGED = r'''
+import importlib, inspect, json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+staged = importlib.import_module("llaunch.kernels.gemv_staged")
+gemv = importlib.import_module("llaunch.kernels.gemv")
+
+fn = staged._gemv_staged_kernel
+block_n, block_k, warps, stages = 16, 256, 4, 4  # the LM head's built-in shape
+out = {}
+for elem, bits in (("bf16", 16), ("fp32", 32)):
+    for gated in (False, True):
+        for flavor in (0, 1, 2):
+            constexprs = dict(HAS_BIAS=False, GATED=gated, PDL=flavor, X_ASM=staged._x_load_asm(bits, bool(flavor)),
+                              INTERPRETED=False, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)
+            names = list(inspect.signature(fn.fn).parameters)
+            sig = {n: "constexpr" if n in constexprs else f"tensordesc<{elem}[{block_n},{block_k}]>" if n == "w_desc"
+                   else f"*{elem}" if n.endswith("_ptr") else "i32" for n in names}
+            # what the launch specializes on: 16-byte aligned pointers, sizes divisible by 16
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] in ("i32", f"*{elem}")}
+            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            out[f"{elem} gated={gated} pdl={flavor}"] = dict(shared=kernel.metadata.shared, ptx=kernel.asm["ptx"])
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def staged_builds(sm90_compile):
+    return sm90_compile(_COMPILE_STAGED)
+
+
+def test_staged_gemv_builds_fit_and_load_x_only_after_the_pdl_wait(staged_builds):
+    """The TMA-staged GEMV (the LM head's kernel) for sm90, bf16 and float32, gated or not, without PDL
+    and with both triggers: it fits in shared memory; under PDL its weight tiles are requested before
+    the wait and every load of x (the previous kernel's output) waits itself, in the same asm block;
+    without PDL nothing waits."""
+    assert len(staged_builds) == 12
+    for name, build in staged_builds.items():
+        assert build["shared"] <= SHARED_LIMIT, name
+        lines = build["ptx"].splitlines()
+        x_loads = [line for line in lines if "ld.global.b16" in line or "ld.global.b32" in line]
+        assert x_loads, name
+        if name.endswith("pdl=0"):
+            assert "griddepcontrol.wait" not in build["ptx"], name
+            continue
+        assert all("griddepcontrol.wait" in line for line in x_loads), name
+        first_wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        first_tma = next(i for i, line in enumerate(lines) if "cp.async.bulk.tensor" in line)
+        assert first_tma < first_wait, f"{name}: no weight tile requested before the PDL wait"

@@ -27,7 +27,7 @@ def test_cpu_tensors_never_launch_with_pdl():
 @pytest.fixture
 def hopper(monkeypatch):
     """A stand-in CUDA tensor on a Hopper GPU (enabled() reads is_cuda and the device only)."""
-    monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: True)
+    monkeypatch.setattr(pdl, "hopper_or_later", lambda index: True)
     monkeypatch.setattr(pdl, "_INTERPRETED", False)
     return SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
 
