@@ -21,7 +21,6 @@ from llaunch.kernels import gemv_staged, pdl
 from llaunch.kernels.row_dots import row_dots
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-MAX_TMA_BOX = 256  # elements per dimension of one TMA copy
 # Under the interpreter (a Python loop per program) few, large programs keep tests fast; the tests
 # set STAGES here to run the staged kernel too.
 INTERPRETED_SHAPE = (32, 256, 4, 0)
@@ -49,9 +48,9 @@ def parse_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int, int, 
         if kind not in ("", "gated") or not powers or warps > 16:
             raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r}: blocks and warps must be powers of two (warps ≤ 16), "
                              "the only suffix is ':gated'")
-        if stages and (stages < 2 or max(block_n, block_k) > MAX_TMA_BOX or block_k < 16):
+        if stages and (stages < 2 or max(block_n, block_k) > gemv_staged.MAX_TMA_BOX or block_k < 16):
             raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r}: STAGES is 0 or ≥ 2, and the staged kernel (≥ 2) "
-                             f"takes blocks of at most {MAX_TMA_BOX} (a TMA box) and BLOCK_K ≥ 16 (16-byte rows)")
+                             f"takes blocks of at most {gemv_staged.MAX_TMA_BOX} (a TMA box) and BLOCK_K ≥ 16 (16-byte rows)")
         shapes[(n, k, kind == "gated")] = (block_n, block_k, warps, stages)
     return shapes
 
@@ -136,8 +135,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     # Under PDL the first weight tiles are read before the wait: only a weight no earlier kernel wrote.
     use_pdl = pdl.enabled(x, "gemv") and not copied
     if stages >= 2 and gemv_staged.tma_ready(weight):
-        gemv_staged.gemv_staged(x, weight, bias, out, n, gated, use_pdl, pdl.flavor(use_pdl, "gemv"), block_n,
-                                block_k, warps, stages)
+        gemv_staged.gemv_staged(x, weight, bias, out, n, gated, pdl.flavor(use_pdl, "gemv"), block_n, block_k,
+                                warps, stages)
         return out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),

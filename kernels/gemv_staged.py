@@ -24,6 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_TMA_BOX = 256  # elements per dimension of one TMA copy
 
 
 def _x_load_asm(bits: int, pdl: bool) -> str:
@@ -100,8 +101,9 @@ def tma_ready(weight: torch.Tensor) -> bool:
 
 
 def gemv_staged(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, n: int, gated: bool,
-                use_pdl: bool, pdl_flavor: int, block_n: int, block_k: int, warps: int, stages: int) -> None:
-    """out [1, n] = x [1, K] · weightᵀ (+ bias), or SiLU-gated over weight = gate‖up; checked by gemv()."""
+                pdl_flavor: int, block_n: int, block_k: int, warps: int, stages: int) -> None:
+    """out [1, n] = x [1, K] · weightᵀ (+ bias), or SiLU-gated over weight = gate‖up; checked by gemv().
+    pdl_flavor: pdl.flavor()'s value, 0 for a launch without PDL."""
     k = weight.shape[1]
     desc = TensorDescriptor(weight, shape=list(weight.shape), strides=[weight.stride(0), 1],
                             block_shape=[block_n, block_k])
@@ -109,4 +111,4 @@ def gemv_staged(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor, 
         x, desc, bias if bias is not None else x, out, n, k, n, HAS_BIAS=bias is not None, GATED=gated,
         PDL=pdl_flavor, X_ASM=_x_load_asm(8 * x.element_size(), bool(pdl_flavor)), INTERPRETED=_INTERPRETED,
         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        num_warps=warps, launch_pdl=use_pdl)
+        num_warps=warps, launch_pdl=bool(pdl_flavor))

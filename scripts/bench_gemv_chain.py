@@ -113,6 +113,12 @@ def cublas_gated(x, w):
     return triton_ops().silu_mul(reference.linear(x, w))
 
 
+def emit(rows: list, **row) -> None:
+    """A result row: kept for --json and printed as it comes."""
+    rows.append(row)
+    print(json.dumps(row))
+
+
 def lm_head(rows: list) -> dict:
     """The one-row LM head (152,064 × 3,584, 1.09 GB): cuBLAS against the staged GEMV (the built-in
     choice on Hopper); returns the LM head's launch shape: the fastest staged one where it beats
@@ -122,8 +128,7 @@ def lm_head(rows: list) -> dict:
     cublas_ms = triton.testing.do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w), rep=300,
                                                   return_mode="median")
     ref = torch.nn.functional.linear(x, w).float()
-    rows.append(dict(case="LM head, cuBLAS", ms=cublas_ms, tb_per_s=w.numel() * 2 / cublas_ms / 1e9))
-    print(json.dumps(rows[-1]))
+    emit(rows, case="LM head, cuBLAS", ms=cublas_ms, tb_per_s=w.numel() * 2 / cublas_ms / 1e9)
     default, best = gemv_module.launch_shape, (cublas_ms * 0.995, None)
     for shape in ((8, 256, 4, 4), (16, 256, 4, 4), (16, 256, 8, 6), (32, 256, 8, 4), (8, 256, 4, 8)):
         gemv_module.launch_shape = lambda n, k, gated, s=shape: s
@@ -131,12 +136,10 @@ def lm_head(rows: list) -> dict:
             out = gemv_linear(x, w, None)
             ms = triton.testing.do_bench_cudagraph(lambda: gemv_linear(x, w, None), rep=300, return_mode="median")
         except Exception as e:  # reported, the others still timed
-            rows.append(dict(case=f"LM head, staged GEMV {shape}", error=f"{type(e).__name__}: {str(e)[:200]}"))
-            print(json.dumps(rows[-1]))
+            emit(rows, case=f"LM head, staged GEMV {shape}", error=f"{type(e).__name__}: {str(e)[:200]}")
             continue
-        rows.append(dict(case=f"LM head, staged GEMV {shape}", ms=ms, tb_per_s=w.numel() * 2 / ms / 1e9,
-                         max_abs_diff_vs_cublas=(out.float() - ref).abs().max().item()))
-        print(json.dumps(rows[-1]))
+        emit(rows, case=f"LM head, staged GEMV {shape}", ms=ms, tb_per_s=w.numel() * 2 / ms / 1e9,
+             max_abs_diff_vs_cublas=(out.float() - ref).abs().max().item())
         if ms < best[0]:
             best = (ms, shape)
     gemv_module.launch_shape = default
@@ -159,8 +162,7 @@ def main() -> None:
         row = dict(case=case, ms=ms, tb_per_s=chain.weight_bytes / ms / 1e9)
         if ref is not None:
             row["max_abs_diff_vs_first"] = (out.float() - ref.float()).abs().max().item()
-        rows.append(row)
-        print(json.dumps(row))
+        emit(rows, **row)
 
     pdl.set_mode("0")
     ms, ref = chain.time(cublas_linear, cublas_gated)
@@ -202,8 +204,7 @@ def main() -> None:
                 try:
                     ms, out = chain.time(gemv_linear, gemv_gated)
                 except Exception as e:  # a shape that does not build here is reported, the sweep goes on
-                    rows.append(dict(case=f"PDL, {which} at {shape}", error=f"{type(e).__name__}: {str(e)[:200]}"))
-                    print(json.dumps(rows[-1]))
+                    emit(rows, case=f"PDL, {which} at {shape}", error=f"{type(e).__name__}: {str(e)[:200]}")
                     continue
                 record(f"PDL, {which} at BLOCK_N,BLOCK_K,warps,STAGES={shape}", ms, out, ref)
                 key = f"{n_out}x{k_w}" + (":gated" if gated_op else "")
