@@ -1,10 +1,13 @@
 """Summarise a router step trace (LLAUNCH_STEP_TRACE=path llaunch ...): where a run's time went.
 
-    python scripts/step_trace_report.py TRACE.jsonl [--bins 10]
+    python scripts/step_trace_report.py TRACE.jsonl [--bins 10] [--starts]
 
 Per step kind (decode only, mixed decode + prefill, prefill only): steps, time between consecutive
 results, decode rows and prefill tokens per step; time with no step in flight (the device idles
-for the host); the decode batch and prefill tokens over the run in equal time bins.
+for the host); the decode batch and prefill tokens over the run in equal time bins. `--starts`: one line per step that
+starts requests, splitting its latency (with a traced worker's timings): frontend → router (the
+oldest new request's wait when planned), router → worker, the worker's host enqueue time, its device
+time, and sent → returned.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
     ap.add_argument("--bins", type=int, default=10)
+    ap.add_argument("--starts", action="store_true", help="latency split of each step that starts requests")
     args = ap.parse_args()
     steps = sorted((json.loads(line) for line in open(args.trace)), key=lambda r: r["step"])
     if not steps:
@@ -55,7 +59,22 @@ def main() -> int:
         print(f"{lo - start:8.1f} {len(group):6d} {statistics.mean(r['decode'] for r in group):11.1f} "
               f"{sum(r['prefill_tokens'] for r in group) / width:13.0f} {out / width:12.0f} "
               f"{statistics.mean(r['waiting'] for r in group):8.1f}")
+    if args.starts:
+        print_starts(steps)
     return 0
+
+
+def print_starts(steps: list[dict]) -> None:
+    ms = lambda v: "-" if v is None else f"{1000 * v:.2f}"  # noqa: E731
+    print(f"\n{'step':>6} {'prefill tok':>11} {'decode':>6} {'to router':>9} {'to worker':>9} {'enqueue':>8} "
+          f"{'device':>8} {'forward':>8} {'sent→back':>9}  (ms)")
+    for r in steps:
+        if "arrival_lag" not in r:
+            continue
+        to_worker = r["started"] - r["sent"] if "started" in r else None
+        print(f"{r['step']:6d} {r['prefill_tokens']:11d} {r['decode']:6d} {ms(r['arrival_lag']):>9} {ms(to_worker):>9} "
+              f"{ms(r.get('launch_s')):>8} {ms(r.get('device_s')):>8} {ms(r['forward_s']):>8} "
+              f"{ms(r['returned'] - r['sent']):>9}")
 
 
 if __name__ == "__main__":

@@ -154,7 +154,9 @@ class Router:
                 return
             for w in self.workers:
                 w.send(plan)
-            self.trace.planned(plan, self.scheduler.num_running, len(self.scheduler.waiting))
+            if self.trace.enabled:
+                arrivals = tuple(self.scheduler.running[n.row].arrival_time for n in plan.new)
+                self.trace.planned(plan, self.scheduler.num_running, len(self.scheduler.waiting), arrivals)
 
     def collect(self) -> None:
         """Wait for the oldest step's tokens, handling requests that arrive meanwhile."""

@@ -6,6 +6,7 @@ worker launches step N+1 before finishing step N, so the host prepares the next 
 device computes (the router plans ahead for that)."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -13,6 +14,7 @@ from typing import Optional
 import torch
 
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
+from llaunch.runtime.router.step_trace import ENV as STEP_TRACE_ENV
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.worker.sampling_state import SamplingState, logprobs_to_host
 from llaunch.runtime.worker.transfer import to_device, to_host_async
@@ -26,6 +28,9 @@ class PendingStep:
     done: Optional[torch.cuda.Event]
     logprobs: object
     t0: float
+    started: float = 0.0  # the trace's timings (timed runners only): monotonic start, host enqueue time
+    launch_s: float = 0.0
+    start_event: Optional[torch.cuda.Event] = None  # recorded before the step's first device work
 
 
 class ModelRunner:
@@ -39,6 +44,8 @@ class ModelRunner:
         self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
         self.seq_len = [0] * max_rows  # tokens in the KV cache per row (host mirror)
         self.graphs = None
+        # under a step trace, each step also reports its host and device time (two timed CUDA events)
+        self.timed = bool(os.environ.get(STEP_TRACE_ENV)) and device.type == "cuda"
         if cuda_graphs and device.type == "cuda":
             from llaunch.runtime.worker.cuda_graphs import DecodeGraphs
 
@@ -133,6 +140,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         t0 = time.perf_counter()
+        started, start_event = time.monotonic(), None
+        if self.timed:
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
         self._start_rows(plan)
         logits, rows, greedy = self._forward(plan)
         if logits is None or not rows:
@@ -151,9 +162,9 @@ class ModelRunner:
                 chosen, vals, ids, wants = logprobs
                 logprobs = (to_host_async(chosen), None if vals is None else to_host_async(vals),
                             None if ids is None else to_host_async(ids), wants)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=self.timed)
             done.record()
-        return PendingStep(plan.step, rows, tokens, done, logprobs, t0)
+        return PendingStep(plan.step, rows, tokens, done, logprobs, t0, started, time.perf_counter() - t0, start_event)
 
     def finish(self, pending: PendingStep) -> StepResult:
         if pending.done is not None:
@@ -164,6 +175,9 @@ class ModelRunner:
         if pending.logprobs is not None:
             result.logprobs, result.top_ids, result.top_logprobs = logprobs_to_host(pending.logprobs)
         result.forward_s = time.perf_counter() - pending.t0
+        if pending.start_event is not None:
+            result.started, result.launch_s = pending.started, pending.launch_s
+            result.device_s = pending.start_event.elapsed_time(pending.done) / 1e3
         return result
 
     def execute(self, plan: StepPlan) -> StepResult:
