@@ -7,6 +7,7 @@ from llaunch.kernels.dispatch import (  # noqa: F401
     apply_penalties,
     decode_attention,
     gated_linear,
+    greedy_tokens,
     linear,
     lm_head_linear,
     prefill_attention,

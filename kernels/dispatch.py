@@ -13,6 +13,8 @@ import sys
 import types
 from typing import Optional
 
+import torch
+
 from llaunch.kernels import reference
 
 _FORCE_REFERENCE = os.environ.get("LLAUNCH_KERNELS", "") == "reference"
@@ -23,7 +25,7 @@ _TRITON_GEMV = os.environ.get("LLAUNCH_GEMV", "triton") != "cublas"
 # measured 1–12 µs a step faster in five runs on an H200 (docs/benchmarks.md), bit-identical results.
 _FUSED_QKV_ROTARY = os.environ.get("LLAUNCH_QKV_ROTARY", "0") == "1"
 _KERNEL_MODULES = ("gemv", "qkv_rotary", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
-                   "silu_mul", "sampling")
+                   "silu_mul", "sampling", "greedy")
 
 
 def _use_triton(t) -> bool:
@@ -50,6 +52,7 @@ def triton_ops() -> types.SimpleNamespace:
         gemv=modules["gemv"].gemv,
         gemv_staged_for=modules["gemv"].staged_for,
         qkv_rotary_store_kv=modules["qkv_rotary"].qkv_rotary_store_kv,
+        greedy_tokens=modules["greedy"].greedy_tokens,
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
     )
@@ -108,12 +111,18 @@ def linear(x, weight, bias=None):
     return reference.linear(x, weight, bias)
 
 
+# The staged LM head writes float32 logits itself (bf16-rounded, as cuBLAS + .float()): no cast kernel
+# after it in the decode graph. An attribute, not a switch: scripts/gpu_correctness.py times both.
+_LM_HEAD_FLOAT32 = True
+
+
 def lm_head_linear(x, weight):
     """The LM head: for one row on a GPU the staged GEMV where gemv.staged_for says so (by default a
     vocabulary-sized weight on Hopper: 0.237 ms for Qwen2-7B's against cuBLAS's 0.248), else cuBLAS.
-    LLAUNCH_GEMV_SHAPES with STAGES 0 for the LM head's shape keeps it on cuBLAS."""
+    LLAUNCH_GEMV_SHAPES with STAGES 0 for the LM head's shape keeps it on cuBLAS. The logits come in
+    x's dtype or, from the staged GEMV, already in float32 (same values)."""
     if _one_row(x) and triton_ops().gemv_staged_for(weight):
-        return triton_ops().gemv(x, weight)
+        return triton_ops().gemv(x, weight, out_dtype=torch.float32 if _LM_HEAD_FLOAT32 else None)
     return reference.linear(x, weight)
 
 
@@ -142,6 +151,18 @@ def silu_mul(x):
     if _use_triton(x):
         return triton_ops().silu_mul(x)
     return reference.silu_mul(x)
+
+
+# The decode graphs' argmax as kernels/greedy.py's two kernels instead of torch.argmax + an index write.
+# An attribute, not a switch: scripts/gpu_correctness.py times both.
+_GREEDY_KERNEL = True
+
+
+def greedy_tokens(logits, rows, last_token):
+    """Each row's argmax (the first on ties), written to last_token[rows] too: a decode graph's end."""
+    if _GREEDY_KERNEL and _use_triton(logits):
+        return triton_ops().greedy_tokens(logits, rows, last_token)
+    return reference.greedy_tokens(logits, rows, last_token)
 
 
 def apply_penalties(logits, counts, presence, frequency, repetition, seen):

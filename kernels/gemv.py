@@ -106,13 +106,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
         up_y = up_y.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = act * up_y
-    tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
+    # a float32 output (the LM head's logits) still holds the input dtype's rounding, as cuBLAS + .float()
+    tl.store(out_ptr + rows, y.to(x_ptr.dtype.element_ty).to(dtype), mask=row_mask)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-         gated: bool = False) -> torch.Tensor:
+         gated: bool = False, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x [1, K] @ weight [N, K]ᵀ (+ bias [N]) → [1, N]; gated: weight is gate‖up [2I, K] and the
-    result silu(x gateᵀ) * (x upᵀ), [1, I]."""
+    result silu(x gateᵀ) * (x upᵀ), [1, I]. `out_dtype` float32 stores the x-dtype result widened
+    (the LM head's logits without a cast kernel after it)."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, got x of shape {tuple(x.shape)}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
@@ -128,7 +130,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     bias = bias.contiguous() if bias is not None else None
     n_total, k = weight.shape
     n = n_total // 2 if gated else n_total
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if out_dtype not in (None, x.dtype, torch.float32) or (gated and out_dtype not in (None, x.dtype)):
+        raise ValueError(f"gemv: out_dtype {out_dtype} for {x.dtype} input (float32 or the input's, ungated)")
+    out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     if n == 0:
         return out
     block_n, block_k, warps, stages = launch_shape(n, k, gated)

@@ -90,7 +90,8 @@ def _gemv_staged_kernel(x_ptr, w_desc, b_ptr, out_ptr, N, K, up_row, HAS_BIAS: t
         up_y = tl.sum(up_acc, axis=1).to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = act * up_y
-    tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
+    # a float32 output (the LM head's logits) still holds the input dtype's rounding, as cuBLAS + .float()
+    tl.store(out_ptr + rows, y.to(x_ptr.dtype.element_ty).to(dtype), mask=row_mask)
 
 
 def tma_ready(weight: torch.Tensor) -> bool:

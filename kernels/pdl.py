@@ -27,7 +27,8 @@ if _mode not in MODES:
     raise ValueError(f"LLAUNCH_PDL={_mode!r}: use one of {', '.join(MODES)}")
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _graph_work = 0  # > 0 inside for_graphs(): the launches are a capture or its warm-up
-KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention")  # "gemv" covers the fused qkv + rotary GEMV too
+# "gemv" covers the fused qkv + rotary GEMV too; "greedy" is the decode graph's closing argmax
+KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention", "greedy")
 # Which kernels launch with PDL (LLAUNCH_PDL_KERNELS, comma-separated): by default all of them, with
 # rotary and decode attention triggering late (below). Measured on an H200 (docs/benchmarks.md, runs
 # N and O): all four triggering early, 4.05 ms a step; the GEMVs and norms only, 3.81; all four with

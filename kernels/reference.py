@@ -150,6 +150,13 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate.float()).to(x.dtype) * up
 
 
+def greedy_tokens(logits: torch.Tensor, rows: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first on ties), also recorded as last_token[rows]."""
+    tokens = torch.argmax(logits, dim=-1)
+    last_token[rows] = tokens
+    return tokens
+
+
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
                     frequency: torch.Tensor, repetition: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     """OpenAI presence/frequency penalties over generated-token counts [B, V], and the repetition

@@ -200,7 +200,7 @@ def sweep(ops, bandwidth: tuple[float, float], rate: float) -> list[dict]:
     pre._launch_shape = default_pre
     for shape in ((64, 4, 2), (128, 4, 2), (128, 4, 3)):
         for target in (128, 256, 512):
-            dec._launch_shape, dec._TARGET_PROGRAMS = (lambda q, dim, s=shape: s), target
+            dec._launch_shape, dec._TARGET_PROGRAMS = (lambda q, dim, splits, s=shape: s), target
             for case in decode_cases(ops.decode_attention):
                 variant = f"N,warps,stages={shape} target={target}"
                 rows.append({**measure(case, bandwidth, rate, False), "variant": variant})

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from llaunch import kernels
 from llaunch.kernels import pdl
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 
@@ -39,9 +40,10 @@ class DecodeGraphs:
         self.buckets = bucket_sizes(max_batch)
         device = last_token.device
         n = self.buckets[-1]
-        # rows, positions, slots, seq_lens: one [4, n] buffer filled by a single copy per step
-        self.inputs = torch.zeros(4, n, dtype=torch.int64, device=device)
-        self._host = [torch.zeros(4, n, dtype=torch.int64).pin_memory() for _ in range(3)]
+        # rows, positions, slots, seq_lens: a bucket of b rows reads the first 4·b elements as [4, b],
+        # so one step's inputs are one contiguous pinned copy (a strided one is staged through pageable memory)
+        self.inputs = torch.zeros(4 * n, dtype=torch.int64, device=device)
+        self._host = [torch.zeros(4 * n, dtype=torch.int64).pin_memory() for _ in range(3)]
         self._host_turn = 0
         self.logits_index = torch.arange(n, dtype=torch.int64, device=device)
         self._empty = torch.zeros(0, dtype=torch.int64, device=device)
@@ -49,7 +51,7 @@ class DecodeGraphs:
         self.pool = None
 
     def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, positions, slots, lens = self.inputs[0, :b], self.inputs[1, :b], self.inputs[2, :b], self.inputs[3, :b]
+        rows, positions, slots, lens = self.inputs[: 4 * b].view(4, b)
         self.kv.req_to_slots[rows, positions] = slots.to(self.kv.req_to_slots.dtype)
         batch = ForwardBatch(
             input_ids=self.last_token[rows], positions=positions, out_slots=slots,
@@ -59,8 +61,7 @@ class DecodeGraphs:
         logits = self.model.forward(batch, self.kv)
         # greedy tokens inside the graph, recorded as each row's last token (a sampling step writes
         # its own over them): an all-greedy step then needs no kernels of its own between replays
-        tokens = torch.argmax(logits, dim=-1)
-        self.last_token[rows] = tokens
+        tokens = kernels.greedy_tokens(logits, rows, self.last_token)
         return logits, tokens
 
     @torch.inference_mode()
@@ -70,16 +71,18 @@ class DecodeGraphs:
             self._capture()
 
     def _capture(self) -> None:
-        self._fill_padding(0, self.buckets[-1])
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in self.buckets:  # warm-up: Triton compiles each specialization outside the capture
+                self._fill_padding(b)
                 self._step(b)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         for b in reversed(self.buckets):
+            self._fill_padding(b)
+            torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self._step(b)
@@ -89,13 +92,12 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
-    def _fill_padding(self, start: int, end: int) -> None:
-        host = self._host[self._host_turn]
-        host[0, start:end] = self.scratch_row
-        host[1, start:end] = 0
-        host[2, start:end] = self.scratch_slot
-        host[3, start:end] = 1
-        self.inputs[:, start:end].copy_(host[:, start:end])
+    def _fill_padding(self, b: int) -> None:
+        """Before a bucket's warm-up and capture: all of its b rows are padding (scratch K/V only)."""
+        flat = self._host[self._host_turn][: 4 * b]
+        host = flat.view(4, b)
+        host[0], host[1], host[2], host[3] = self.scratch_row, 0, self.scratch_slot, 1
+        self.inputs[: 4 * b].copy_(flat)
 
     def fits(self, num_decode: int) -> bool:
         return 0 < num_decode <= self.buckets[-1]
@@ -108,7 +110,8 @@ class DecodeGraphs:
         b = next(s for s in self.buckets if s >= n)
         # a ring of pinned buffers: the copy of step N may still be queued while N+1 is prepared
         self._host_turn = (self._host_turn + 1) % len(self._host)
-        host = self._host[self._host_turn]
+        flat = self._host[self._host_turn][: 4 * b]
+        host = flat.view(4, b)
         host[0, :n] = torch.tensor(rows, dtype=torch.int64)
         host[1, :n] = torch.tensor(positions, dtype=torch.int64)
         host[2, :n] = torch.tensor(slots, dtype=torch.int64)
@@ -117,7 +120,7 @@ class DecodeGraphs:
         host[1, n:b] = 0
         host[2, n:b] = self.scratch_slot
         host[3, n:b] = 1
-        self.inputs[:, :b].copy_(host[:, :b], non_blocking=True)
+        self.inputs[: 4 * b].copy_(flat, non_blocking=True)
         graph, (logits, tokens) = self.graphs[b]
         graph.replay()
         return logits[:n], tokens[:n]

@@ -41,6 +41,20 @@ def test_gated_gemv_interpreted(ops, poisoned, close, kernel, dtype, inner, k):
     close(out, reference.gated_linear(x, w))
 
 
+@pytest.mark.parametrize("n, k", [(37, 296), (129, 520)])
+def test_float32_output_is_the_input_dtype_result_widened(ops, poisoned, kernel, n, k):
+    """out_dtype=float32 (the LM head's logits) stores the same values as the fp16 output, so no
+    cast kernel is needed after it and greedy tokens do not move."""
+    x = torch.randn(1, k).half()
+    w = (torch.randn(n, k) / k ** 0.5).half()
+    with poisoned():
+        wide = ops.gemv(x, w, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide, ops.gemv(x, w).float())
+    with pytest.raises(ValueError, match="out_dtype"):
+        ops.gemv(x, torch.cat([w, w]), gated=True, out_dtype=torch.float32)
+
+
 def test_gemv_weight_view(ops, close, kernel):
     """A weight with a row stride wider than K (a column slice) is read through its stride."""
     x = torch.randn(1, 200)
@@ -93,7 +107,8 @@ def test_staged_gemv_gpu_float32_and_float16(cuda, poisoned, close, monkeypatch,
     assert gemv.staged_for(w)
     with poisoned():
         out = kernels.lm_head_linear(x, w)
-    close(out, reference.linear(x, w))
+    assert out.dtype == torch.float32 and torch.equal(out, out.to(dtype).float())  # logits rounded to dtype
+    close(out.to(dtype), reference.linear(x, w))
 
 
 @pytest.mark.gpu

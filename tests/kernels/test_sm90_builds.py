@@ -49,8 +49,8 @@ for dtype, elem in TYPES.items():
                                           constexprs=constexprs), target=target,
                                 options={"num_warps": warps, "num_stages": stages})
         out[f"prefill {elem} dim {dim}"] = kernel.metadata.shared
-        block_n, warps, stages = dec._launch_shape(q, dim)
         for direct in (False, True):
+            block_n, warps, stages = dec._launch_shape(q, dim, 1 if direct else 64)
             constexprs = dict(GROUP=7, DIRECT=direct, UPCAST=False,
                               PRECISION="ieee" if dtype == torch.float32 else "tf32", PDL=1, PRE_WAIT=True, BLOCK_H=16,
                               BLOCK_N=block_n, BLOCK_D=dim)
@@ -84,19 +84,21 @@ gemv = importlib.import_module("llaunch.kernels.gemv")
 fn = staged._gemv_staged_kernel
 block_n, block_k, warps, stages = 16, 256, 4, 4  # the LM head's built-in shape
 out = {}
-for elem, bits in (("bf16", 16), ("fp32", 32)):
-    for gated in (False, True):
-        for flavor in (0, 1, 2):
-            constexprs = dict(HAS_BIAS=False, GATED=gated, PDL=flavor, X_ASM=staged._x_load_asm(bits, bool(flavor)),
-                              INTERPRETED=False, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)
-            names = list(inspect.signature(fn.fn).parameters)
-            sig = {n: "constexpr" if n in constexprs else f"tensordesc<{elem}[{block_n},{block_k}]>" if n == "w_desc"
-                   else f"*{elem}" if n.endswith("_ptr") else "i32" for n in names}
-            # what the launch specializes on: 16-byte aligned pointers, sizes divisible by 16
-            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] in ("i32", f"*{elem}")}
-            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-            out[f"{elem} gated={gated} pdl={flavor}"] = dict(shared=kernel.metadata.shared, ptx=kernel.asm["ptx"])
+# (input dtype, output dtype, gated): bf16 and float32 models, and the LM head's float32 logits from bf16
+builds = [(e, e, g) for e in ("bf16", "fp32") for g in (False, True)] + [("bf16", "fp32", False)]
+for elem, out_elem, gated in builds:
+    bits = 16 if elem == "bf16" else 32
+    for flavor in (0, 1, 2):
+        constexprs = dict(HAS_BIAS=False, GATED=gated, PDL=flavor, X_ASM=staged._x_load_asm(bits, bool(flavor)),
+                          INTERPRETED=False, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages)
+        names = list(inspect.signature(fn.fn).parameters)
+        sig = {n: "constexpr" if n in constexprs else f"tensordesc<{elem}[{block_n},{block_k}]>" if n == "w_desc"
+               else f"*{out_elem}" if n == "out_ptr" else f"*{elem}" if n.endswith("_ptr") else "i32" for n in names}
+        # what the launch specializes on: 16-byte aligned pointers, sizes divisible by 16
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] == "i32" or sig[n][0] == "*"}
+        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        out[f"{elem}->{out_elem} gated={gated} pdl={flavor}"] = dict(shared=kernel.metadata.shared, ptx=kernel.asm["ptx"])
 print(json.dumps(out))
 '''
 
@@ -107,11 +109,12 @@ def staged_builds(sm90_compile):
 
 
 def test_staged_gemv_builds_fit_and_load_x_only_after_the_pdl_wait(staged_builds):
-    """The TMA-staged GEMV (the LM head's kernel) for sm90, bf16 and float32, gated or not, without PDL
+    """The TMA-staged GEMV (the LM head's kernel) for sm90, bf16 and float32, gated or not, the LM
+    head's bf16 → float32 logits, without PDL
     and with both triggers: it fits in shared memory; under PDL its weight tiles are requested before
     the wait and every load of x (the previous kernel's output) waits itself, in the same asm block;
     without PDL nothing waits."""
-    assert len(staged_builds) == 12
+    assert len(staged_builds) == 15
     for name, build in staged_builds.items():
         assert build["shared"] <= SHARED_LIMIT, name
         lines = build["ptx"].splitlines()
