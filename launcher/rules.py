@@ -150,6 +150,13 @@ def max_running_requests_positive(cfg):
 
 
 @rule()
+def prefill_graph_tokens_nonnegative(cfg):
+    if cfg.model.prefill_graph_tokens < 0:
+        yield ("model.prefill_graph_tokens",), (
+            f"model.prefill_graph_tokens={cfg.model.prefill_graph_tokens} must be >= 0 (0: prefill without CUDA graphs)")
+
+
+@rule()
 def http_workers_positive(cfg):
     if cfg.server.http_workers < 1:
         yield ("server.http_workers",), f"server.http_workers={cfg.server.http_workers} must be >= 1"

@@ -54,6 +54,9 @@ class ModelConfig:
     dtype: DType = DType.auto  # auto: config.json's dtype on GPU, float32 on CPU
     seed: int = 0  # dummy weights
     enforce_eager: bool = False  # no CUDA graphs (vLLM's name): for debugging and A/B timing
+    # Longest prompt chunk whose prefill, when it runs alone, replays a CUDA graph (buckets of 64
+    # tokens): an idle server's time to first token is then the device's, not the host's launches. 0: eager.
+    prefill_graph_tokens: int = 1024
     max_model_len: Optional[int] = None  # context length; default: max_position_embeddings
     eos_token_ids: Optional[List[int]] = None  # default: config.json / generation_config.json
     # Architecture. None: read from `path`/config.json. Sized profiles set them so dummy needs no files.

@@ -146,7 +146,8 @@ def main() -> None:
     max_rows = cfg.router.max_running_requests
     # one extra row and slot: scratch space that padded CUDA-graph rows read and write
     kv = model.make_kv_cache(num_slots + 1, max_rows + 1, cfg.model.max_model_len)
-    runner = ModelRunner(model, kv, max_rows, device, cuda_graphs=not cfg.model.enforce_eager)
+    runner = ModelRunner(model, kv, max_rows, device, cuda_graphs=not cfg.model.enforce_eager,
+                         prefill_graph_tokens=cfg.model.prefill_graph_tokens)
     log.info("model loaded: %s %s on %s, %d KV slots", cfg.model.name, dtype, device, num_slots)
     if watch is not None:
         watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up

@@ -16,6 +16,7 @@ import torch
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
 from llaunch.runtime.router.step_trace import ENV as STEP_TRACE_ENV
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
+from llaunch.runtime.worker.prefill_graphs import PrefillGraphs, alone_chunk
 from llaunch.runtime.worker.sampling_state import SamplingState, logprobs_to_host
 from llaunch.runtime.worker.transfer import to_device, to_host_async
 
@@ -34,8 +35,10 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device, cuda_graphs: bool = False):
-        """`kv` has one row and one slot more than the router uses: scratch space for padding."""
+    def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device, cuda_graphs: bool = False,
+                 prefill_graph_tokens: int = 0):
+        """`kv` has one row and one slot more than the router uses: scratch space for padding.
+        `prefill_graph_tokens`: with CUDA graphs, the longest chunk a lone prefill replays one for."""
         self.model = model
         self.kv = kv
         self.device = device
@@ -44,6 +47,7 @@ class ModelRunner:
         self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
         self.seq_len = [0] * max_rows  # tokens in the KV cache per row (host mirror)
         self.graphs = None
+        self.prefill_graphs = None  # PrefillGraphs: a prompt's last chunk when it runs alone
         # under a step trace, each step also reports its host and device time (two timed CUDA events)
         self.timed = bool(os.environ.get(STEP_TRACE_ENV)) and device.type == "cuda"
         if cuda_graphs and device.type == "cuda":
@@ -54,6 +58,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, kv, self.last_token, max_rows, kv.req_to_slots.shape[1],
                                        scratch_row=max_rows, scratch_slot=scratch_slot)
             self.graphs.capture()
+            if prefill_graph_tokens > 0:
+                self.prefill_graphs = PrefillGraphs(model, kv, min(prefill_graph_tokens, kv.req_to_slots.shape[1]),
+                                                    scratch_row=max_rows, scratch_slot=scratch_slot)
+                self.prefill_graphs.capture()
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return to_device(values, dtype, self.device)
@@ -132,6 +140,10 @@ class ModelRunner:
             lens = [p + 1 for p in positions]
             logits, greedy = self.graphs.run(rows, positions, list(plan.decode_slots), lens)
             return logits, rows, greedy
+        chunk = None if self.prefill_graphs is None else alone_chunk(plan, self.prefill_graphs.max_tokens)
+        if chunk is not None:
+            self.seq_len[chunk.row] = chunk.start + len(chunk.token_ids)
+            return self.prefill_graphs.run(chunk), [chunk.row], None
         batch, rows = self.build_batch(plan)
         if batch.num_tokens == 0:
             return None, [], None

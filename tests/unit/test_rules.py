@@ -47,6 +47,7 @@ BREAKS = {
                                 ["router.chunked_prefill=false", "router.batch_max_tokens=256"]],
     "kv_budget": [["cache.max_total_tokens=100"], ["cache.cpu_kv_gib=0"]],
     "max_running_requests_positive": [["router.max_running_requests=0"], ["router.max_wait_tokens=-1"]],
+    "prefill_graph_tokens_nonnegative": [["model.prefill_graph_tokens=-64"]],
     "http_workers_positive": [["server.http_workers=0"]],
     "family_supported": [["model.family=mistral"]],
     "weights_need_path": [["model.load_format=safetensors"], ["model.load_format=auto", "model.path=/no/such/dir"]],
