@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import sys
+import time
 
 import torch
 
@@ -93,12 +94,15 @@ def time_variants(model, kv, last, scratch, variants: dict, batches, rounds: int
     the noise). A variant changes some switches from the process's settings: `pdl` and `late` (the
     kernel sets of LLAUNCH_PDL_KERNELS and LLAUNCH_PDL_LATE), `qkv_rotary` (LLAUNCH_QKV_ROTARY), `shapes`
     (LLAUNCH_GEMV_SHAPES), `attn_pre_wait` (LLAUNCH_ATTN_PRE_WAIT), `attn_shape` (decode attention's
-    stage-1 launch shape function). Each is captured as the server does, every bucket up to max(batches)."""
+    stage-1 launch shape function), `lm_head_f32` (the staged LM head's float32 logits),
+    `greedy_kernel` (kernels/greedy.py's argmax). Each is captured as the server does, every bucket
+    up to max(batches)."""
     from llaunch.kernels import gemv
 
     attention = importlib.import_module("llaunch.kernels.decode_attention")  # the package binds the op's name
     attributes = {"shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"),
-                  "attn_pre_wait": (attention, "PRE_WAIT"), "attn_shape": (attention, "_launch_shape")}
+                  "attn_pre_wait": (attention, "PRE_WAIT"), "attn_shape": (attention, "_launch_shape"),
+                  "lm_head_f32": (dispatch, "_LM_HEAD_FLOAT32"), "greedy_kernel": (dispatch, "_GREEDY_KERNEL")}
     out = []
     for _ in range(rounds):
         for name, changes in variants.items():
@@ -129,8 +133,11 @@ def step_ab(model, kv, last, scratch) -> list[dict]:
         f"default ({'fused' if dispatch._FUSED_QKV_ROTARY else 'unfused'} qkv+rotary, PDL on "
         f"{'+'.join(sorted(pdl._kernels))}, late: {'+'.join(sorted(pdl._late)) or '-'})": {},
         other_qkv: dict(qkv_rotary=not dispatch._FUSED_QKV_ROTARY),
-        "decode attention tiles of 64 tokens (128 by default)": dict(attn_shape=lambda q, dim: (64, 4, 2)),
+        "decode attention tiles of 128 tokens (64 by default for split contexts)":
+            dict(attn_shape=lambda q, dim, splits: (128, 4, 2)),
         "decode attention waits before its early exit (LLAUNCH_ATTN_PRE_WAIT=0)": dict(attn_pre_wait=False),
+        "LM head writes bf16 logits, a cast kernel makes them float32": dict(lm_head_f32=False),
+        "greedy tokens by torch.argmax and an index write": dict(greedy_kernel=False),
         "LM head on cuBLAS": dict(shapes={**gemv._OVERRIDES, (QWEN2_7B["vocab_size"], QWEN2_7B["hidden_size"], False):
                                           (2, 1024, 4, 0)}),
         "no PDL": dict(pdl=()),
@@ -143,10 +150,11 @@ def step_ab(model, kv, last, scratch) -> list[dict]:
 
 
 def pdl_ab_wide(model, kv, last, scratch) -> list[dict]:
-    """The default PDL kernel set against the GEMVs and norms only, at batch sizes where decode
-    attention reads most of the bytes."""
+    """The default PDL kernel set against the GEMVs and norms only, and the greedy kernel against
+    torch.argmax, at batch sizes where decode attention reads most of the bytes."""
     variants = {"default PDL set": {},
-                "PDL on gemv+rmsnorm (the 11c98d0 default)": dict(pdl=("gemv", "rmsnorm"), late=())}
+                "PDL on gemv+rmsnorm (the 11c98d0 default)": dict(pdl=("gemv", "rmsnorm"), late=()),
+                "greedy tokens by torch.argmax and an index write": dict(greedy_kernel=False)}
     return time_variants(model, kv, last, scratch, variants, batches=(64, 256))
 
 
@@ -172,7 +180,60 @@ def time_prefill(model, kv, ids, slots) -> list[dict]:
             torch.cuda.synchronize()
         out.append(dict(check=f"prefill step, {n} tokens, eager, LLAUNCH_PDL={mode}", ms=start.elapsed_time(end) / 20))
     pdl.set_mode(before)
+    out += latency_from_idle(f"prefill step, {n} tokens, eager", lambda: model.forward(batch, kv))
     return out
+
+
+def latency_from_idle(what: str, run, rounds: int = 5) -> list[dict]:
+    """`run()` from an idle device, as a new request meets it: the host's time to enqueue it, the
+    device's time, and the wall time to its result (medians). Back-to-back timing hides the host's
+    share; a host slower than the device shows as enqueue ≈ wall."""
+    host, device, wall = [], [], []
+    with torch.inference_mode():
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            run()
+            host.append(time.perf_counter() - t0)
+            end.record()
+            end.synchronize()
+            wall.append(time.perf_counter() - t0)
+            device.append(start.elapsed_time(end) / 1e3)
+    med = lambda v: 1000 * sorted(v)[len(v) // 2]  # noqa: E731
+    return [dict(check=f"{what}, one from idle: {part}", ms=med(v))
+            for part, v in (("host enqueue", host), ("device", device), ("wall", wall))]
+
+
+def prefill_graph_checks(model, kv, ids, slots, scratch: int) -> list[dict]:
+    """A lone prefill replayed from its CUDA graph as the server does (runtime/worker/prefill_graphs.py):
+    the last token's logits against the eager step's, for a prompt that fills its bucket and one
+    padded to it, and the replay's latency from idle, as the eager step's is timed above."""
+    from llaunch.runtime.ipc.messages import PrefillChunk
+    from llaunch.runtime.worker.prefill_graphs import PrefillGraphs
+
+    t0 = time.perf_counter()
+    graphs = PrefillGraphs(model, kv, 1024, scratch_row=256, scratch_slot=scratch)
+    graphs.capture()
+    out = [dict(check=f"prefill graphs: capture of {len(graphs.buckets)} buckets",
+                ms=1000 * (time.perf_counter() - t0))]
+    with torch.inference_mode():
+        for n in (len(ids), len(ids) - 12):
+            # the runner's eager path records the chunk's slots first (the decode timings rewrote row 0's)
+            kv.req_to_slots[0, :n] = torch.tensor(slots[:n], dtype=kv.req_to_slots.dtype, device="cuda")
+            eager = model.forward(batch_of(ids[:n], list(range(n)), slots[:n], [], [], prefill=0), kv)[n - 1]
+            replayed = graphs.run(PrefillChunk(row=0, token_ids=ids[:n], start=0, slots=slots[:n], sample=True))[0]
+            bucket = next(b for b in graphs.buckets if b >= n)
+            check = dict(check=f"prefill CUDA graph vs eager, {n} tokens (bucket {bucket}), last token's logits",
+                         max_abs_diff=(replayed - eager).abs().max().item(),
+                         cosine=cosine_rows(replayed[None], eager[None]).item(),
+                         same_argmax=bool(replayed.argmax() == eager.argmax()))
+            if n != len(ids):  # cuBLAS may tile 500 rows and 512 differently: a measurement, not a check
+                check["measurement"] = True
+            out.append(check)
+    chunk = PrefillChunk(row=0, token_ids=list(ids), start=0, slots=list(slots), sample=True)
+    return out + latency_from_idle(f"prefill graph, {len(ids)} tokens", lambda: graphs.run(chunk))
 
 
 def profile_decode_step(graphs: DecodeGraphs, kv, context: int = 1024, steps: int = 20) -> None:
@@ -288,6 +349,8 @@ def main() -> int:
         checks.append(dict(check="decode graph's greedy token = argmax of its logits, recorded as the last token",
                            max_abs_diff=0.0 if greedy_ok else 1.0))
         checks += time_decode_steps(graphs, kv)
+        checks += time_decode_steps(graphs, kv, context=640, batches=(1,))  # mid-way through the single case
+        checks += prefill_graph_checks(ours, kv, ids[:n], slots[:n], scratch)
         if torch.cuda.get_device_capability()[0] >= 9:
             checks += step_ab(ours, kv, last, scratch)
             checks += pdl_ab_wide(ours, kv, last, scratch)

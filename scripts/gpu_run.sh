@@ -4,7 +4,7 @@
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
 #   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels gemv chain single-cublas
-#                                            single-nopdl single-pdl-linear single-late smollm2-chat sweep prefix parallel smollm2 smollm2-agree tune
+#                                            single-eager-prefill single-nopdl single-pdl-linear single-late smollm2-chat sweep prefix parallel smollm2 smollm2-agree tune
 #                                            stash steps pd;
 #                                            default: the first five)
 set -u
@@ -120,7 +120,12 @@ PYEOF
   fi
   kill -TERM $lpid 2>/dev/null; wait $lpid
   tail -2 "$OUT/llaunch-$tag.log"
-  [ -n "${TRACE:-}" ] && $PY scripts/step_trace_report.py "$OUT/trace-$tag.jsonl" --bins 1 2>&1 | head -${TRACE_LINES:-14}
+  if [ -n "${TRACE:-}" ]; then  # where each prefill's time to first token goes, then the clients' TTFTs
+    $PY scripts/step_trace_report.py "$OUT/trace-$tag.jsonl" --bins 1 --starts 2>&1 | head -${TRACE_LINES:-40}
+    for f in "$OUT"/bench-$tag-*.json; do
+      [ -f "$f" ] && $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], 'client TTFT ms:', [round(1000*q['ttft'],2) for q in r['requests']])" "$f"
+    done
+  fi
   for f in /tmp/llaunch-run-$tag/logs/*.log; do echo "== $f"; tail -30 "$f"; done > "$OUT/process-logs-$tag.txt"
 }
 run_case() {  # name prompts input output concurrency timeout
@@ -138,6 +143,9 @@ if has single-cublas; then  # A/B: the same single case with batch-1 linear laye
   LLAUNCH_GEMV=cublas serve_bench cublas "$SERVE" single
 fi
 
+if has single-eager-prefill; then  # A/B: the same single case with every prefill launched eagerly
+  serve_bench eager-prefill "$SERVE model.prefill_graph_tokens=0" single
+fi
 if has single-nopdl; then  # A/B: the same single case with programmatic dependent launch off
   LLAUNCH_PDL=0 serve_bench nopdl "$SERVE" single
 fi
