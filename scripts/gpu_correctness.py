@@ -95,14 +95,15 @@ def time_variants(model, kv, last, scratch, variants: dict, batches, rounds: int
     kernel sets of LLAUNCH_PDL_KERNELS and LLAUNCH_PDL_LATE), `qkv_rotary` (LLAUNCH_QKV_ROTARY), `shapes`
     (LLAUNCH_GEMV_SHAPES), `attn_pre_wait` (LLAUNCH_ATTN_PRE_WAIT), `attn_shape` (decode attention's
     stage-1 launch shape function), `lm_head_f32` (the staged LM head's float32 logits),
-    `greedy_kernel` (kernels/greedy.py's argmax). Each is captured as the server does, every bucket
-    up to max(batches)."""
+    `greedy_kernel` (kernels/greedy.py's argmax), `decode_embed` (kernels/decode_embed.py). Each is
+    captured as the server does, every bucket up to max(batches)."""
     from llaunch.kernels import gemv
 
     attention = importlib.import_module("llaunch.kernels.decode_attention")  # the package binds the op's name
     attributes = {"shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"),
                   "attn_pre_wait": (attention, "PRE_WAIT"), "attn_shape": (attention, "_launch_shape"),
-                  "lm_head_f32": (dispatch, "_LM_HEAD_FLOAT32"), "greedy_kernel": (dispatch, "_GREEDY_KERNEL")}
+                  "lm_head_f32": (dispatch, "_LM_HEAD_FLOAT32"), "greedy_kernel": (dispatch, "_GREEDY_KERNEL"),
+                  "decode_embed": (dispatch, "_FUSED_DECODE_EMBED")}
     out = []
     for _ in range(rounds):
         for name, changes in variants.items():
@@ -138,6 +139,7 @@ def step_ab(model, kv, last, scratch) -> list[dict]:
         "decode attention waits before its early exit (LLAUNCH_ATTN_PRE_WAIT=0)": dict(attn_pre_wait=False),
         "LM head writes bf16 logits, a cast kernel makes them float32": dict(lm_head_f32=False),
         "greedy tokens by torch.argmax and an index write": dict(greedy_kernel=False),
+        "slot write, last token and embedding as four torch kernels": dict(decode_embed=False),
         "LM head on cuBLAS": dict(shapes={**gemv._OVERRIDES, (QWEN2_7B["vocab_size"], QWEN2_7B["hidden_size"], False):
                                           (2, 1024, 4, 0)}),
         "no PDL": dict(pdl=()),
@@ -222,7 +224,9 @@ def prefill_graph_checks(model, kv, ids, slots, scratch: int) -> list[dict]:
         for n in (len(ids), len(ids) - 12):
             # the runner's eager path records the chunk's slots first (the decode timings rewrote row 0's)
             kv.req_to_slots[0, :n] = torch.tensor(slots[:n], dtype=kv.req_to_slots.dtype, device="cuda")
-            eager = model.forward(batch_of(ids[:n], list(range(n)), slots[:n], [], [], prefill=0), kv)[n - 1]
+            batch = batch_of(ids[:n], list(range(n)), slots[:n], [], [], prefill=0)
+            batch.logits_index = batch.logits_index[n - 1:]  # the last token alone, as the graph: same LM head
+            eager = model.forward(batch, kv)[0]
             replayed = graphs.run(PrefillChunk(row=0, token_ids=ids[:n], start=0, slots=slots[:n], sample=True))[0]
             bucket = next(b for b in graphs.buckets if b >= n)
             check = dict(check=f"prefill CUDA graph vs eager, {n} tokens (bucket {bucket}), last token's logits",
