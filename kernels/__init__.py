@@ -6,7 +6,6 @@ reference (kernels/reference.py) otherwise, so the same model code runs on CPU a
 from llaunch.kernels.dispatch import (  # noqa: F401
     apply_penalties,
     decode_attention,
-    decode_embed,
     gated_linear,
     greedy_tokens,
     linear,

@@ -25,7 +25,7 @@ _TRITON_GEMV = os.environ.get("LLAUNCH_GEMV", "triton") != "cublas"
 # measured 1–12 µs a step faster in five runs on an H200 (docs/benchmarks.md), bit-identical results.
 _FUSED_QKV_ROTARY = os.environ.get("LLAUNCH_QKV_ROTARY", "0") == "1"
 _KERNEL_MODULES = ("gemv", "qkv_rotary", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
-                   "silu_mul", "sampling", "greedy", "decode_embed")
+                   "silu_mul", "sampling", "greedy")
 
 
 def _use_triton(t) -> bool:
@@ -53,7 +53,6 @@ def triton_ops() -> types.SimpleNamespace:
         gemv_staged_for=modules["gemv"].staged_for,
         qkv_rotary_store_kv=modules["qkv_rotary"].qkv_rotary_store_kv,
         greedy_tokens=modules["greedy"].greedy_tokens,
-        decode_embed=modules["decode_embed"].decode_embed,
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
     )
@@ -152,18 +151,6 @@ def silu_mul(x):
     if _use_triton(x):
         return triton_ops().silu_mul(x)
     return reference.silu_mul(x)
-
-
-# The decode graphs' slot-table write, last-token read and embedding as kernels/decode_embed.py's one
-# kernel. An attribute, not a switch: scripts/gpu_correctness.py times both.
-_FUSED_DECODE_EMBED = True
-
-
-def decode_embed(rows, positions, slots, req_to_slots, last_token, embed):
-    """A decode graph's start: req_to_slots[rows, positions] = slots; returns embed[last_token[rows]]."""
-    if _FUSED_DECODE_EMBED and _use_triton(embed):
-        return triton_ops().decode_embed(rows, positions, slots, req_to_slots, last_token, embed)
-    return reference.decode_embed(rows, positions, slots, req_to_slots, last_token, embed)
 
 
 # The decode graphs' argmax as kernels/greedy.py's two kernels instead of torch.argmax + an index write.

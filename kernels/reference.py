@@ -150,13 +150,6 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate.float()).to(x.dtype) * up
 
 
-def decode_embed(rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, req_to_slots: torch.Tensor,
-                 last_token: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
-    """A decode step's start: req_to_slots[rows, positions] = slots; embed[last_token[rows]]."""
-    req_to_slots[rows, positions] = slots.to(req_to_slots.dtype)
-    return torch.nn.functional.embedding(last_token[rows], embed)
-
-
 def greedy_tokens(logits: torch.Tensor, rows: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first on ties), also recorded as last_token[rows]."""
     tokens = torch.argmax(logits, dim=-1)

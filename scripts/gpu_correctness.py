@@ -95,15 +95,14 @@ def time_variants(model, kv, last, scratch, variants: dict, batches, rounds: int
     kernel sets of LLAUNCH_PDL_KERNELS and LLAUNCH_PDL_LATE), `qkv_rotary` (LLAUNCH_QKV_ROTARY), `shapes`
     (LLAUNCH_GEMV_SHAPES), `attn_pre_wait` (LLAUNCH_ATTN_PRE_WAIT), `attn_shape` (decode attention's
     stage-1 launch shape function), `lm_head_f32` (the staged LM head's float32 logits),
-    `greedy_kernel` (kernels/greedy.py's argmax), `decode_embed` (kernels/decode_embed.py). Each is
-    captured as the server does, every bucket up to max(batches)."""
+    `greedy_kernel` (kernels/greedy.py's argmax). Each is captured as the server does, every bucket
+    up to max(batches)."""
     from llaunch.kernels import gemv
 
     attention = importlib.import_module("llaunch.kernels.decode_attention")  # the package binds the op's name
     attributes = {"shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"),
                   "attn_pre_wait": (attention, "PRE_WAIT"), "attn_shape": (attention, "_launch_shape"),
-                  "lm_head_f32": (dispatch, "_LM_HEAD_FLOAT32"), "greedy_kernel": (dispatch, "_GREEDY_KERNEL"),
-                  "decode_embed": (dispatch, "_FUSED_DECODE_EMBED")}
+                  "lm_head_f32": (dispatch, "_LM_HEAD_FLOAT32"), "greedy_kernel": (dispatch, "_GREEDY_KERNEL")}
     out = []
     for _ in range(rounds):
         for name, changes in variants.items():
@@ -139,7 +138,6 @@ def step_ab(model, kv, last, scratch) -> list[dict]:
         "decode attention waits before its early exit (LLAUNCH_ATTN_PRE_WAIT=0)": dict(attn_pre_wait=False),
         "LM head writes bf16 logits, a cast kernel makes them float32": dict(lm_head_f32=False),
         "greedy tokens by torch.argmax and an index write": dict(greedy_kernel=False),
-        "slot write, last token and embedding as four torch kernels": dict(decode_embed=False),
         "LM head on cuBLAS": dict(shapes={**gemv._OVERRIDES, (QWEN2_7B["vocab_size"], QWEN2_7B["hidden_size"], False):
                                           (2, 1024, 4, 0)}),
         "no PDL": dict(pdl=()),

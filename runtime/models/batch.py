@@ -4,7 +4,6 @@ per decoding sequence, the rest are prefill chunks back to back."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -28,7 +27,6 @@ class ForwardBatch:
     max_prefill_len: int = 0  # host-side hints for kernels' grids (avoid a device sync)
     max_decode_len: int = 0
     every_token: bool = False  # logits_index is 0..T-1 (a decode-only step): no gather before the LM head
-    input_embeds: Optional[torch.Tensor] = None  # [T, H]: the tokens' embeddings, already gathered (input_ids unread)
 
     @property
     def num_tokens(self) -> int:

@@ -133,7 +133,7 @@ class DecoderLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KvCache) -> torch.Tensor:
         """→ float32 logits [len(batch.logits_index), vocab]."""
-        h = self.embed_tokens(batch.input_ids) if batch.input_embeds is None else batch.input_embeds
+        h = self.embed_tokens(batch.input_ids)
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
             if residual is None:

@@ -52,20 +52,12 @@ class DecodeGraphs:
 
     def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows, positions, slots, lens = self.inputs[: 4 * b].view(4, b)
-        embeds = None
-        if self.model.tp.size == 1:  # one kernel: slot-table write, last-token read, embedding
-            embeds = kernels.decode_embed(rows, positions, slots, self.kv.req_to_slots, self.last_token,
-                                          self.model.embed_tokens.weight)
-            input_ids = self._empty
-        else:  # the vocabulary-parallel embedding masks and all-reduces
-            self.kv.req_to_slots[rows, positions] = slots.to(self.kv.req_to_slots.dtype)
-            input_ids = self.last_token[rows]
+        self.kv.req_to_slots[rows, positions] = slots.to(self.kv.req_to_slots.dtype)
         batch = ForwardBatch(
-            input_ids=input_ids, positions=positions, out_slots=slots,
+            input_ids=self.last_token[rows], positions=positions, out_slots=slots,
             decode_rows=rows, decode_seq_lens=lens, prefill_rows=self._empty, prefill_q_starts=self._empty,
             prefill_q_lens=self._empty, prefill_prefix_lens=self._empty, logits_index=self.logits_index[:b],
-            num_decode=b, num_prefill_tokens=0, max_decode_len=self.max_model_len, every_token=True,
-            input_embeds=embeds)
+            num_decode=b, num_prefill_tokens=0, max_decode_len=self.max_model_len, every_token=True)
         logits = self.model.forward(batch, self.kv)
         # greedy tokens inside the graph, recorded as each row's last token (a sampling step writes
         # its own over them): an all-greedy step then needs no kernels of its own between replays

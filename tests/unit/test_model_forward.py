@@ -141,19 +141,3 @@ def test_decode_only_step_takes_the_final_norm_without_gathers(setup):
         out.append(model.forward(batch, tables.kv))
     assert torch.equal(out[0], out[1])
     assert_close(out[1][0], a.logits[a.prompt_len])
-
-
-def test_a_step_given_its_embeddings_matches_one_given_its_token_ids(setup):
-    """The decode graphs gather the embeddings themselves (kernels/decode_embed.py) and hand them to
-    the model as input_embeds: the same logits as looking the token ids up."""
-    model, (a, b) = setup
-    out = []
-    for given in (False, True):
-        tables = SlotTables(model, seed=5)
-        model.forward(tables.batch(prefill=[(0, a.tokens[:a.prompt_len]), (1, b.tokens[:b.prompt_len])]), tables.kv)
-        batch = tables.batch(decode=[(0, a.tokens[a.prompt_len]), (1, b.tokens[b.prompt_len])])
-        if given:
-            batch.input_embeds = model.embed_tokens(batch.input_ids)
-            batch.input_ids = torch.full_like(batch.input_ids, -1)  # unread: a lookup would fail
-        out.append(model.forward(batch, tables.kv))
-    assert torch.equal(out[0], out[1])
