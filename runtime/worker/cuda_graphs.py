@@ -11,6 +11,7 @@ position maps to a scratch KV slot, which no request owns.
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 import torch
 
@@ -19,6 +20,36 @@ from llaunch.kernels import pdl
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 
 log = logging.getLogger("llaunch.worker")
+
+
+def capture_buckets(buckets: list[int], prepare: Callable[[int], None], step: Callable[[int], Any]) -> dict:
+    """One CUDA graph per bucket: {bucket: (graph, what step(bucket) returned while captured)}.
+    `prepare(b)` writes bucket b's placeholder inputs (they only have to be safe to compute on);
+    `step(b)` enqueues its device work. Every bucket runs once first on a side stream, so Triton
+    compiles each specialization before any capture; then the graphs are captured largest first,
+    so the smaller ones reuse its memory pool. Call inside pdl.for_graphs() and inference mode."""
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for b in buckets:
+            prepare(b)
+            stream.synchronize()  # prepare's copies have landed before the next prepare rewrites their source
+            step(b)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graphs, pool = {}, None
+    for b in reversed(buckets):
+        prepare(b)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = step(b)
+        if pool is None:
+            pool = graph.pool()
+        graphs[b] = (graph, out)
+    torch.cuda.synchronize()
+    return graphs
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -48,7 +79,6 @@ class DecodeGraphs:
         self.logits_index = torch.arange(n, dtype=torch.int64, device=device)
         self._empty = torch.zeros(0, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.pool = None
 
     def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows, positions, slots, lens = self.inputs[: 4 * b].view(4, b)
@@ -66,30 +96,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
         with pdl.for_graphs():  # the warm-up compiles the PDL variants the capture records
-            self._capture()
-
-    def _capture(self) -> None:
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for b in self.buckets:  # warm-up: Triton compiles each specialization outside the capture
-                self._fill_padding(b)
-                self._step(b)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        for b in reversed(self.buckets):
-            self._fill_padding(b)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self._step(b)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[b] = (graph, out)
-        torch.cuda.synchronize()
+            self.graphs = capture_buckets(self.buckets, self._fill_padding, self._step)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def _fill_padding(self, b: int) -> None:

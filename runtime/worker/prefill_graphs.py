@@ -23,6 +23,7 @@ import torch
 from llaunch.kernels import pdl
 from llaunch.runtime.ipc.messages import PrefillChunk, StepPlan
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
+from llaunch.runtime.worker.cuda_graphs import capture_buckets
 
 log = logging.getLogger("llaunch.worker")
 
@@ -99,34 +100,17 @@ class PrefillGraphs:
         self._turn = 0
         self._empty = torch.zeros(0, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
 
     def _step(self, bucket: int) -> torch.Tensor:
         return self.model.forward(padded_batch(self.inputs, bucket, self.kv, self._empty), self.kv)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first (the smaller ones reuse its memory pool), with the
-        scratch row and slot as every token's: capture writes only scratch K/V."""
+        """Capture every bucket with a one-token placeholder chunk in the scratch row and slot: the
+        warm-up and the capture write only scratch K/V."""
         dummy = PrefillChunk(row=self.scratch_row, token_ids=[0], start=0, slots=[self.scratch_slot], sample=True)
         with pdl.for_graphs():
-            self._fill(dummy, self.max_tokens)
-            torch.cuda.synchronize()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for b in self.buckets:  # warm-up: Triton compiles each specialization outside the capture
-                    self._step(b)
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
-            for b in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    logits = self._step(b)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[b] = (graph, logits)
-            torch.cuda.synchronize()
+            self.graphs = capture_buckets(self.buckets, lambda b: self._fill(dummy, b), self._step)
         log.info("captured prefill CUDA graphs for chunks of up to %d tokens (%d buckets)", self.max_tokens,
                  len(self.buckets))
 
@@ -145,8 +129,7 @@ class PrefillGraphs:
         bucket = next(b for b in self.buckets if b >= n)
         self._fill(chunk, bucket)
         if bucket not in self.graphs:
-            with torch.inference_mode():
-                return self._step(bucket)
+            return self._step(bucket)
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits
