@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.tree import Tree
 
-from llaunch.launcher.rules import Pending, Violation
+from llaunch.launcher.rule_registry import Pending, Violation
 from llaunch.launcher.schema import ProcessSpec, RunConfig
 
 err = Console(stderr=True, soft_wrap=True)

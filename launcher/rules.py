@@ -1,99 +1,25 @@
 """Named rules over the resolved config: every start-up check, each with a message that names the keys,
-their values and the fix. `check_all` runs them all, so a bad config lists every problem at once.
+their values and the fix. `check_all` runs them all, so a bad config lists every problem at once
+(the registry and the runners are launcher/rule_registry.py's).
 
 Ported from LightLLM's start-up (api_start.py / api_cli.py asserts) where the feature exists here,
 plus ours (parallel layout, ports, modes, model description). A rule for a feature arrives with it.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 import socket
-from dataclasses import dataclass
-from typing import Callable
 
 from llaunch.launcher import derive
 from llaunch.launcher.heads import HeadLayout
+# check_all, warnings, pending and RULES are called through this module, which fills the registry
+from llaunch.launcher.rule_registry import RULES, check_all, get, pending, rule, warnings  # noqa: F401
 from llaunch.launcher.schema import Device, DType, LlaunchConfig, LoadFormat, Mode
 
 FAMILIES = ("llama", "qwen2")
 SIZED_PROFILES = "model=qwen2-0.5b | qwen2-7b | qwen2-72b | llama3-8b | tiny-qwen2 | tiny-llama"
 SERVING_MODES = (Mode.normal, Mode.pd_prefill, Mode.pd_decode)  # modes that run workers
-
-
-@dataclass(frozen=True)
-class Violation:
-    rule: str
-    keys: tuple[str, ...]
-    message: str
-
-
-@dataclass(frozen=True)
-class Pending:
-    """A rule that did not run: a value it needs is unknown yet, or it checks this machine in a dry run."""
-
-    rule: str
-    keys: tuple[str, ...]
-    reason: str
-
-
-@dataclass(frozen=True)
-class Rule:
-    name: str
-    check: Callable[[LlaunchConfig], list[Violation]]
-    needs: tuple[str, ...]  # dotted keys that must be known (not None) for the check to mean anything
-    live: str  # "": always; "skip": checks this machine, skipped by a dry run; "warn": a dry run warns
-
-
-RULES: list[Rule] = []
-
-
-def get(cfg: LlaunchConfig, key: str):
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
-def _missing(cfg: LlaunchConfig, keys: tuple[str, ...]) -> list[str]:
-    return [k for k in keys if get(cfg, k) is None]
-
-
-def rule(needs: tuple[str, ...] = (), live: str = ""):
-    """Register a check; it returns (keys, message) pairs, which become Violations named after it."""
-
-    def register(fn: Callable[[LlaunchConfig], list[tuple[tuple[str, ...], str]]]):
-        @functools.wraps(fn)
-        def check(cfg: LlaunchConfig) -> list[Violation]:
-            if _missing(cfg, needs):
-                return []
-            return [Violation(fn.__name__, tuple(keys), message) for keys, message in fn(cfg)]
-
-        RULES.append(Rule(fn.__name__, check, needs, live))
-        return check
-
-    return register
-
-
-def check_all(cfg: LlaunchConfig) -> list[Violation]:
-    """Every violation; a dry run skips the rules about this machine (it plans for another one)."""
-    return [v for r in RULES if not (cfg.dry_run and r.live) for v in r.check(cfg)]
-
-
-def warnings(cfg: LlaunchConfig) -> list[Violation]:
-    """In a dry run, what a real start would refuse here (a missing checkpoint, say): reported, not fatal."""
-    return [v for r in RULES if cfg.dry_run and r.live == "warn" for v in r.check(cfg)]
-
-
-def pending(cfg: LlaunchConfig) -> list[Pending]:
-    out = []
-    for r in RULES:
-        if cfg.dry_run and r.live == "skip":
-            out.append(Pending(r.name, r.needs, "checks this machine; skipped by a dry run"))
-        elif missing := _missing(cfg, r.needs):
-            out.append(Pending(r.name, tuple(missing), "waits for model.path (or a sized profile)"
-                               if any(k.startswith("model.") for k in missing) else "waits for a value"))
-    return out
 
 
 def _serves(cfg: LlaunchConfig) -> bool:
