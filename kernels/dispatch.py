@@ -24,9 +24,6 @@ _TRITON_GEMV = os.environ.get("LLAUNCH_GEMV", "triton") != "cublas"
 # by default they are two (the GEMV, then rotary_store_kv): since rotary launches with PDL, two kernels
 # measured 1–12 µs a step faster in five runs on an H200 (docs/benchmarks.md), bit-identical results.
 _FUSED_QKV_ROTARY = os.environ.get("LLAUNCH_QKV_ROTARY", "0") == "1"
-# LLAUNCH_NORMS_IN_GEMV=0 keeps the RMSNorm kernels in one-row steps (A/B timing); by default the
-# GEMVs do the norms and residual adds (DecoderLM's fused one-row path, gemv's norm/add_to).
-_NORMS_IN_GEMV = os.environ.get("LLAUNCH_NORMS_IN_GEMV", "1") != "0"
 _KERNEL_MODULES = ("gemv", "qkv_rotary", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
                    "silu_mul", "sampling", "greedy")
 
@@ -129,32 +126,6 @@ def lm_head_linear(x, weight):
     return reference.linear(x, weight)
 
 
-def norms_in_gemv(h) -> bool:
-    """Does a one-row step on h run its norms inside the GEMVs (normed_linear / linear_add_)?"""
-    return _NORMS_IN_GEMV and _one_row(h)
-
-
-def normed_linear(h, sum_sq, norm_weight, eps, weight, bias=None, *, gated=False):
-    """rmsnorm(h, norm_weight, eps) @ weightᵀ (+ bias); gated: silu(gate) * up as gated_linear.
-    sum_sq: Σh² (float64 [1]) as linear_add_ left it; one row on a GPU: one GEMV, no norm kernel
-    (the reference recomputes the norm from h)."""
-    if _one_row(h):
-        return triton_ops().gemv(h, weight, bias, gated=gated, norm=(sum_sq, norm_weight, eps))
-    x = reference.rmsnorm(h, norm_weight, eps)
-    return reference.gated_linear(x, weight) if gated else reference.linear(x, weight, bias)
-
-
-def linear_add_(x, weight, h, sum_sq):
-    """h += x @ weightᵀ in place (the residual add, rounded as rmsnorm's), and sum_sq (float64 [1],
-    zeroed before) += Σ(new h)², what normed_linear's next call needs. Returns h. No bias: a
-    RowParallelLinear adds its bias after rounding the product, which this add would not match."""
-    if _one_row(x):
-        return triton_ops().gemv(x, weight, add_to=(h, sum_sq))
-    h.copy_(reference.linear(x, weight) + h)
-    sum_sq += h.double().pow(2).sum()
-    return h
-
-
 def gated_linear(x, weight):
     if _one_row(x):
         return triton_ops().gemv(x, weight, gated=True)
@@ -162,16 +133,10 @@ def gated_linear(x, weight):
 
 
 def qkv_rotary_store_kv(x, weight, bias, n_q_heads: int, n_kv_heads: int, positions, cos, sin, k_cache, v_cache,
-                        slots, norm=None):
+                        slots):
     """The attention block's input half: x through the fused q‖k‖v weight, rotary on q and k, k and v
-    stored at each token's slot; returns the rotated q [T, Hq, D]. One row on a GPU: one kernel.
-    norm=(sum_sq, weight, eps): x is h, normalized on the way in (normed_linear)."""
+    stored at each token's slot; returns the rotated q [T, Hq, D]. One row on a GPU: one kernel."""
     d = k_cache.shape[-1]
-    if norm is not None:
-        t = x.shape[0]
-        q, k, v = normed_linear(x, *norm, weight, bias).split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1)
-        return rotary_store_kv(q.view(t, n_q_heads, d), k.view(t, n_kv_heads, d), v.view(t, n_kv_heads, d),
-                               positions, cos, sin, k_cache, v_cache, slots)
     if (_FUSED_QKV_ROTARY and _one_row(x) and k_cache.dtype == v_cache.dtype == x.dtype
             and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] == n_kv_heads):
         return triton_ops().qkv_rotary_store_kv(x, weight, bias, n_q_heads, n_kv_heads, positions, cos, sin,

@@ -90,49 +90,31 @@ def staged_for(weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset, sum_sq_in_ptr, norm_w_ptr, eps,
-                 sum_sq_out_ptr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                 ADD_TO_OUT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     y, up_y = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED, PDL,
-                       BLOCK_N, BLOCK_K, NORM, sum_sq_in_ptr, norm_w_ptr, eps)
+                       BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    if ADD_TO_OUT:
-        # The residual add the next norm kernel used to do, rounded as it did (linear output to the
-        # dtype, then h = out + residual to the dtype), and h's Σh² for the next GEMV's NORM.
-        h = y.to(dtype).to(tl.float32) + tl.load(out_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        h = h.to(dtype)
-        tl.store(out_ptr + rows, h, mask=row_mask)
-        hf = tl.where(row_mask, h.to(tl.float32), 0.0)
-        # float64, so the order the programs add in moves the sum only far below the float32 rstd
-        # computed from it: greedy output does not depend on which program finished first
-        tl.atomic_add(sum_sq_out_ptr, tl.sum(hf * hf, axis=0).to(tl.float64), sem="relaxed")
-    else:
-        if GATED:
-            # Round as the unfused path does: linear output to the dtype, silu(gate) to the dtype.
-            gate = y.to(dtype).to(tl.float32)
-            up_y = up_y.to(dtype).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            y = act * up_y
-        # a float32 output (the LM head's logits) still holds the input dtype's rounding, as cuBLAS + .float()
-        tl.store(out_ptr + rows, y.to(x_ptr.dtype.element_ty).to(dtype), mask=row_mask)
+    if GATED:
+        # Round as the unfused path does: linear output to the dtype, silu(gate) to the dtype.
+        gate = y.to(dtype).to(tl.float32)
+        up_y = up_y.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        y = act * up_y
+    # a float32 output (the LM head's logits) still holds the input dtype's rounding, as cuBLAS + .float()
+    tl.store(out_ptr + rows, y.to(x_ptr.dtype.element_ty).to(dtype), mask=row_mask)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-         gated: bool = False, out_dtype: Optional[torch.dtype] = None,
-         norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
-         add_to: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+         gated: bool = False, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x [1, K] @ weight [N, K]ᵀ (+ bias [N]) → [1, N]; gated: weight is gate‖up [2I, K] and the
     result silu(x gateᵀ) * (x upᵀ), [1, I]. `out_dtype` float32 stores the x-dtype result widened
-    (the LM head's logits without a cast kernel after it).
-
-    norm=(sum_sq, g, eps): x is h and the product is rmsnorm(h, g, eps) @ weightᵀ, with Σh² (float64
-    [1]) given. add_to=(h, sum_sq): h [1, N] += the product, in place, rounded as the norm kernel's
-    residual add, and sum_sq (float64 [1], zeroed by the caller) += Σ(new h)²; returns h. Together
-    they take the RMSNorm kernels out of a one-row step (DecoderLM's fused one-row path)."""
+    (the LM head's logits without a cast kernel after it)."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, got x of shape {tuple(x.shape)}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
@@ -150,31 +132,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     n = n_total // 2 if gated else n_total
     if out_dtype not in (None, x.dtype, torch.float32) or (gated and out_dtype not in (None, x.dtype)):
         raise ValueError(f"gemv: out_dtype {out_dtype} for {x.dtype} input (float32 or the input's, ungated)")
-    if add_to is not None:
-        out, sum_sq_out = add_to
-        if gated or out_dtype is not None or out.shape != (1, n) or out.dtype != x.dtype or not out.is_contiguous():
-            raise ValueError(f"gemv: add_to takes an ungated product into a contiguous {x.dtype} [1, {n}], "
-                             f"got {tuple(out.shape)} {out.dtype}")
-    else:
-        out, sum_sq_out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device), None
-    if norm is not None:
-        sum_sq_in, norm_w, eps = norm
-        if norm_w.shape != (k,) or norm_w.dtype != x.dtype:
-            raise ValueError(f"gemv: norm weight must be {x.dtype} [{k}], got {tuple(norm_w.shape)} {norm_w.dtype}")
-        norm_w = norm_w.contiguous()
+    out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     if n == 0:
         return out
     block_n, block_k, warps, stages = launch_shape(n, k, gated)
     # Under PDL the first weight tiles are read before the wait: only a weight no earlier kernel wrote.
     use_pdl = pdl.enabled(x, "gemv") and not copied
-    if stages >= 2 and gemv_staged.tma_ready(weight) and norm is None and add_to is None:
+    if stages >= 2 and gemv_staged.tma_ready(weight):
         gemv_staged.gemv_staged(x, weight, bias, out, n, gated, pdl.flavor(use_pdl, "gemv"), block_n, block_k,
                                 warps, stages)
         return out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
-        sum_sq_in if norm is not None else None, norm_w if norm is not None else None,
-        float(eps) if norm is not None else 0.0, sum_sq_out,
-        HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, ADD_TO_OUT=add_to is not None,
-        PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, launch_pdl=use_pdl)
+        HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, launch_pdl=use_pdl)
     return out

@@ -10,14 +10,10 @@ from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 @triton.jit
 def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr = False, sum_sq_ptr=None,
-             norm_w_ptr=None, eps=0.0):
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Σ_k w[r, k]·x[k] in float32 for a program's rows (w_rows: a pointer per row), and for the rows
     up_offset further when GATED. Shared by every one-row kernel, so all walk K tile by tile alike;
     the compiler still lays out each kernel's tile, and so its final in-tile sum, on its own.
-    NORM: x is RMSNorm's input h and the dots are with rmsnorm(h)·g, each tile normalized as it is
-    loaded with the rounding points of the norm kernel; Σh² comes in (float64, at sum_sq_ptr) from
-    the kernel that wrote h (gemv's ADD_TO_X epilogue), so no program reduces all of h first.
     (Two tiles in flight, each summed to its rows as it is used, measured slower on an H200 at every
     launch shape tried: docs/benchmarks.md, run 4 of the third session.)"""
     cols = tl.arange(0, BLOCK_K)
@@ -29,19 +25,10 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
     if GATED:
         up = tl.load(w_rows[:, None] + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
-    rstd = 1.0
-    if NORM:
-        rstd = tl.rsqrt((tl.load(sum_sq_ptr) / K + eps).to(tl.float32))
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0)
-        if NORM:
-            # rounded as kernels/rmsnorm.py (and transformers): h·rstd to h's dtype, then · g to it
-            g = tl.load(norm_w_ptr + k0 + cols, mask=k0 + cols < K, other=0.0)
-            x = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
-            x = (x.to(tl.float32) * g.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        x = x.to(tl.float32)
+        x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         nxt = k0 + BLOCK_K + cols
         mask = row_mask[:, None] & (nxt < K)[None, :]  # all false after the last tile: no traffic
         w_next = tl.load(w_rows[:, None] + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")

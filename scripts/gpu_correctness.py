@@ -95,15 +95,14 @@ def time_variants(model, kv, last, scratch, variants: dict, batches, rounds: int
     kernel sets of LLAUNCH_PDL_KERNELS and LLAUNCH_PDL_LATE), `qkv_rotary` (LLAUNCH_QKV_ROTARY), `shapes`
     (LLAUNCH_GEMV_SHAPES), `attn_pre_wait` (LLAUNCH_ATTN_PRE_WAIT), `attn_shape` (decode attention's
     stage-1 launch shape function), `lm_head_f32` (the staged LM head's float32 logits),
-    `greedy_kernel` (kernels/greedy.py's argmax), `norms_in_gemv` (LLAUNCH_NORMS_IN_GEMV). Each is captured as the server does, every bucket
+    `greedy_kernel` (kernels/greedy.py's argmax). Each is captured as the server does, every bucket
     up to max(batches)."""
     from llaunch.kernels import gemv
 
     attention = importlib.import_module("llaunch.kernels.decode_attention")  # the package binds the op's name
     attributes = {"shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"),
                   "attn_pre_wait": (attention, "PRE_WAIT"), "attn_shape": (attention, "_launch_shape"),
-                  "lm_head_f32": (dispatch, "_LM_HEAD_FLOAT32"), "greedy_kernel": (dispatch, "_GREEDY_KERNEL"),
-                  "norms_in_gemv": (dispatch, "_NORMS_IN_GEMV")}
+                  "lm_head_f32": (dispatch, "_LM_HEAD_FLOAT32"), "greedy_kernel": (dispatch, "_GREEDY_KERNEL")}
     out = []
     for _ in range(rounds):
         for name, changes in variants.items():
@@ -127,22 +126,36 @@ def step_ab(model, kv, last, scratch) -> list[dict]:
     """The batch-1 step with each switch on and off and PDL on subsets of the kernels that have it."""
     from llaunch.kernels import gemv
 
+    attention = ("gemv", "rmsnorm", "decode_attention")
     other_qkv = ("qkv GEMV then rotary kernel (LLAUNCH_QKV_ROTARY=0)" if dispatch._FUSED_QKV_ROTARY
                  else "qkv GEMV and rotary in one kernel (LLAUNCH_QKV_ROTARY=1)")
     variants = {
-        f"default ({'norms in the GEMVs' if dispatch._NORMS_IN_GEMV else 'norm kernels'}, "
-        f"{'fused' if dispatch._FUSED_QKV_ROTARY else 'unfused'} qkv+rotary, PDL on "
+        f"default ({'fused' if dispatch._FUSED_QKV_ROTARY else 'unfused'} qkv+rotary, PDL on "
         f"{'+'.join(sorted(pdl._kernels))}, late: {'+'.join(sorted(pdl._late)) or '-'})": {},
-        ("RMSNorm kernels between the GEMVs (LLAUNCH_NORMS_IN_GEMV=0)" if dispatch._NORMS_IN_GEMV
-         else "norms inside the GEMVs (LLAUNCH_NORMS_IN_GEMV=1)"): dict(norms_in_gemv=not dispatch._NORMS_IN_GEMV),
         other_qkv: dict(qkv_rotary=not dispatch._FUSED_QKV_ROTARY),
+        "decode attention tiles of 128 tokens (64 by default for split contexts)":
+            dict(attn_shape=lambda q, dim, splits: (128, 4, 2)),
+        "decode attention waits before its early exit (LLAUNCH_ATTN_PRE_WAIT=0)": dict(attn_pre_wait=False),
+        "LM head writes bf16 logits, a cast kernel makes them float32": dict(lm_head_f32=False),
+        "greedy tokens by torch.argmax and an index write": dict(greedy_kernel=False),
         "LM head on cuBLAS": dict(shapes={**gemv._OVERRIDES, (QWEN2_7B["vocab_size"], QWEN2_7B["hidden_size"], False):
                                           (2, 1024, 4, 0)}),
         "no PDL": dict(pdl=()),
+        "PDL on gemv+rmsnorm (the 11c98d0 default)": dict(pdl=("gemv", "rmsnorm"), late=()),
+        "PDL on gemv+rmsnorm+decode_attention, attention late": dict(pdl=attention, late=("decode_attention",)),
     }
     if gemv._OVERRIDES:
         variants["built-in launch shapes (LLAUNCH_GEMV_SHAPES ignored)"] = dict(shapes={})
     return time_variants(model, kv, last, scratch, variants, batches=(1,))
+
+
+def pdl_ab_wide(model, kv, last, scratch) -> list[dict]:
+    """The default PDL kernel set against the GEMVs and norms only, and the greedy kernel against
+    torch.argmax, at batch sizes where decode attention reads most of the bytes."""
+    variants = {"default PDL set": {},
+                "PDL on gemv+rmsnorm (the 11c98d0 default)": dict(pdl=("gemv", "rmsnorm"), late=()),
+                "greedy tokens by torch.argmax and an index write": dict(greedy_kernel=False)}
+    return time_variants(model, kv, last, scratch, variants, batches=(64, 256))
 
 
 def time_prefill(model, kv, ids, slots) -> list[dict]:
@@ -288,23 +301,11 @@ def main() -> int:
         cos = cosine_rows(got, ref[:n])
         checks.append(dict(check="prefill 512 tokens vs transformers", min_cosine=cos.min().item(),
                            top1_agreement=(got.argmax(-1) == ref[:n].argmax(-1)).float().mean().item()))
-
-        def decode_steps():
-            out = []
-            for i in range(n, total):
-                out.append(ours.forward(batch_of([ids[i]], [i], [slots[i]], [0], [i + 1], device=device), kv)[0])
-            return torch.stack(out)
-
-        # the other one-row path first, so the default path's K/V is what the graph checks below read
-        dispatch._NORMS_IN_GEMV = not dispatch._NORMS_IN_GEMV
-        other = decode_steps()
-        dispatch._NORMS_IN_GEMV = not dispatch._NORMS_IN_GEMV
-        got = decode_steps()
-        c = cosine_rows(got, other)
-        checks.append(dict(check="teacher-forced decode, norms in the GEMVs vs norm kernels (default vs other)",
-                           min_cosine=c.min().item(), max_abs_diff=(got - other).abs().max().item(),
-                           top1_agreement=(got.argmax(-1) == other.argmax(-1)).float().mean().item(),
-                           measurement=True))
+        decode_logits = []
+        for i in range(n, total):
+            step = batch_of([ids[i]], [i], [slots[i]], [0], [i + 1], device=device)
+            decode_logits.append(ours.forward(step, kv)[0])
+        got = torch.stack(decode_logits)
         cos = cosine_rows(got, ref[n:total])
         checks.append(dict(check="teacher-forced decode vs transformers", min_cosine=cos.min().item(),
                            top1_agreement=(got.argmax(-1) == ref[n:total].argmax(-1)).float().mean().item()))
@@ -354,6 +355,7 @@ def main() -> int:
         checks += prefill_graph_checks(ours, kv, ids[:n], slots[:n], scratch)
         if torch.cuda.get_device_capability()[0] >= 9:
             checks += step_ab(ours, kv, last, scratch)
+            checks += pdl_ab_wide(ours, kv, last, scratch)
             checks += time_prefill(ours, kv, ids[:n], slots[:n])
         if args.profile:
             profile_decode_step(graphs, kv)

@@ -4,7 +4,7 @@
 # ../shared/BENCHMARK.md, run the transformers baseline, and print a summary.
 #   scripts/build_wheelhouse.py --out .whl; scripts/prepare_tokenizers.py; cp ../shared/bench/hf_baseline.py .gpu/
 #   bash scripts/gpu_run.sh [CASES...]       (CASES: correctness single c64 c256 baseline kernels gemv chain single-cublas
-#                                            single-eager-prefill single-norm-kernels single-nopdl single-pdl-linear single-late smollm2-chat sweep prefix parallel smollm2 smollm2-agree tune
+#                                            single-eager-prefill single-nopdl single-pdl-linear single-late smollm2-chat sweep prefix parallel smollm2 smollm2-agree tune
 #                                            stash steps pd;
 #                                            default: the first five)
 set -u
@@ -145,9 +145,6 @@ fi
 
 if has single-eager-prefill; then  # A/B: the same single case with every prefill launched eagerly
   serve_bench eager-prefill "$SERVE model.prefill_graph_tokens=0" single
-fi
-if has single-norm-kernels; then  # A/B: the same single case with RMSNorm kernels between the GEMVs
-  LLAUNCH_NORMS_IN_GEMV=0 serve_bench norm-kernels "$SERVE" single
 fi
 if has single-nopdl; then  # A/B: the same single case with programmatic dependent launch off
   LLAUNCH_PDL=0 serve_bench nopdl "$SERVE" single

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llaunch.kernels import (decode_attention, gated_linear, linear_add_, normed_linear, norms_in_gemv,
-                             prefill_attention, qkv_rotary_store_kv, rope_cos_sin)
+from llaunch.kernels import decode_attention, gated_linear, prefill_attention, qkv_rotary_store_kv, rope_cos_sin
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.launcher.heads import HeadLayout
@@ -43,23 +42,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self.qkv(x, batch, k_cache, v_cache, cos, sin)
-        return self.o_proj(self.attend(q, batch, k_cache, v_cache, req_to_slots))
-
-    def qkv(self, x, batch: ForwardBatch, k_cache, v_cache, cos, sin, norm=None) -> torch.Tensor:
-        """q, k, v of every token, rotated; k and v stored in their slots. Returns q [T, Hq, D].
-        norm=(sum_sq, weight, eps): x is the residual stream h, normalized inside the GEMV."""
-        return qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
-                                   batch.positions, cos, sin, k_cache, v_cache, batch.out_slots, norm=norm)
-
-    def attend(self, q, batch: ForwardBatch, k_cache, v_cache, req_to_slots) -> torch.Tensor:
-        """Attention over each token's cached context: [T, Hq · D], o_proj's input."""
-        t, d = q.shape[0], self.head_dim
+        t, d = x.shape[0], self.head_dim
+        q = qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
+                                batch.positions, cos, sin, k_cache, v_cache, batch.out_slots)
         nd = batch.num_decode
         if not batch.num_prefill_tokens:  # a decode-only step: the attention output is the whole tensor
             out = decode_attention(q, k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
                                    self.scale, max_len=batch.max_decode_len or None)
-            return out.view(t, self.num_heads * d)
+            return self.o_proj(out.view(t, self.num_heads * d))
         # q_starts index the whole token array, so the prefill op gets all of q; decode rows come first.
         out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,
                                 batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale,
@@ -67,7 +57,7 @@ class Attention(nn.Module):
         if nd:
             out[:nd] = decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows,
                                         batch.decode_seq_lens, self.scale, max_len=batch.max_decode_len or None)
-        return out.view(t, self.num_heads * d)
+        return self.o_proj(out.view(t, self.num_heads * d))
 
 
 class Mlp(nn.Module):
@@ -115,9 +105,6 @@ class DecoderLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads if arch.num_hidden_layers else 0
-        # one-row steps may run the norms inside the GEMVs: without all-reduces between o_proj/down and
-        # the residual add, and without an o_proj bias (added after rounding the product)
-        self._norms_in_gemvs = tp.size == 1 and arch.num_hidden_layers > 0 and not arch.o_proj_bias
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -147,8 +134,6 @@ class DecoderLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KvCache) -> torch.Tensor:
         """→ float32 logits [len(batch.logits_index), vocab]."""
         h = self.embed_tokens(batch.input_ids)
-        if self._norms_in_gemvs and norms_in_gemv(h):
-            return self._forward_norms_in_gemvs(h, batch, kv)
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
             if residual is None:
@@ -164,22 +149,3 @@ class DecoderLM(nn.Module):
             return self.lm_head(self.norm(h, residual)[0])
         h = h[rows] if residual is None else h[rows] + residual[rows]
         return self.lm_head(self.norm(h))
-
-    def _forward_norms_in_gemvs(self, h: torch.Tensor, batch: ForwardBatch, kv: KvCache) -> torch.Tensor:
-        """The same step for one token without tensor parallelism, with no norm kernel inside the layers:
-        o_proj and down_proj add into the residual stream h in place and sum h² as they write it, and
-        the next qkv / gate_up GEMV normalizes h with that sum as it reads it. At batch 1 each norm
-        kernel was a launch and a wait on the step's critical path (55 of them for 28 layers)."""
-        sum_sq = torch.zeros(2 * len(self.layers), dtype=torch.float64, device=h.device)
-        x = self.layers[0].input_layernorm(h)
-        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, kv.k, kv.v)):
-            attn, mlp = layer.self_attn, layer.mlp
-            norm = None if i == 0 else (sum_sq[2 * i - 1:2 * i], layer.input_layernorm.weight,
-                                        layer.input_layernorm.eps)
-            q = attn.qkv(x if i == 0 else h, batch, k_cache, v_cache, self.rope_cos, self.rope_sin, norm=norm)
-            out = attn.attend(q, batch, k_cache, v_cache, kv.req_to_slots)
-            linear_add_(out, attn.o_proj.weight, h, sum_sq[2 * i:2 * i + 1])
-            post = layer.post_attention_layernorm
-            act = normed_linear(h, sum_sq[2 * i:2 * i + 1], post.weight, post.eps, mlp.gate_up_proj.weight, gated=True)
-            linear_add_(act, mlp.down_proj.weight, h, sum_sq[2 * i + 1:2 * i + 2])
-        return self.lm_head(self.norm(h if batch.every_token else h[batch.logits_index]))

@@ -55,64 +55,6 @@ def test_float32_output_is_the_input_dtype_result_widened(ops, poisoned, kernel,
         ops.gemv(x, torch.cat([w, w]), gated=True, out_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n, k, bias, gated", [(37, 300, True, False), (129, 520, False, False), (1, 7, False, False),
-                                               (45, 264, False, True)])
-def test_normed_gemv_interpreted(ops, poisoned, close, dtype, n, k, bias, gated):
-    """norm=(Σh², g, eps): the product with rmsnorm(h, g, eps), h normalized as it is read, from
-    the Σh² given (here the true one, so the reference norm is the oracle)."""
-    h = (3 * torch.randn(1, k)).to(dtype)
-    g = (1 + 0.1 * torch.randn(k)).to(dtype)
-    w = (torch.randn(2 * n if gated else n, k) / k ** 0.5).to(dtype)
-    b = torch.randn(n).to(dtype) if bias else None
-    sum_sq = h.double().pow(2).sum().reshape(1)
-    with poisoned():
-        out = ops.gemv(h, w, b, gated=gated, norm=(sum_sq, g, 1e-5))
-    x = reference.rmsnorm(h, g, 1e-5)
-    close(out, reference.gated_linear(x, w) if gated else reference.linear(x, w, b))
-
-
-def test_normed_gemv_takes_the_sum_of_squares_it_is_given(ops, close):
-    """The kernel normalizes with the Σh² passed in (what o_proj / down_proj summed), not its own,
-    rounding as the norm kernel does: h·rstd to the dtype, then · g to the dtype."""
-    k = 300
-    h, g = torch.randn(1, k).half(), (1 + 0.1 * torch.randn(k)).half()
-    w = (torch.randn(40, k) / k ** 0.5).half()
-    given = 2.5 * h.double().pow(2).sum().item()
-    rstd = torch.rsqrt(torch.tensor(given / k + 1e-6, dtype=torch.float64).float())
-    x = ((h.float() * rstd).half().float() * g.float()).half()
-    out = ops.gemv(h, w, norm=(torch.tensor([given], dtype=torch.float64), g, 1e-6))
-    close(out, reference.linear(x, w))
-    assert (out - reference.linear(reference.rmsnorm(h, g, 1e-6), w)).abs().max() > 0.1  # the true norm differs
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("n, k", [(37, 300), (64, 256), (1, 7)])
-def test_gemv_adds_into_the_residual_and_sums_its_squares(ops, poisoned, close, dtype, n, k):
-    """add_to=(h, Σ): h += x Wᵀ in place, rounded as the norm kernel's residual add, and Σ += Σ(new h)²
-    (float64; the rows past N of the last program add nothing)."""
-    x = torch.randn(1, k).to(dtype)
-    w = (torch.randn(n, k) / k ** 0.5).to(dtype)
-    h = (2 * torch.randn(1, n)).to(dtype)
-    expected = reference.linear(x, w) + h
-    sum_sq = torch.tensor([1.5], dtype=torch.float64)
-    with poisoned():
-        out = ops.gemv(x, w, add_to=(h, sum_sq))
-    assert out is h
-    close(h, expected)
-    assert sum_sq.item() == pytest.approx(1.5 + h.double().pow(2).sum().item(), rel=1e-6)
-
-
-def test_gemv_norm_and_add_to_refuse_what_they_cannot_do(ops):
-    h, ss = torch.randn(1, 8), torch.zeros(1, dtype=torch.float64)
-    with pytest.raises(ValueError, match="norm weight must be torch.float32 \\[8\\]"):
-        ops.gemv(h, torch.randn(4, 8), norm=(ss, torch.ones(9), 1e-6))
-    with pytest.raises(ValueError, match="add_to takes an ungated product"):
-        ops.gemv(h, torch.randn(8, 8), gated=True, add_to=(torch.zeros(1, 4), ss))
-    with pytest.raises(ValueError, match="add_to takes"):
-        ops.gemv(h, torch.randn(4, 8), add_to=(torch.zeros(1, 4).half(), ss))
-
-
 def test_gemv_weight_view(ops, close, kernel):
     """A weight with a row stride wider than K (a column slice) is read through its stride."""
     x = torch.randn(1, 200)
@@ -190,33 +132,6 @@ def test_gated_gemv_gpu(cuda, poisoned, close, gpu_shape, inner, k):
     with poisoned():
         out = kernels.gated_linear(x, w)
     close(out, reference.gated_linear(x, w))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, k, gated", [(4608, 3584, False), (18944, 3584, True), (3584, 18944, False),
-                                         (3584, 3584, False), (5, 17, False)])
-def test_norm_and_add_to_gpu(cuda, poisoned, close, n, k, gated):
-    """Qwen2-7B's one-row step with the norms in the GEMVs, in bf16: qkv and gate_up normalize h as
-    they read it, o_proj and down_proj add into h and sum its squares."""
-    from llaunch.kernels import dispatch
-
-    if n == k or k == 18944 or n == 5:  # an o_proj / down_proj / odd shape: add into h
-        x = torch.randn(1, k, device=cuda).to(torch.bfloat16)
-        w = (torch.randn(n, k, device=cuda) / k ** 0.5).to(torch.bfloat16)
-        h = (4 * torch.randn(1, n, device=cuda)).to(torch.bfloat16)
-        expected = reference.linear(x, w) + h
-        sum_sq = torch.full((1,), 0.25, dtype=torch.float64, device=cuda)
-        dispatch.linear_add_(x, w, h, sum_sq)
-        close(h, expected)
-        assert sum_sq.item() == pytest.approx(0.25 + h.double().pow(2).sum().item(), rel=1e-6)
-        return
-    h = (4 * torch.randn(1, k, device=cuda)).to(torch.bfloat16)
-    g = (1 + 0.1 * torch.randn(k, device=cuda)).to(torch.bfloat16)
-    w = (torch.randn(2 * n if gated else n, k, device=cuda) / k ** 0.5).to(torch.bfloat16)
-    with poisoned():
-        out = dispatch.normed_linear(h, h.double().pow(2).sum().reshape(1), g, 1e-6, w, gated=gated)
-    x = reference.rmsnorm(h, g, 1e-6)
-    close(out, reference.gated_linear(x, w) if gated else reference.linear(x, w))
 
 
 def test_gemv_strided_bias(ops, close):
