@@ -159,29 +159,53 @@ def pdl_ab_wide(model, kv, last, scratch) -> list[dict]:
 
 
 def time_prefill(model, kv, ids, slots) -> list[dict]:
-    """Device time of an eager prefill step (no graph) with plain launches and with PDL on eager
-    launches too (LLAUNCH_PDL=all), for the kernels LLAUNCH_PDL_KERNELS names: whether PDL pays
-    outside the decode graphs. Of the default set (gemv, rmsnorm) a prefill launches only rmsnorm."""
-    out = []
+    """Device time of an eager prefill step (no graph), back to back and from an idle device. (Its
+    linear layers measured the same on cuBLAS and cuBLASLt, and with and without PDL on the eager
+    launches: docs/benchmarks.md.)"""
     n = len(ids)
     batch = batch_of(ids, list(range(n)), slots, [], [], prefill=0)
-    before = pdl.set_mode("0")
-    for mode in ("0", "all", "0", "all"):
-        pdl.set_mode(mode)
-        with torch.inference_mode():
-            for _ in range(3):
+    with torch.inference_mode():
+        for _ in range(3):
+            model.forward(batch, kv)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            model.forward(batch, kv)
+        end.record()
+        torch.cuda.synchronize()
+    out = [dict(check=f"prefill step, {n} tokens, eager, back to back", ms=start.elapsed_time(end) / 20)]
+    return out + latency_from_idle(f"prefill step, {n} tokens, eager", lambda: model.forward(batch, kv))
+
+
+def profile_prefill(model, kv, ids, slots, steps: int = 5) -> None:
+    """Where an eager prefill's device time goes: kernel time by kernel, and the matrix products by
+    input shape (which linear layer each is), per prefill (torch profiler). The step here returns
+    every position's logits, so its LM head (and a cast) covers all rows; a served prefill's
+    takes only the last."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = len(ids)
+    batch = batch_of(ids, list(range(n)), slots, [], [], prefill=0)
+    with torch.inference_mode():
+        model.forward(batch, kv)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            for _ in range(steps):
                 model.forward(batch, kv)
             torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                model.forward(batch, kv)
-            end.record()
-            torch.cuda.synchronize()
-        out.append(dict(check=f"prefill step, {n} tokens, eager, LLAUNCH_PDL={mode}", ms=start.elapsed_time(end) / 20))
-    pdl.set_mode(before)
-    out += latency_from_idle(f"prefill step, {n} tokens, eager", lambda: model.forward(batch, kv))
-    return out
+    kernels = [(e.key, e.device_time_total / steps, e.count / steps) for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    kernels.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in kernels)
+    print(json.dumps(dict(profile=f"prefill, {n} tokens, eager", kernel_us_per_step=round(total, 1))))
+    for name, us, calls in kernels[:14]:
+        print(json.dumps(dict(kernel=name[:100], us_per_step=round(us, 1), calls_per_step=calls,
+                              share=round(us / total, 3))))
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key in ("aten::mm", "aten::addmm") and e.device_time_total > 0:
+            print(json.dumps(dict(op=e.key, shapes=str(e.input_shapes)[:80], us_per_step=round(e.device_time_total / steps, 1),
+                                  calls_per_step=e.count / steps)))
 
 
 def latency_from_idle(what: str, run, rounds: int = 5) -> list[dict]:
@@ -267,7 +291,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--fp32-reference", action="store_true", help="also compare both bf16 runs with float32")
-    ap.add_argument("--profile", action="store_true", help="print the decode step's kernel time by kernel")
+    ap.add_argument("--profile", action="store_true", help="print the decode step's and the prefill's kernel time by kernel")
     ap.add_argument("--smoke", action="store_true", help="a small shape on CPU in float32 (checks the script)")
     args = ap.parse_args()
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
@@ -359,6 +383,7 @@ def main() -> int:
             checks += time_prefill(ours, kv, ids[:n], slots[:n])
         if args.profile:
             profile_decode_step(graphs, kv)
+            profile_prefill(ours, kv, ids[:n], slots[:n])
     for c in checks:
         if c.pop("measurement", False):
             c["pass"] = True
