@@ -56,9 +56,6 @@ def parse_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int, int, 
 
 
 _OVERRIDES = parse_shapes(os.environ.get("LLAUNCH_GEMV_SHAPES", ""))
-# LLAUNCH_GEMV_L2_AHEAD=N: a PDL-launched GEMV program asks L2 for its next N weight tiles before it
-# waits for the previous kernel (row_dots); 0 never. A module attribute: gpu_correctness A/Bs it.
-_L2_AHEAD = int(os.environ.get("LLAUNCH_GEMV_L2_AHEAD", "0"))
 
 
 def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
@@ -95,13 +92,11 @@ def staged_for(weight: torch.Tensor) -> bool:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, L2_AHEAD: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                 BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    if L2_AHEAD > 0:
-        rows = tl.minimum(rows, N - 1)  # masked rows still form addresses for the (unmasked) L2 requests
     y, up_y = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED, PDL,
-                       BLOCK_N, BLOCK_K, L2_AHEAD, LINE_ELEMS)
+                       BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
@@ -150,6 +145,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
-        L2_AHEAD=_L2_AHEAD if use_pdl else 0, LINE_ELEMS=max(1, 128 // weight.element_size()),
         num_warps=warps, launch_pdl=use_pdl)
     return out
