@@ -56,6 +56,14 @@ def parse_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int, int, 
 
 
 _OVERRIDES = parse_shapes(os.environ.get("LLAUNCH_GEMV_SHAPES", ""))
+# Where row_dots requests x's next tile (LLAUNCH_GEMV_X_AHEAD): with the weights' next tile in every
+# GEMV but the gated gate‖up one (`ungated`, the default), in all (`all`), or at the top of the
+# iteration that uses it (`0`). On an H200 the batch-1 step took 3.630 / 3.635 ms ungated against
+# 3.688 / 3.676 with `0` and 3.689 / 3.690 with `all`: in gate_up it costs registers (79 → 93 on sm90,
+# a program fewer an SM). A module attribute: gpu_correctness A/Bs it.
+_X_AHEAD = os.environ.get("LLAUNCH_GEMV_X_AHEAD", "ungated")
+if _X_AHEAD not in ("ungated", "all", "0"):
+    raise ValueError(f"LLAUNCH_GEMV_X_AHEAD={_X_AHEAD!r}: use ungated, all or 0")
 
 
 def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
@@ -92,11 +100,11 @@ def staged_for(weight: torch.Tensor) -> bool:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, X_AHEAD: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     y, up_y = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED, PDL,
-                       BLOCK_N, BLOCK_K)
+                       BLOCK_N, BLOCK_K, X_AHEAD)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
@@ -145,5 +153,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, launch_pdl=use_pdl)
+        X_AHEAD=_X_AHEAD == "all" or (_X_AHEAD == "ungated" and not gated), num_warps=warps, launch_pdl=use_pdl)
     return out

@@ -10,12 +10,14 @@ from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 @triton.jit
 def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_AHEAD: tl.constexpr = False):
     """Σ_k w[r, k]·x[k] in float32 for a program's rows (w_rows: a pointer per row), and for the rows
     up_offset further when GATED. Shared by every one-row kernel, so all walk K tile by tile alike;
     the compiler still lays out each kernel's tile, and so its final in-tile sum, on its own.
     (Two tiles in flight, each summed to its rows as it is used, measured slower on an H200 at every
-    launch shape tried: docs/benchmarks.md, run 4 of the third session.)"""
+    launch shape tried: docs/benchmarks.md, run 4 of the third session.)
+    X_AHEAD: x's next tile is requested with the weights' next tile, instead of at the top of the
+    iteration that uses it (same values, same order: bit-identical sums)."""
     cols = tl.arange(0, BLOCK_K)
     # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
     # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
@@ -27,9 +29,16 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
     wait_for_previous_kernel(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    x_next = tl.zeros([BLOCK_K], dtype=tl.float32)
+    if X_AHEAD:
+        x_next = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         nxt = k0 + BLOCK_K + cols
+        if X_AHEAD:
+            x = x_next
+            x_next = tl.load(x_ptr + nxt, mask=nxt < K, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         mask = row_mask[:, None] & (nxt < K)[None, :]  # all false after the last tile: no traffic
         w_next = tl.load(w_rows[:, None] + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]

@@ -95,14 +95,15 @@ def time_variants(model, kv, last, scratch, variants: dict, batches, rounds: int
     kernel sets of LLAUNCH_PDL_KERNELS and LLAUNCH_PDL_LATE), `qkv_rotary` (LLAUNCH_QKV_ROTARY), `shapes`
     (LLAUNCH_GEMV_SHAPES), `attn_pre_wait` (LLAUNCH_ATTN_PRE_WAIT), `attn_shape` (decode attention's
     stage-1 launch shape function), `lm_head_f32` (the staged LM head's float32 logits),
-    `greedy_kernel` (kernels/greedy.py's argmax). Each is captured as the server does, every bucket
+    `greedy_kernel` (kernels/greedy.py's argmax), `x_ahead` (LLAUNCH_GEMV_X_AHEAD). Each is captured as the server does, every bucket
     up to max(batches)."""
     from llaunch.kernels import gemv
 
     attention = importlib.import_module("llaunch.kernels.decode_attention")  # the package binds the op's name
     attributes = {"shapes": (gemv, "_OVERRIDES"), "qkv_rotary": (dispatch, "_FUSED_QKV_ROTARY"),
                   "attn_pre_wait": (attention, "PRE_WAIT"), "attn_shape": (attention, "_launch_shape"),
-                  "lm_head_f32": (dispatch, "_LM_HEAD_FLOAT32"), "greedy_kernel": (dispatch, "_GREEDY_KERNEL")}
+                  "lm_head_f32": (dispatch, "_LM_HEAD_FLOAT32"), "greedy_kernel": (dispatch, "_GREEDY_KERNEL"),
+                  "x_ahead": (gemv, "_X_AHEAD")}
     out = []
     for _ in range(rounds):
         for name, changes in variants.items():
@@ -132,6 +133,8 @@ def step_ab(model, kv, last, scratch) -> list[dict]:
     variants = {
         f"default ({'fused' if dispatch._FUSED_QKV_ROTARY else 'unfused'} qkv+rotary, PDL on "
         f"{'+'.join(sorted(pdl._kernels))}, late: {'+'.join(sorted(pdl._late)) or '-'})": {},
+        **{f"GEMVs request x's next tile with the weights' (LLAUNCH_GEMV_X_AHEAD={v})": dict(x_ahead=v)
+           for v in ("all", "ungated", "0") if v != gemv._X_AHEAD},
         other_qkv: dict(qkv_rotary=not dispatch._FUSED_QKV_ROTARY),
         "decode attention tiles of 128 tokens (64 by default for split contexts)":
             dict(attn_shape=lambda q, dim, splits: (128, 4, 2)),

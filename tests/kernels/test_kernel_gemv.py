@@ -55,6 +55,19 @@ def test_float32_output_is_the_input_dtype_result_widened(ops, poisoned, kernel,
         ops.gemv(x, torch.cat([w, w]), gated=True, out_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("x_ahead", ["all", "ungated"])
+def test_x_one_tile_ahead_gives_the_same_sums(ops, monkeypatch, x_ahead):
+    """Requesting x's next tile early changes when it is loaded, not what is summed: bit-identical."""
+    from llaunch.kernels import gemv
+
+    monkeypatch.setattr(gemv, "INTERPRETED_SHAPE", (16, 64, 4, 0))
+    monkeypatch.setattr(gemv, "_X_AHEAD", "0")
+    x, w = torch.randn(1, 300).half(), (torch.randn(2 * 37, 300) / 300 ** 0.5).half()
+    before = (ops.gemv(x, w), ops.gemv(x, w, gated=True))
+    monkeypatch.setattr(gemv, "_X_AHEAD", x_ahead)
+    assert torch.equal(ops.gemv(x, w), before[0]) and torch.equal(ops.gemv(x, w, gated=True), before[1])
+
+
 def test_gemv_weight_view(ops, close, kernel):
     """A weight with a row stride wider than K (a column slice) is read through its stride."""
     x = torch.randn(1, 200)

@@ -37,12 +37,15 @@ STAGED = {(QH * D + 2 * KVH * D, H, False): (8, 256, 4, 6), (H, QH * D, False): 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [True, False], ids=["qkv+rotary fused", "qkv then rotary"])
 @pytest.mark.parametrize("shapes", [{}, STAGED], ids=["built-in GEMV shapes", "staged GEMVs"])
-def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda, monkeypatch, fused, shapes):
+@pytest.mark.parametrize("x_ahead", ["0", "ungated", "all"],
+                         ids=["x at each iteration", "x one tile ahead but in gate_up", "x one tile ahead"])
+def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda, monkeypatch, fused, shapes, x_ahead):
     if not torch.cuda.get_device_capability()[0] >= 9:
         pytest.skip("PDL needs Hopper or later")
     from llaunch.kernels import gemv
 
     monkeypatch.setattr(gemv, "_OVERRIDES", {**gemv._OVERRIDES, **shapes})
+    monkeypatch.setattr(gemv, "_X_AHEAD", x_ahead)
     bf = torch.bfloat16
     w = {"norm": torch.rand(H, device=cuda).to(bf) + 0.5, "qkv": (torch.randn(QH * D + 2 * KVH * D, H, device=cuda) / 60).to(bf),
          "bias": torch.randn(QH * D + 2 * KVH * D, device=cuda).to(bf), "o": (torch.randn(H, QH * D, device=cuda) / 60).to(bf),
