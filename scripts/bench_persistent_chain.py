@@ -70,19 +70,89 @@ def _issue(j, layer, r, a_desc, b_desc, ring, bars, n_a, start_a, start_b, NA: g
 
 
 @gluon.jit
+def _await_phase(counters_ptr, phase, P):
+    """Wait until every program has finished the previous phase, whose output this phase reads."""
+    if phase > 0:
+        while gl.atomic_add(counters_ptr + phase - 1, 0, sem="acquire", scope="gpu") < P:
+            pass
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _load_x_chunk(xs, base, chunk, ch, k_len, x_cols, CHP: gl.constexpr, BK: gl.constexpr):
+    """A new chunk of the phase's input into shared memory: its CH tiles of fp32 sums, rounded to bf16."""
+    gl.thread_barrier()
+    for q in gl.static_range(CHP):
+        offs = (chunk * ch + q) * BK + x_cols
+        x = gl.load(base + offs, mask=(q < ch) & (offs < k_len), other=0.0, cache_modifier=".cg")
+        xs.index(q).store(x.to(gl.bfloat16))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _share(P, TA: gl.constexpr, TB: gl.constexpr):
+    """This program's even share of each phase's TA / TB tiles: (count A, count B, first A, first B)."""
+    pid = gl.program_id(0)
+    start_a = pid * TA // P
+    start_b = pid * TB // P
+    return (pid + 1) * TA // P - start_a, (pid + 1) * TB // P - start_b, start_a, start_b
+
+
+@gluon.jit
+def _advance(layer, r, per_layer):
+    """The next tile of this program's share: (layer, index in the layer's share)."""
+    r += 1
+    if r == per_layer:
+        r = 0
+        layer += 1
+    return layer, r
+
+
+@gluon.jit
+def _tile_input(layer, r, n_a, n_b, start_a, start_b, xs, x_cols, acc_a_ptr, acc_b_ptr, counters_ptr, P,
+                NA: gl.constexpr, KA: gl.constexpr, NB: gl.constexpr, KB: gl.constexpr, RA: gl.constexpr,
+                RB: gl.constexpr, CHA: gl.constexpr, CHB: gl.constexpr, CHP: gl.constexpr, BN: gl.constexpr,
+                BK: gl.constexpr):
+    """Before a tile's multiply: at a phase's first tile wait for the previous phase, at a new chunk
+    load its x. Returns (is phase A, row block, k tile in chunk, tiles a chunk, phase, last tile of
+    this program's share of the phase)."""
+    is_a, block, kt, chunk, w_row, col = _coords(layer, r, n_a, start_a, start_b, NA, NB, RA, RB, CHA, CHB, BN, BK)
+    phase = 2 * layer + gl.where(is_a, 0, 1)
+    first = (r == 0) | (r == n_a)
+    last = (r == n_a - 1) | (r == n_a + n_b - 1)
+    if first:
+        _await_phase(counters_ptr, phase, P)
+    ch = gl.where(is_a, CHA, CHB)
+    if first | ((kt == 0) & (block == 0)):  # a new chunk of x
+        k_len = gl.where(is_a, KA, KB)
+        base = gl.where(is_a, acc_b_ptr + layer * KA, acc_a_ptr + layer * KB)
+        _load_x_chunk(xs, base, chunk, ch, k_len, x_cols, CHP, BK)
+    return is_a, block, kt, ch, phase, last
+
+
+@gluon.jit
+def _retire_tile(acc, is_a, block, kt, ch, phase, last, layer, rows_in_block, acc_a_ptr, acc_b_ptr, counters_ptr,
+                 NA: gl.constexpr, NB: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, layout: gl.constexpr):
+    """After a tile's multiply: at the end of a row block's chunk add the partial sums into the phase's
+    output; after the program's last tile of a phase, count it done. Returns the accumulator."""
+    if (kt == ch - 1) | last:  # the end of this program's part of a row block's chunk
+        out = gl.where(is_a, acc_a_ptr + layer * NA, acc_b_ptr + (layer + 1) * NB)
+        gl.atomic_add(out + block * BN + rows_in_block, gl.sum(acc, axis=1), sem="relaxed")
+        acc = gl.zeros([BN, BK], gl.float32, layout)
+    if last:
+        gl.thread_barrier()
+        gl.atomic_add(counters_ptr + phase, 1, sem="release", scope="gpu")
+    return acc
+
+
+@gluon.jit
 def chain_kernel(a_desc, b_desc, acc_a_ptr, acc_b_ptr, counters_ptr, L, P,
                  NA: gl.constexpr, KA: gl.constexpr, NB: gl.constexpr, KB: gl.constexpr,
                  CHA: gl.constexpr, CHB: gl.constexpr, CHP: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr, num_warps: gl.constexpr):
     RA: gl.constexpr = NA // BN
     RB: gl.constexpr = NB // BN
-    TA: gl.constexpr = RA * KA // BK
-    TB: gl.constexpr = RB * KB // BK
-    pid = gl.program_id(0)
-    start_a = pid * TA // P
-    n_a = (pid + 1) * TA // P - start_a
-    start_b = pid * TB // P
-    n_b = (pid + 1) * TB // P - start_b
+    n_a, n_b, start_a, start_b = _share(P, RA * KA // BK, RB * KB // BK)
     total = L * (n_a + n_b)
 
     blocked: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
@@ -101,10 +171,7 @@ def chain_kernel(a_desc, b_desc, acc_a_ptr, acc_b_ptr, counters_ptr, L, P,
         if j < total:
             _issue(j, i_layer, i_r, a_desc, b_desc, ring, bars, n_a, start_a, start_b, NA, NB, RA, RB, CHA, CHB, BN,
                    BK, STAGES)
-        i_r += 1
-        if i_r == per_layer:
-            i_r = 0
-            i_layer += 1
+        i_layer, i_r = _advance(i_layer, i_r, per_layer)
 
     acc = gl.zeros([BN, BK], gl.float32, blocked)
     rows_in_block = gl.arange(0, BN, layout=y_layout)
@@ -117,46 +184,18 @@ def chain_kernel(a_desc, b_desc, acc_a_ptr, acc_b_ptr, counters_ptr, L, P,
         if j + STAGES - 1 < total:
             _issue(j + STAGES - 1, i_layer, i_r, a_desc, b_desc, ring, bars, n_a, start_a, start_b, NA, NB, RA, RB,
                    CHA, CHB, BN, BK, STAGES)
-        i_r += 1
-        if i_r == per_layer:
-            i_r = 0
-            i_layer += 1
-        is_a, block, kt, chunk, w_row, col = _coords(layer, r, n_a, start_a, start_b, NA, NB, RA, RB, CHA, CHB, BN,
-                                                     BK)
-        phase = 2 * layer + gl.where(is_a, 0, 1)
-        first = (r == 0) | (r == n_a)
-        last = (r == n_a - 1) | (r == per_layer - 1)
-        if first:
-            if phase > 0:  # the phase's input is the previous phase's output, from every program
-                while gl.atomic_add(counters_ptr + phase - 1, 0, sem="acquire", scope="gpu") < P:
-                    pass
-                gl.thread_barrier()
-        ch = gl.where(is_a, CHA, CHB)
-        if first | ((kt == 0) & (block == 0)):  # a new chunk of x: its CH tiles, rounded to bf16
-            k_len = gl.where(is_a, KA, KB)
-            base = gl.where(is_a, acc_b_ptr + layer * KA, acc_a_ptr + layer * KB)
-            gl.thread_barrier()
-            for q in gl.static_range(CHP):
-                offs = (chunk * ch + q) * BK + x_cols
-                x = gl.load(base + offs, mask=(q < ch) & (offs < k_len), other=0.0, cache_modifier=".cg")
-                xs.index(q).store(x.to(gl.bfloat16))
-            gl.thread_barrier()
+        i_layer, i_r = _advance(i_layer, i_r, per_layer)
+        is_a, block, kt, ch, phase, last = _tile_input(layer, r, n_a, n_b, start_a, start_b, xs, x_cols, acc_a_ptr,
+                                                       acc_b_ptr, counters_ptr, P, NA, KA, NB, KB, RA, RB, CHA, CHB,
+                                                       CHP, BN, BK)
         s = j % STAGES
         mbarrier.wait(bars.index(s), (j // STAGES) & 1)
         w = ring.index(s).load(blocked)
         xt = xs.index(kt).load(x_layout)
         acc += w.to(gl.float32) * xt.to(gl.float32)[None, :]
-        if (kt == ch - 1) | last:  # the end of this program's part of a row block's chunk
-            out = gl.where(is_a, acc_a_ptr + layer * NA, acc_b_ptr + (layer + 1) * NB)
-            gl.atomic_add(out + block * BN + rows_in_block, gl.sum(acc, axis=1), sem="relaxed")
-            acc = gl.zeros([BN, BK], gl.float32, blocked)
-        if last:
-            gl.thread_barrier()
-            gl.atomic_add(counters_ptr + phase, 1, sem="release", scope="gpu")
-        r += 1
-        if r == per_layer:
-            r = 0
-            layer += 1
+        acc = _retire_tile(acc, is_a, block, kt, ch, phase, last, layer, rows_in_block, acc_a_ptr, acc_b_ptr,
+                           counters_ptr, NA, NB, BN, BK, blocked)
+        layer, r = _advance(layer, r, per_layer)
 
 
 @gluon.jit
@@ -173,10 +212,7 @@ def _ws_producer(a_desc, b_desc, ring, ready, empty, total, n_a, n_b, start_a, s
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # the first round passes: phase starts at 0
         _issue(j, layer, r, a_desc, b_desc, ring, ready, n_a, start_a, start_b, NA, NB, RA, RB, CHA, CHB, BN, BK,
                STAGES)
-        r += 1
-        if r == per_layer:
-            r = 0
-            layer += 1
+        layer, r = _advance(layer, r, per_layer)
 
 
 @gluon.jit
@@ -194,26 +230,9 @@ def _ws_consumer(ring, ready, empty, xs, acc_a_ptr, acc_b_ptr, counters_ptr, P, 
     layer = 0
     r = 0
     for j in range(total):
-        is_a, block, kt, chunk, w_row, col = _coords(layer, r, n_a, start_a, start_b, NA, NB, RA, RB, CHA, CHB, BN,
-                                                     BK)
-        phase = 2 * layer + gl.where(is_a, 0, 1)
-        first = (r == 0) | (r == n_a)
-        last = (r == n_a - 1) | (r == per_layer - 1)
-        if first:
-            if phase > 0:
-                while gl.atomic_add(counters_ptr + phase - 1, 0, sem="acquire", scope="gpu") < P:
-                    pass
-                gl.thread_barrier()
-        ch = gl.where(is_a, CHA, CHB)
-        if first | ((kt == 0) & (block == 0)):
-            k_len = gl.where(is_a, KA, KB)
-            base = gl.where(is_a, acc_b_ptr + layer * KA, acc_a_ptr + layer * KB)
-            gl.thread_barrier()
-            for q in gl.static_range(CHP):
-                offs = (chunk * ch + q) * BK + x_cols
-                x = gl.load(base + offs, mask=(q < ch) & (offs < k_len), other=0.0, cache_modifier=".cg")
-                xs.index(q).store(x.to(gl.bfloat16))
-            gl.thread_barrier()
+        is_a, block, kt, ch, phase, last = _tile_input(layer, r, n_a, n_b, start_a, start_b, xs, x_cols, acc_a_ptr,
+                                                       acc_b_ptr, counters_ptr, P, NA, KA, NB, KB, RA, RB, CHA, CHB,
+                                                       CHP, BN, BK)
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         w = ring.index(s).load(blocked)
@@ -221,17 +240,9 @@ def _ws_consumer(ring, ready, empty, xs, acc_a_ptr, acc_b_ptr, counters_ptr, P, 
         acc += w.to(gl.float32) * xt.to(gl.float32)[None, :]
         gl.thread_barrier()  # every consumer warp has read the stage
         mbarrier.arrive(empty.index(s))
-        if (kt == ch - 1) | last:
-            out = gl.where(is_a, acc_a_ptr + layer * NA, acc_b_ptr + (layer + 1) * NB)
-            gl.atomic_add(out + block * BN + rows_in_block, gl.sum(acc, axis=1), sem="relaxed")
-            acc = gl.zeros([BN, BK], gl.float32, blocked)
-        if last:
-            gl.thread_barrier()
-            gl.atomic_add(counters_ptr + phase, 1, sem="release", scope="gpu")
-        r += 1
-        if r == per_layer:
-            r = 0
-            layer += 1
+        acc = _retire_tile(acc, is_a, block, kt, ch, phase, last, layer, rows_in_block, acc_a_ptr, acc_b_ptr,
+                           counters_ptr, NA, NB, BN, BK, blocked)
+        layer, r = _advance(layer, r, per_layer)
 
 
 @gluon.jit
@@ -243,13 +254,7 @@ def chain_kernel_ws(a_desc, b_desc, acc_a_ptr, acc_b_ptr, counters_ptr, L, P,
     the consumer warps only wait, multiply and add, and release each stage through an mbarrier."""
     RA: gl.constexpr = NA // BN
     RB: gl.constexpr = NB // BN
-    TA: gl.constexpr = RA * KA // BK
-    TB: gl.constexpr = RB * KB // BK
-    pid = gl.program_id(0)
-    start_a = pid * TA // P
-    n_a = (pid + 1) * TA // P - start_a
-    start_b = pid * TB // P
-    n_b = (pid + 1) * TB // P - start_b
+    n_a, n_b, start_a, start_b = _share(P, RA * KA // BK, RB * KB // BK)
     total = L * (n_a + n_b)
     ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], a_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
