@@ -29,7 +29,6 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
     wait_for_previous_kernel(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    x_next = tl.zeros([BLOCK_K], dtype=tl.float32)
     if X_AHEAD:
         x_next = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     for k0 in range(0, K, BLOCK_K):
