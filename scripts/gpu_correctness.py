@@ -181,36 +181,6 @@ def time_prefill(model, kv, ids, slots) -> list[dict]:
     return out + latency_from_idle(f"prefill step, {n} tokens, eager", lambda: model.forward(batch, kv))
 
 
-def profile_prefill(model, kv, ids, slots, steps: int = 5) -> None:
-    """Where an eager prefill's device time goes: kernel time by kernel, and the matrix products by
-    input shape (which linear layer each is), per prefill (torch profiler). The step here returns
-    every position's logits, so its LM head (and a cast) covers all rows; a served prefill's
-    takes only the last."""
-    from torch.profiler import ProfilerActivity, profile
-
-    n = len(ids)
-    batch = batch_of(ids, list(range(n)), slots, [], [], prefill=0)
-    with torch.inference_mode():
-        model.forward(batch, kv)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-            for _ in range(steps):
-                model.forward(batch, kv)
-            torch.cuda.synchronize()
-    kernels = [(e.key, e.device_time_total / steps, e.count / steps) for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
-    kernels.sort(key=lambda r: -r[1])
-    total = sum(r[1] for r in kernels)
-    print(json.dumps(dict(profile=f"prefill, {n} tokens, eager", kernel_us_per_step=round(total, 1))))
-    for name, us, calls in kernels[:14]:
-        print(json.dumps(dict(kernel=name[:100], us_per_step=round(us, 1), calls_per_step=calls,
-                              share=round(us / total, 3))))
-    for e in prof.key_averages(group_by_input_shape=True):
-        if e.key in ("aten::mm", "aten::addmm") and e.device_time_total > 0:
-            print(json.dumps(dict(op=e.key, shapes=str(e.input_shapes)[:80], us_per_step=round(e.device_time_total / steps, 1),
-                                  calls_per_step=e.count / steps)))
-
-
 def latency_from_idle(what: str, run, rounds: int = 5) -> list[dict]:
     """`run()` from an idle device, as a new request meets it: the host's time to enqueue it, the
     device's time, and the wall time to its result (medians). Back-to-back timing hides the host's
@@ -263,29 +233,6 @@ def prefill_graph_checks(model, kv, ids, slots, scratch: int) -> list[dict]:
             out.append(check)
     chunk = PrefillChunk(row=0, token_ids=list(ids), start=0, slots=list(slots), sample=True)
     return out + latency_from_idle(f"prefill graph, {len(ids)} tokens", lambda: graphs.run(chunk))
-
-
-def profile_decode_step(graphs: DecodeGraphs, kv, context: int = 1024, steps: int = 20) -> None:
-    """Kernel time per decode step, by kernel name (torch profiler over graph replays), batch 1 and 256:
-    where the step's device time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for b in (1, 256):
-        args = decode_args(kv, b, context)
-        graphs.run(*args)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                graphs.run(*args)
-            torch.cuda.synchronize()
-        rows = [(e.key, e.device_time_total / steps, e.count / steps) for e in prof.key_averages()
-                if e.device_time_total > 0]
-        rows.sort(key=lambda r: -r[1])
-        total = sum(r[1] for r in rows)
-        print(json.dumps(dict(profile=f"decode step, batch {b}, context {context}", kernel_us_per_step=round(total, 1))))
-        for name, us, calls in rows[:18]:
-            print(json.dumps(dict(batch=b, kernel=name[:90], us_per_step=round(us, 1), calls_per_step=calls,
-                                  share=round(us / total, 3))))
 
 
 def main() -> int:
@@ -385,8 +332,10 @@ def main() -> int:
             checks += pdl_ab_wide(ours, kv, last, scratch)
             checks += time_prefill(ours, kv, ids[:n], slots[:n])
         if args.profile:
-            profile_decode_step(graphs, kv)
-            profile_prefill(ours, kv, ids[:n], slots[:n])
+            import gpu_profile  # imports this module's step builders: only when asked for
+
+            gpu_profile.profile_decode_step(graphs, kv)
+            gpu_profile.profile_prefill(ours, kv, ids[:n], slots[:n])
     for c in checks:
         if c.pop("measurement", False):
             c["pass"] = True
