@@ -8,28 +8,20 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import sys
 import types
 from typing import Optional
 
 import torch
 
-from llaunch.kernels import reference
+from llaunch.kernels import reference, settings
 
-_FORCE_REFERENCE = os.environ.get("LLAUNCH_KERNELS", "") == "reference"
-# LLAUNCH_GEMV=cublas keeps batch-1 linear layers on cuBLAS (A/B timing of the GEMV kernel).
-_TRITON_GEMV = os.environ.get("LLAUNCH_GEMV", "triton") != "cublas"
-# LLAUNCH_QKV_ROTARY=1 runs the one-row qkv GEMV with the rotary + KV store in its epilogue, one kernel;
-# by default they are two (the GEMV, then rotary_store_kv): since rotary launches with PDL, two kernels
-# measured 1–12 µs a step faster in five runs on an H200 (docs/benchmarks.md), bit-identical results.
-_FUSED_QKV_ROTARY = os.environ.get("LLAUNCH_QKV_ROTARY", "0") == "1"
-_KERNEL_MODULES = ("gemv", "qkv_rotary", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
+_KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
                    "silu_mul", "sampling", "greedy")
 
 
 def _use_triton(t) -> bool:
-    return t.is_cuda and not _FORCE_REFERENCE
+    return t.is_cuda and not settings.current.reference
 
 
 @functools.cache
@@ -51,7 +43,6 @@ def triton_ops() -> types.SimpleNamespace:
         silu_mul=modules["silu_mul"].silu_mul,
         gemv=modules["gemv"].gemv,
         gemv_staged_for=modules["gemv"].staged_for,
-        qkv_rotary_store_kv=modules["qkv_rotary"].qkv_rotary_store_kv,
         greedy_tokens=modules["greedy"].greedy_tokens,
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
@@ -102,7 +93,7 @@ def decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, *
 
 def _one_row(x) -> bool:
     # Batch-1 decode reads every weight for one row: the GEMV kernel; wider inputs go to cuBLAS.
-    return _TRITON_GEMV and _use_triton(x) and x.dim() == 2 and x.shape[0] == 1
+    return settings.current.triton_gemv and _use_triton(x) and x.dim() == 2 and x.shape[0] == 1
 
 
 def linear(x, weight, bias=None):
@@ -111,18 +102,14 @@ def linear(x, weight, bias=None):
     return reference.linear(x, weight, bias)
 
 
-# The staged LM head writes float32 logits itself (bf16-rounded, as cuBLAS + .float()): no cast kernel
-# after it in the decode graph. An attribute, not a switch: scripts/gpu_correctness.py times both.
-_LM_HEAD_FLOAT32 = True
-
-
 def lm_head_linear(x, weight):
     """The LM head: for one row on a GPU the staged GEMV where gemv.staged_for says so (by default a
     vocabulary-sized weight on Hopper: 0.237 ms for Qwen2-7B's against cuBLAS's 0.248), else cuBLAS.
-    LLAUNCH_GEMV_SHAPES with STAGES 0 for the LM head's shape keeps it on cuBLAS. The logits come in
-    x's dtype or, from the staged GEMV, already in float32 (same values)."""
+    kernels.gemv_shapes with STAGES 0 for the LM head's shape keeps it on cuBLAS. The logits come in
+    x's dtype or, from the staged GEMV, already in float32 (same values, bf16-rounded as cuBLAS +
+    .float(): no cast kernel after it in the decode graph)."""
     if _one_row(x) and triton_ops().gemv_staged_for(weight):
-        return triton_ops().gemv(x, weight, out_dtype=torch.float32 if _LM_HEAD_FLOAT32 else None)
+        return triton_ops().gemv(x, weight, out_dtype=torch.float32)
     return reference.linear(x, weight)
 
 
@@ -135,12 +122,9 @@ def gated_linear(x, weight):
 def qkv_rotary_store_kv(x, weight, bias, n_q_heads: int, n_kv_heads: int, positions, cos, sin, k_cache, v_cache,
                         slots):
     """The attention block's input half: x through the fused q‖k‖v weight, rotary on q and k, k and v
-    stored at each token's slot; returns the rotated q [T, Hq, D]. One row on a GPU: one kernel."""
+    stored at each token's slot; returns the rotated q [T, Hq, D]. (Rotary in the qkv GEMV's epilogue,
+    one kernel, measured 1–12 µs a step slower than these two under PDL, and was removed.)"""
     d = k_cache.shape[-1]
-    if (_FUSED_QKV_ROTARY and _one_row(x) and k_cache.dtype == v_cache.dtype == x.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] == n_kv_heads):
-        return triton_ops().qkv_rotary_store_kv(x, weight, bias, n_q_heads, n_kv_heads, positions, cos, sin,
-                                                k_cache, v_cache, slots)
     t = x.shape[0]
     q, k, v = linear(x, weight, bias).split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1)
     return rotary_store_kv(q.view(t, n_q_heads, d), k.view(t, n_kv_heads, d), v.view(t, n_kv_heads, d), positions,
@@ -153,14 +137,10 @@ def silu_mul(x):
     return reference.silu_mul(x)
 
 
-# The decode graphs' argmax as kernels/greedy.py's two kernels instead of torch.argmax + an index write.
-# An attribute, not a switch: scripts/gpu_correctness.py times both.
-_GREEDY_KERNEL = True
-
-
 def greedy_tokens(logits, rows, last_token):
-    """Each row's argmax (the first on ties), written to last_token[rows] too: a decode graph's end."""
-    if _GREEDY_KERNEL and _use_triton(logits):
+    """Each row's argmax (the first on ties), written to last_token[rows] too: a decode graph's end
+    (kernels/greedy.py's two kernels on a GPU: 9 µs less than torch.argmax + an index write at batch 1)."""
+    if _use_triton(logits):
         return triton_ops().greedy_tokens(logits, rows, last_token)
     return reference.greedy_tokens(logits, rows, last_token)
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llaunch.kernels import gemv_staged, pdl
+from llaunch.kernels import gemv_staged, pdl, settings
 from llaunch.kernels.row_dots import row_dots
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -26,44 +26,10 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 INTERPRETED_SHAPE = (32, 256, 4, 0)
 
 
-def parse_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int, int, int]]:
-    """`LLAUNCH_GEMV_SHAPES`: launch shapes per weight shape, overriding launch_shape's, as
-    comma-separated `NxK=BLOCK_N/BLOCK_K/WARPS[/STAGES]` (N output rows, K inputs; `NxK:gated=...` for a
-    gate‖up weight, N its output rows, I; STAGES: see launch_shape, absent 0). What
-    `scripts/bench_gemv_chain.py --sweep --emit-shapes` writes for the GPU it ran on."""
-    shapes = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        try:
-            key, value = item.split("=")
-            dims, _, kind = key.partition(":")
-            n, k = (int(v) for v in dims.split("x"))
-            values = [int(v) for v in value.split("/")]
-            if len(values) not in (3, 4):
-                raise ValueError
-            block_n, block_k, warps, stages = (*values, 0)[:4]
-        except ValueError:
-            raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r} is not "
-                             "NxK[:gated]=BLOCK_N/BLOCK_K/WARPS[/STAGES]") from None
-        powers = all(v > 0 and v & (v - 1) == 0 for v in (block_n, block_k, warps))
-        if kind not in ("", "gated") or not powers or warps > 16:
-            raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r}: blocks and warps must be powers of two (warps ≤ 16), "
-                             "the only suffix is ':gated'")
-        if stages and (stages < 2 or max(block_n, block_k) > gemv_staged.MAX_TMA_BOX or block_k < 16):
-            raise ValueError(f"LLAUNCH_GEMV_SHAPES: {item!r}: STAGES is 0 or ≥ 2, and the staged kernel (≥ 2) "
-                             f"takes blocks of at most {gemv_staged.MAX_TMA_BOX} (a TMA box) and BLOCK_K ≥ 16 (16-byte rows)")
-        shapes[(n, k, kind == "gated")] = (block_n, block_k, warps, stages)
-    return shapes
-
-
-_OVERRIDES = parse_shapes(os.environ.get("LLAUNCH_GEMV_SHAPES", ""))
-# Where row_dots requests x's next tile (LLAUNCH_GEMV_X_AHEAD): with the weights' next tile in every
-# GEMV but the gated gate‖up one (`ungated`, the default), in all (`all`), or at the top of the
-# iteration that uses it (`0`). On an H200 the batch-1 step took 3.630 / 3.635 ms ungated against
-# 3.688 / 3.676 with `0` and 3.689 / 3.690 with `all`: in gate_up it costs registers (79 → 93 on sm90,
-# a program fewer an SM). A module attribute: gpu_correctness A/Bs it.
-_X_AHEAD = os.environ.get("LLAUNCH_GEMV_X_AHEAD", "ungated")
-if _X_AHEAD not in ("ungated", "all", "0"):
-    raise ValueError(f"LLAUNCH_GEMV_X_AHEAD={_X_AHEAD!r}: use ungated, all or 0")
+# Every GEMV but the gated gate‖up one requests x's next tile with the weights' next tile (row_dots'
+# X_AHEAD). On an H200 the batch-1 step took 3.630 / 3.635 ms so against 3.688 / 3.676 with x loaded
+# at the top of each iteration, and 3.689 / 3.690 with gate_up ahead too: there it costs registers
+# (79 → 93 on sm90, a program fewer an SM).
 
 
 def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
@@ -77,8 +43,9 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     more rows per program where outputs are fewer than inputs."""
     if _INTERPRETED:
         return INTERPRETED_SHAPE
-    if (n, k, gated) in _OVERRIDES:
-        return _OVERRIDES[(n, k, gated)]
+    overrides = settings.current.gemv_shapes
+    if (n, k, gated) in overrides:
+        return overrides[(n, k, gated)]
     if n >= 65536:  # an LM head: the staged kernel (run 4: 0.237 ms for Qwen2-7B's, cuBLAS 0.248)
         return 16, 256, 4, 4
     if gated:
@@ -90,7 +57,7 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
 
 def staged_for(weight: torch.Tensor) -> bool:
     """Does a one-row product with this weight run the staged kernel: a launch shape with STAGES ≥ 2
-    (the built-in one for an LM head, or LLAUNCH_GEMV_SHAPES), a weight TMA can address, and a GPU
+    (the built-in one for an LM head, or kernels.gemv_shapes), a weight TMA can address, and a GPU
     it was measured on (Hopper; before it Triton lowers the descriptors to plain loads)? What
     dispatch.lm_head_linear asks before it leaves cuBLAS."""
     return (launch_shape(*weight.shape, False)[3] >= 2 and gemv_staged.tma_ready(weight)
@@ -153,5 +120,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
-        X_AHEAD=_X_AHEAD == "all" or (_X_AHEAD == "ungated" and not gated), num_warps=warps, launch_pdl=use_pdl)
+        X_AHEAD=not gated, num_warps=warps, launch_pdl=use_pdl)
     return out

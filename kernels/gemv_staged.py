@@ -24,7 +24,6 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-MAX_TMA_BOX = 256  # elements per dimension of one TMA copy
 
 
 def _x_load_asm(bits: int, pdl: bool) -> str:

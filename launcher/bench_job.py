@@ -10,8 +10,8 @@ into the job's directory:
     status.json   {"status": "ok" | "failed", "reason": ..., "overrides": [...], "seconds": {...}, ...}
 
 A failing job (bad config, crash, timeout) is recorded with its reason and the sweep goes on.
-Timeouts: $LLAUNCH_BENCH_READY_TIMEOUT_S (server start, default 900 s) and $LLAUNCH_BENCH_TIMEOUT_S
-(the benchmark, default 3600 s).
+Timeouts: bench.ready_timeout_s (server start, default 900 s) and bench.timeout_s (the benchmark,
+default 3600 s).
 """
 from __future__ import annotations
 
@@ -26,14 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from llaunch.launcher import gpus
 from llaunch.launcher.bench_server import JobFailed, ServerProcess, die_with_parent, tail, wait_port_free
-from llaunch.launcher.schema import BenchConfig, Device, LlaunchConfig, RunConfig
+from llaunch.runtime.config import BenchConfig, Device, LlaunchConfig, RunConfig
 from llaunch.launcher.store import REPO_ROOT
 from llaunch.launcher.sweep_progress import SweepProgress, output_root
 
 BENCH_SCRIPT = REPO_ROOT / "scripts" / "bench_serving.py"
-READY_TIMEOUT_S = float(os.environ.get("LLAUNCH_BENCH_READY_TIMEOUT_S", "900"))
-BENCH_TIMEOUT_S = float(os.environ.get("LLAUNCH_BENCH_TIMEOUT_S", "3600"))
 PORT_FREE_TIMEOUT_S = 30.0
 # Launchers that run one job at a time (basic) or place GPUs themselves (submitit: Slurm's allocation):
 # every other launcher (joblib, ...) runs jobs side by side on this host, so each job gets its own GPUs.
@@ -72,20 +71,9 @@ def job_gpus(num: int, gpus_per_job: int, visible: list[str]) -> list[str]:
     return visible[slot * gpus_per_job:(slot + 1) * gpus_per_job]
 
 
-def _visible_gpus() -> list[str]:
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [g for g in env.split(",") if g.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
 def _uses_cuda(device: Device) -> bool:
     if device == Device.auto:
-        import torch
-
-        return torch.cuda.is_available()
+        return gpus.visible_count() > 0
     return device == Device.cuda
 
 
@@ -93,7 +81,7 @@ def server_env(job: BenchJob, cfg: LlaunchConfig) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("HYDRA_FULL_ERROR", None)  # set by our own main(); the server reports config errors itself
     if job.shares_host and _uses_cuda(cfg.device):
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(job_gpus(job.num, cfg.parallel.tp * cfg.parallel.dp, _visible_gpus()))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(job_gpus(job.num, cfg.parallel.tp * cfg.parallel.dp, gpus.visible_ids()))
     return env
 
 
@@ -114,11 +102,11 @@ def run_bench(job_dir: Path, bench: BenchConfig, cfg: RunConfig) -> dict:
     with open(log_path, "wb") as log:
         try:
             proc = subprocess.run(bench_command(bench, cfg, result_file), stdin=subprocess.DEVNULL, stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=BENCH_TIMEOUT_S, preexec_fn=die_with_parent,
+                                  stderr=subprocess.STDOUT, timeout=bench.timeout_s, preexec_fn=die_with_parent,
                                   env=dict(os.environ, COLUMNS="120"))
         except subprocess.TimeoutExpired:
-            raise JobFailed(f"the benchmark did not finish within {BENCH_TIMEOUT_S:.0f} s "
-                            "($LLAUNCH_BENCH_TIMEOUT_S)") from None
+            raise JobFailed(f"the benchmark did not finish within {bench.timeout_s:.0f} s "
+                            "(bench.timeout_s)") from None
     if proc.returncode != 0 or not result_file.exists():
         raise JobFailed(f"the benchmark exited with code {proc.returncode}:\n{tail(log_path, 3)}")
     result = json.loads(result_file.read_text())
@@ -134,7 +122,8 @@ def run(job: BenchJob, cfg: LlaunchConfig, progress: SweepProgress) -> dict:
     job.job_dir.mkdir(parents=True, exist_ok=True)
     task = progress.start_job(job.num, job.overrides, STAGES)
     t0 = time.monotonic()
-    deadline, timeout_name = t0 + READY_TIMEOUT_S, f"{READY_TIMEOUT_S:.0f} s ($LLAUNCH_BENCH_READY_TIMEOUT_S)"
+    ready_s = cfg.bench.ready_timeout_s
+    deadline, timeout_name = t0 + ready_s, f"{ready_s:.0f} s (bench.ready_timeout_s)"
     status: dict = {"status": "failed", "reason": "", "overrides": job.overrides, "job_num": job.num,
                     "seconds": {}}  # when each stage ended, from the job's start
 

@@ -17,7 +17,7 @@ from typing import Optional
 import httpx
 import msgspec
 
-from llaunch.launcher.schema import RunConfig
+from llaunch.runtime.config import RunConfig
 
 
 class JobFailed(Exception):

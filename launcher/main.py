@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from llaunch.launcher import bench_job, derive, plan, report, rules, store
-from llaunch.launcher.schema import Device, LlaunchConfig, RunConfig
+from llaunch.runtime.config import Device, LlaunchConfig, RunConfig
 
 EXIT_INVALID = 2
 store.register()  # before Hydra composes: the profiles name these schemas and the models_dir resolver

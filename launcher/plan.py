@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from llaunch.launcher.ports import EndpointAllocator
-from llaunch.launcher.schema import Device, KvTransport, LlaunchConfig, Mode, ProcessGraph, ProcessSpec
+from llaunch.runtime.config import Device, KvTransport, LlaunchConfig, Mode, ProcessGraph, ProcessSpec
 
 # Dialled addresses that no process of this graph binds: the launcher's own control socket,
 # torch.distributed's rendezvous (rank 0's TCPStore), and other instances of a pd deployment.

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.tree import Tree
 
 from llaunch.launcher.rule_registry import Pending, Violation
-from llaunch.launcher.schema import ProcessSpec, RunConfig
+from llaunch.runtime.config import ProcessSpec, RunConfig
 
 err = Console(stderr=True, soft_wrap=True)
 

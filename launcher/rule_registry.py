@@ -8,7 +8,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
-from llaunch.launcher.schema import LlaunchConfig
+from llaunch.runtime.config import LlaunchConfig
 
 
 @dataclass(frozen=True)

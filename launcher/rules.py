@@ -11,11 +11,12 @@ import math
 import os
 import socket
 
-from llaunch.launcher import derive
-from llaunch.launcher.heads import HeadLayout
+from llaunch.launcher import gpus
 # check_all, warnings, pending and RULES are called through this module, which fills the registry
 from llaunch.launcher.rule_registry import RULES, check_all, get, pending, rule, warnings  # noqa: F401
-from llaunch.launcher.schema import Device, DType, LlaunchConfig, LoadFormat, Mode
+from llaunch.runtime.config import Device, DType, LlaunchConfig, LoadFormat, Mode
+from llaunch.runtime.models.checkpoint import is_gguf, read_checkpoint
+from llaunch.runtime.models.heads import HeadLayout
 
 FAMILIES = ("llama", "qwen2")
 SIZED_PROFILES = "model=qwen2-0.5b | qwen2-7b | qwen2-72b | llama3-8b | tiny-qwen2 | tiny-llama"
@@ -83,6 +84,21 @@ def prefill_graph_tokens_nonnegative(cfg):
 
 
 @rule()
+def kernel_settings_valid(cfg):
+    for key, message in cfg.kernels.problems():
+        yield (key,), message + " (see `llaunch --cfg job` for the kernels group's keys)"
+
+
+@rule()
+def timeouts_positive(cfg):
+    for key in ("server.ready_timeout_s", "server.drain_timeout_s", "bench.ready_timeout_s", "bench.timeout_s"):
+        if key.startswith("bench.") and cfg.bench is None:
+            continue
+        if not get(cfg, key) >= 0:
+            yield (key,), f"{key}={get(cfg, key)} must be >= 0 (seconds)"
+
+
+@rule()
 def http_workers_positive(cfg):
     if cfg.server.http_workers < 1:
         yield ("server.http_workers",), f"server.http_workers={cfg.server.http_workers} must be >= 1"
@@ -101,7 +117,7 @@ def family_supported(cfg):
 @rule()
 def gguf_needs_gguf_path(cfg):
     m = cfg.model
-    if m.load_format == LoadFormat.gguf and not derive.is_gguf(m.path):
+    if m.load_format == LoadFormat.gguf and not is_gguf(m.path):
         yield ("model.load_format", "model.path"), (
             f"model.load_format=gguf needs a .gguf file in model.path, got model.path={m.path}")
 
@@ -148,7 +164,7 @@ def model_described(cfg):
 @rule()
 def profile_matches_checkpoint(cfg):
     m = cfg.model
-    ckpt = derive.read_checkpoint(m.path) if m.path else None
+    ckpt = read_checkpoint(m.path) if m.path else None
     if ckpt is None:
         return
     said = dict(ckpt.arch, family=ckpt.family)
@@ -165,7 +181,7 @@ def profile_matches_checkpoint(cfg):
 
 @rule()
 def checkpoint_features_supported(cfg):
-    ckpt = derive.read_checkpoint(cfg.model.path) if cfg.model.path and _serves(cfg) else None
+    ckpt = read_checkpoint(cfg.model.path) if cfg.model.path and _serves(cfg) else None
     if ckpt is not None and ckpt.unsupported:
         yield ("model.path",), (f"model.path={cfg.model.path} uses {', '.join(ckpt.unsupported)}, which llaunch's "
                                 f"{ckpt.family} model does not implement; serve another checkpoint")
@@ -174,7 +190,7 @@ def checkpoint_features_supported(cfg):
 @rule()
 def checkpoint_dtype_supported(cfg):
     m = cfg.model
-    ckpt = derive.read_checkpoint(m.path) if m.path else None
+    ckpt = read_checkpoint(m.path) if m.path else None
     if cfg.device == Device.cuda and m.dtype == DType.auto and ckpt is not None and ckpt.dtype:
         yield ("model.dtype",), (f"model.path={m.path} stores dtype {ckpt.dtype!r}, which llaunch does not run; set "
                                  "model.dtype=bfloat16 | float16 | float32")
@@ -245,9 +261,7 @@ def gpus_available(cfg):
     p = cfg.parallel
     if cfg.device != Device.cuda or not _serves(cfg) or min(p.tp, p.dp, p.nnodes) < 1:
         return
-    import torch
-
-    need, have = p.tp * p.dp // p.nnodes, torch.cuda.device_count()
+    need, have = p.tp * p.dp // p.nnodes, gpus.visible_count()
     if need > have:
         yield ("parallel.tp", "parallel.dp", "device"), (
             f"parallel.tp={p.tp} x parallel.dp={p.dp} needs {need} GPUs on this node, {have} visible "

@@ -1,7 +1,7 @@
 """Hydra wiring: where the profiles live, the `models_dir` resolver, and the schemas every YAML names.
 
 Each profile's defaults list starts with `/<group>_schema@_here_`, so its keys and types are checked
-against the dataclass of launcher/schema.py when it is composed.
+against the dataclass of runtime/config.py when it is composed.
 """
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 import llaunch.launcher
-from llaunch.launcher import schema
+from llaunch.runtime import config as schema
 
 REPO_ROOT = Path(llaunch.launcher.__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
-GROUPS = ("model", "parallel", "cache", "mode", "router", "server", "bench")
+GROUPS = ("model", "parallel", "cache", "mode", "router", "server", "kernels", "bench")
 
 _SCHEMAS = {
     "llaunch_schema": schema.LlaunchConfig,
@@ -25,6 +25,7 @@ _SCHEMAS = {
     "mode_schema": schema.ModeConfig,
     "router_schema": schema.RouterConfig,
     "server_schema": schema.ServerConfig,
+    "kernels_schema": schema.KernelSettings,
     "bench_schema": schema.BenchConfig,
 }
 

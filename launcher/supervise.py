@@ -26,7 +26,7 @@ import zmq
 from rich.console import Console
 
 from llaunch.launcher.plan import processes_on
-from llaunch.launcher.schema import Mode, ProcessSpec, RunConfig
+from llaunch.runtime.config import Mode, ProcessSpec, RunConfig
 from llaunch.runtime.ipc.messages import LauncherInbound, ProcessReady
 from llaunch.runtime.ipc.sockets import Receiver
 
@@ -35,8 +35,8 @@ ROLE_MODULES = {
     "router": "llaunch.runtime.router.process",
     "detokenizer": "llaunch.runtime.detokenizer.process",
     "frontend": "llaunch.runtime.http.process",
-    "config_server": "llaunch.runtime.pd.config_server",
-    "pd_master": "llaunch.runtime.pd.master_process",  # binds its own HTTP ports (no inherited fd)
+    "config_server": "llaunch.runtime.pd_master.config_server",
+    "pd_master": "llaunch.runtime.pd_master.process",  # binds its own HTTP ports (no inherited fd)
 }
 # each depends on the ones before; config_server and pd_master run alone in their graphs
 START_ORDER = ["worker", "router", "detokenizer", "frontend", "config_server", "pd_master"]
@@ -54,7 +54,6 @@ def visible_devices(gpus: list[int]) -> str:
     if max(gpus) >= len(outer):
         raise ValueError(f"the plan needs GPU {max(gpus)}, CUDA_VISIBLE_DEVICES={','.join(outer)} shows {len(outer)}")
     return ",".join(outer[g] for g in gpus)
-READY_TIMEOUT_S = float(os.environ.get("LLAUNCH_READY_TIMEOUT_S", "900"))
 console = Console(stderr=True)
 
 
@@ -91,15 +90,16 @@ class Graph:
         order = sorted(self.specs.values(), key=lambda p: START_ORDER.index(p.role))
         for spec in order:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
-            pass_fds = ()
+            pass_fds, argv = (), [sys.executable, "-m", ROLE_MODULES[spec.role], "--config", str(self.config_path),
+                                  "--name", spec.name]
             if spec.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = visible_devices(spec.gpus)
             if spec.role == "frontend":
-                env["LLAUNCH_HTTP_FD"] = str(http_fd)
+                argv += ["--listen-fd", str(http_fd)]
                 pass_fds = (http_fd,)
             log = open(self.log_dir / f"{spec.name}.log", "ab")
             self.procs[spec.name] = subprocess.Popen(
-                [sys.executable, "-m", ROLE_MODULES[spec.role], "--config", str(self.config_path), "--name", spec.name],
+                argv,
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=pass_fds,
                 start_new_session=True)
             log.close()
@@ -159,11 +159,13 @@ def _on_signal(signum, _frame):
 
 def wait_ready(graph: Graph, control: Receiver) -> None:
     pending = set(graph.procs)
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    timeout_s = graph.cfg.server.ready_timeout_s
+    deadline = time.monotonic() + timeout_s
     while pending:
         graph.check_alive()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"not ready after {READY_TIMEOUT_S:.0f}s: {', '.join(sorted(pending))}")
+            raise TimeoutError(f"not ready after {timeout_s:.0f}s (server.ready_timeout_s): "
+                               f"{', '.join(sorted(pending))}")
         msg = control.recv(timeout_ms=100)
         if isinstance(msg, ProcessReady) and msg.name in pending:
             pending.discard(msg.name)

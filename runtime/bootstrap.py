@@ -13,7 +13,7 @@ from typing import Optional
 import msgspec
 import zmq
 
-from llaunch.launcher.schema import ProcessSpec, RunConfig
+from llaunch.runtime.config import ProcessSpec, RunConfig
 from llaunch.runtime.ipc.messages import ProcessReady
 from llaunch.runtime.ipc.sockets import Sender
 
@@ -46,9 +46,9 @@ def start(argv: Optional[list[str]] = None) -> tuple[RunConfig, ProcessSpec]:
     ap.add_argument("--name", required=True)
     args = ap.parse_args(argv)
     die_with_parent()
-    logging.basicConfig(level=os.environ.get("LLAUNCH_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s {args.name} %(levelname)s %(message)s", stream=sys.stderr)
     cfg = load_run_config(args.config)
+    logging.basicConfig(level=cfg.log_level.value, format=f"%(asctime)s {args.name} %(levelname)s %(message)s",
+                        stream=sys.stderr)
     return cfg, find_spec(cfg, args.name)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from llaunch.runtime.models.batch import KvCache
-from llaunch.runtime.pd.nccl_pairing import PairedKvReceiver, PairedKvSender
+from llaunch.runtime.kv_transfer.nccl_pairing import PairedKvReceiver, PairedKvSender
 
 LAYERS, HEADS, DIM, SLOTS = 28, 4, 128, 36000
 TOKENS = [1024, 4096]

@@ -18,7 +18,7 @@ from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch
 from llaunch.runtime.models.decoder import DecoderLM
 from llaunch.runtime.models.layers import TpGroup
-from llaunch.runtime.worker.weights import DummySource, load_from
+from llaunch.runtime.models.weights import DummySource, load_from
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_correctness import QWEN2_7B  # noqa: E402

@@ -101,7 +101,7 @@ def llaunch_argmax(model_dir: str, rank: int, tp: int, device: torch.device, dty
     from llaunch.runtime.models.batch import ForwardBatch
     from llaunch.runtime.models.decoder import DecoderLM
     from llaunch.runtime.models.layers import TpGroup
-    from llaunch.runtime.worker.weights import SafetensorsSource, load_from
+    from llaunch.runtime.models.weights import SafetensorsSource, load_from
 
     with open(os.path.join(model_dir, "config.json")) as f:
         arch = ModelArch.from_hf_config(json.load(f))

@@ -21,7 +21,7 @@ from llaunch.runtime.models.batch import ForwardBatch
 from llaunch.runtime.models.decoder import DecoderLM
 from llaunch.runtime.models.layers import TpGroup
 from llaunch.runtime.worker.cuda_graphs import DecodeGraphs
-from llaunch.runtime.worker.weights import _slice, load_from
+from llaunch.runtime.models.weights import _slice, load_from
 
 QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,

@@ -1,4 +1,4 @@
-"""Summarise a router step trace (LLAUNCH_STEP_TRACE=path llaunch ...): where a run's time went.
+"""Summarise a router step trace (llaunch router.step_trace=PATH ...): where a run's time went.
 
     python scripts/step_trace_report.py TRACE.jsonl [--bins 10] [--starts]
 

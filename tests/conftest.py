@@ -1,5 +1,7 @@
-"""Fixtures shared by every test folder: llaunch's Hydra composition, in-process."""
+"""Fixtures shared by every test folder: llaunch's Hydra composition, in-process; kernel settings."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -21,3 +23,18 @@ def compose_config():
 
     yield run
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture
+def kernel_settings():
+    """`kernel_settings(**changes)` applies kernels/settings.py values (as a worker's `kernels` config
+    would) for the rest of the test; the defaults come back after it."""
+    from llaunch.kernels import settings
+
+    before = settings.current.settings
+
+    def apply(**changes):
+        settings.configure(dataclasses.replace(before, **changes))
+
+    yield apply
+    settings.configure(before)

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from llaunch.launcher.schema import ModelConfig, ProcessSpec
+from llaunch.runtime.config import ModelConfig, ProcessSpec
 from llaunch.runtime.bootstrap import report_ready, start
 from llaunch.runtime.detokenizer.detokenizer import HEARTBEAT_S, Detokenizer
 from llaunch.runtime.ipc.messages import DetokenizerInbound

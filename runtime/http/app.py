@@ -9,7 +9,7 @@ from typing import Optional
 
 from quart import Quart, Response, request
 
-from llaunch.launcher.schema import RunConfig
+from llaunch.runtime.config import RunConfig
 from llaunch.runtime.http.engine_client import EngineClient, current_pd_link
 from llaunch.runtime.http.errors import ApiError, draining, error_response, json_response
 from llaunch.runtime.http.generate_api import GenerateApi

@@ -22,7 +22,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import zmq.asyncio
 
-from llaunch.launcher.schema import ProcessSpec
+from llaunch.runtime.config import ProcessSpec
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, FrontendInbound, MetricsSnapshot,
                                           PdLink, RouterInbound, SamplingParams, TextBatch, TextDelta)

@@ -18,7 +18,7 @@ from typing import Optional
 
 from quart import Response
 
-from llaunch.launcher.schema import Mode, ProcessSpec, RunConfig
+from llaunch.runtime.config import Mode, ProcessSpec, RunConfig
 from llaunch.runtime.http.engine_client import EngineClient
 from llaunch.runtime.http.errors import ApiError, engine_failed, json_response
 from llaunch.runtime.http.generate_api import GenerateRequest, generate_jobs
@@ -28,10 +28,13 @@ from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Complet
                                                   decode_body)
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.ipc.messages import PdLink, SamplingParams
-from llaunch.runtime.pd.relay import DECODE_KV_HEADER, PD_ID_HEADER
-from llaunch.runtime.pd.registrar import Registrar
+from llaunch.runtime.http.registrar import Registrar
 
 log = logging.getLogger(__name__)
+
+# Headers the pd_master (runtime/pd_master/relay.py) sends with a relayed request
+PD_ID_HEADER = "X-Llaunch-Pd-Id"  # to P and D: pairs P's KV shipment with D's waiting request
+DECODE_KV_HEADER = "X-Llaunch-Pd-Decode-Kv"  # to P only: D's kv_address
 
 
 def link_from_headers(headers) -> Optional[PdLink]:

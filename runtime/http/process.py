@@ -4,9 +4,9 @@ LLAUNCH_HTTP_FD (or binds server.host:port itself), wires the engine over ZMQ, a
 SIGTERM drains, SIGINT stops at once."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
-import os
 import signal
 import socket
 from typing import Optional
@@ -17,7 +17,7 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 from quart import Quart
 
-from llaunch.launcher.schema import Mode, ProcessSpec, RunConfig
+from llaunch.runtime.config import Mode, ProcessSpec, RunConfig
 from llaunch.runtime.bootstrap import report_ready, start
 from llaunch.runtime.http.app import FrontendSettings, create_app
 from llaunch.runtime.http.engine_client import EngineClient, ZmqEngineLink
@@ -27,7 +27,6 @@ from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer, load_hf_token
 
 log = logging.getLogger(__name__)
 
-FD_ENV = "LLAUNCH_HTTP_FD"
 AFTER_DRAIN_GRACE_S = 2.0  # drained: connections only have their last bytes (and keep-alives) to close
 STOP_NOW_GRACE_S = 0.2
 KEEP_ALIVE_S = 75.0
@@ -101,10 +100,12 @@ async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptToken
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    cfg, spec = start(argv)
-    fd_env = os.environ.get(FD_ENV)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--listen-fd", type=int, default=None)  # the launcher's listening socket, inherited
+    own, rest = ap.parse_known_args(argv)
+    cfg, spec = start(rest)
     # Hypercorn wraps the fd in its own socket object and closes it; detach so nothing else does.
-    fd = int(fd_env) if fd_env else listening_socket(cfg.server.host, cfg.server.port).detach()
+    fd = own.listen_fd if own.listen_fd is not None else listening_socket(cfg.server.host, cfg.server.port).detach()
     hf = load_hf_tokenizer(cfg.model.tokenizer or cfg.model.path)
     tokenizer = PromptTokenizer(hf, vocab_size=cfg.model.vocab_size)
     asyncio.run(run_frontend(cfg, spec, tokenizer, fd))

@@ -2,12 +2,10 @@
 closed before the first byte (then the body's generator never ran, so its own `finally` cannot)."""
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import msgspec
 from quart import Response
-
-from llaunch.runtime.http.engine_client import RequestGroup
 
 DONE = b"data: [DONE]\n\n"
 
@@ -16,13 +14,18 @@ def sse_event(payload: object, prefix: bytes = b"data: ") -> bytes:
     return prefix + msgspec.json.encode(payload) + b"\n\n"
 
 
-class TrackedStream:
-    """Async iterator over SSE frames that, when it ends, closes its request group: aborts the
-    group's unfinished requests and ends the HTTP request's count (so a drain can finish)."""
+class Closable(Protocol):
+    async def close(self) -> None: ...
 
-    def __init__(self, events: AsyncIterator[bytes], group: RequestGroup):
+
+class TrackedStream:
+    """Async iterator over SSE frames that, when it ends, closes what it streams for: a request group
+    (aborts its unfinished requests, ends the HTTP request's count so a drain can finish) or a PD
+    exchange (closes both upstream requests)."""
+
+    def __init__(self, events: AsyncIterator[bytes], owner: Closable):
         self._events = events
-        self._group = group
+        self._owner = owner
 
     def __aiter__(self) -> "TrackedStream":
         return self
@@ -31,18 +34,18 @@ class TrackedStream:
         try:
             return await self._events.__anext__()
         except BaseException:  # StopAsyncIteration included: the stream is over either way
-            await self._group.close()
+            await self._owner.close()
             raise
 
     async def aclose(self) -> None:
         try:
             await self._events.aclose()
         finally:
-            await self._group.close()
+            await self._owner.close()
 
 
-def sse_response(body: TrackedStream) -> Response:
-    response = Response(body, content_type="text/event-stream; charset=utf-8",
+def sse_response(body: TrackedStream, content_type: str = "text/event-stream; charset=utf-8") -> Response:
+    response = Response(body, content_type=content_type,
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     response.timeout = None  # a long generation is not a stuck response
     return response

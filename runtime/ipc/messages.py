@@ -158,7 +158,7 @@ class StepResult(_Msg):
     top_ids: list[list[int]] = []  # per row; an empty list where not asked
     top_logprobs: list[list[float]] = []
     forward_s: float = 0.0  # device time of the step, for the router's stats
-    # Set only under LLAUNCH_STEP_TRACE (runtime/router/step_trace.py): when the worker began the step
+    # Set only under router.step_trace (runtime/router/step_trace.py): when the worker began the step
     # (time.monotonic), the host time to enqueue it, and the device time from its first enqueued work
     # to its tokens (CUDA events), which together split a step's latency into host and device parts.
     started: float = 0.0

@@ -1,26 +1,4 @@
-"""Models: the Llama/Qwen2 decoder over the token-slot KV cache, and `build_model`, which the
-worker's runner calls to get it with its weights loaded."""
-from __future__ import annotations
-
-import torch
-
-from llaunch.launcher.schema import ModelConfig
-from llaunch.runtime.models.arch import ModelArch
-from llaunch.runtime.models.batch import ForwardBatch, KvCache
-from llaunch.runtime.models.decoder import DecoderLM
-from llaunch.runtime.models.layers import TpGroup
-from llaunch.runtime.worker.weights import load_weights
-
-__all__ = ["DecoderLM", "ForwardBatch", "KvCache", "ModelArch", "build_model"]
-
-
-def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                process_group=None) -> DecoderLM:
-    """This rank's shard of the model `cfg` describes (architecture fields resolved), weights loaded
-    per cfg.load_format. With tp_size > 1, torch.distributed must be initialised (process_group
-    None: the default group)."""
-    arch = ModelArch.from_model_config(cfg)
-    max_positions = max(arch.max_position_embeddings, cfg.max_model_len or 0)
-    model = DecoderLM(arch, TpGroup(tp_rank, tp_size, process_group), torch.device(device), dtype, max_positions)
-    load_weights(model, cfg)
-    return model.eval()
+"""Models: the Llama/Qwen2 decoder over the token-slot KV cache (decoder.py, layers.py), its
+architecture (arch.py) and head split (heads.py), what a checkpoint says about itself
+(checkpoint.py, no torch: the launcher reads it too), weight loading (weights.py) and
+`loader.build_model`, which the worker calls. Import the modules; this package imports nothing."""

@@ -1,15 +1,16 @@
 """The architecture of a Llama/Qwen2 decoder: every number the model code needs, nothing optional.
 
-The launcher fills `ModelConfig`'s architecture fields from config.json (or a sized profile);
-`from_model_config` only reads them back. `from_hf_config` reads a config.json dict directly (tests,
-tools, GGUF metadata translated by `weights.gguf_hf_config`).
+The launcher fills `ModelConfig`'s architecture fields from the checkpoint (runtime/models/checkpoint.py)
+or a sized profile; `from_model_config` only reads them back. `from_checkpoint` / `from_hf_config` build
+it from what checkpoint.py read (tests, tools).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from llaunch.launcher.schema import ModelConfig
+from llaunch.runtime.config import ModelConfig
+from llaunch.runtime.models.checkpoint import Checkpoint, parse_hf_config
 
 FAMILIES = ("llama", "qwen2")
 
@@ -64,45 +65,34 @@ class ModelArch:
         if missing:
             raise ValueError(f"model config is not resolved: {', '.join('model.' + m for m in missing)} "
                              "unset (the launcher fills them from config.json or a sized profile)")
-        fields = {f: getattr(cfg, f) for f in _ARCH_FIELDS}
-        defaults = {"num_key_value_heads": cfg.num_attention_heads,
-                    "head_dim": cfg.hidden_size // cfg.num_attention_heads,
-                    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                    "attention_bias": cfg.family == "qwen2"}
-        fields.update({k: v for k, v in defaults.items() if fields[k] is None})
-        return cls(family=cfg.family, rope_scaling=cfg.rope_scaling, **fields)
+        return cls._with_defaults(cfg.family, cfg.rope_scaling, {f: getattr(cfg, f) for f in _ARCH_FIELDS})
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> "ModelArch":
+        """From what checkpoint.py read (config.json or GGUF metadata); refuses features it does not run."""
+        if ckpt.unsupported:
+            raise ValueError(f"the checkpoint uses {', '.join(ckpt.unsupported)}, which is not supported")
+        missing = [f for f in _REQUIRED[1:] if f not in ckpt.arch]
+        if missing:
+            raise ValueError(f"the checkpoint does not give {', '.join(missing)}")
+        return cls._with_defaults(ckpt.family, ckpt.arch.get("rope_scaling"),
+                                  {f: ckpt.arch.get(f) for f in _ARCH_FIELDS})
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> "ModelArch":
-        """From a Hugging Face config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
-        `rope_parameters`)."""
-        family = hf.get("model_type")
-        if hf.get("mlp_bias"):
-            raise ValueError("mlp_bias=true is not supported")
-        if hf.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=true (Qwen2 sliding-window attention) is not supported")
-        rope = dict(hf.get("rope_parameters") or {})
-        theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
-        scaling = hf.get("rope_scaling") or rope or None
-        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-            scaling = None
-        heads = hf["num_attention_heads"]
-        return cls(
-            family=family,
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            vocab_size=hf["vocab_size"],
-            max_position_embeddings=hf["max_position_embeddings"],
-            rope_theta=float(theta),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=True if family == "qwen2" else bool(hf.get("attention_bias", False)),
-            rope_scaling=scaling,
-        )
+        """From a Hugging Face config.json dict (tests and tools)."""
+        return cls.from_checkpoint(parse_hf_config(hf))
+
+    @classmethod
+    def _with_defaults(cls, family: Optional[str], rope_scaling: Optional[dict[str, Any]],
+                       fields: dict[str, Any]) -> "ModelArch":
+        defaults = {"num_key_value_heads": fields["num_attention_heads"],
+                    "head_dim": fields["hidden_size"] // fields["num_attention_heads"],
+                    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                    "attention_bias": family == "qwen2"}
+        fields.update({k: v for k, v in defaults.items() if fields[k] is None})
+        fields["rope_theta"], fields["rms_norm_eps"] = float(fields["rope_theta"]), float(fields["rms_norm_eps"])
+        return cls(family=family, rope_scaling=rope_scaling or None, **fields)
 
     def model_config_fields(self) -> dict[str, Any]:
         """The ModelConfig fields this architecture fills (`dataclasses.replace(cfg, **fields)`)."""

@@ -12,7 +12,7 @@ from torch import nn
 from llaunch.kernels import decode_attention, gated_linear, prefill_attention, qkv_rotary_store_kv, rope_cos_sin
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
-from llaunch.launcher.heads import HeadLayout
+from llaunch.runtime.models.heads import HeadLayout
 from llaunch.runtime.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear,
                                            Shard, TpGroup, VocabParallelEmbedding)
 

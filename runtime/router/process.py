@@ -13,9 +13,9 @@ import time
 import msgspec
 import zmq
 
-from llaunch.launcher.schema import RunConfig
+from llaunch.runtime.config import RunConfig
 from llaunch.runtime import bootstrap
-from llaunch.launcher.schema import Mode
+from llaunch.runtime.config import Mode
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, KvDone, RequestOpened, RouterInbound,
                                           RouterResults, RouterStats, Shutdown, StepResult, TokenBatch,
                                           WorkerReady)
@@ -61,7 +61,7 @@ class Router:
         self._rng = random.Random()
         self._last_stats = 0.0
         self._kv_reports: dict[str, list[KvDone]] = {}  # request id → the ranks' KvDone so far
-        self.trace = StepTrace.from_env(self.dp_rank)
+        self.trace = StepTrace.for_replica(cfg.router.step_trace, self.dp_rank)
 
     def wait_for_workers(self) -> None:
         msg = self.results.recv()

@@ -1,5 +1,5 @@
 """A per-step trace of what the router planned and when the tokens came back, for finding where a
-workload's time goes (idle gaps, step sizes, decode batch over time). Off unless LLAUNCH_STEP_TRACE
+workload's time goes (idle gaps, step sizes, decode batch over time). Off unless router.step_trace
 names a file; one JSON line per step: step, sent and returned (time.monotonic), decode rows, prefill
 tokens and chunks, new requests, running and waiting counts, the worker's forward seconds; with the
 worker's timings (`started`, `launch_s`, `device_s`) and, for a step that starts requests, how long
@@ -8,14 +8,10 @@ token splits into frontend → router, router → worker, host enqueue, device a
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Optional
 
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
-
-ENV = "LLAUNCH_STEP_TRACE"
-
 
 class StepTrace:
     def __init__(self, path: Optional[str]):
@@ -27,8 +23,7 @@ class StepTrace:
         return self._file is not None
 
     @classmethod
-    def from_env(cls, dp_rank: int) -> "StepTrace":
-        path = os.environ.get(ENV)
+    def for_replica(cls, path: Optional[str], dp_rank: int) -> "StepTrace":
         return cls(f"{path}.{dp_rank}" if path and dp_rank else path)
 
     def planned(self, plan: StepPlan, running: int, waiting: int, arrivals: tuple[float, ...] = ()) -> None:

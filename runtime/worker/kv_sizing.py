@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from llaunch.runtime.config import KvTransport, Mode
+from llaunch.runtime.kv_transfer.nccl_pairing import NCCL_PAIR_RESERVE, NCCL_PARKING_BYTES
+
 GiB = 1 << 30
 
 
@@ -18,19 +21,10 @@ def activation_reserve_bytes(cfg, model) -> int:
     return tokens * per_token + logits + 2 * GiB + kv_link_reserve_bytes(cfg)
 
 
-# A NCCL pair communicator holds ~0.8 GiB of buffers on each side: room for two peers (each further
-# peer comes out of what cache.mem_fraction leaves), plus the decode side's parking space for pages
-# that arrive before their request does.
-NCCL_PAIR_RESERVE = 2 * GiB
-NCCL_PARKING_BYTES = 1 * GiB
-
-
 def kv_link_reserve_bytes(cfg) -> int:
     """Device memory the NCCL KV transport of a prefill/decode instance takes outside PyTorch's view.
     A prefill instance learns the transport from each decode instance's address, so it always
     reserves; a decode instance only with mode.kv_transport=nccl."""
-    from llaunch.launcher.schema import KvTransport, Mode
-
     if cfg.mode.kind == Mode.pd_prefill:
         return NCCL_PAIR_RESERVE
     if cfg.mode.kind == Mode.pd_decode and cfg.mode.kv_transport == KvTransport.nccl:

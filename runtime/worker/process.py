@@ -18,12 +18,13 @@ from typing import Optional
 import torch
 import zmq
 
-from llaunch.launcher.schema import Mode, RunConfig
+from llaunch.runtime.config import Mode, RunConfig
+from llaunch.kernels import settings as kernel_settings
 from llaunch.runtime import bootstrap
 from llaunch.runtime.ipc.messages import (CancelKv, ReceiveKv, SendKv, Shutdown, StepPlan, WorkerInbound,
                                           WorkerReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender
-from llaunch.runtime.worker.kv_link import KvLink, KvTransportStuck
+from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
 
@@ -129,6 +130,7 @@ def cpu_threads(cfg: RunConfig) -> int:
 
 def main() -> None:
     cfg, spec = bootstrap.start()
+    kernel_settings.configure(cfg.kernels)  # before any kernel launches or graph captures
     if cfg.device.value == "cpu":
         torch.set_num_threads(cpu_threads(cfg))
         device = torch.device("cpu")
@@ -138,7 +140,7 @@ def main() -> None:
     group, watch = init_distributed(cfg, spec)
     dtype = DTYPES[cfg.model.dtype.value]
 
-    from llaunch.runtime.models import build_model
+    from llaunch.runtime.models.loader import build_model
 
     model = build_model(cfg.model, device=device, dtype=dtype, tp_rank=spec.tp_rank, tp_size=cfg.parallel.tp,
                         process_group=group)
@@ -147,7 +149,8 @@ def main() -> None:
     # one extra row and slot: scratch space that padded CUDA-graph rows read and write
     kv = model.make_kv_cache(num_slots + 1, max_rows + 1, cfg.model.max_model_len)
     runner = ModelRunner(model, kv, max_rows, device, cuda_graphs=not cfg.model.enforce_eager,
-                         prefill_graph_tokens=cfg.model.prefill_graph_tokens)
+                         prefill_graph_tokens=cfg.model.prefill_graph_tokens,
+                         timed=cfg.router.step_trace is not None)
     log.info("model loaded: %s %s on %s, %d KV slots", cfg.model.name, dtype, device, num_slots)
     if watch is not None:
         watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up

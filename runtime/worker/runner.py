@@ -6,7 +6,6 @@ worker launches step N+1 before finishing step N, so the host prepares the next 
 device computes (the router plans ahead for that)."""
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -14,7 +13,6 @@ from typing import Optional
 import torch
 
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
-from llaunch.runtime.router.step_trace import ENV as STEP_TRACE_ENV
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.worker.prefill_graphs import PrefillGraphs, alone_chunk
 from llaunch.runtime.worker.sampling_state import SamplingState, logprobs_to_host
@@ -36,9 +34,10 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device, cuda_graphs: bool = False,
-                 prefill_graph_tokens: int = 0):
+                 prefill_graph_tokens: int = 0, timed: bool = False):
         """`kv` has one row and one slot more than the router uses: scratch space for padding.
-        `prefill_graph_tokens`: with CUDA graphs, the longest chunk a lone prefill replays one for."""
+        `prefill_graph_tokens`: with CUDA graphs, the longest chunk a lone prefill replays one for.
+        `timed` (a step trace is on): on a GPU each step also reports its host and device time."""
         self.model = model
         self.kv = kv
         self.device = device
@@ -49,7 +48,7 @@ class ModelRunner:
         self.graphs = None
         self.prefill_graphs = None  # PrefillGraphs: a prompt's last chunk when it runs alone
         # under a step trace, each step also reports its host and device time (two timed CUDA events)
-        self.timed = bool(os.environ.get(STEP_TRACE_ENV)) and device.type == "cuda"
+        self.timed = timed and device.type == "cuda"
         if cuda_graphs and device.type == "cuda":
             from llaunch.runtime.worker.cuda_graphs import DecodeGraphs
 

@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 from fixtures.tiny_models import model_config_from_folder
 from integration.server import LlaunchServer
 from llaunch.runtime.ipc.messages import AddRequest, SamplingParams
-from llaunch.runtime.models import build_model
+from llaunch.runtime.models.loader import build_model
 from llaunch.runtime.router.request import Request
 from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
 from llaunch.runtime.worker.runner import ModelRunner

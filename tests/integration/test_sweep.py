@@ -113,10 +113,10 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(tmp_path):
 
 def test_a_single_bench_job_times_out_and_stops_its_server(tmp_path):
     run_dir = tmp_path / "run"
-    r = llaunch(tmp_path, *BENCH, *TINY, f"hydra.run.dir={run_dir}", env={"LLAUNCH_BENCH_READY_TIMEOUT_S": "0"})
+    r = llaunch(tmp_path, *BENCH, *TINY, "bench.ready_timeout_s=0", f"hydra.run.dir={run_dir}")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     status = status_of(run_dir)
     assert status["status"] == "failed" and "within 0 s" in status["reason"]
-    assert "LLAUNCH_BENCH_READY_TIMEOUT_S" in status["reason"]
+    assert "bench.ready_timeout_s" in status["reason"]
     assert not pid_alive(status["server_pid"])
-    assert yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) == [*BENCH, *TINY]
+    assert yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) == [*BENCH, *TINY, "bench.ready_timeout_s=0"]

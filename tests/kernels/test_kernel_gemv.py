@@ -55,17 +55,26 @@ def test_float32_output_is_the_input_dtype_result_widened(ops, poisoned, kernel,
         ops.gemv(x, torch.cat([w, w]), gated=True, out_dtype=torch.float32)
 
 
-@pytest.mark.parametrize("x_ahead", ["all", "ungated"])
-def test_x_one_tile_ahead_gives_the_same_sums(ops, monkeypatch, x_ahead):
-    """Requesting x's next tile early changes when it is loaded, not what is summed: bit-identical."""
+@pytest.mark.parametrize("gated", [False, True])
+def test_x_one_tile_ahead_gives_the_same_sums(ops, gated):
+    """Requesting x's next tile with the weights' next tile (X_AHEAD, every GEMV but gate_up) changes
+    when x is loaded, not what is summed: bit-identical either way, gated or not."""
+    import triton
+
     from llaunch.kernels import gemv
 
-    monkeypatch.setattr(gemv, "INTERPRETED_SHAPE", (16, 64, 4, 0))
-    monkeypatch.setattr(gemv, "_X_AHEAD", "0")
     x, w = torch.randn(1, 300).half(), (torch.randn(2 * 37, 300) / 300 ** 0.5).half()
-    before = (ops.gemv(x, w), ops.gemv(x, w, gated=True))
-    monkeypatch.setattr(gemv, "_X_AHEAD", x_ahead)
-    assert torch.equal(ops.gemv(x, w), before[0]) and torch.equal(ops.gemv(x, w, gated=True), before[1])
+    n = 37 if gated else 74
+    outs = []
+    for ahead in (False, True):
+        out = torch.empty(1, n, dtype=x.dtype)
+        gemv._gemv_kernel[(triton.cdiv(n, 16),)](x, w, x, out, n, 300, w.stride(0), n * w.stride(0), HAS_BIAS=False,
+                                                 GATED=gated, PDL=0, BLOCK_N=16, BLOCK_K=64, X_AHEAD=ahead,
+                                                 num_warps=4)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    close_enough = reference.gated_linear(x, w) if gated else reference.linear(x, w)
+    torch.testing.assert_close(outs[0], close_enough, atol=2e-3, rtol=2e-3)
 
 
 def test_gemv_weight_view(ops, close, kernel):
@@ -162,14 +171,15 @@ def test_gemv_refuses_what_the_reference_refuses(ops):
         ops.gemv(torch.randn(1, 8), torch.randn(4, 9))
 
 
-def test_launch_shapes_from_the_environment(monkeypatch):
-    """LLAUNCH_GEMV_SHAPES (what the chain sweep emits) overrides the built-in shape per weight shape."""
-    from llaunch.kernels import gemv
+def test_launch_shapes_from_the_config(monkeypatch, kernel_settings):
+    """kernels.gemv_shapes (what the chain sweep emits) overrides the built-in shape per weight shape."""
+    from llaunch.kernels import gemv, settings
 
-    shapes = gemv.parse_shapes("3584x3584=2/4096/8, 18944x3584:gated=16/256/8/4,")
+    text = "3584x3584=2/4096/8, 18944x3584:gated=16/256/8/4,"
+    shapes = settings.parse_gemv_shapes(text)
     assert shapes == {(3584, 3584, False): (2, 4096, 8, 0), (18944, 3584, True): (16, 256, 8, 4)}
     monkeypatch.setattr(gemv, "_INTERPRETED", False)
-    monkeypatch.setattr(gemv, "_OVERRIDES", shapes)
+    kernel_settings(gemv_shapes=text)
     assert gemv.launch_shape(3584, 3584, False) == (2, 4096, 8, 0)
     assert gemv.launch_shape(18944, 3584, True) == (16, 256, 8, 4)
     assert gemv.launch_shape(3584, 18944, False) == (4, 1024, 4, 0)  # not overridden: built in
@@ -181,28 +191,28 @@ def test_launch_shapes_from_the_environment(monkeypatch):
                                            ("3584x3584=8/256/4/1", "STAGES is 0 or ≥ 2"),
                                            ("3584x3584=8/256/4/4/2", "is not NxK"),
                                            ("3584x3584:fast=2/4096/8", "':gated'")])
-def test_launch_shapes_from_the_environment_refuses_bad_values(text, message):
-    from llaunch.kernels import gemv
+def test_launch_shapes_from_the_config_refuse_bad_values(text, message):
+    from llaunch.kernels import settings
 
     with pytest.raises(ValueError, match=message):
-        gemv.parse_shapes(text)
+        settings.parse_gemv_shapes(text)
+    assert [key for key, _ in settings.KernelSettings(gemv_shapes=text).problems()] == ["kernels.gemv_shapes"]
 
 
-def test_lm_head_takes_the_staged_kernel_where_it_was_measured(monkeypatch):
+def test_lm_head_takes_the_staged_kernel_where_it_was_measured(monkeypatch, kernel_settings):
     """A vocabulary-sized one-row product (the LM head) runs the staged kernel on Hopper, with a
-    weight TMA can address; elsewhere, or with STAGES 0 from LLAUNCH_GEMV_SHAPES, it stays on cuBLAS."""
+    weight TMA can address; elsewhere, or with STAGES 0 from kernels.gemv_shapes, it stays on cuBLAS."""
     from llaunch.kernels import gemv, pdl
 
     monkeypatch.setattr(gemv, "_INTERPRETED", False)
-    monkeypatch.setattr(gemv, "_OVERRIDES", {})
     monkeypatch.setattr(pdl, "hopper_or_later", lambda index: True)
     qwen2_7b = torch.empty(152064, 3584, dtype=torch.bfloat16, device="meta")
     assert gemv.launch_shape(152064, 3584, False) == (16, 256, 4, 4)
     assert gemv.staged_for(qwen2_7b)
     assert not gemv.staged_for(torch.empty(152064, 3583, dtype=torch.bfloat16, device="meta"))  # 7,166-byte rows
     assert not gemv.staged_for(torch.empty(49152, 576, dtype=torch.float32, device="meta"))  # SmolLM2's: cuBLAS
-    monkeypatch.setattr(gemv, "_OVERRIDES", gemv.parse_shapes("152064x3584=2/1024/4/0"))
+    kernel_settings(gemv_shapes="152064x3584=2/1024/4/0")
     assert not gemv.staged_for(qwen2_7b)
-    monkeypatch.setattr(gemv, "_OVERRIDES", {})
+    kernel_settings(gemv_shapes="")
     monkeypatch.setattr(pdl, "hopper_or_later", lambda index: False)
     assert not gemv.staged_for(qwen2_7b)

@@ -5,22 +5,17 @@ values, so every replay gets new inputs."""
 import pytest
 import torch
 
-from llaunch.kernels import pdl
 from llaunch.kernels.dispatch import triton_ops
 
 H, QH, KVH, D, INTER = 3584, 28, 4, 128, 18944
 
 
-def _layer_chain(weights, x, residual, k_cache, v_cache, req_to_slots, positions, slots, seq_lens, cos, sin, fused):
+def _layer_chain(weights, x, residual, k_cache, v_cache, req_to_slots, positions, slots, seq_lens, cos, sin):
     ops = triton_ops()
     n, h = ops.rmsnorm(x, weights["norm"], 1e-6, residual)
-    if fused:
-        q = ops.qkv_rotary_store_kv(n, weights["qkv"], weights["bias"], QH, KVH, positions, cos, sin, k_cache, v_cache,
-                                    slots)
-    else:
-        q, k, v = ops.gemv(n, weights["qkv"], weights["bias"]).split([QH * D, KVH * D, KVH * D], -1)
-        q = ops.rotary_store_kv(q.view(1, QH, D), k.view(1, KVH, D), v.view(1, KVH, D), positions, cos, sin,
-                                k_cache, v_cache, slots)
+    q, k, v = ops.gemv(n, weights["qkv"], weights["bias"]).split([QH * D, KVH * D, KVH * D], -1)
+    q = ops.rotary_store_kv(q.view(1, QH, D), k.view(1, KVH, D), v.view(1, KVH, D), positions, cos, sin,
+                            k_cache, v_cache, slots)
     rows = torch.zeros(1, dtype=torch.int64, device=x.device)
     attn = ops.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, D ** -0.5, max_len=1024)
     o = ops.gemv(attn.view(1, QH * D), weights["o"])
@@ -30,22 +25,17 @@ def _layer_chain(weights, x, residual, k_cache, v_cache, req_to_slots, positions
 
 # The TMA-staged GEMV (kernels/gemv_staged.py) for every weight shape of the chain: its pipeline
 # issues weight tiles before the PDL wait and loads x after it in every iteration.
-STAGED = {(QH * D + 2 * KVH * D, H, False): (8, 256, 4, 6), (H, QH * D, False): (8, 256, 4, 6),
-          (INTER, H, True): (8, 256, 4, 4), (H, INTER, False): (16, 256, 4, 6)}
+STAGED = (f"{QH * D + 2 * KVH * D}x{H}=8/256/4/6,{H}x{QH * D}=8/256/4/6,{INTER}x{H}:gated=8/256/4/4,"
+          f"{H}x{INTER}=16/256/4/6")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False], ids=["qkv+rotary fused", "qkv then rotary"])
-@pytest.mark.parametrize("shapes", [{}, STAGED], ids=["built-in GEMV shapes", "staged GEMVs"])
-@pytest.mark.parametrize("x_ahead", ["0", "ungated", "all"],
-                         ids=["x at each iteration", "x one tile ahead but in gate_up", "x one tile ahead"])
-def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda, monkeypatch, fused, shapes, x_ahead):
+@pytest.mark.parametrize("shapes", ["", STAGED], ids=["built-in GEMV shapes", "staged GEMVs"])
+def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda, kernel_settings, shapes):
     if not torch.cuda.get_device_capability()[0] >= 9:
         pytest.skip("PDL needs Hopper or later")
-    from llaunch.kernels import gemv
+    from llaunch.kernels.settings import PDL_KERNELS
 
-    monkeypatch.setattr(gemv, "_OVERRIDES", {**gemv._OVERRIDES, **shapes})
-    monkeypatch.setattr(gemv, "_X_AHEAD", x_ahead)
     bf = torch.bfloat16
     w = {"norm": torch.rand(H, device=cuda).to(bf) + 0.5, "qkv": (torch.randn(QH * D + 2 * KVH * D, H, device=cuda) / 60).to(bf),
          "bias": torch.randn(QH * D + 2 * KVH * D, device=cuda).to(bf), "o": (torch.randn(H, QH * D, device=cuda) / 60).to(bf),
@@ -63,28 +53,25 @@ def test_pdl_chain_matches_plain_launches_eager_and_in_a_graph(cuda, monkeypatch
 
     def run():
         return _layer_chain(w, static["x"], static["r"], k_cache, v_cache, req_to_slots, positions, slots, seq_lens,
-                            cos, sin, fused)
+                            cos, sin)
 
     inputs = [(torch.randn(1, H, device=cuda).to(bf), torch.randn(1, H, device=cuda).to(bf)) for _ in range(3)]
     expected = []
-    before, kernels_before = pdl.set_mode("0"), pdl.set_kernels(pdl.KERNELS)  # every kernel that has PDL
-    try:
-        for x, r in inputs:
-            static["x"].copy_(x), static["r"].copy_(r)
-            expected.append([t.clone() for t in run()])
-        pdl.set_mode("all")
-        for (x, r), want in zip(inputs, expected):  # eager, PDL
-            static["x"].copy_(x), static["r"].copy_(r)
-            for got, exp in zip(run(), want):
-                assert torch.equal(got, exp)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = run()
-        for (x, r), want in zip(inputs * 2, expected * 2):
-            static["x"].copy_(x), static["r"].copy_(r)
-            graph.replay()
-            for got, exp in zip(outs, want):
-                assert torch.equal(got, exp)
-    finally:
-        pdl.set_mode(before), pdl.set_kernels(kernels_before)
+    kernel_settings(pdl="off", gemv_shapes=shapes, pdl_kernels=list(PDL_KERNELS))  # every kernel that has PDL
+    for x, r in inputs:
+        static["x"].copy_(x), static["r"].copy_(r)
+        expected.append([t.clone() for t in run()])
+    kernel_settings(pdl="all", gemv_shapes=shapes, pdl_kernels=list(PDL_KERNELS))
+    for (x, r), want in zip(inputs, expected):  # eager, PDL
+        static["x"].copy_(x), static["r"].copy_(r)
+        for got, exp in zip(run(), want):
+            assert torch.equal(got, exp)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for (x, r), want in zip(inputs * 2, expected * 2):
+        static["x"].copy_(x), static["r"].copy_(r)
+        graph.replay()
+        for got, exp in zip(outs, want):
+            assert torch.equal(got, exp)
 

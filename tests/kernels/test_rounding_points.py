@@ -8,7 +8,7 @@ _COMPILE = r'''
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from llaunch.kernels import qkv_rotary, rotary
+from llaunch.kernels import rotary
 
 target = GPUTarget("cuda", 90, 32)
 ptrs = lambda *names: {n: "*bf16" for n in names}  # noqa: E731
@@ -21,14 +21,7 @@ rot = triton.compile(ASTSource(fn=rotary._rotary_kernel, signature=rot_sig,
                                constexprs={"HALF": 64, "BLOCK_HALF": 64, "BLOCK_HQ": 32, "BLOCK_HK": 4,
                                            "STORE": True, "PDL": False}),
                      target=target, options={"num_warps": 4, **rotary.COMPILE_OPTIONS})
-qkv_sig = {**ptrs("x_ptr", "w_ptr", "b_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr"), "pos_ptr": "*i64",
-           "slot_ptr": "*i64", **ptrs("cos_ptr", "sin_ptr"),
-           **{n: "i32" for n in ("K", "w_stride", "table_stride", "n_q_heads", "n_kv_heads")},
-           **{n: "constexpr" for n in ("HAS_BIAS", "PDL", "HALF", "BLOCK_K")}}
-qkv = triton.compile(ASTSource(fn=qkv_rotary._qkv_rotary_kernel, signature=qkv_sig,
-                               constexprs={"HAS_BIAS": True, "PDL": False, "HALF": 64, "BLOCK_K": 1024}),
-                     target=target, options={"num_warps": 4})
-print(json.dumps({"rotary": rot.asm["ptx"], "qkv_rotary": qkv.asm["ptx"]}))
+print(json.dumps({"rotary": rot.asm["ptx"]}))
 '''
 
 
@@ -37,8 +30,7 @@ def sm90_ptx(sm90_compile):
     return sm90_compile(_COMPILE)
 
 
-@pytest.mark.parametrize("kernel", ["rotary", "qkv_rotary"])
-def test_rotary_kernels_compile_without_a_bf16_fma(sm90_ptx, kernel):
-    ptx = sm90_ptx[kernel]
+def test_rotary_kernel_compiles_without_a_bf16_fma(sm90_ptx):
+    ptx = sm90_ptx["rotary"]
     assert ".target sm_90" in ptx
     assert "fma.rn.bf16" not in ptx

@@ -52,7 +52,7 @@ for dtype, elem in TYPES.items():
         for direct in (False, True):
             block_n, warps, stages = dec._launch_shape(q, dim, 1 if direct else 64)
             constexprs = dict(GROUP=7, DIRECT=direct, UPCAST=False,
-                              PRECISION="ieee" if dtype == torch.float32 else "tf32", PDL=1, PRE_WAIT=True, BLOCK_H=16,
+                              PRECISION="ieee" if dtype == torch.float32 else "tf32", PDL=1, BLOCK_H=16,
                               BLOCK_N=block_n, BLOCK_D=dim)
             kernel = triton.compile(ASTSource(fn=dec._decode_split_kernel,
                                               signature=signature(dec._decode_split_kernel, constexprs, elem),

@@ -14,7 +14,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from rich.console import Console
 
 from llaunch.launcher import bench_job, bench_server
-from llaunch.launcher.schema import BenchConfig, ModelConfig, ProcessGraph, RunConfig, ServerConfig
+from llaunch.runtime.config import BenchConfig, ModelConfig, ProcessGraph, RunConfig, ServerConfig
 from llaunch.launcher.sweep_progress import SweepProgress, SweepShape, sweep_shape
 
 

@@ -12,13 +12,14 @@ import yaml
 from hydra.errors import ConfigCompositionException, HydraException
 
 from llaunch.launcher import derive, store
-from llaunch.launcher.schema import (
+from llaunch.runtime.models import checkpoint
+from llaunch.runtime.config import (
     BenchConfig, CacheConfig, Device, DType, LlaunchConfig, LoadFormat, Mode, ModeConfig, ModelConfig,
-    ParallelConfig, RouterConfig, ServerConfig,
+    KernelSettings, ParallelConfig, RouterConfig, ServerConfig,
 )
 
 SCHEMAS = {"model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig, "mode": ModeConfig,
-           "router": RouterConfig, "server": ServerConfig, "bench": BenchConfig}
+           "router": RouterConfig, "server": ServerConfig, "kernels": KernelSettings, "bench": BenchConfig}
 ALL_PROFILES = [(g, p) for g in store.GROUPS for p in store.profiles(g)]
 # Published parameter counts (model cards / safetensors metadata): the oracle for sized profiles.
 PUBLISHED_PARAMS = {"smollm2-135m": 134_515_008, "qwen2-0.5b": 494_032_768, "qwen2-7b": 7_615_616_512,
@@ -126,7 +127,7 @@ def test_smollm2_profile_and_gguf_reader_agree_with_transformers(compose_config)
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     hf = load_gguf_checkpoint(str(smollm2_gguf()), return_tensors=False)["config"]
-    ckpt = derive.read_checkpoint(str(smollm2_gguf()))
+    ckpt = checkpoint.read_checkpoint(str(smollm2_gguf()))
     profile = compose_config().model
     assert ckpt.family == hf["model_type"] == profile.family == "llama"
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -180,7 +181,7 @@ def test_resolve_reads_older_spellings(tmp_path):
     config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
     config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    derive.read_checkpoint.cache_clear()
+    checkpoint.read_checkpoint.cache_clear()
     m = derive.resolve_model(ModelConfig(path=str(tmp_path), max_model_len=100), Device.cuda)
     assert m.family == "llama" and m.dtype == DType.float16 and m.rope_theta == 10000.0
     assert m.rope_scaling == {"rope_type": "llama3", "factor": 8.0}
@@ -203,12 +204,12 @@ def test_resolve_without_a_checkpoint():
 
 def test_unreadable_checkpoints_raise(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(derive.CheckpointError, match="config.json"):
-        derive.read_checkpoint(str(tmp_path))
+    with pytest.raises(checkpoint.CheckpointError, match="config.json"):
+        checkpoint.read_checkpoint(str(tmp_path))
     (tmp_path / "broken.gguf").write_bytes(b"GGUF but not really")
-    with pytest.raises(derive.CheckpointError, match="GGUF"):
-        derive.read_checkpoint(str(tmp_path / "broken.gguf"))
-    assert derive.read_checkpoint(str(tmp_path / "absent")) is None
+    with pytest.raises(checkpoint.CheckpointError, match="GGUF"):
+        checkpoint.read_checkpoint(str(tmp_path / "broken.gguf"))
+    assert checkpoint.read_checkpoint(str(tmp_path / "absent")) is None
 
 
 @pytest.mark.parametrize("chunked,max_len,chunk,expected", [

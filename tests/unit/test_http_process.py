@@ -3,7 +3,6 @@ router double, ProcessReady to the launcher's control socket, SIGTERM drain, exi
 from __future__ import annotations
 
 import http.client
-import os
 import threading
 import time
 
@@ -84,7 +83,7 @@ def test_frontend_process_serves_over_zmq_and_drains_on_sigterm(tok, tmp_path):
     import msgspec
     import zmq
 
-    from llaunch.launcher.schema import ModelConfig, ProcessGraph, ProcessSpec, RunConfig
+    from llaunch.runtime.config import ModelConfig, ProcessGraph, ProcessSpec, RunConfig
     from llaunch.runtime.ipc.messages import LauncherInbound
     from llaunch.runtime.ipc.sockets import Receiver
 
@@ -102,8 +101,8 @@ def test_frontend_process_serves_over_zmq_and_drains_on_sigterm(tok, tmp_path):
     control = Receiver(ctx, graph.control, LauncherInbound)
     router = ZmqRouterDouble(tok, spec.connects["requests.0"], spec.binds["text"])
     proc = subprocess.Popen([sys.executable, "-m", "llaunch.runtime.http.process", "--config",
-                             str(tmp_path / "config.yaml"), "--name", "frontend.0"],
-                            env={**os.environ, "LLAUNCH_HTTP_FD": str(sock.fileno())}, pass_fds=[sock.fileno()])
+                             str(tmp_path / "config.yaml"), "--name", "frontend.0", "--listen-fd", str(sock.fileno())],
+                            pass_fds=[sock.fileno()])
     sock.close()  # the child holds the listening socket now
     try:
         ready = control.recv(timeout_ms=60_000)

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from llaunch.runtime.pd.kv_landing import KvLanding
-from llaunch.runtime.pd.kv_transfer import gather_page, page_header, plan_pages
+from llaunch.runtime.kv_transfer.kv_landing import KvLanding
+from llaunch.runtime.kv_transfer.pages import gather_page, page_header, plan_pages
 from unit.test_kv_transfer import SLOTS, assert_moved, assert_untouched, clone, make_cache, shuffled_slot_groups
 
 pytestmark = pytest.mark.timeout(60)

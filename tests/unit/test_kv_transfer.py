@@ -12,9 +12,9 @@ import torch
 import zmq
 
 from llaunch.runtime.models.batch import KvCache
-from llaunch.runtime.pd.kv_transfer import (TransferError, gather_page, page_header, plan_pages, scatter_page,
-                                            to_wire)
-from llaunch.runtime.pd.zmq_transport import ZmqKvReceiver, ZmqKvSender
+from llaunch.runtime.kv_transfer.pages import (TransferError, gather_page, page_header, plan_pages, scatter_page,
+                                               to_wire)
+from llaunch.runtime.kv_transfer.zmq_transport import ZmqKvReceiver, ZmqKvSender
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ import torch
 
 from fixtures.forward_batches import SlotTables
 from fixtures.tiny_models import model_config_from_folder, smollm2_dir, write_tiny_checkpoint
-from llaunch.runtime.models import build_model
+from llaunch.runtime.models.loader import build_model
 
 PROMPTS = ["What is the capital of France? Answer in one word.",
            "Write a haiku about the sea, and explain its meaning in a sentence or two."]

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from llaunch.runtime.models.batch import KvCache
-from llaunch.runtime.pd.kv_transfer import TransferError, gather_page, page_header, plan_pages
-from llaunch.runtime.pd.nccl_pairing import PairedKvReceiver, PairedKvSender
-from llaunch.runtime.pd import pair_group
-from llaunch.runtime.pd.pair_group import JoinSteps, host_pairing, join_as_sender
+from llaunch.runtime.kv_transfer.pages import TransferError, gather_page, page_header, plan_pages
+from llaunch.runtime.kv_transfer.nccl_pairing import PairedKvReceiver, PairedKvSender
+from llaunch.runtime.kv_transfer import pair_group
+from llaunch.runtime.kv_transfer.pair_group import JoinSteps, host_pairing, join_as_sender
 from unit.test_kv_transfer import LENGTHS, assert_moved, assert_untouched, make_cache, shuffled_slot_groups
 
 pytestmark = pytest.mark.timeout(60)

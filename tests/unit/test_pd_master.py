@@ -17,10 +17,10 @@ import pytest
 
 from llaunch.launcher import supervise
 from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.pd.config_server import Directory, create_config_app
-from llaunch.runtime.pd.master_app import MasterSettings, create_master_app
-from llaunch.runtime.pd.registrar import Registrar
-from llaunch.runtime.pd.registry import InstanceRegistry
+from llaunch.runtime.pd_master.config_server import Directory, create_config_app
+from llaunch.runtime.pd_master.app import MasterSettings, create_master_app
+from llaunch.runtime.http.registrar import Registrar
+from llaunch.runtime.pd_master.registry import InstanceRegistry
 from unit.http_support import wait_for
 from unit.pd_support import Clock, FakeDecode, FakePrefill, KvBoard, Loop, dying_decode, new_event
 

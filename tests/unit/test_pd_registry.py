@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llaunch.runtime.pd.registry import InstanceLoad, InstanceRegistry, NoHealthyInstance, Registration
+from llaunch.runtime.pd_master.registry import InstanceLoad, InstanceRegistry, NoHealthyInstance, Registration
 
 
 class Clock:
@@ -146,7 +146,7 @@ def test_a_shared_prefix_keeps_its_instance_while_load_allows(registry):
 
 
 def test_prefix_key_of_request_bodies():
-    from llaunch.runtime.pd.master_app import PREFIX_CHARS, prefix_key
+    from llaunch.runtime.pd_master.app import PREFIX_CHARS, prefix_key
 
     system = "You are a helpful assistant. " * 60  # longer than PREFIX_CHARS
     chat = lambda q: ('{"model": "m", "messages": [{"role": "system", "content": "%s"}, '  # noqa: E731

@@ -99,7 +99,7 @@ def test_worker_link_stops_when_a_nccl_transport_is_stuck():
     import torch
 
     from llaunch.runtime.models.batch import KvCache
-    from llaunch.runtime.worker.kv_link import KvLink, KvTransportStuck
+    from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
 
     kv = KvCache(k=[torch.zeros(4, 1, 2)], v=[torch.zeros(4, 1, 2)], req_to_slots=torch.zeros(1, 4, dtype=torch.int32))
     link = KvLink(kv, None, scratch_slot=3)
@@ -126,8 +126,8 @@ def test_worker_link_pairs_again_after_a_broken_sender(monkeypatch):
 
     from llaunch.runtime.ipc.messages import SendKv
     from llaunch.runtime.models.batch import KvCache
-    from llaunch.runtime.pd.kv_transfer import TransferHandle
-    from llaunch.runtime.worker import kv_link
+    from llaunch.runtime.kv_transfer.pages import TransferHandle
+    from llaunch.runtime.kv_transfer import link as kv_link
 
     made = []
 
@@ -169,7 +169,7 @@ def test_an_idle_pd_worker_stops_on_a_stuck_transport():
     NCCL transport (the worker's main then exits at once)."""
     import pytest
 
-    from llaunch.runtime.worker.kv_link import KvTransportStuck
+    from llaunch.runtime.kv_transfer.link import KvTransportStuck
     from llaunch.runtime.worker.process import serve
 
     class Plans:

@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from llaunch.launcher import derive, rules
+from llaunch.runtime.config import LoadFormat
 
 
 @pytest.fixture
@@ -49,6 +50,8 @@ BREAKS = {
     "max_running_requests_positive": [["router.max_running_requests=0"], ["router.max_wait_tokens=-1"]],
     "prefill_graph_tokens_nonnegative": [["model.prefill_graph_tokens=-64"]],
     "http_workers_positive": [["server.http_workers=0"]],
+    "kernel_settings_valid": [["kernels.pdl_kernels=[gemv,softmax]"], ["kernels.gemv_shapes='3584x3584=3/4096/8'"]],
+    "timeouts_positive": [["server.ready_timeout_s=-1"], ["bench=c1", "bench.timeout_s=-5"]],
     "family_supported": [["model.family=mistral"]],
     "weights_need_path": [["model.load_format=safetensors"], ["model.load_format=auto", "model.path=/no/such/dir"]],
     "tokenizer_exists": [["model.tokenizer=/no/such/tokenizer"]],
@@ -115,7 +118,7 @@ def test_gguf_needs_a_gguf_path(resolved):
     import dataclasses
 
     cfg = resolved()
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, load_format=derive.LoadFormat.gguf))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, load_format=LoadFormat.gguf))
     [v] = rules.gguf_needs_gguf_path(cfg)
     assert v.keys == ("model.load_format", "model.path") and "model.path=None" in v.message
 
@@ -180,7 +183,7 @@ def test_server_port_rule_only_binds_on_node_0():
     import socket
 
     from llaunch.launcher import rules
-    from llaunch.launcher.schema import LlaunchConfig, ParallelConfig, ServerConfig
+    from llaunch.runtime.config import LlaunchConfig, ParallelConfig, ServerConfig
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

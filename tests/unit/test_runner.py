@@ -4,7 +4,7 @@ import torch
 
 from fixtures.tiny_models import model_config_from_folder, write_tiny_checkpoint
 from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, SamplingParams, StepPlan
-from llaunch.runtime.models import build_model
+from llaunch.runtime.models.loader import build_model
 from llaunch.runtime.worker.runner import ModelRunner
 
 ROWS, SLOTS, MAX_LEN = 2, 64, 64

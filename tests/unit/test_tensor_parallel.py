@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from fixtures.forward_batches import SlotTables
 from fixtures.tiny_models import model_config_from_folder, write_tiny_checkpoint
-from llaunch.runtime.models import build_model
+from llaunch.runtime.models.loader import build_model
 
 TP = 2
 

@@ -8,12 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llaunch.launcher.schema import LoadFormat
-from llaunch.runtime.models import ModelArch, build_model
-from llaunch.runtime.worker import weights
+from llaunch.runtime.config import LoadFormat
+from llaunch.runtime.models.arch import ModelArch
+from llaunch.runtime.models.loader import build_model
+from llaunch.runtime.models import weights
+from llaunch.runtime.models.checkpoint import read_checkpoint
 from fixtures.forward_batches import SlotTables
 from fixtures.tiny_models import (model_config_from_folder, read_config_json, smollm2_dir, smollm2_gguf,
-                                        write_tiny_checkpoint)
+                                  write_tiny_checkpoint)
 
 CPU = torch.device("cpu")
 
@@ -37,8 +39,10 @@ def test_gguf_loader_equals_converted_safetensors():
     if not (folder / "model.safetensors").is_file():
         pytest.fail(f"{folder} missing: run scripts/prepare_models.py (make setup)")
     gguf = smollm2_gguf()
-    from_gguf_meta = ModelArch.from_hf_config(weights.gguf_hf_config(str(gguf)))
-    assert from_gguf_meta == ModelArch.from_hf_config(read_config_json(folder))
+    from_gguf_meta = ModelArch.from_checkpoint(read_checkpoint(str(gguf)))
+    from_json = ModelArch.from_hf_config(read_config_json(folder))
+    assert from_gguf_meta.rms_norm_eps == pytest.approx(from_json.rms_norm_eps, rel=1e-6)  # GGUF stores float32
+    assert replace(from_gguf_meta, rms_norm_eps=from_json.rms_norm_eps) == from_json
     st_cfg = model_config_from_folder(folder)
     from_st = params(build(st_cfg))
     from_gguf = params(build(replace(st_cfg, path=str(gguf.parent), load_format=LoadFormat.gguf)))
@@ -202,7 +206,7 @@ def test_qwen2_gguf_loads_like_transformers_reads_it(tiny, tmp_path):
     theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
     assert theirs.keys() == full.keys() and all(torch.equal(theirs[n], full[n]) for n in full)
 
-    meta, expected = ModelArch.from_hf_config(weights.gguf_hf_config(str(path))), ModelArch.from_hf_config(hf)
+    meta, expected = ModelArch.from_checkpoint(read_checkpoint(str(path))), ModelArch.from_hf_config(hf)
     assert meta.rms_norm_eps == pytest.approx(expected.rms_norm_eps, rel=1e-6)  # GGUF stores float32
     assert replace(meta, rms_norm_eps=expected.rms_norm_eps) == expected
     cfg = model_config_from_folder(folder)

@@ -1,5 +1,5 @@
 """The pd_master's Quart app: the OpenAI and LightLLM routes relayed through a prefill/decode pair
-(runtime/pd/relay.py), instance registration by heartbeat, and the master's health and instance list.
+(runtime/pd_master/relay.py), instance registration by heartbeat, and the master's health and instance list.
 
 The master never tokenizes: every instance is a full llaunch server that tokenizes the same body with
 the same tokenizer, so P and D agree on the token ids.
@@ -16,13 +16,13 @@ import httpx
 import msgspec
 from quart import Quart, Response, request
 
-from llaunch.launcher.schema import RunConfig
+from llaunch.runtime.config import RunConfig
 from llaunch.runtime.http.errors import ApiError, bad_request, draining, error_response, json_response
 from llaunch.runtime.http.guards import gatekeeper, json_errors
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import decode_body
-from llaunch.runtime.pd.registry import InstanceRegistry, NoHealthyInstance, Registration
-from llaunch.runtime.pd.relay import FORWARDED_HEADERS, PdExchange
+from llaunch.runtime.pd_master.registry import InstanceRegistry, NoHealthyInstance, Registration
+from llaunch.runtime.pd_master.relay import FORWARDED_HEADERS, PdExchange
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,18 @@
-"""The typed configuration: one frozen dataclass per Hydra group, plus the resolved run config.
+"""The typed configuration, the contract every process reads: one frozen dataclass per Hydra group,
+plus the resolved run config.
 
-Pure dataclasses (no Hydra import) so runtime/ can read them: the launcher composes with Hydra,
-validates with launcher/rules.py, fills derived values, and hands children a `RunConfig` decoded from
-the run directory's YAML with msgspec.
+Pure dataclasses (no Hydra, no torch) so every process and the launcher can read them: the launcher
+composes with Hydra, validates with launcher/rules.py, fills derived values, and hands children a
+`RunConfig` decoded from the run directory's YAML with msgspec. The `kernels` group's schema is the
+kernels' own settings class (kernels/settings.py), which the worker applies.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
+
+from llaunch.kernels.settings import KernelSettings
 
 
 class LoadFormat(str, Enum):
@@ -34,6 +38,13 @@ class Device(str, Enum):
 class KvTransport(str, Enum):
     zmq = "zmq"  # pages through host memory over TCP: CPU, GPUs, across hosts
     nccl = "nccl"  # GPU to GPU through a NCCL pair group per prefill/decode rank pair (gloo on CPU)
+
+
+class LogLevel(str, Enum):
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
 
 
 class Mode(str, Enum):
@@ -114,6 +125,9 @@ class RouterConfig:
     chunked_prefill_size: int = 4096
     max_wait_tokens: int = 6  # decode steps to run before new prefills join the batch
     token_ratio: float = 0.0  # KV usage below which new requests are admitted without waiting
+    # A JSONL file that gets one line per step (plan, timings; runtime/router/step_trace.py), for finding
+    # where a workload's time goes; dp replica N > 0 writes PATH.N. None: no trace, no timing events.
+    step_trace: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +137,7 @@ class ServerConfig:
     http_workers: int = 1
     api_key: Optional[str] = None
     drain_timeout_s: float = 60.0  # SIGTERM: how long in-flight requests may take to finish
+    ready_timeout_s: float = 900.0  # launch: how long the graph may take until every process is ready
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,8 @@ class BenchConfig:
     shared_prefix_groups: int = 0  # > 0: prompts share one of this many system prompts (prompt cache)
     shared_prefix_len: int = 0  # tokens of each shared system prompt
     multi_turn: int = 1  # turns per conversation, each re-sending the history
+    ready_timeout_s: float = 900.0  # the job's server: launch until /health answers
+    timeout_s: float = 3600.0  # the benchmark client's whole run
 
 
 @dataclass(frozen=True)
@@ -148,9 +165,11 @@ class LlaunchConfig:
     mode: ModeConfig = field(default_factory=ModeConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    kernels: KernelSettings = field(default_factory=KernelSettings)
     bench: Optional[BenchConfig] = None
     device: Device = Device.auto
     dry_run: bool = False
+    log_level: LogLevel = LogLevel.INFO  # every process's log
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,12 @@ from quart import Response
 
 from llaunch.runtime.http.errors import ApiError, json_response
 from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.http.sse import DONE, sse_event
-from llaunch.runtime.pd.registry import Instance, InstanceRegistry
+from llaunch.runtime.http.pd_instance import DECODE_KV_HEADER, PD_ID_HEADER
+from llaunch.runtime.http.sse import DONE, TrackedStream, sse_event, sse_response
+from llaunch.runtime.pd_master.registry import Instance, InstanceRegistry
 
 log = logging.getLogger(__name__)
 
-PD_ID_HEADER = "X-Llaunch-Pd-Id"  # to P and D: pairs P's KV shipment with D's waiting request
-DECODE_KV_HEADER = "X-Llaunch-Pd-Decode-Kv"  # to P only: D's kv_address
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 _END = object()
 
@@ -124,11 +123,7 @@ class PdExchange:
             self._decode_ok = True
             await self.close()
             return Response(b"", status=200, content_type=content_type)
-        stream = RelayStream(self._relay(chunks, first), self)
-        response = Response(stream, status=200, content_type=content_type,
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        response.timeout = None  # a long generation is not a stuck response
-        return response
+        return sse_response(TrackedStream(self._relay(chunks, first), self), content_type)
 
     async def _relay(self, chunks: AsyncIterator[bytes], first: bytes) -> AsyncIterator[bytes]:
         last = first
@@ -263,28 +258,3 @@ class PdExchange:
             return
         if refusal is not None:
             log.warning("pd %s: decode finished but the prefill failed: %s", self.pd_id, refusal)
-
-
-class RelayStream:
-    """The SSE body: D's chunks, then the exchange closed however the body ends (finished, client gone,
-    or closed before its first byte, when the generator's own `finally` never runs)."""
-
-    def __init__(self, events: AsyncIterator[bytes], exchange: PdExchange):
-        self._events = events
-        self._exchange = exchange
-
-    def __aiter__(self) -> "RelayStream":
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            return await self._events.__anext__()
-        except BaseException:  # StopAsyncIteration included: the stream is over either way
-            await self._exchange.close()
-            raise
-
-    async def aclose(self) -> None:
-        try:
-            await self._events.aclose()
-        finally:
-            await self._exchange.close()

@@ -21,15 +21,22 @@ from typing import Optional, Union
 import torch
 
 from llaunch.runtime.models.batch import KvCache
-from llaunch.runtime.pd.kv_landing import KvLanding
-from llaunch.runtime.pd.kv_transfer import (DTYPES, KvAbort, KvPageHeader, KvReceiver, KvSender, Page, SideStream,
-                                            TransferError, TransferHandle, compute_done_marker, gather_page,
-                                            page_header, plan_pages)
-from llaunch.runtime.pd.pair_control import LINK_CLOSED, LinkBroken
-from llaunch.runtime.pd.pair_group import (JoinError, JoinSteps, PairLink, host_pairing, join_as_receiver,
-                                           join_as_sender, join_overdue, parse_address, stuck_reason)
+from llaunch.runtime.kv_transfer.kv_landing import KvLanding
+from llaunch.runtime.kv_transfer.pages import (DTYPES, KvAbort, KvPageHeader, KvReceiver, KvSender, Page, SideStream,
+                                               TransferError, TransferHandle, compute_done_marker, gather_page,
+                                               page_header, plan_pages)
+from llaunch.runtime.kv_transfer.pair_control import LINK_CLOSED, LinkBroken
+from llaunch.runtime.kv_transfer.pair_group import (JoinError, JoinSteps, PairLink, host_pairing, join_as_receiver,
+                                                    join_as_sender, join_overdue, parse_address, stuck_reason)
 
 log = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+# A NCCL pair communicator holds ~0.8 GiB of buffers on each side: room for two peers (each further
+# peer comes out of what cache.mem_fraction leaves), plus the decode side's parking space for pages
+# that arrive before their request does. The worker's KV sizing reserves both.
+NCCL_PAIR_RESERVE = 2 * _GiB
+NCCL_PARKING_BYTES = 1 * _GiB
 
 
 def _use_device(device: torch.device) -> None:

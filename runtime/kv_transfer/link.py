@@ -11,8 +11,8 @@ from typing import Optional
 
 from llaunch.runtime.ipc.messages import CancelKv, KvDone, ReceiveKv, SendKv
 from llaunch.runtime.models.batch import KvCache
-from llaunch.runtime.pd.kv_transfer import TransferHandle
-from llaunch.runtime.pd.zmq_transport import ZmqKvReceiver, ZmqKvSender
+from llaunch.runtime.kv_transfer.pages import TransferHandle
+from llaunch.runtime.kv_transfer.zmq_transport import ZmqKvReceiver, ZmqKvSender
 
 log = logging.getLogger(__name__)
 MAX_REPAIRS = 3  # new pairs per decode address after a broken one
@@ -108,9 +108,7 @@ class KvLink:
 def _receiver(address: str, kv: KvCache, timeout_s: float):
     """The transport is the address's scheme: tcp:// ZMQ, nccl:// a NCCL pair group per sender."""
     if address.startswith("nccl://"):
-        from llaunch.runtime.pd.nccl_pairing import PairedKvReceiver
-
-        from llaunch.runtime.worker.kv_sizing import NCCL_PARKING_BYTES
+        from llaunch.runtime.kv_transfer.nccl_pairing import NCCL_PARKING_BYTES, PairedKvReceiver
 
         # on a GPU the parking space is reserved in the KV sizing; on CPU the default keeps tests small
         parking = NCCL_PARKING_BYTES if kv.k[0].device.type == "cuda" else 256 << 20
@@ -120,7 +118,7 @@ def _receiver(address: str, kv: KvCache, timeout_s: float):
 
 def _sender(address: str, kv: KvCache, timeout_s: float):
     if address.startswith("nccl://"):
-        from llaunch.runtime.pd.nccl_pairing import PairedKvSender
+        from llaunch.runtime.kv_transfer.nccl_pairing import PairedKvSender
 
         return PairedKvSender(address, kv.k[0].device, timeout_s=timeout_s)
     return ZmqKvSender(address, timeout_s=timeout_s)

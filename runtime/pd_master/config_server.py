@@ -2,7 +2,7 @@
 instances find each other. Everyone heartbeats `POST /register {"id", "role", "url", ...}`; `GET
 /registry?role=master` lists the live entries (last heartbeat within the timeout), extra fields kept.
 
-`python -m llaunch.runtime.pd.config_server --config RUN_DIR/config.yaml --name config_server` serves
+`python -m llaunch.runtime.pd_master.config_server --config RUN_DIR/config.yaml --name config_server` serves
 on mode.config_server_host:config_server_port (the plan's `http` bind)."""
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from typing import Any, Callable, Optional
 import zmq
 from quart import Quart, Response, request
 
-from llaunch.launcher.schema import ProcessSpec, RunConfig
+from llaunch.runtime.config import ProcessSpec, RunConfig
 from llaunch.runtime.bootstrap import report_ready, start
 from llaunch.runtime.http.errors import bad_request, json_response
 from llaunch.runtime.http.guards import json_errors
 from llaunch.runtime.http.openai_protocol import decode_body
 from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.pd.master_process import HEARTBEAT_TIMEOUT_S, serve_until_stopped
+from llaunch.runtime.pd_master.process import HEARTBEAT_TIMEOUT_S, serve_until_stopped
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,13 @@ import os
 import zlib
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from llaunch.launcher.schema import ModelConfig
+from llaunch.runtime.config import ModelConfig
+from llaunch.runtime.models.checkpoint import find_gguf, read_checkpoint
 
 # Dummy weights of models up to this size are drawn as full tensors on CPU and then sliced, so any
 # tp size sees the same model (tests compare tp2 with tp1); larger ones draw each shard on the device.
@@ -99,15 +100,6 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:])]}.{kind}"
 
 
-def find_gguf(path: str) -> str:
-    if path.endswith(".gguf"):
-        return path
-    found = sorted(glob.glob(os.path.join(path, "*.gguf")))
-    if len(found) != 1:
-        raise FileNotFoundError(f"expected one .gguf file in {path}, found {len(found)}")
-    return found[0]
-
-
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's convert_hf_to_gguf q/k row permutation (interleaved → rotate-half order)."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -120,16 +112,12 @@ class GgufSource:
     def __init__(self, path: str):
         import gguf
 
+        path = find_gguf(path)
+        meta = read_checkpoint(path)
         self._gguf = gguf
-        self._reader = gguf.GGUFReader(find_gguf(path))
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        self._arch = self._field("general.architecture")
-        self._heads = self._field(f"{self._arch}.attention.head_count")
-        self._kv_heads = self._field(f"{self._arch}.attention.head_count_kv", self._heads)
-
-    def _field(self, key: str, default: Any = None) -> Any:
-        field = self._reader.get_field(key)
-        return default if field is None else field.contents()
+        self._tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+        self._arch = meta.family
+        self._heads, self._kv_heads = meta.arch["num_attention_heads"], meta.arch["num_key_value_heads"]
 
     def has(self, name: str) -> bool:
         return gguf_tensor_name(name) in self._tensors
@@ -145,39 +133,8 @@ class GgufSource:
             w = _unpermute_rows(w, self._heads if ".attn_q." in name else self._kv_heads)
         return torch.from_numpy(np.array(_slice(w, shard)))  # a copy: the file is memory-mapped read-only
 
-    def hf_config(self) -> dict[str, Any]:
-        """The architecture as a Hugging Face config.json dict (what ModelArch.from_hf_config reads)."""
-        a, f = self._arch, self._field
-        if a not in ("llama", "qwen2"):
-            raise ValueError(f"GGUF architecture {a!r} is not supported (llama, qwen2)")
-        heads, hidden = self._heads, f(f"{a}.embedding_length")
-        cfg = {
-            "model_type": a, "hidden_size": hidden, "intermediate_size": f(f"{a}.feed_forward_length"),
-            "num_hidden_layers": f(f"{a}.block_count"), "num_attention_heads": heads,
-            "num_key_value_heads": self._kv_heads,
-            "head_dim": f(f"{a}.attention.key_length", hidden // heads),
-            "vocab_size": f(f"{a}.vocab_size") or len(self._reader.get_field("tokenizer.ggml.tokens").data),
-            "max_position_embeddings": f(f"{a}.context_length"),
-            "rope_theta": f(f"{a}.rope.freq_base", 10000.0),
-            "rms_norm_eps": f(f"{a}.attention.layer_norm_rms_epsilon"),
-            "tie_word_embeddings": "output.weight" not in self._tensors,
-            "attention_bias": "blk.0.attn_q.bias" in self._tensors,
-            "bos_token_id": f("tokenizer.ggml.bos_token_id"), "eos_token_id": f("tokenizer.ggml.eos_token_id"),
-        }
-        if f(f"{a}.rope.scaling.type") == "linear":
-            cfg["rope_scaling"] = {"rope_type": "linear", "factor": f(f"{a}.rope.scaling.factor")}
-        if "rope_freqs.weight" in self._tensors:
-            raise ValueError("GGUF with a rope_freqs tensor (llama3 rope scaling) is not supported; "
-                             "convert the Hugging Face checkpoint instead")
-        return cfg
-
     def close(self) -> None:
         pass
-
-
-def gguf_hf_config(path: str) -> dict[str, Any]:
-    """config.json-style architecture dict of a GGUF file or of the one .gguf in a folder."""
-    return GgufSource(path).hf_config()
 
 
 class DummySource:

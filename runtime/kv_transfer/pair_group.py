@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from llaunch.runtime.pd.pair_control import ControlFrame, ControlSocket, LinkBroken, PairHello, PairWelcome
+from llaunch.runtime.kv_transfer.pair_control import ControlFrame, ControlSocket, LinkBroken, PairHello, PairWelcome
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""pd_master process entry: `python -m llaunch.runtime.pd.master_process --config RUN_DIR/config.yaml
+"""pd_master process entry: `python -m llaunch.runtime.pd_master.process --config RUN_DIR/config.yaml
 --name pd_master`. One Hypercorn server, one registry, two binds: the client URL (server.host:port) and
 the URL instances register at (mode.pd_master_host:pd_master_port). Registers itself with the config
 server when the plan dials one. SIGTERM drains (in-flight requests finish), SIGINT stops at once."""
@@ -15,12 +15,12 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 from quart import Quart
 
-from llaunch.launcher.schema import ProcessSpec, RunConfig
+from llaunch.runtime.config import ProcessSpec, RunConfig
 from llaunch.runtime.bootstrap import report_ready, start
 from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.pd.master_app import MasterSettings, create_master_app
-from llaunch.runtime.pd.registrar import Registrar
-from llaunch.runtime.pd.registry import InstanceRegistry
+from llaunch.runtime.pd_master.app import MasterSettings, create_master_app
+from llaunch.runtime.http.registrar import Registrar
+from llaunch.runtime.pd_master.registry import InstanceRegistry
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Union
 
 import msgspec
 
-from llaunch.runtime.pd.kv_transfer import KvAbort, KvPageHeader
+from llaunch.runtime.kv_transfer.pages import KvAbort, KvPageHeader
 
 LINK_CLOSED = ""  # KvAbort with this request id: the sender closed the link
 

@@ -21,10 +21,10 @@ import torch
 import zmq
 
 from llaunch.runtime.models.batch import KvCache
-from llaunch.runtime.pd.kv_transfer import (KvAbort, KvPageHeader, KvReceiver, KvSender, KvToReceiver, Page,
-                                            SideStream, TransferHandle, check_header, compute_done_marker,
-                                            from_wire, gather_page, page_header, plan_pages, scatter_page,
-                                            to_wire)
+from llaunch.runtime.kv_transfer.pages import (KvAbort, KvPageHeader, KvReceiver, KvSender, KvToReceiver, Page,
+                                               SideStream, TransferHandle, check_header, compute_done_marker,
+                                               from_wire, gather_page, page_header, plan_pages, scatter_page,
+                                               to_wire)
 
 log = logging.getLogger(__name__)
 

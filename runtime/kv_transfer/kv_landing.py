@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from llaunch.runtime.models.batch import KvCache
-from llaunch.runtime.pd.kv_transfer import DTYPES, KvPageHeader, SideStream, TransferHandle, check_header, scatter_page
+from llaunch.runtime.kv_transfer.pages import DTYPES, KvPageHeader, SideStream, TransferHandle, check_header, scatter_page
 
 log = logging.getLogger(__name__)
 _TICK_S = 0.05  # how often an idle logic thread checks timeouts

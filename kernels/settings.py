@@ -1,0 +1,115 @@
+"""Kernel choices and launch tuning: the `kernels` config group (runtime/config.py names this class
+as its schema), applied once per worker process by `configure`. No torch or triton here: the
+launcher validates these settings when it checks a config.
+
+Every switch changes which kernels run or how they launch, never what they compute beyond bf16
+rounding: `backend` and `gemv` change the summation order; the PDL keys only timing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List
+
+
+class Backend(str, Enum):
+    triton = "triton"  # Triton kernels for CUDA tensors, torch references on CPU
+    reference = "reference"  # the plain-torch references everywhere (debugging, A/B timing)
+
+
+class Gemv(str, Enum):
+    triton = "triton"  # one-row (batch-1 decode) linear layers through kernels/gemv.py
+    cublas = "cublas"  # through torch (cuBLAS), as wider batches are
+
+
+class Pdl(str, Enum):
+    off = "off"
+    graphs = "graphs"  # inside the decode graphs' capture, where it was measured to pay
+    all = "all"  # eager launches too
+
+
+# Kernels that may launch with programmatic dependent launch (kernels/pdl.py); "gemv" covers the
+# staged LM head too, "greedy" is the decode graph's closing argmax.
+PDL_KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention", "greedy")
+MAX_TMA_BOX = 256  # elements per dimension of one TMA copy (the staged GEMV's tile bound)
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    backend: Backend = Backend.triton
+    gemv: Gemv = Gemv.triton
+    # Launch shapes per weight shape, overriding kernels/gemv.py's built-in ones: comma-separated
+    # `NxK[:gated]=BLOCK_N/BLOCK_K/WARPS[/STAGES]` (N output rows, K inputs; STAGES ≥ 2 runs the
+    # TMA-staged kernel, 0 on the LM head's shape keeps it on cuBLAS), as
+    # benchmarks/experiments/bench_gemv_chain.py --sweep --emit-shapes writes them for a GPU.
+    gemv_shapes: str = ""
+    pdl: Pdl = Pdl.graphs
+    # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
+    # after their own wait (late) instead of at their top: early triggering cascades resident grids,
+    # which cost decode attention 0.25 ms a step on an H200, while the GEMVs gain from it.
+    pdl_kernels: List[str] = field(default_factory=lambda: list(PDL_KERNELS))
+    pdl_late: List[str] = field(default_factory=lambda: ["rotary", "decode_attention"])
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(key, message) for every invalid value; empty when the settings can be applied."""
+        found = []
+        for key in ("pdl_kernels", "pdl_late"):
+            unknown = sorted(set(getattr(self, key)) - set(PDL_KERNELS))
+            if unknown:
+                found.append((f"kernels.{key}", f"kernels.{key}: {unknown} unknown; kernels are {', '.join(PDL_KERNELS)}"))
+        try:
+            parse_gemv_shapes(self.gemv_shapes)
+        except ValueError as e:
+            found.append(("kernels.gemv_shapes", str(e)))
+        return found
+
+
+def parse_gemv_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int, int, int]]:
+    """`gemv_shapes` as {(N, K, gated): (BLOCK_N, BLOCK_K, WARPS, STAGES)}."""
+    shapes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            key, value = item.split("=")
+            dims, _, kind = key.partition(":")
+            n, k = (int(v) for v in dims.split("x"))
+            values = [int(v) for v in value.split("/")]
+            if len(values) not in (3, 4):
+                raise ValueError
+            block_n, block_k, warps, stages = (*values, 0)[:4]
+        except ValueError:
+            raise ValueError(f"kernels.gemv_shapes: {item!r} is not NxK[:gated]=BLOCK_N/BLOCK_K/WARPS[/STAGES]") from None
+        powers = all(v > 0 and v & (v - 1) == 0 for v in (block_n, block_k, warps))
+        if kind not in ("", "gated") or not powers or warps > 16:
+            raise ValueError(f"kernels.gemv_shapes: {item!r}: blocks and warps must be powers of two (warps ≤ 16), "
+                             "the only suffix is ':gated'")
+        if stages and (stages < 2 or max(block_n, block_k) > MAX_TMA_BOX or block_k < 16):
+            raise ValueError(f"kernels.gemv_shapes: {item!r}: STAGES is 0 or ≥ 2, and the staged kernel (≥ 2) "
+                             f"takes blocks of at most {MAX_TMA_BOX} (a TMA box) and BLOCK_K ≥ 16 (16-byte rows)")
+        shapes[(n, k, kind == "gated")] = (block_n, block_k, warps, stages)
+    return shapes
+
+
+class _Applied:
+    """The settings in force in this process, with what the launches read parsed once."""
+
+    def __init__(self, settings: KernelSettings):
+        problems = settings.problems()
+        if problems:
+            raise ValueError("; ".join(message for _, message in problems))
+        self.settings = settings
+        self.reference = Backend(settings.backend) == Backend.reference
+        self.triton_gemv = Gemv(settings.gemv) == Gemv.triton
+        self.gemv_shapes = parse_gemv_shapes(settings.gemv_shapes)
+        self.pdl = Pdl(settings.pdl)
+        self.pdl_kernels = frozenset(settings.pdl_kernels)
+        self.pdl_late = frozenset(settings.pdl_late)
+
+
+current = _Applied(KernelSettings())
+
+
+def configure(settings: KernelSettings) -> KernelSettings:
+    """Apply `settings` to launches (and graph captures) from now on; returns the previous ones."""
+    global current
+    before, current = current.settings, _Applied(settings)
+    return before

@@ -1,0 +1,180 @@
+"""What a checkpoint says about itself: one reader for config.json (+ generation_config.json) and one
+for GGUF metadata, used by the launcher's planner (derived values, rules) and by the worker (the
+architecture of a checkpoint it loads). No torch: the launcher imports this.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Optional
+
+from llaunch.runtime.config import DType
+
+# The architecture fields, in ModelConfig's (and config.json's) names.
+ARCH_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
+    "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "attention_bias",
+)
+# Spellings of config.json's dtype (and LightLLM's --data_type) that we can run.
+DTYPE_NAMES = {
+    "float16": DType.float16, "fp16": DType.float16, "half": DType.float16,
+    "bfloat16": DType.bfloat16, "bf16": DType.bfloat16,
+    "float32": DType.float32, "fp32": DType.float32, "float": DType.float32,
+}
+
+
+class CheckpointError(ValueError):
+    """model.path exists but cannot be read as a checkpoint."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a checkpoint says about itself, in ModelConfig's field names."""
+
+    family: Optional[str]  # config.json model_type / GGUF general.architecture
+    arch: dict[str, Any] = field(default_factory=dict)
+    dtype: Optional[str] = None  # as written (torch_dtype / dtype); None for GGUF
+    eos_token_ids: list[int] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)  # features it uses that llaunch does not run
+
+
+def is_gguf(path: Optional[str]) -> bool:
+    return bool(path) and path.lower().endswith(".gguf")
+
+
+def find_gguf(path: str) -> str:
+    """`path` if it is a .gguf file, else the one .gguf file in the folder `path`."""
+    if is_gguf(path):
+        return path
+    found = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(found) != 1:
+        raise FileNotFoundError(f"expected one .gguf file in {path}, found {len(found)}")
+    return found[0]
+
+
+def _eos_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(value)
+    raise CheckpointError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+
+
+def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = None) -> Checkpoint:
+    """A config.json dict (transformers 4.x `rope_theta`/`rope_scaling`/`torch_dtype` or 5.x
+    `rope_parameters`/`dtype`), with generation_config.json's dict when there is one."""
+    c = c.get("text_config", c)  # multimodal wrappers keep the language model's config inside
+    family = c.get("model_type")
+    rope_parameters = c.get("rope_parameters") or {}  # transformers 5 folds rope_theta/scaling in here
+    rope_scaling = c.get("rope_scaling")
+    if rope_scaling is None:
+        rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+        rope_scaling = None  # plain RoPE
+    heads = c.get("num_attention_heads")
+    arch = {
+        "hidden_size": c.get("hidden_size"),
+        "intermediate_size": c.get("intermediate_size"),
+        "num_hidden_layers": c.get("num_hidden_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": c.get("num_key_value_heads") or heads,
+        "head_dim": c.get("head_dim"),
+        "vocab_size": c.get("vocab_size"),
+        "max_position_embeddings": c.get("max_position_embeddings"),
+        "rope_theta": c.get("rope_theta", rope_parameters.get("rope_theta")),
+        "rope_scaling": rope_scaling or None,
+        "rms_norm_eps": c.get("rms_norm_eps"),
+        "tie_word_embeddings": c.get("tie_word_embeddings", False),  # Llama/Qwen2 config default
+        "attention_bias": True if family == "qwen2" else c.get("attention_bias", False),
+    }
+    eos = _eos_list(c.get("eos_token_id"))
+    if generation:  # generate() stops at these too: take the union
+        eos += [t for t in _eos_list(generation.get("eos_token_id")) if t not in eos]
+    dtype = c.get("torch_dtype", c.get("dtype"))
+    unsupported = [f"{key}=true" for key in ("mlp_bias", "use_sliding_window") if c.get(key)]
+    return Checkpoint(family=family, arch={k: v for k, v in arch.items() if v is not None},
+                      dtype=str(dtype) if dtype is not None else None, eos_token_ids=eos, unsupported=unsupported)
+
+
+def _from_hf_folder(folder: str) -> Checkpoint:
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"{folder} has no config.json (a Hugging Face checkpoint folder is expected)")
+    generation_path = os.path.join(folder, "generation_config.json")
+    generation = _read_json(generation_path) if os.path.isfile(generation_path) else None
+    return parse_hf_config(_read_json(config_path), generation)
+
+
+def _float32(value: float) -> float:
+    return float(f"{value:.7g}")  # GGUF stores float32: 1e-5 reads back as 9.9999997e-06
+
+
+def _from_gguf(path: str) -> Checkpoint:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the gguf package raises ValueError/struct.error/OSError on bad files
+        raise CheckpointError(f"cannot read GGUF {path}: {e}") from e
+    meta = {name: f.contents() for name, f in reader.fields.items()
+            if not name.startswith("tokenizer.ggml.") or name.endswith("_token_id")}
+    family = meta.get("general.architecture")
+    tensors = {t.name for t in reader.tensors}
+
+    def key(suffix: str):
+        return meta.get(f"{family}.{suffix}")
+
+    vocab = key("vocab_size")
+    if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling_type = key("rope.scaling.type")
+    arch = {
+        "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": key("attention.head_count"),
+        "num_key_value_heads": key("attention.head_count_kv") or key("attention.head_count"),
+        "head_dim": key("attention.key_length"),
+        "vocab_size": vocab,
+        "max_position_embeddings": key("context_length"),
+        "rope_theta": _float32(key("rope.freq_base")) if key("rope.freq_base") else None,
+        "rope_scaling": ({"rope_type": scaling_type, "factor": key("rope.scaling.factor")}
+                         if scaling_type not in (None, "none") else None),
+        "rms_norm_eps": (_float32(key("attention.layer_norm_rms_epsilon"))
+                         if key("attention.layer_norm_rms_epsilon") else None),
+        "tie_word_embeddings": "output.weight" not in tensors,  # no LM head: it reuses the embedding
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+    }
+    # llama3's rope scaling travels as a tensor of frequency factors, which the model does not apply
+    unsupported = ["a rope_freqs tensor (llama3 rope scaling; convert the Hugging Face checkpoint instead)"] \
+        if "rope_freqs.weight" in tensors else []
+    return Checkpoint(family=family, arch={k: v for k, v in arch.items() if v is not None},
+                      eos_token_ids=_eos_list(meta.get("tokenizer.ggml.eos_token_id")), unsupported=unsupported)
+
+
+@lru_cache(maxsize=8)
+def read_checkpoint(path: str) -> Optional[Checkpoint]:
+    """The checkpoint at `path` (a folder with config.json, or a .gguf file); None if it does not exist."""
+    if not os.path.exists(path):
+        return None
+    return _from_gguf(path) if is_gguf(path) else _from_hf_folder(path)
+
+
+def checkpoint_dtype(ckpt: Optional[Checkpoint]) -> Optional[DType]:
+    if ckpt is None or ckpt.dtype is None:
+        return None
+    return DTYPE_NAMES.get(ckpt.dtype.removeprefix("torch."))
