@@ -19,7 +19,7 @@ from llaunch.kernels import pdl
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
-_TARGET_PROGRAMS = 256  # stage-1 programs to aim for: ~2 per SM of an H200 (swept with scripts/bench_kernels.py)
+_TARGET_PROGRAMS = 256  # stage-1 programs to aim for: ~2 per SM of an H200 (swept with scripts/bench_kernels.py, removed after 6275284)
 _MIN_CHUNK = 64
 
 
@@ -137,7 +137,7 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, num_spli
 def _launch_shape(q: torch.Tensor, dim: int, splits: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of stage 1 for the device, head size and split count. Split
     contexts (small batches: latency-bound) take 64-token tiles, twice the programs on a short
-    context: 2–9 µs a batch-1 step faster in three H200 runs (docs/benchmarks.md); one split per
+    context: 2–9 µs a batch-1 step faster in three H200 runs (docs/performance.md); one split per
     sequence (large batches, where the KV read is the step) keeps the 128-token tiles it was tuned with."""
     if not q.is_cuda:
         return 32, 4, 1  # interpreter

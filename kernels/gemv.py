@@ -37,8 +37,8 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     LM head, called through dispatch.lm_head_linear: cuBLAS); ≥ 2: the TMA-staged kernel
     (gemv_staged.py) with that pipeline depth. Fixed, not autotuned: the block sizes
     set the summation order, and a timing-dependent pick could make greedy output differ between
-    restarts and between replicas. Picked on an H200 by `scripts/bench_gemv_chain.py --sweep` (Qwen2-7B's
-    layers chained as in a decode step, 13 GB of distinct weights, with PDL; docs/benchmarks.md):
+    restarts and between replicas. Picked on an H200 by a sweep of Qwen2-7B's layers chained as in a decode
+    step (13 GB of distinct weights, with PDL; scripts/bench_gemv_chain.py, removed after 6275284):
     tiles of 1k columns (256 for the gated gate‖up, whose programs read two rows per output) × 4 warps,
     more rows per program where outputs are fewer than inputs."""
     if _INTERPRETED:

@@ -15,7 +15,7 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
     up_offset further when GATED. Shared by every one-row kernel, so all walk K tile by tile alike;
     the compiler still lays out each kernel's tile, and so its final in-tile sum, on its own.
     (Two tiles in flight, each summed to its rows as it is used, measured slower on an H200 at every
-    launch shape tried: docs/benchmarks.md, run 4 of the third session.)
+    launch shape tried: docs/performance.md.)
     X_AHEAD: x's next tile is requested with the weights' next tile, instead of at the top of the
     iteration that uses it (same values, same order: bit-identical sums)."""
     cols = tl.arange(0, BLOCK_K)

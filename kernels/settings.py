@@ -40,8 +40,8 @@ class KernelSettings:
     gemv: Gemv = Gemv.triton
     # Launch shapes per weight shape, overriding kernels/gemv.py's built-in ones: comma-separated
     # `NxK[:gated]=BLOCK_N/BLOCK_K/WARPS[/STAGES]` (N output rows, K inputs; STAGES ≥ 2 runs the
-    # TMA-staged kernel, 0 on the LM head's shape keeps it on cuBLAS), as
-    # benchmarks/experiments/bench_gemv_chain.py --sweep --emit-shapes writes them for a GPU.
+    # TMA-staged kernel, 0 on the LM head's shape keeps it on cuBLAS). Sweep candidates with
+    # `llaunch -m bench=c1 kernels.gemv_shapes=...` on the GPU they are for.
     gemv_shapes: str = ""
     pdl: Pdl = Pdl.graphs
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only

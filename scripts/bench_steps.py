@@ -20,8 +20,10 @@ from llaunch.runtime.models.decoder import DecoderLM
 from llaunch.runtime.models.layers import TpGroup
 from llaunch.runtime.models.weights import DummySource, load_from
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gpu_correctness import QWEN2_7B  # noqa: E402
+# conf/model/qwen2-7b.yaml's architecture (the benchmark model)
+QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
+                rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 SPAN = 2048  # slots per row
 

@@ -4,7 +4,7 @@ first token at low load.
 
 Launched eagerly, a 512-token prefill of the Qwen2-7B shape takes the host ~10 ms to enqueue its
 ~280 launches against ~13.7 ms on the device, and in the server, beside its other processes, up to
-22 ms: the host, not the device, set the TTFT (docs/benchmarks.md). A replay costs one copy and one
+22 ms: the host, not the device, set the TTFT (docs/performance.md). A replay costs one copy and one
 launch.
 
 One graph per bucket of BUCKET tokens up to model.prefill_graph_tokens. A chunk is padded to its

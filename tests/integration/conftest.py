@@ -26,6 +26,14 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
+def pytest_collection_modifyitems(items):
+    """Every integration test starts real processes: all are `slow`."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)
+
+
 def start_server(tmp_path_factory, name: str, overrides: list[str], **kw) -> LlaunchServer:
     run_dir = tmp_path_factory.mktemp(f"run-{name}")
     return LlaunchServer(CPU_BASE + overrides, run_dir=run_dir, **kw)

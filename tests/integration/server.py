@@ -42,7 +42,7 @@ def port_is_free(port: int) -> bool:
 
 
 class LlaunchServer:
-    def __init__(self, overrides: list[str], run_dir: Path, env: Optional[dict] = None, ready_timeout: float = 180):
+    def __init__(self, overrides: list[str], run_dir: Path, env: Optional[dict] = None, ready_timeout: float = 600):
         self.port = free_port()
         self.run_dir = run_dir
         self.url = f"http://127.0.0.1:{self.port}"

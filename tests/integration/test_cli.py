@@ -12,7 +12,7 @@ import yaml
 
 from llaunch.runtime.bootstrap import load_run_config
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def llaunch(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

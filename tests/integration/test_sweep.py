@@ -17,7 +17,7 @@ from fixtures.tiny_models import smollm2_dir
 from integration.server import REPO, port_is_free
 from llaunch.runtime.bootstrap import load_run_config
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(900)
 
 TINY = ["model=tiny-qwen2", "device=cpu", "model.dtype=float32", "cache.max_total_tokens=8192"]
 BENCH = ["bench=c1", "bench.num_prompts=3", "bench.input_len=16", "bench.output_len=6", "bench.warmup=1"]

@@ -73,6 +73,7 @@ class ZmqRouterDouble:
         self.ctx.term()
 
 
+@pytest.mark.slow
 def test_frontend_process_serves_over_zmq_and_drains_on_sigterm(tok, tmp_path):
     """The real entry point: run config file, inherited listening fd, ZMQ to a router double,
     ProcessReady to the launcher's control socket, SIGTERM drain, exit code 0."""

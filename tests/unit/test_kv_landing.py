@@ -12,7 +12,7 @@ from llaunch.runtime.kv_transfer.kv_landing import KvLanding
 from llaunch.runtime.kv_transfer.pages import gather_page, page_header, plan_pages
 from unit.test_kv_transfer import SLOTS, assert_moved, assert_untouched, clone, make_cache, shuffled_slot_groups
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(300)
 
 
 def page_of(src, src_slots: list[int], request_id: str, index: int, page_tokens: int = 8):

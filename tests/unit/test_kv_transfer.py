@@ -16,7 +16,7 @@ from llaunch.runtime.kv_transfer.pages import (TransferError, gather_page, page_
                                                to_wire)
 from llaunch.runtime.kv_transfer.zmq_transport import ZmqKvReceiver, ZmqKvSender
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(300)
 
 SLOTS = 160
 LENGTHS = [1, 7, 8, 17, 37]  # one token, odd, exactly a page, a page and one, several pages (page_tokens=8)

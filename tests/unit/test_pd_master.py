@@ -24,7 +24,7 @@ from llaunch.runtime.pd_master.registry import InstanceRegistry
 from unit.http_support import wait_for
 from unit.pd_support import Clock, FakeDecode, FakePrefill, KvBoard, Loop, dying_decode, new_event
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(300)
 
 
 class Deployment:
@@ -328,6 +328,7 @@ def test_registrar_survives_an_absent_target():
         Registrar("decode", "d", "http://x:1", "tcp://x:2", "m", dict, master_url="tcp://x:2")
 
 
+@pytest.mark.slow
 def test_master_and_config_server_processes(compose_config, tmp_path):
     """The real entry points as the launcher starts them: run config file, ProcessReady on the control
     socket, the master on both its URLs and registered with the config server, SIGTERM exit 0."""

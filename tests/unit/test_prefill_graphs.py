@@ -1,7 +1,7 @@
 """A lone prefill padded to its CUDA-graph bucket computes what the unpadded step computes. On CPU
 PrefillGraphs runs its padded step eagerly (no capture), so these tests check the padding: the
 scratch slot and row take the padding tokens, attention stops at the real length, and only the last
-real token's logits come back. The capture itself runs on a GPU (scripts/gpu_correctness.py)."""
+real token's logits come back. The capture itself runs on a GPU (tests/gpu/test_qwen2_7b_shape.py)."""
 import pytest
 import torch
 

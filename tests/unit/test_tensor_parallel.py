@@ -54,7 +54,8 @@ def tp_runs(tmp_path_factory):
     return root, cfgs
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["qwen2", "llama"])
 def test_tp2_logits_equal_tp1(tp_runs, name):
     root, cfgs = tp_runs
