@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from llaunch.launcher import gpus
+from llaunch.launcher import gpus, secrets
 from llaunch.launcher.bench_server import JobFailed, ServerProcess, die_with_parent, tail, wait_port_free
 from llaunch.runtime.config import BenchConfig, Device, LlaunchConfig, RunConfig
 from llaunch.launcher.store import REPO_ROOT
@@ -89,21 +89,24 @@ def bench_command(bench: BenchConfig, cfg: RunConfig, result_file: Path) -> list
     args = {"base-url": cfg.graph.http_url, "model": cfg.model.name, "num-prompts": bench.num_prompts,
             "input-len": bench.input_len, "output-len": bench.output_len, "concurrency": bench.concurrency,
             "request-rate": bench.request_rate, "warmup": bench.warmup, "vocab-size": cfg.model.vocab_size,
-            "result-file": result_file, "api-key": cfg.server.api_key,
+            "result-file": result_file,
             "shared-prefix-groups": bench.shared_prefix_groups or None,
             "shared-prefix-len": bench.shared_prefix_len or None,
             "multi-turn": bench.multi_turn if bench.multi_turn != 1 else None}
     return [sys.executable, str(BENCH_SCRIPT), *(f"--{k}={v}" for k, v in args.items() if v is not None)]
 
 
-def run_bench(job_dir: Path, bench: BenchConfig, cfg: RunConfig) -> dict:
+API_KEY_VARIABLE = "LLAUNCH_API_KEY"  # bench_serving.py reads the key from it (a secret: not on its command line)
+
+
+def run_bench(job_dir: Path, bench: BenchConfig, cfg: RunConfig, api_key: Optional[str] = None) -> dict:
     result_file, log_path = job_dir / "bench.json", job_dir / "bench.log"
     result_file.unlink(missing_ok=True)
     with open(log_path, "wb") as log:
         try:
             proc = subprocess.run(bench_command(bench, cfg, result_file), stdin=subprocess.DEVNULL, stdout=log,
                                   stderr=subprocess.STDOUT, timeout=bench.timeout_s, preexec_fn=die_with_parent,
-                                  env=dict(os.environ, COLUMNS="120"))
+                                  env=dict(os.environ, COLUMNS="120", **({API_KEY_VARIABLE: api_key} if api_key else {})))
         except subprocess.TimeoutExpired:
             raise JobFailed(f"the benchmark did not finish within {bench.timeout_s:.0f} s "
                             "(bench.timeout_s)") from None
@@ -143,7 +146,7 @@ def run(job: BenchJob, cfg: LlaunchConfig, progress: SweepProgress) -> dict:
         server.wait_healthy(run_cfg.graph.http_url, deadline, timeout_name)
         stage_done("healthy")
         try:
-            result = run_bench(job.job_dir, cfg.bench, run_cfg)
+            result = run_bench(job.job_dir, cfg.bench, run_cfg, secrets.api_key(cfg))
         finally:
             server.check_alive("during the benchmark")  # a crash explains a failed benchmark best
         status.update(status="ok", output_throughput=result["output_throughput"], p99_ttft_ms=result["p99_ttft_ms"])

@@ -20,7 +20,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from llaunch.launcher import bench_job, derive, plan, report, rules, store
+from llaunch.launcher import bench_job, derive, plan, ports, report, rules, secrets, store
 from llaunch.runtime.config import Device, LlaunchConfig, RunConfig
 
 EXIT_INVALID = 2
@@ -52,10 +52,14 @@ def launch(composed: LlaunchConfig, run_dir: Path) -> int:
     if violations:
         report.print_violations(violations)
         return EXIT_INVALID
+    for stale in ports.remove_stale_ipc_dirs():
+        report.err.print(f"[dim]removed {stale}: the ipc directory of a launcher that is gone[/]")
+    key = secrets.api_key(cfg)
+    secrets.scrub(run_dir, key)
     endpoints = plan.endpoints_for(cfg)
     try:
         cfg = plan.choose_server_port(cfg, endpoints)
-        run_config = run_config_of(cfg, run_dir, plan.plan_graph(cfg, endpoints))
+        run_config = run_config_of(secrets.redacted(cfg), run_dir, plan.plan_graph(cfg, endpoints))
         write_run_config(run_config)
         if cfg.dry_run:
             if composed.device == Device.auto and cfg.device == Device.cpu:
@@ -66,7 +70,7 @@ def launch(composed: LlaunchConfig, run_dir: Path) -> int:
         from llaunch.launcher.supervise import run_graph  # imports zmq and the runtime: only when serving
 
         endpoints.handover()  # children bind the reserved ports from here on
-        return run_graph(run_config)
+        return run_graph(run_config, api_key=key)
     finally:
         endpoints.close()
 

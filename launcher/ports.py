@@ -6,6 +6,9 @@
   held twice: the probe socket stays bound until `handover()` (just before children bind them), and
   an flock'd lock file stays held until `close()`, so a concurrent llaunch skips them meanwhile
   (flock dies with its process, so a killed launcher leaves no stale reservation).
+- The ipc directory holds an flock'd `owner.lock` for the launcher's life: a launcher killed with -9
+  cannot remove its directory, but the next launch can prove it dead (the lock is free) and does
+  (`remove_stale_ipc_dirs`).
 """
 from __future__ import annotations
 
@@ -18,7 +21,31 @@ from pathlib import Path
 from typing import Optional
 
 LOCK_DIR = Path(tempfile.gettempdir()) / "llaunch-ports"
+IPC_PREFIX = "llaunch-"
+OWNER_LOCK = "owner.lock"
 _ATTEMPTS = 200
+
+
+def remove_stale_ipc_dirs(root: Optional[Path] = None) -> list[str]:
+    """Remove the ipc directories whose launcher is gone (their owner lock is free); returns them."""
+    removed = []
+    for d in Path(root or tempfile.gettempdir()).glob(IPC_PREFIX + "*"):
+        lock = d / OWNER_LOCK
+        if not lock.is_file():
+            continue  # not one of ours, or its launcher has not locked it yet
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: its launcher is alive
+        finally:
+            os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(str(d))
+    return removed
 
 
 class EndpointAllocator:
@@ -31,6 +58,7 @@ class EndpointAllocator:
         self._next_port = tcp_base_port
         self._probes: list[socket.socket] = []
         self._locks: list[tuple[int, int]] = []  # (port, lock file descriptor)
+        self._owner_fd: Optional[int] = None
 
     @property
     def tcp(self) -> bool:
@@ -39,7 +67,9 @@ class EndpointAllocator:
     @property
     def ipc_dir(self) -> str:
         if self._ipc_dir is None:
-            self._ipc_dir = tempfile.mkdtemp(prefix="llaunch-")  # short: ipc paths must fit 107 bytes
+            self._ipc_dir = tempfile.mkdtemp(prefix=IPC_PREFIX)  # short: ipc paths must fit 107 bytes
+            self._owner_fd = os.open(os.path.join(self._ipc_dir, OWNER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._owner_fd, fcntl.LOCK_EX)  # held until close() or this process dies
         return self._ipc_dir
 
     def endpoint(self, name: str, host: str = "127.0.0.1") -> str:
@@ -81,6 +111,9 @@ class EndpointAllocator:
         self._locks.clear()
         if self._owns_ipc_dir and self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)
+            self._owner_fd = None
 
     def __enter__(self) -> "EndpointAllocator":
         return self

@@ -11,7 +11,7 @@ import math
 import os
 import socket
 
-from llaunch.launcher import gpus
+from llaunch.launcher import gpus, secrets
 # check_all, warnings, pending and RULES are called through this module, which fills the registry
 from llaunch.launcher.rule_registry import RULES, check_all, get, pending, rule, warnings  # noqa: F401
 from llaunch.runtime.config import Device, DType, LlaunchConfig, LoadFormat, Mode
@@ -91,11 +91,40 @@ def kernel_settings_valid(cfg):
 
 @rule()
 def timeouts_positive(cfg):
-    for key in ("server.ready_timeout_s", "server.drain_timeout_s", "bench.ready_timeout_s", "bench.timeout_s"):
-        if key.startswith("bench.") and cfg.bench is None:
+    for key in ("server.ready_timeout_s", "server.drain_timeout_s", "server.request_timeout_s",
+                "router.stall_timeout_s", "bench.ready_timeout_s", "bench.timeout_s"):
+        if key.startswith("bench.") and cfg.bench is None or get(cfg, key) is None:
             continue
         if not get(cfg, key) >= 0:
             yield (key,), f"{key}={get(cfg, key)} must be >= 0 (seconds)"
+
+
+@rule()
+def request_limits_positive(cfg):
+    for key in ("server.max_prompts_per_request", "server.max_choices_per_request", "server.max_stop_strings",
+                "server.max_stop_string_chars", "router.max_waiting_requests"):
+        if get(cfg, key) < 1:
+            yield (key,), f"{key}={get(cfg, key)} must be >= 1"
+    if cfg.server.max_body_bytes < 1024:
+        yield ("server.max_body_bytes",), (f"server.max_body_bytes={cfg.server.max_body_bytes} is under 1 KiB: "
+                                           "no request would fit")
+
+
+@rule()
+def api_key_source(cfg):
+    s = cfg.server
+    if s.api_key and s.api_key_file:
+        yield ("server.api_key", "server.api_key_file"), (
+            "server.api_key and server.api_key_file are both set: give one (the key file keeps the secret out "
+            "of `ps` and the shell history)")
+    elif s.api_key_file:
+        try:
+            empty = not secrets.read_key_file(s.api_key_file)
+        except OSError as e:
+            yield ("server.api_key_file",), f"server.api_key_file={s.api_key_file} cannot be read: {e.strerror}"
+            return
+        if empty:
+            yield ("server.api_key_file",), f"server.api_key_file={s.api_key_file} is empty: its first line is the key"
 
 
 @rule()

@@ -38,6 +38,7 @@ ROLE_MODULES = {
     "config_server": "llaunch.runtime.pd_master.config_server",
     "pd_master": "llaunch.runtime.pd_master.process",  # binds its own HTTP ports (no inherited fd)
 }
+KEY_ROLES = ("frontend", "pd_master")  # the processes that check the API key
 # each depends on the ones before; config_server and pd_master run alone in their graphs
 START_ORDER = ["worker", "router", "detokenizer", "frontend", "config_server", "pd_master"]
 # A worker's exit status when a tp peer went away (runtime/worker/process.py EXIT_PEER_GONE): it
@@ -86,7 +87,7 @@ class Graph:
     def serves_http(self) -> bool:
         return any(spec.role == "frontend" for spec in self.specs.values())
 
-    def start(self, http_fd: int | None) -> None:
+    def start(self, http_fd: int | None, api_key: str | None = None) -> None:
         order = sorted(self.specs.values(), key=lambda p: START_ORDER.index(p.role))
         for spec in order:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -98,11 +99,15 @@ class Graph:
                 argv += ["--listen-fd", str(http_fd)]
                 pass_fds = (http_fd,)
             log = open(self.log_dir / f"{spec.name}.log", "ab")
+            gets_key = api_key is not None and spec.role in KEY_ROLES
             self.procs[spec.name] = subprocess.Popen(
                 argv,
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=pass_fds,
-                start_new_session=True)
+                stdin=subprocess.PIPE if gets_key else subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, pass_fds=pass_fds, start_new_session=True)
             log.close()
+            if gets_key:  # the secret travels on stdin: not on a command line, not in the run dir
+                self.procs[spec.name].stdin.write(f"{api_key}\n".encode())
+                self.procs[spec.name].stdin.close()
 
     def check_alive(self, names=None) -> None:
         dead = [name for name, proc in self.procs.items()
@@ -202,7 +207,7 @@ def _serving_line(cfg: RunConfig, graph: Graph, ready_s: float) -> str:
             f"behind node 0's {cfg.graph.http_url} {what}")
 
 
-def run_graph(cfg: RunConfig) -> int:
+def run_graph(cfg: RunConfig, api_key: str | None = None) -> int:
     config_path = Path(cfg.run_dir) / "config.yaml"
     graph = Graph(cfg, config_path)
     ctx = zmq.Context()
@@ -212,7 +217,7 @@ def run_graph(cfg: RunConfig) -> int:
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     try:
-        graph.start(http.fileno() if http is not None else None)
+        graph.start(http.fileno() if http is not None else None, api_key)
         if http is not None:
             # the frontends hold the listening socket now; once they exit, connections are refused at
             # once instead of queueing in a backlog nobody reads

@@ -47,6 +47,11 @@ class LogLevel(str, Enum):
     ERROR = "ERROR"
 
 
+class OnStall(str, Enum):
+    report = "report"  # /health/ready fails and the stall is counted; the server stays up
+    exit = "exit"  # the router exits non-zero, so llaunch tears the graph down and a supervisor can restart it
+
+
 class Mode(str, Enum):
     normal = "normal"
     pd_prefill = "pd_prefill"
@@ -125,6 +130,13 @@ class RouterConfig:
     chunked_prefill_size: int = 4096
     max_wait_tokens: int = 6  # decode steps to run before new prefills join the batch
     token_ratio: float = 0.0  # KV usage below which new requests are admitted without waiting
+    # Requests waiting for admission, per replica: beyond it a new request is refused at once (HTTP 503
+    # with Retry-After) instead of queueing for minutes behind the others.
+    max_waiting_requests: int = 1024
+    # A step not back after this long means the engine is stalled (a worker hung in a kernel, a
+    # remote node gone): /health/ready fails and `on_stall` decides what else happens.
+    stall_timeout_s: float = 300.0
+    on_stall: OnStall = OnStall.report
     # A JSONL file that gets one line per step (plan, timings; runtime/router/step_trace.py), for finding
     # where a workload's time goes; dp replica N > 0 writes PATH.N. None: no trace, no timing events.
     step_trace: Optional[str] = None
@@ -135,8 +147,18 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     http_workers: int = 1
+    # Bearer key every API request must carry. Given on the command line it shows in `ps`: prefer
+    # $LLAUNCH_API_KEY (conf/server/default.yaml reads it) or api_key_file. Never written to the run dir.
     api_key: Optional[str] = None
+    api_key_file: Optional[str] = None  # a file holding the key (first line)
     drain_timeout_s: float = 60.0  # SIGTERM: how long in-flight requests may take to finish
+    request_timeout_s: Optional[float] = None  # a request running longer is aborted (504, or an error event)
+    # Limits on one request; beyond them a 400 names the field.
+    max_body_bytes: int = 16 * 2**20
+    max_prompts_per_request: int = 256  # /v1/completions with a list of prompts
+    max_choices_per_request: int = 256  # prompts × n: the engine requests one HTTP request may start
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 512
     ready_timeout_s: float = 900.0  # launch: how long the graph may take until every process is ready
 
 

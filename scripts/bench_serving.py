@@ -238,7 +238,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--vocab-size", type=int, default=32000, help="prompt ids are drawn from [100, this)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3600.0, help="per-request timeout, seconds")
-    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--api-key", default=os.environ.get("LLAUNCH_API_KEY"),
+                    help="default: $LLAUNCH_API_KEY (keeps the secret off the command line)")
     ap.add_argument("--result-file", default=None, help="write the results as JSON here")
     ap.add_argument("--shared-prefix-groups", type=int, default=0,
                     help="prompts share one of this many system prompts (0: none)")

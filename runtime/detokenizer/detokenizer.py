@@ -96,7 +96,7 @@ class Detokenizer:
             logprobs=delta.logprobs[:used], top_ids=delta.top_ids[:used],
             top_logprobs=delta.top_logprobs[:used], finish_reason=finish,
             prompt_tokens=req.opened.prompt_len, completion_tokens=req.completion_tokens,
-            stopped_by_string=req.decoder.stopped, kv_transfer_ms=delta.kv_transfer_ms)
+            stopped_by_string=req.decoder.stopped, kv_transfer_ms=delta.kv_transfer_ms, error=delta.error)
 
     def _record_output(self, req: OpenRequest, tokens: int, now: float) -> None:
         if tokens == 0:
@@ -122,4 +122,4 @@ class Detokenizer:
         self.last_snapshot = now
         self.finished_since_snapshot = False
         return MetricsSnapshot(time=now, text=self.metrics.render(), running=self.metrics.num_running,
-                               waiting=self.metrics.num_waiting)
+                               waiting=self.metrics.num_waiting, stalled_replicas=self.metrics.stalled_replicas)

@@ -58,6 +58,9 @@ class MetricsHub:
                                       "Prefix cache queries, in terms of number of queried tokens.", m)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits",
                                    "Prefix cache hits, in terms of number of cached tokens.", m)
+        self.stalled = Gauge(PREFIX + "engine_stalled",
+                             "1 while the replica's engine is stalled (a step overdue, a worker gone).", ranked)
+        self.stalls = Counter(PREFIX + "engine_stalls", "Stalls the health monitor saw, per replica.", ranked)
         for h in (self.ttft, self.itl, self.e2e):
             h.touch(self.model)
         for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits):
@@ -100,6 +103,8 @@ class MetricsHub:
         # the router reports totals since its start; the counters add what is new
         self.prefix_queries.inc(self.model, stats.prefix_cache_queries - (before.prefix_cache_queries if before else 0))
         self.prefix_hits.inc(self.model, stats.prefix_cache_hits - (before.prefix_cache_hits if before else 0))
+        self.stalled.set(rank, float(stats.stalled))
+        self.stalls.inc(rank, stats.stalls - (before.stalls if before else 0))
 
     @property
     def num_running(self) -> int:
@@ -109,7 +114,11 @@ class MetricsHub:
     def num_waiting(self) -> int:
         return sum(s.waiting for s in self._stats.values())
 
+    @property
+    def stalled_replicas(self) -> list[int]:
+        return sorted(rank for rank, s in self._stats.items() if s.stalled)
+
     def render(self) -> str:
         return render([self.running, self.waiting, self.kv_usage, self.prefix_usage, self.prefix_queries,
-                       self.prefix_hits, self.prompt_tokens,
+                       self.prefix_hits, self.stalled, self.stalls, self.prompt_tokens,
                        self.generation_tokens, self.request_success, self.ttft, self.itl, self.e2e])

@@ -5,6 +5,19 @@ from __future__ import annotations
 from typing import Sequence
 
 
+def _failure(s: str) -> list[int]:
+    """KMP: fail[i] is the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
 class StopStringMatcher:
     """Feed text pieces; get back the text that is safe to send.
 
@@ -12,10 +25,15 @@ class StopStringMatcher:
     it. A stop string is recognised as soon as it is complete; when several complete in one piece,
     the one that ends first wins (ties: the longer one), so the result does not depend on how the
     text was split into pieces.
+
+    Each stop string follows the text with a KMP automaton whose state is the longest prefix of it
+    the text ends with: a piece costs O(its length × stop strings), however long the stop strings.
     """
 
     def __init__(self, stop: Sequence[str]):
         self.stop = [s for s in stop if s]  # an empty stop string would end every request at once
+        self._fail = [_failure(s) for s in self.stop]
+        self._state = [0] * len(self.stop)
         self.held = ""
         self.stopped: str | None = None  # the stop string that ended the text
 
@@ -24,11 +42,22 @@ class StopStringMatcher:
         if self.stopped is not None:
             return ""
         text = self.held + piece
-        cut = self._first_complete(text)
-        if cut is not None:
-            self.held = ""
-            return text[:cut]
-        keep = self._longest_open_prefix(text)
+        base = len(self.held)
+        for offset, ch in enumerate(piece):
+            done = None  # the longest stop string completing at this character
+            for i, s in enumerate(self.stop):
+                k = self._state[i]
+                while k and (k == len(s) or s[k] != ch):
+                    k = self._fail[i][k - 1]
+                if s[k] == ch:
+                    k += 1
+                self._state[i] = k
+                if k == len(s) and (done is None or len(s) > len(done)):
+                    done = s
+            if done is not None:
+                self.stopped, self.held = done, ""
+                return text[:base + offset + 1 - len(done)]
+        keep = max(self._state, default=0)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]
 
@@ -36,26 +65,3 @@ class StopStringMatcher:
         """The text is over: release what was held back (it can no longer complete a stop string)."""
         text, self.held = self.held, ""
         return text
-
-    def _first_complete(self, text: str) -> int | None:
-        best: tuple[int, int, str] | None = None  # (end, start, stop string)
-        for s in self.stop:
-            start = text.find(s)
-            if start >= 0:
-                cand = (start + len(s), start, s)
-                if best is None or cand[:2] < best[:2]:
-                    best = cand
-        if best is None:
-            return None
-        self.stopped = best[2]
-        return best[1]
-
-    def _longest_open_prefix(self, text: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-        longest = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest

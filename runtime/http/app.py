@@ -15,32 +15,40 @@ from llaunch.runtime.http.errors import ApiError, draining, error_response, json
 from llaunch.runtime.http.generate_api import GenerateApi
 from llaunch.runtime.http.guards import gatekeeper, json_errors
 from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.http.openai_protocol import ModelLimits
 from llaunch.runtime.http.openai_serving import OpenAIServing
 from llaunch.runtime.http.pd_instance import PrefillServing, link_from_headers
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
+from llaunch.runtime.http.request_limits import RequestLimits
 
 log = logging.getLogger(__name__)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_OPEN_PATHS = ("/health",)  # no API key needed
-_DRAIN_EXEMPT = ("/health", "/metrics")  # still answered while draining
+_HEALTH_PATHS = ("/health", "/health/live", "/health/ready")
+_OPEN_PATHS = _HEALTH_PATHS  # no API key needed
+_DRAIN_EXEMPT = (*_HEALTH_PATHS, "/metrics")  # still answered while draining (ready then says 503)
 
 
 @dataclass(frozen=True)
 class FrontendSettings:
-    limits: ModelLimits
+    limits: RequestLimits
     api_key: Optional[str] = None
     heartbeat_max_age_s: float = 3.0  # /health fails once the engine's MetricsSnapshot heartbeat is older
+    max_body_bytes: int = 16 * 2**20
+    request_timeout_s: Optional[float] = None
 
     @staticmethod
-    def from_run_config(cfg: RunConfig, tokenizer: PromptTokenizer) -> "FrontendSettings":
+    def from_run_config(cfg: RunConfig, tokenizer: PromptTokenizer, api_key: Optional[str] = None) -> "FrontendSettings":
         m = cfg.model
         max_len = m.max_model_len or m.max_position_embeddings
         if not max_len:
             raise ValueError("model.max_model_len is unset: the launcher derives it from the checkpoint")
-        limits = ModelLimits(served_name=m.name, max_model_len=max_len, vocab_size=m.vocab_size or tokenizer.vocab_size)
-        return FrontendSettings(limits=limits, api_key=cfg.server.api_key)
+        s = cfg.server
+        limits = RequestLimits(served_name=m.name, max_model_len=max_len, vocab_size=m.vocab_size or tokenizer.vocab_size,
+                               max_prompts=s.max_prompts_per_request, max_choices=s.max_choices_per_request,
+                               max_stop_strings=s.max_stop_strings, max_stop_string_chars=s.max_stop_string_chars,
+                               max_chars_per_token=tokenizer.max_token_chars)
+        return FrontendSettings(limits=limits, api_key=api_key, max_body_bytes=s.max_body_bytes,
+                                request_timeout_s=s.request_timeout_s)
 
 
 def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: PromptTokenizer,
@@ -48,7 +56,7 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
     """`pd_role` "prefill" | "decode": requests the pd_master relays (its headers) are served as
     runtime/http/pd_instance.py says; others as usual."""
     app = Quart("llaunch.frontend")
-    app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=64 * 1024 * 1024)
+    app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=settings.max_body_bytes)
     limits = settings.limits
     openai = OpenAIServing(engine, tokenizer, limits, lifecycle)
     lightllm = GenerateApi(engine, tokenizer, limits, lifecycle)
@@ -93,15 +101,28 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
                 "root": limits.served_name, "max_model_len": limits.max_model_len}
         return json_response({"object": "list", "data": [card]})
 
+    @app.get("/health/live")
+    async def live() -> Response:
+        """Liveness: this process answers (a supervisor restarts it when it does not)."""
+        return json_response({"status": "ok"})
+
     @app.get("/health")
-    async def health() -> Response:
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        """Readiness: new requests can be served: not draining, the engine's heartbeat is fresh, and
+        at least one replica is not stalled (runtime/router/health.py)."""
         age = engine.heartbeat_age()
+        stalled = engine.stalled_replicas
         if lifecycle.draining:
             return error_response(draining())
         if age > settings.heartbeat_max_age_s:
             return error_response(ApiError(503, f"No engine heartbeat for {age:.1f} s.", type="service_unavailable",
                                            code="engine_unavailable"))
-        return json_response({"status": "ok", "running": engine.running})
+        if len(stalled) == len(engine.outstanding):
+            return error_response(ApiError(503, "The engine is stalled: a step is overdue or a worker is gone "
+                                                "(router.stall_timeout_s).", type="service_unavailable",
+                                           code="engine_stalled"))
+        return json_response({"status": "ok", "running": engine.running, "stalled_replicas": stalled})
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:

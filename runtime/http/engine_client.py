@@ -23,6 +23,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 import zmq.asyncio
 
 from llaunch.runtime.config import ProcessSpec
+from llaunch.runtime.http.errors import engine_failed
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, FrontendInbound, MetricsSnapshot,
                                           PdLink, RouterInbound, SamplingParams, TextBatch, TextDelta)
@@ -35,12 +36,16 @@ Post = Callable[[int, RouterInbound], Awaitable[None]]
 current_pd_link: contextvars.ContextVar[Optional[PdLink]] = contextvars.ContextVar("pd_link", default=None)
 
 
+REFUSALS = ("invalid", "overloaded")  # the router's answers to a request it did not take
+
+
 class RequestGroup:
     """The engine requests behind one HTTP request (n samples, several prompts): their text arrives
-    on one queue as (choice index, delta) until every one of them has finished."""
+    on one queue as (choice index, delta) until every one of them has finished, or the request's
+    deadline (server.request_timeout_s) passes."""
 
     def __init__(self, client: "EngineClient", request_ids: list[str], replica: int,
-                 lifecycle: Optional[Lifecycle] = None):
+                 lifecycle: Optional[Lifecycle] = None, timeout_s: Optional[float] = None):
         self.request_ids = request_ids
         self.replica = replica
         self._client = client
@@ -48,6 +53,9 @@ class RequestGroup:
         self._open = set(range(len(request_ids)))
         self._lifecycle = lifecycle  # counts the HTTP request in flight until `close`
         self._closed = False
+        self._timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._peeked: Optional[tuple[int, TextDelta]] = None
 
     @property
     def finished(self) -> bool:
@@ -56,9 +64,28 @@ class RequestGroup:
     def _deliver(self, choice: int, delta: TextDelta) -> None:
         self._queue.put_nowait((choice, delta))
 
+    async def _next(self) -> tuple[int, TextDelta]:
+        if self._peeked is not None:
+            item, self._peeked = self._peeked, None
+            return item
+        if self._deadline is None:
+            return await self._queue.get()
+        try:
+            return await asyncio.wait_for(self._queue.get(), max(0.0, self._deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise engine_failed("timeout", f"The request did not finish within {self._timeout_s:g} s "
+                                           "(server.request_timeout_s).") from None
+
+    async def admitted(self) -> None:
+        """Wait for the first delta and raise the router's refusal (invalid request, overloaded) as an
+        ApiError: a stream can then still answer with its status, not a 200 and an error event."""
+        self._peeked = item = await self._next()
+        if item[1].finish_reason in REFUSALS:
+            raise engine_failed(item[1].finish_reason, item[1].error)
+
     async def __aiter__(self) -> AsyncIterator[tuple[int, TextDelta]]:
         while self._open:
-            choice, delta = await self._queue.get()
+            choice, delta = await self._next()
             if delta.finish_reason is not None:
                 self._open.discard(choice)
             yield choice, delta
@@ -83,6 +110,15 @@ class RequestGroup:
         await self._client._abort(open_ids, self.replica)
 
 
+async def admitted(group: RequestGroup) -> None:
+    """group.admitted(); on a refusal (or any failure) the group is closed before the error goes up."""
+    try:
+        await group.admitted()
+    except BaseException:
+        await group.close()
+        raise
+
+
 class _Route:
     __slots__ = ("group", "choice", "tokens")
 
@@ -93,8 +129,9 @@ class _Route:
 
 
 class EngineClient:
-    def __init__(self, frontend_index: int, num_replicas: int, post: Post):
+    def __init__(self, frontend_index: int, num_replicas: int, post: Post, request_timeout_s: Optional[float] = None):
         self.frontend_index = frontend_index
+        self.request_timeout_s = request_timeout_s
         self.outstanding = [0] * num_replicas  # requests of this frontend each replica still runs
         self.outstanding_tokens = [0] * num_replicas  # their prompt + max_new_tokens: the load
         self._post = post
@@ -115,34 +152,52 @@ class EngineClient:
                      lifecycle: Optional[Lifecycle] = None) -> RequestGroup:
         """`pd` (default: `current_pd_link`): the pd_master's transfer link of this HTTP request on a pd
         instance; choice c's engine request gets `<id>.<c>`. With a `lifecycle`, the HTTP request
-        counts as in flight from here until the group's `close`."""
+        counts as in flight from here until the group's `close`. A failure part-way (a message that
+        cannot be sent) leaves nothing behind: the group's routes and counts are undone and what was
+        sent is aborted."""
         pd = pd if pd is not None else current_pd_link.get()
         if lifecycle is not None:
             lifecycle.begin()
+        # One replica for the whole group: the n samples of a prompt share its prefix cache there.
+        replica = self.least_loaded()
+        ids = [f"{self.frontend_index}-{next(self._counter)}" for _ in jobs]
+        group = RequestGroup(self, ids, replica, lifecycle, self.request_timeout_s)
+        sent: list[str] = []
         try:
-            # One replica for the whole group: the n samples of a prompt share its prefix cache there.
-            replica = self.least_loaded()
-            ids = [f"{self.frontend_index}-{next(self._counter)}" for _ in jobs]
-            group = RequestGroup(self, ids, replica, lifecycle)
             now = time.time()
             for choice, (request_id, (prompt_ids, sampling)) in enumerate(zip(ids, jobs)):
+                link = None if pd is None else PdLink(id=f"{pd.id}.{choice}", decode_kv=pd.decode_kv)
+                msg = AddRequest(request_id=request_id, frontend=self.frontend_index, prompt_ids=prompt_ids,
+                                 sampling=sampling, arrival_time=now, pd=link)
+                # registered before it is sent: its answer may come back before post returns
                 tokens = len(prompt_ids) + sampling.max_new_tokens
                 self._routes[request_id] = _Route(group, choice, tokens)
                 self.outstanding[replica] += 1
                 self.outstanding_tokens[replica] += tokens
-                link = None if pd is None else PdLink(id=f"{pd.id}.{choice}", decode_kv=pd.decode_kv)
-                await self._post(replica, AddRequest(request_id=request_id, frontend=self.frontend_index,
-                                                     prompt_ids=prompt_ids, sampling=sampling, arrival_time=now,
-                                                     pd=link))
+                await self._post(replica, msg)
+                sent.append(request_id)
         except BaseException:
+            for request_id in ids:
+                self._forget(request_id, replica)
+            for request_id in sent:
+                try:
+                    await self._post(replica, AbortRequest(request_id=request_id))
+                except Exception:  # the router is gone: nothing runs there to abort
+                    log.exception("could not abort %s after a failed submit", request_id)
             if lifecycle is not None:
                 lifecycle.end()
             raise
         return group
 
+    @property
+    def stalled_replicas(self) -> list[int]:
+        return self.metrics.stalled_replicas if self.metrics is not None else []
+
     def least_loaded(self) -> int:
-        return min(range(len(self.outstanding)),
-                   key=lambda d: (self.outstanding_tokens[d], self.outstanding[d], d))
+        """The replica with the least outstanding load, among those not stalled (if any is not)."""
+        stalled = set(self.stalled_replicas)
+        healthy = [d for d in range(len(self.outstanding)) if d not in stalled] or range(len(self.outstanding))
+        return min(healthy, key=lambda d: (self.outstanding_tokens[d], self.outstanding[d], d))
 
     async def flush_cache(self) -> None:
         """Every replica evicts the prompt-cache entries no running request holds."""
@@ -153,6 +208,15 @@ class EngineClient:
         groups = {id(r.group): r.group for r in self._routes.values()}
         for group in groups.values():
             await group.abort()
+
+    async def fail_all(self, reason: str, error: str) -> None:
+        """End every open request now with `reason`: each stream sends its error event and [DONE]
+        (a drain that timed out), and the routers stop generating for nobody."""
+        for request_id, route in list(self._routes.items()):
+            self._forget(request_id, route.group.replica)
+            route.group._deliver(route.choice, TextDelta(request_id=request_id, text="", token_ids=[],
+                                                         finish_reason=reason, error=error))
+            await self._post(route.group.replica, AbortRequest(request_id=request_id))
 
     async def on_message(self, msg: FrontendInbound) -> None:
         if isinstance(msg, MetricsSnapshot):

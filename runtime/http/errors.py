@@ -11,13 +11,14 @@ class ApiError(Exception):
     """A request the frontend refuses or cannot finish; the handler turns it into a JSON response."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict[str, str]] = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -41,14 +42,29 @@ def draining() -> ApiError:
                     type="service_unavailable", code="draining")
 
 
-def engine_failed(reason: str) -> ApiError:
-    return ApiError(500, f"The engine could not finish the request ({reason}).", type="server_error",
+RETRY_AFTER_S = 1  # an overloaded server's hint to clients
+
+
+def engine_failed(reason: str, detail: Optional[str] = None) -> ApiError:
+    """The error a request ends with when the engine ends it with `reason` (not stop or length)."""
+    if reason == "invalid":
+        return ApiError(400, detail or "The engine refused the request.", code="invalid_request")
+    if reason == "overloaded":
+        return ApiError(503, detail or "The server is at capacity; retry later.", type="service_unavailable",
+                        code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if reason == "timeout":
+        return ApiError(504, detail or "The request ran out of time.", type="timeout", code="timeout")
+    if reason in ("stalled", "shutdown"):
+        return ApiError(503, detail or f"The engine cannot finish the request ({reason}).",
+                        type="service_unavailable", code=reason)
+    suffix = f": {detail}" if detail else ""
+    return ApiError(500, f"The engine could not finish the request ({reason}){suffix}.", type="server_error",
                     code=reason)
 
 
-def json_response(payload: object, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(payload), status=status, content_type="application/json")
+def json_response(payload: object, status: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
+    return Response(msgspec.json.encode(payload), status=status, content_type="application/json", headers=headers)
 
 
 def error_response(error: ApiError) -> Response:
-    return json_response(error.body(), status=error.status)
+    return json_response(error.body(), status=error.status, headers=error.headers)

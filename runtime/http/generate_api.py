@@ -2,95 +2,101 @@
 (`lightllm/server/api_lightllm.py`), so LightLLM clients and benchmarks work unchanged."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Optional, Union
+import asyncio
+from typing import Annotated, Any, AsyncIterator, Optional, Union
 
 import msgspec
 from quart import Response
 
-from llaunch.runtime.http.engine_client import EngineClient, RequestGroup
+from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
 from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response
 from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.http.openai_protocol import MAX_N, ModelLimits, check_token_id, decode_body, max_new_tokens_for
+from llaunch.runtime.http.openai_protocol import decode_body
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
+from llaunch.runtime.http.request_limits import (MAX_TEMPERATURE, ChoiceCount, RequestLimits, Seed, TokenCount, TopK, TopP,
+                                                 check_fan_out, check_prompt_text, check_stop_strings, check_token_id,
+                                                 greedy_temperature, max_new_tokens_for)
 from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
 from llaunch.runtime.ipc.messages import SamplingParams, TextDelta
 
-_GREEDY_TEMPERATURE = 1e-5  # LightLLM: a sampling temperature below this means greedy
+# LightLLM's own ranges (its SamplingParams.verify): penalties >= 0, repetition >= 1
+NonNegative = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
+Repetition = Annotated[float, msgspec.Meta(ge=1.0, le=100.0)]
+LightllmTemperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
 
 
-class GenerateParameters(msgspec.Struct, kw_only=True):
-    max_new_tokens: int = 16
+class GenerateParameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    max_new_tokens: TokenCount = 16
     min_new_tokens: int = 1
     do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: LightllmTemperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    presence_penalty: NonNegative = 0.0
+    frequency_penalty: NonNegative = 0.0
+    repetition_penalty: Repetition = 1.0
     ignore_eos: bool = False
     stop_sequences: Union[str, list[Any], None] = None  # str | list[str] | list[list[int]]
     skip_special_tokens: bool = True
-    seed: Optional[int] = None
-    n: Optional[int] = None
-    best_of: int = 1
+    seed: Optional[Seed] = None
+    n: Optional[ChoiceCount] = None
+    best_of: ChoiceCount = 1
     return_details: bool = False
 
 
-class GenerateRequest(msgspec.Struct):
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     inputs: Union[str, list[int]]
     parameters: GenerateParameters = msgspec.field(default_factory=GenerateParameters)
 
 
-def _stops(spec: Union[str, list[Any], None], tokenizer: PromptTokenizer, limits: ModelLimits):
+def _stops(spec: Union[str, list[Any], None], tokenizer: PromptTokenizer, limits: RequestLimits):
     """Stop strings and stop token ids; a multi-token id sequence becomes the string it decodes to."""
     items = [spec] if isinstance(spec, str) else (spec or [])
+    if len(items) > limits.max_stop_strings:
+        raise bad_request(f"stop_sequences has {len(items)} entries; at most {limits.max_stop_strings} "
+                          "(server.max_stop_strings).", param="parameters.stop_sequences")
     strings, token_ids = [], []
     for item in items:
         if isinstance(item, str):
             strings += [item] if item else []
         elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
             for t in item:
-                check_token_id(t, limits, "stop_sequences")
+                check_token_id(t, limits, "parameters.stop_sequences")
             if len(item) == 1:
                 token_ids.append(item[0])
             else:
-                strings.append(tokenizer.decode(item))
+                strings.append(tokenizer.decode(item[:limits.max_stop_string_chars + 1]))
         else:
-            raise bad_request("stop_sequences only supports str, list[str], list[list[int]].", param="stop_sequences")
-    return strings, token_ids
+            raise bad_request("stop_sequences only supports str, list[str], list[list[int]].", param="parameters.stop_sequences")
+    return check_stop_strings(strings, limits, "parameters.stop_sequences"), token_ids
 
 
-def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: ModelLimits,
+def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: RequestLimits,
                   stream: bool) -> tuple[list[int], list[SamplingParams]]:
     p = req.parameters
     n = p.best_of if p.n is None else p.n
     if n != p.best_of:
-        raise bad_request("Only n == best_of is supported.", param="n")
-    if not 1 <= n <= MAX_N:
-        raise bad_request(f"n must be in [1, {MAX_N}], got {n}.", param="n")
+        raise bad_request("Only n == best_of is supported.", param="parameters.n")
+    check_fan_out(1, n, limits, n_param="parameters.best_of")
     if stream and n != 1:
-        raise bad_request("The stream API only supports best_of == 1.", param="best_of")
+        raise bad_request("The stream API only supports best_of == 1.", param="parameters.best_of")
     if p.min_new_tokens != 1:
-        raise bad_request("min_new_tokens other than 1 is not supported.", param="min_new_tokens")
-    greedy = not p.do_sample or 0.0 <= p.temperature < _GREEDY_TEMPERATURE
-    checks = [(p.presence_penalty >= 0, "presence_penalty", "must be >= 0.0"),
-              (p.frequency_penalty >= 0, "frequency_penalty", "must be >= 0.0"),
-              (p.repetition_penalty >= 1, "repetition_penalty", "must be >= 1.0"),
-              (greedy or p.temperature > 0, "temperature", "must be > 0.0"),
-              (0 < p.top_p <= 1, "top_p", "must be in (0.0, 1.0]"),
-              (p.top_k == -1 or p.top_k >= 1, "top_k", "must be -1 (disable) or at least 1")]
-    for ok, name, rule in checks:
-        if not ok:
-            raise bad_request(f"{name} {rule}, got {getattr(p, name)}.", param=name)
-    prompt_ids = tokenizer.encode(req.inputs) if isinstance(req.inputs, str) else list(req.inputs)
+        raise bad_request("min_new_tokens other than 1 is not supported.", param="parameters.min_new_tokens")
+    greedy = not p.do_sample or greedy_temperature(p.temperature) == 0.0
+    if p.top_k == 0:
+        raise bad_request("top_k must be -1 (disable) or at least 1, got 0.", param="parameters.top_k")
+    if isinstance(req.inputs, str):
+        check_prompt_text(req.inputs, limits, param="inputs")
+        prompt_ids = tokenizer.encode(req.inputs)
+    else:
+        prompt_ids = list(req.inputs)
     max_new = max_new_tokens_for(prompt_ids, p.max_new_tokens, "max_new_tokens", limits)
     stop, stop_ids = _stops(p.stop_sequences, tokenizer, limits)
     jobs = []
     for i in range(n):
         jobs.append(SamplingParams(
             max_new_tokens=max_new, temperature=0.0 if greedy else p.temperature,
-            top_p=1.0 if greedy else p.top_p, top_k=-1 if greedy else p.top_k,
+            top_p=1.0 if greedy else p.top_p, top_k=-1 if greedy or p.top_k >= limits.vocab_size else p.top_k,
             seed=None if p.seed is None else p.seed + i, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
             ignore_eos=p.ignore_eos, stop=stop, stop_token_ids=stop_ids, skip_special_tokens=p.skip_special_tokens,
@@ -101,21 +107,25 @@ def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: Mode
 
 def _finish(delta: TextDelta) -> Optional[str]:
     if delta.finish_reason not in (None, "stop", "length"):
-        raise engine_failed(delta.finish_reason)
+        raise engine_failed(delta.finish_reason, delta.error)
     return delta.finish_reason
 
 
 class GenerateApi:
-    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: ModelLimits, lifecycle: Lifecycle):
+    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: RequestLimits, lifecycle: Lifecycle):
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.lifecycle = lifecycle
 
     async def _submit(self, body: bytes, stream: bool) -> tuple[GenerateRequest, int, RequestGroup]:
+        req, prompt_ids, jobs = await asyncio.to_thread(self._parse, body, stream)  # tokenizing: off the loop
+        return req, len(prompt_ids), await self.engine.submit([(prompt_ids, s) for s in jobs], lifecycle=self.lifecycle)
+
+    def _parse(self, body: bytes, stream: bool):
         req = decode_body(body, GenerateRequest)
         prompt_ids, jobs = generate_jobs(req, self.tokenizer, self.limits, stream)
-        return req, len(prompt_ids), await self.engine.submit([(prompt_ids, s) for s in jobs], lifecycle=self.lifecycle)
+        return req, prompt_ids, jobs
 
     def _token(self, token_id: Optional[int], logprob: Optional[float], count: int, prompt_tokens: int) -> dict:
         return {"id": token_id, "logprob": logprob,
@@ -149,6 +159,7 @@ class GenerateApi:
 
     async def generate_stream(self, body: bytes) -> Response:
         _, prompt_tokens, group = await self._submit(body, stream=True)
+        await admitted(group)  # a refused request answers with its status, not a 200 stream
         return sse_response(TrackedStream(self._events(group, prompt_tokens), group))
 
     async def _events(self, group: RequestGroup, prompt_tokens: int) -> AsyncIterator[bytes]:

@@ -1,7 +1,9 @@
-"""OpenAI request bodies: decode with msgspec (wrong types fail with the field's path), validate every
-value against the model's limits, and turn each choice into engine work (prompt ids + SamplingParams).
+"""OpenAI request bodies: decode with msgspec (wrong types and out-of-range values fail with the
+field's path), validate every value against the model's and the server's limits
+(runtime/http/request_limits.py), and turn each choice into engine work (prompt ids + SamplingParams).
 
-Fields are Optional because clients send explicit nulls; unknown fields are ignored, as OpenAI does.
+Fields are Optional because clients send explicit nulls. A field llaunch does not implement is
+refused with a 400 naming it (never silently ignored); `user` and `metadata` are accepted and unused.
 """
 from __future__ import annotations
 
@@ -12,37 +14,39 @@ import msgspec
 
 from llaunch.runtime.http.errors import bad_request, model_not_found
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
+from llaunch.runtime.http.request_limits import (ChoiceCount, Penalty, RepetitionPenalty, RequestLimits, Seed,
+                                                 Temperature, TokenCount, TokenId, TopK, TopLogprobs, TopP,
+                                                 check_fan_out, check_prompt_text, check_stop_strings,
+                                                 check_token_id, greedy_temperature, max_new_tokens_for)
 from llaunch.runtime.ipc.messages import SamplingParams
-
-MAX_N = 16
-MAX_TOP_LOGPROBS = 20
 
 R = TypeVar("R")
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: Optional[bool] = None
 
 
-class _GenerationRequest(msgspec.Struct, kw_only=True):
+class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    n: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    seed: Optional[int] = None
+    max_tokens: Optional[TokenCount] = None
+    n: Optional[ChoiceCount] = None
+    temperature: Optional[Temperature] = None
+    top_p: Optional[TopP] = None
+    top_k: Optional[TopK] = None
+    seed: Optional[Seed] = None
     stop: Union[str, list[str], None] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    repetition_penalty: Optional[RepetitionPenalty] = None
     ignore_eos: Optional[bool] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     skip_special_tokens: Optional[bool] = None
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
+    user: Optional[str] = None  # accepted, unused
+    metadata: Optional[dict[str, str]] = None  # accepted, unused
     return_token_ids: Optional[bool] = None  # vLLM's extension: choices carry the generated token ids
 
     @property
@@ -50,39 +54,32 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_GenerationRequest, kw_only=True):
+class CompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=True):
     prompt: Union[str, list[Any]]  # str | list[int] | list[str] | list[list[int]]: checked below
-    logprobs: Optional[int] = None
+    logprobs: Optional[TopLogprobs] = None
     echo: Optional[bool] = None
-    best_of: Optional[int] = None
+    best_of: Optional[ChoiceCount] = None
     suffix: Optional[str] = None
 
 
-class ContentPart(msgspec.Struct):
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: Optional[str] = None
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
 
 
-class ChatCompletionRequest(_GenerationRequest, kw_only=True):
+class ChatCompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
-    max_completion_tokens: Optional[int] = None  # the newer name of max_tokens
+    top_logprobs: Optional[TopLogprobs] = None
+    max_completion_tokens: Optional[TokenCount] = None  # the newer name of max_tokens
     tools: Optional[list[Any]] = None
     response_format: Optional[dict[str, Any]] = None
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    served_name: str
-    max_model_len: int
-    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -104,32 +101,42 @@ def decode_body(body: bytes, request_type: Type[R]) -> R:
         raise bad_request(f"Invalid request: {e}", param=_param_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"The body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request("The request body nests arrays or objects too deeply.") from None
 
 
 def _param_of(message: str) -> Optional[str]:
-    """The field a msgspec error names: "... - at `$.messages[0].role`", "missing required field `x`"."""
+    """The field a msgspec error names: "... - at `$.messages[0].role`", "missing required field `x`",
+    "Object contains unknown field `x`"."""
     path = message.rsplit("at `$.", 1)[1].split("`", 1)[0] if "at `$." in message else None
-    missing = message.split("required field `", 1)[1].split("`", 1)[0] if "required field `" in message else None
-    if missing:
-        return f"{path}.{missing}" if path else missing
+    for marker in ("required field `", "unknown field `"):
+        if marker in message:
+            name = message.split(marker, 1)[1].split("`", 1)[0]
+            return f"{path}.{name}" if path else name
     return path
 
 
-def check_model(requested: Optional[str], limits: ModelLimits) -> None:
+def check_model(requested: Optional[str], limits: RequestLimits) -> None:
     if requested is not None and requested != limits.served_name:
         raise model_not_found(requested)
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: PromptTokenizer) -> list[list[int]]:
-    """A string, a list of token ids, or a list of either: one id list per prompt."""
+def completion_prompts(req: CompletionRequest, tokenizer: PromptTokenizer, limits: RequestLimits) -> list[list[int]]:
+    """A string, a list of token ids, or a list of either: one id list per prompt. Every text is
+    checked against the context before it is tokenized, and the count against the fan-out limit."""
     p = req.prompt
     if isinstance(p, str):
+        check_prompt_text(p, limits)
         return [tokenizer.encode(p)]
     if p and all(_is_token_id(t) for t in p):
         return [list(p)]
     if p and all(isinstance(x, str) for x in p):
+        check_fan_out(len(p), req.n or 1, limits)
+        for x in p:
+            check_prompt_text(x, limits)
         return [tokenizer.encode(x) for x in p]
     if p and all(isinstance(x, list) and all(_is_token_id(t) for t in x) for x in p):
+        check_fan_out(len(p), req.n or 1, limits)
         return [list(x) for x in p]
     raise bad_request("`prompt` must be a string, a list of token ids, or a non-empty list of either.",
                       param="prompt")
@@ -139,7 +146,7 @@ def _is_token_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: PromptTokenizer) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: PromptTokenizer, limits: RequestLimits) -> list[int]:
     if not req.messages:
         raise bad_request("`messages` must not be empty.", param="messages")
     if req.tools:
@@ -154,6 +161,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: PromptTokenizer) -> list[
             raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, developer, user, "
                               "assistant, tool.", param=f"messages[{i}].role")
         messages.append({"role": m.role, "content": _message_text(m, i)})
+    check_prompt_text("".join(m["content"] for m in messages), limits, param="messages")
     try:
         return tokenizer.encode_chat(messages)
     except Exception as e:  # the template itself may reject an order of roles
@@ -172,38 +180,32 @@ def _message_text(m: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def completion_choices(req: CompletionRequest, prompts: list[list[int]], limits: ModelLimits) -> list[Choice]:
+def completion_choices(req: CompletionRequest, prompts: list[list[int]], limits: RequestLimits) -> list[Choice]:
     if req.suffix:
         raise bad_request("`suffix` is not supported.", param="suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("`best_of` must equal `n`.", param="best_of")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"`logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}.", param="logprobs")
     if req.echo and req.logprobs is not None:
         raise bad_request("`echo` with `logprobs` needs prompt logprobs, which are not supported.", param="echo")
     want_logprobs = req.logprobs is not None
     return _choices(req, prompts, limits, req.max_tokens, "max_tokens", want_logprobs, req.logprobs or 0)
 
 
-def chat_choices(req: ChatCompletionRequest, prompt_ids: list[int], limits: ModelLimits) -> list[Choice]:
+def chat_choices(req: ChatCompletionRequest, prompt_ids: list[int], limits: RequestLimits) -> list[Choice]:
     top = req.top_logprobs
-    if top is not None:
-        if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {top}.", param="top_logprobs")
-        if top > 0 and not req.logprobs:
-            raise bad_request("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
+    if top is not None and top > 0 and not req.logprobs:
+        raise bad_request("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
     max_tokens, param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
     return _choices(req, [prompt_ids], limits, max_tokens, param, bool(req.logprobs), top or 0)
 
 
-def _choices(req: _GenerationRequest, prompts: list[list[int]], limits: ModelLimits,
+def _choices(req: _GenerationRequest, prompts: list[list[int]], limits: RequestLimits,
              max_tokens: Optional[int], max_tokens_param: str, logprobs: bool, top_logprobs: int) -> list[Choice]:
     n = 1 if req.n is None else req.n
-    if not 1 <= n <= MAX_N:
-        raise bad_request(f"`n` must be in [1, {MAX_N}], got {n}.", param="n")
-    base = _sampling_fields(req)
+    check_fan_out(len(prompts), n, limits)
+    base = _sampling_fields(req, limits)
     choices = []
     for p, prompt_ids in enumerate(prompts):
         new_tokens = max_new_tokens_for(prompt_ids, max_tokens, max_tokens_param, limits)
@@ -217,60 +219,21 @@ def _choices(req: _GenerationRequest, prompts: list[list[int]], limits: ModelLim
     return choices
 
 
-def _sampling_fields(req: _GenerationRequest) -> dict:
+def _sampling_fields(req: _GenerationRequest, limits: RequestLimits) -> dict:
     if req.logit_bias:
         raise bad_request("`logit_bias` is not supported.", param="logit_bias")
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if temperature < 0:
-        raise bad_request(f"`temperature` must be >= 0, got {temperature}.", param="temperature")
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if not 0 < top_p <= 1:
-        raise bad_request(f"`top_p` must be in (0, 1], got {top_p}.", param="top_p")
+    temperature = greedy_temperature(1.0 if req.temperature is None else req.temperature)
     top_k = -1 if req.top_k in (None, 0) else req.top_k  # 0 and -1 both mean: no top-k
-    if top_k < -1:
-        raise bad_request(f"`top_k` must be -1 (off) or >= 1, got {top_k}.", param="top_k")
-    fields = dict(temperature=temperature, top_p=top_p, top_k=top_k)
-    for name, default, low, high in (("presence_penalty", 0.0, -2.0, 2.0), ("frequency_penalty", 0.0, -2.0, 2.0)):
-        value = getattr(req, name)
-        value = default if value is None else value
-        if not low <= value <= high:
-            raise bad_request(f"`{name}` must be in [{low}, {high}], got {value}.", param=name)
-        fields[name] = value
-    repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
-    if repetition <= 0:
-        raise bad_request(f"`repetition_penalty` must be > 0, got {repetition}.", param="repetition_penalty")
-    fields["repetition_penalty"] = repetition
+    fields = dict(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+                  top_k=-1 if top_k >= limits.vocab_size else top_k,  # the whole vocabulary: no top-k
+                  presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                  repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    fields["stop"] = [s for s in stop if s]  # an empty stop string would end every request at once
+    fields["stop"] = check_stop_strings(stop, limits, "stop")
+    if len(req.stop_token_ids or []) > limits.max_stop_strings:
+        raise bad_request(f"`stop_token_ids` has {len(req.stop_token_ids)} ids; at most {limits.max_stop_strings} "
+                          "(server.max_stop_strings).", param="stop_token_ids")
     fields["stop_token_ids"] = list(req.stop_token_ids or [])
     fields["ignore_eos"] = bool(req.ignore_eos)
     fields["skip_special_tokens"] = True if req.skip_special_tokens is None else req.skip_special_tokens
     return fields
-
-
-def max_new_tokens_for(prompt_ids: list[int], max_tokens: Optional[int], param: str, limits: ModelLimits) -> int:
-    if not prompt_ids:
-        raise bad_request("The prompt is empty.", param="prompt")
-    for token_id in prompt_ids:
-        check_token_id(token_id, limits, "prompt")
-    room = limits.max_model_len - len(prompt_ids)
-    if max_tokens is None:
-        if room <= 0:
-            raise bad_request(f"This model's maximum context length is {limits.max_model_len} tokens, but the "
-                              f"prompt has {len(prompt_ids)} tokens, leaving no room for a completion.",
-                              param="prompt", code="context_length_exceeded")
-        return room
-    if max_tokens <= 0:
-        raise bad_request(f"`{param}` must be at least 1, got {max_tokens}.", param=param)
-    if max_tokens > room:
-        raise bad_request(f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
-                          f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-                          f"{max_tokens} for the completion).", param=param, code="context_length_exceeded")
-    return max_tokens
-
-
-def check_token_id(token_id: int, limits: ModelLimits, param: str) -> None:
-    if not 0 <= token_id < limits.vocab_size:
-        raise bad_request(f"Token id {token_id} in `{param}` is outside the vocabulary [0, {limits.vocab_size}).",
-                          param=param)
-

@@ -1,16 +1,20 @@
 """POST /v1/completions and /v1/chat/completions: validate, submit one engine request per choice,
-then either collect every choice into one response or stream a chunk per TextDelta."""
+then either collect every choice into one response or stream a chunk per TextDelta.
+
+Parsing, the chat template and tokenization run in a worker thread (the tokenizer releases the
+GIL), so a large prompt never holds up the event loop: /health and every other stream keep going."""
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator, Optional
 
 from quart import Response
 
 from llaunch.runtime.http import openai_responses as shapes
-from llaunch.runtime.http.engine_client import EngineClient, RequestGroup
+from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
 from llaunch.runtime.http.errors import ApiError, engine_failed, json_response
 from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice, CompletionRequest, ModelLimits,
+from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice, CompletionRequest, RequestLimits,
                                                   chat_choices, chat_prompt, check_model, completion_choices,
                                                   completion_prompts, decode_body)
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
@@ -39,7 +43,7 @@ class ChoiceState:
         self.completion_tokens = delta.completion_tokens or self.completion_tokens + len(delta.token_ids)
         if delta.finish_reason is not None:
             if delta.finish_reason not in FINISH_REASONS:
-                raise engine_failed(delta.finish_reason)
+                raise engine_failed(delta.finish_reason, delta.error)
             self.finish_reason = delta.finish_reason
         return text
 
@@ -95,29 +99,36 @@ class ChatFormat:
 
 
 class OpenAIServing:
-    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: ModelLimits, lifecycle: Lifecycle):
+    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: RequestLimits, lifecycle: Lifecycle):
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.lifecycle = lifecycle
 
     async def completions(self, body: bytes) -> Response:
-        req = decode_body(body, CompletionRequest)
-        check_model(req.model, self.limits)
-        prompts = completion_prompts(req, self.tokenizer)
-        choices = completion_choices(req, prompts, self.limits)
-        echo = [self._echo_text(req, p, ids) for p, ids in enumerate(prompts)] if req.echo else None
+        req, prompts, choices, echo = await asyncio.to_thread(self._parse_completion, body)
         states = [ChoiceState(echo[c.prompt] if echo else "") for c in choices]
         fmt = CompletionFormat(self.tokenizer, req.logprobs is not None, len(choices))
         return await self._serve(req, choices, prompts, states, fmt)
 
-    async def chat(self, body: bytes) -> Response:
-        req = decode_body(body, ChatCompletionRequest)
+    def _parse_completion(self, body: bytes):
+        req = decode_body(body, CompletionRequest)
         check_model(req.model, self.limits)
-        prompt_ids = chat_prompt(req, self.tokenizer)
-        choices = chat_choices(req, prompt_ids, self.limits)
+        prompts = completion_prompts(req, self.tokenizer, self.limits)
+        choices = completion_choices(req, prompts, self.limits)
+        echo = [self._echo_text(req, p, ids) for p, ids in enumerate(prompts)] if req.echo else None
+        return req, prompts, choices, echo
+
+    async def chat(self, body: bytes) -> Response:
+        req, prompt_ids, choices = await asyncio.to_thread(self._parse_chat, body)
         states = [ChoiceState() for _ in choices]
         return await self._serve(req, choices, [prompt_ids], states, ChatFormat(self.tokenizer, bool(req.logprobs)))
+
+    def _parse_chat(self, body: bytes):
+        req = decode_body(body, ChatCompletionRequest)
+        check_model(req.model, self.limits)
+        prompt_ids = chat_prompt(req, self.tokenizer, self.limits)
+        return req, prompt_ids, chat_choices(req, prompt_ids, self.limits)
 
     def _echo_text(self, req: CompletionRequest, p: int, ids: list[int]) -> str:
         if isinstance(req.prompt, str):
@@ -132,6 +143,7 @@ class OpenAIServing:
         prompt_tokens = sum(len(p) for p in prompts)
         group = await self.engine.submit([(c.prompt_ids, c.sampling) for c in choices], lifecycle=self.lifecycle)
         if req.stream:
+            await admitted(group)  # a refused request answers with its status, not a 200 stream
             events = self._stream(group, header, states, fmt, prompt_tokens, req.include_usage,
                                   bool(req.return_token_ids))
             return sse_response(TrackedStream(events, group))

@@ -11,6 +11,7 @@ A request without the headers (a client calling the instance directly) is served
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import uuid
@@ -23,7 +24,7 @@ from llaunch.runtime.http.engine_client import EngineClient
 from llaunch.runtime.http.errors import ApiError, engine_failed, json_response
 from llaunch.runtime.http.generate_api import GenerateRequest, generate_jobs
 from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, ModelLimits, chat_choices,
+from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, RequestLimits, chat_choices,
                                                   chat_prompt, check_model, completion_choices, completion_prompts,
                                                   decode_body)
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
@@ -45,7 +46,7 @@ def link_from_headers(headers) -> Optional[PdLink]:
 class PrefillServing:
     """A prefill instance's answer to the master: the prompt's KV is on the decode instance."""
 
-    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: ModelLimits, lifecycle: Lifecycle):
+    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: RequestLimits, lifecycle: Lifecycle):
         self.engine, self.tokenizer, self.limits, self.lifecycle = engine, tokenizer, limits, lifecycle
 
     def jobs(self, path: str, body: bytes) -> list[tuple[list[int], SamplingParams]]:
@@ -53,11 +54,11 @@ class PrefillServing:
         if path == "/v1/completions":
             req = decode_body(body, CompletionRequest)
             check_model(req.model, self.limits)
-            choices = completion_choices(req, completion_prompts(req, self.tokenizer), self.limits)
+            choices = completion_choices(req, completion_prompts(req, self.tokenizer, self.limits), self.limits)
         elif path == "/v1/chat/completions":
             req = decode_body(body, ChatCompletionRequest)
             check_model(req.model, self.limits)
-            choices = chat_choices(req, chat_prompt(req, self.tokenizer), self.limits)
+            choices = chat_choices(req, chat_prompt(req, self.tokenizer, self.limits), self.limits)
         else:
             prompt_ids, samplings = generate_jobs(decode_body(body, GenerateRequest), self.tokenizer, self.limits,
                                                   stream=path == "/generate_stream")
@@ -68,13 +69,13 @@ class PrefillServing:
         if not link.decode_kv:
             raise ApiError(400, f"{PD_ID_HEADER} without {DECODE_KV_HEADER}: where should the KV go?",
                            param=DECODE_KV_HEADER)
-        jobs = self.jobs(path, body)
+        jobs = await asyncio.to_thread(self.jobs, path, body)  # tokenizing: off the event loop
         group = await self.engine.submit(jobs, pd=link, lifecycle=self.lifecycle)
         ms = 0.0
         try:
             async for _, delta in group:
                 if delta.finish_reason is not None and delta.finish_reason != "kv_sent":
-                    raise engine_failed(delta.finish_reason)
+                    raise engine_failed(delta.finish_reason, delta.error)
                 ms = max(ms, delta.kv_transfer_ms)
         finally:
             await group.close()

@@ -1,6 +1,6 @@
 """Frontend process entry: `python -m llaunch.runtime.http.process --config RUN_DIR/config.yaml --name
-frontend.{i}`. Serves the app with Hypercorn on the listening socket the launcher passes as
-LLAUNCH_HTTP_FD (or binds server.host:port itself), wires the engine over ZMQ, and handles signals:
+frontend.{i} [--listen-fd FD]`. Serves the app with Hypercorn on the listening socket the launcher
+passes (or binds server.host:port itself), wires the engine over ZMQ, and handles signals:
 SIGTERM drains, SIGINT stops at once."""
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 from quart import Quart
 
+from llaunch.runtime.api_key import read_api_key
 from llaunch.runtime.config import Mode, ProcessSpec, RunConfig
 from llaunch.runtime.bootstrap import report_ready, start
 from llaunch.runtime.http.app import FrontendSettings, create_app
@@ -52,25 +53,31 @@ def hypercorn_config(fd: int) -> HypercornConfig:
     return config
 
 
-async def serve_app(app: Quart, fd: int, lifecycle: Lifecycle) -> None:
-    """Serve until the lifecycle's drain (or immediate stop) is over, then close every connection."""
+async def serve_app(app: Quart, fd: int, lifecycle: Lifecycle, engine: Optional[EngineClient] = None) -> None:
+    """Serve until the lifecycle's drain (or immediate stop) is over, then close every connection. A
+    drain that times out first ends every open request with an error (a stream: its error event and
+    [DONE]) and leaves the graceful timeout for those last bytes."""
     config = hypercorn_config(fd)
 
     async def shutdown_trigger() -> None:
-        await lifecycle.wait_drained()
+        drained = await lifecycle.wait_drained()
         if lifecycle.stopping_now:  # SIGINT: only a moment for idle keep-alive connections to close
             config.graceful_timeout = STOP_NOW_GRACE_S
+        elif not drained and engine is not None:
+            await engine.fail_all("shutdown", "The server stopped before the request finished "
+                                              "(server.drain_timeout_s ran out).")
 
     await serve(app, config, shutdown_trigger=shutdown_trigger)
 
 
-async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptTokenizer, fd: int) -> None:
+async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptTokenizer, fd: int,
+                       api_key: Optional[str] = None) -> None:
     ctx = zmq.asyncio.Context()
     link = ZmqEngineLink(ctx, spec)
-    engine = EngineClient(spec.index, link.num_replicas, link.post)
+    engine = EngineClient(spec.index, link.num_replicas, link.post, cfg.server.request_timeout_s)
     lifecycle = Lifecycle()
     pd_role = {Mode.pd_prefill: "prefill", Mode.pd_decode: "decode"}.get(cfg.mode.kind)
-    app = create_app(FrontendSettings.from_run_config(cfg, tokenizer), engine, tokenizer, lifecycle, pd_role)
+    app = create_app(FrontendSettings.from_run_config(cfg, tokenizer, api_key), engine, tokenizer, lifecycle, pd_role)
     pump = asyncio.ensure_future(link.pump(engine))
     registrar = None
 
@@ -87,7 +94,7 @@ async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptToken
     loop.add_signal_handler(signal.SIGTERM, lifecycle.drain, cfg.server.drain_timeout_s)
     loop.add_signal_handler(signal.SIGINT, lifecycle.stop_now)
     try:
-        await serve_app(app, fd, lifecycle)
+        await serve_app(app, fd, lifecycle, engine)
         if engine.running:  # the drain timed out: the router should not keep generating for nobody
             await engine.abort_all()
     finally:
@@ -104,11 +111,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--listen-fd", type=int, default=None)  # the launcher's listening socket, inherited
     own, rest = ap.parse_known_args(argv)
     cfg, spec = start(rest)
+    api_key = read_api_key(cfg)
     # Hypercorn wraps the fd in its own socket object and closes it; detach so nothing else does.
     fd = own.listen_fd if own.listen_fd is not None else listening_socket(cfg.server.host, cfg.server.port).detach()
     hf = load_hf_tokenizer(cfg.model.tokenizer or cfg.model.path)
     tokenizer = PromptTokenizer(hf, vocab_size=cfg.model.vocab_size)
-    asyncio.run(run_frontend(cfg, spec, tokenizer, fd))
+    asyncio.run(run_frontend(cfg, spec, tokenizer, fd, api_key))
     log.info("stopped")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from functools import lru_cache
 from typing import Optional
 
@@ -47,21 +48,30 @@ class PromptTokenizer:
         self._byte_level = _is_byte_level(hf_tokenizer)
         self._text_cache: dict[int, str] = {}
         self._bytes_cache: dict[int, bytes] = {}
+        # requests tokenize on worker threads; transformers' encode may reset the backend's truncation
+        # and padding (a borrow of the Rust tokenizer), which is not safe from two threads at once
+        self._lock = threading.Lock()
+        # the longest token, in characters: a piece's length bounds the text it decodes to (byte-level
+        # pieces have one character per byte, SentencePiece pieces one per character)
+        self.max_token_chars = max((len(piece) for piece in hf_tokenizer.get_vocab()), default=1)
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=True))
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=True))
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The template already writes BOS and role markers; encoding must not add them twice.
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.hf.encode(text, add_special_tokens=False))
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids)
+        with self._lock:
+            return self.hf.decode(ids)
 
     def token_text(self, token_id: int) -> str:
         text = self._text_cache.get(token_id)

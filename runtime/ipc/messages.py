@@ -193,8 +193,11 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[float] = []
     top_ids: list[list[int]] = []
     top_logprobs: list[list[float]] = []
-    finish_reason: Optional[str] = None  # stop | length | abort | error | kv_sent (pd_prefill)
+    # stop | length | abort | error | kv_sent (pd_prefill) | invalid (the router refused the request) |
+    # overloaded (its wait queue is full) | stalled (the engine stopped stepping)
+    finish_reason: Optional[str] = None
     kv_transfer_ms: float = 0.0  # pd_prefill: how long sending the KV took
+    error: Optional[str] = None  # why, for invalid / overloaded / error / stalled
 
 
 class TokenBatch(_Msg):
@@ -212,6 +215,8 @@ class RouterStats(_Msg):
     prefix_cache_tokens: int = 0  # of kv_used: slots the prompt cache holds
     prefix_cache_queries: int = 0  # since start: prompt tokens looked up in the prompt cache
     prefix_cache_hits: int = 0  # since start: of those, tokens found cached
+    stalled: bool = False  # a step is overdue or a worker is gone (runtime/router/health.py)
+    stalls: int = 0  # since start
 
 
 DetokenizerInbound = Union[RequestOpened, TokenBatch, RouterStats]
@@ -231,6 +236,7 @@ class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     completion_tokens: int = 0  # total so far
     stopped_by_string: bool = False  # the frontend aborts the request at the router
     kv_transfer_ms: float = 0.0  # pd_prefill: how long sending the KV took
+    error: Optional[str] = None  # TokenDelta.error
 
 
 class TextBatch(_Msg):
@@ -245,6 +251,7 @@ class MetricsSnapshot(_Msg):
     text: str
     running: int = 0
     waiting: int = 0
+    stalled_replicas: list[int] = []  # dp ranks whose router reports a stall: /health/ready fails
 
 
 FrontendInbound = Union[TextBatch, MetricsSnapshot]

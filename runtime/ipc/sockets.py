@@ -1,8 +1,13 @@
 """Typed one-way ZMQ sockets: a PULL that binds and decodes exactly one message union, a PUSH that
-connects and encodes. One socket per edge of the process graph."""
+connects and encodes. One socket per edge of the process graph.
+
+A frame that does not decode as the socket's union (a stray or malformed message: anyone who can
+reach the socket can send one) is logged and dropped, never fatal: the receiver waits for the next."""
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any, Generic, Optional, Type, TypeVar
 
 import msgspec
@@ -12,6 +17,30 @@ import zmq.asyncio
 T = TypeVar("T")
 
 _encoder = msgspec.msgpack.Encoder()
+log = logging.getLogger(__name__)
+_BAD_FRAME_LOG_EVERY_S = 10.0
+
+
+class _Decoding(Generic[T]):
+    """Decode frames as one type; count and log (at most every few seconds) those that do not."""
+
+    def __init__(self, msg_type: Type[T] | Any, address: str):
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self.address = address
+        self.dropped = 0
+        self._logged_at = float("-inf")
+
+    def decode(self, frame) -> Optional[T]:
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.dropped += 1
+            now = time.monotonic()
+            if now - self._logged_at >= _BAD_FRAME_LOG_EVERY_S:
+                self._logged_at = now
+                log.warning("%s: dropped a frame that is not a message of this socket (%d so far): %s",
+                            self.address, self.dropped, str(e)[:200])
+            return None
 
 
 def _prepare_ipc(address: str) -> None:
@@ -28,22 +57,34 @@ class Receiver(Generic[T]):
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
         self.address = address
-        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self._decoding = _Decoding(msg_type, address)
 
-    def decode(self, frame: bytes) -> T:
-        return self._decoder.decode(frame)
+    @property
+    def dropped(self) -> int:
+        return self._decoding.dropped
+
+    def decode(self, frame: bytes) -> Optional[T]:
+        return self._decoding.decode(frame)
 
     def recv(self, timeout_ms: Optional[int] = None) -> Optional[T]:
-        """Block up to timeout_ms (None: forever); None when nothing arrived."""
-        if timeout_ms is not None and not self.socket.poll(timeout_ms):
-            return None
-        return self._decoder.decode(self.socket.recv(copy=False).buffer)
+        """Block up to timeout_ms (None: forever); None when nothing (valid) arrived in time."""
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while True:
+            wait = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if wait is not None and not self.socket.poll(wait):
+                return None
+            msg = self._decoding.decode(self.socket.recv(copy=False).buffer)
+            if msg is not None or (deadline is not None and time.monotonic() >= deadline):
+                return msg
 
     def recv_nowait(self) -> Optional[T]:
-        try:
-            return self._decoder.decode(self.socket.recv(zmq.NOBLOCK, copy=False).buffer)
-        except zmq.Again:
-            return None
+        while True:
+            try:
+                msg = self._decoding.decode(self.socket.recv(zmq.NOBLOCK, copy=False).buffer)
+            except zmq.Again:
+                return None
+            if msg is not None:
+                return msg
 
     def close(self) -> None:
         self.socket.close(0)
@@ -74,11 +115,14 @@ class AsyncReceiver(Generic[T]):
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
-        self._decoder = msgspec.msgpack.Decoder(msg_type)
+        self._decoding = _Decoding(msg_type, address)
 
     async def recv(self) -> T:
-        frame = await self.socket.recv(copy=False)
-        return self._decoder.decode(frame.buffer)
+        while True:
+            frame = await self.socket.recv(copy=False)
+            msg = self._decoding.decode(frame.buffer)
+            if msg is not None:
+                return msg
 
     def close(self) -> None:
         self.socket.close(0)

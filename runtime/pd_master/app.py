@@ -38,8 +38,8 @@ class MasterSettings:
     prefill_settle_s: float = 10.0  # after D finished: how long P's 200 may take before it is dropped
 
     @staticmethod
-    def from_run_config(cfg: RunConfig) -> "MasterSettings":
-        return MasterSettings(api_key=cfg.server.api_key)
+    def from_run_config(cfg: RunConfig, api_key: Optional[str] = None) -> "MasterSettings":
+        return MasterSettings(api_key=api_key)
 
 
 def _no_instance(e: NoHealthyInstance) -> ApiError:

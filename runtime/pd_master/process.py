@@ -16,6 +16,7 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart
 
 from llaunch.runtime.config import ProcessSpec, RunConfig
+from llaunch.runtime.api_key import read_api_key
 from llaunch.runtime.bootstrap import report_ready, start
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.pd_master.app import MasterSettings, create_master_app
@@ -80,10 +81,10 @@ def self_registrar(cfg: RunConfig, spec: ProcessSpec, lifecycle: Lifecycle) -> O
                      extra={"register_url": register})
 
 
-async def run_master(cfg: RunConfig, spec: ProcessSpec) -> None:
+async def run_master(cfg: RunConfig, spec: ProcessSpec, api_key: Optional[str] = None) -> None:
     registry = InstanceRegistry(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     lifecycle = Lifecycle()
-    app = create_master_app(registry, MasterSettings.from_run_config(cfg), lifecycle)
+    app = create_master_app(registry, MasterSettings.from_run_config(cfg, api_key), lifecycle)
     registrar = self_registrar(cfg, spec, lifecycle)
     urls = [spec.binds["http"], spec.binds["register"]]
 
@@ -103,7 +104,7 @@ async def run_master(cfg: RunConfig, spec: ProcessSpec) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     cfg, spec = start(argv)
-    asyncio.run(run_master(cfg, spec))
+    asyncio.run(run_master(cfg, spec, read_api_key(cfg)))
     log.info("stopped")
 
 

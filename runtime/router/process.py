@@ -7,19 +7,22 @@ results  (PULL, from worker rank 0) ─┼─▶ Scheduler ─▶ plan.{r} (PUSH
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
+from collections import deque
 
 import msgspec
 import zmq
 
-from llaunch.runtime.config import RunConfig
 from llaunch.runtime import bootstrap
-from llaunch.runtime.config import Mode
+from llaunch.runtime.config import Mode, OnStall, RunConfig
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, KvDone, RequestOpened, RouterInbound,
                                           RouterResults, RouterStats, Shutdown, StepResult, TokenBatch,
-                                          WorkerReady)
+                                          TokenDelta, WorkerReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender
+from llaunch.runtime.router.admission import AdmissionLimits, refusal
+from llaunch.runtime.router.health import EXIT_STALLED, EngineHealth, WorkerWatch
 from llaunch.runtime.router.request import Request
 from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
 from llaunch.runtime.router.step_trace import StepTrace
@@ -45,7 +48,14 @@ def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
         pipeline_depth=PIPELINE_DEPTH,
         prompt_cache=cfg.cache.prompt_cache,
         pd_role=PD_ROLES.get(cfg.mode.kind),
+        max_waiting=r.max_waiting_requests,
     )
+
+
+def admission_limits(cfg: RunConfig) -> AdmissionLimits:
+    return AdmissionLimits(vocab_size=cfg.model.vocab_size, max_model_len=cfg.model.max_model_len,
+                           max_stop_strings=cfg.server.max_stop_strings,
+                           max_stop_string_chars=cfg.server.max_stop_string_chars)
 
 
 class Router:
@@ -62,6 +72,10 @@ class Router:
         self._last_stats = 0.0
         self._kv_reports: dict[str, list[KvDone]] = {}  # request id → the ranks' KvDone so far
         self.trace = StepTrace.for_replica(cfg.router.step_trace, self.dp_rank)
+        self.admission = admission_limits(cfg)
+        self.health = EngineHealth(cfg.router.stall_timeout_s)
+        WorkerWatch(ctx, self.results.socket, self.health).start()  # right after the bind: before workers connect
+        self._sent: deque[tuple[int, float]] = deque()  # steps out: (step, time sent)
 
     def wait_for_workers(self) -> None:
         msg = self.results.recv()
@@ -81,9 +95,18 @@ class Router:
             self.detokenizer.send(RequestOpened(request_id=msg.request_id, frontend=msg.frontend,
                                                 prompt_len=len(msg.prompt_ids), sampling=sampling,
                                                 arrival_time=msg.arrival_time))
-            rejected = sched.add(Request(msg, sampling))
+            reason = refusal(msg, self.admission)
+            if reason is not None:
+                log.warning("request %s refused: %s", msg.request_id, reason)
+                rejected = TokenDelta(request_id=msg.request_id, token_ids=[], finish_reason="invalid", error=reason)
+            elif self.health.stalled:
+                rejected = TokenDelta(request_id=msg.request_id, token_ids=[], finish_reason="stalled",
+                                      error=f"replica {self.dp_rank} is stalled: {self.health.gone or 'a step is overdue'}")
+            else:
+                rejected = sched.add(Request(msg, sampling))
             if rejected is not None:
-                log.warning("request %s needs more KV than the cache holds", msg.request_id)
+                if rejected.finish_reason == "error":
+                    log.warning("request %s refused: %s", msg.request_id, rejected.error)
                 self.detokenizer.send(TokenBatch(deltas=[rejected]))
         elif isinstance(msg, AbortRequest):
             delta = sched.abort(msg.request_id)
@@ -108,7 +131,8 @@ class Router:
                                               dp_rank=self.dp_rank, kv_evictable=s.cache.evictable,
                                               prefix_cache_tokens=s.cache.tokens,
                                               prefix_cache_queries=s.cache.queries,
-                                              prefix_cache_hits=s.cache.hits))
+                                              prefix_cache_hits=s.cache.hits, stalled=self.health.stalled,
+                                              stalls=self.health.stalls))
             self._last_stats = now
 
     def send_kv_commands(self) -> None:
@@ -154,12 +178,14 @@ class Router:
                 return
             for w in self.workers:
                 w.send(plan)
+            self._sent.append((plan.step, time.monotonic()))
             if self.trace.enabled:
                 arrivals = tuple(self.scheduler.running[n.row].arrival_time for n in plan.new)
                 self.trace.planned(plan, self.scheduler.num_running, len(self.scheduler.waiting), arrivals)
 
     def collect(self) -> None:
-        """Wait for the oldest step's tokens, handling requests that arrive meanwhile."""
+        """Wait for the oldest step's tokens, handling requests that arrive meanwhile and watching for
+        a stall; a gone worker abandons the wait (its replica then serves nothing)."""
         while True:
             result = self.results.recv(timeout_ms=20)
             if isinstance(result, KvDone):
@@ -168,16 +194,42 @@ class Router:
             if result is not None:
                 break
             self.drain_inbound(block_ms=0)
+            step, sent = self._sent[0]
+            if self.watch_health(step, time.monotonic() - sent):
+                return
+            self.maybe_send_stats()
         if not isinstance(result, StepResult):
             raise RuntimeError(f"expected a StepResult from the worker, got {type(result).__name__}")
+        self._sent.popleft()
+        self.health.step_returned()
         self.trace.returned(result)
         deltas = self.scheduler.on_result(result)
         if deltas:
             self.detokenizer.send(TokenBatch(deltas=deltas))
 
+    def watch_health(self, step: int = -1, waited_s: float = 0.0) -> bool:
+        """Check for a stall or a gone worker and act on it (router.on_stall); True once a worker is
+        gone: nothing in flight will come back."""
+        if self.health.check_step(step, waited_s) or self.health.check_workers():
+            if self.cfg.router.on_stall == OnStall.exit:
+                log.error("router.on_stall=exit: stopping, so the graph goes down (exit %d)", EXIT_STALLED)
+                logging.shutdown()
+                os._exit(EXIT_STALLED)
+            if self.health.gone is not None:
+                deltas = self.scheduler.fail_all("stalled", f"replica {self.dp_rank}: {self.health.gone}")
+                self._sent.clear()
+                if deltas:
+                    self.detokenizer.send(TokenBatch(deltas=deltas))
+            self.maybe_send_stats(force=True)
+        return self.health.gone is not None
+
     def run(self) -> None:
         sched = self.scheduler
         while True:
+            if self.watch_health():  # a worker is gone: refuse what comes, report, plan nothing
+                self.drain_inbound(block_ms=int(STATS_PERIOD_S * 1000))
+                self.maybe_send_stats()
+                continue
             idle = not sched.has_work() and not sched.steps_in_flight
             self.drain_inbound(block_ms=int(STATS_PERIOD_S * 1000) if idle and not sched.transfers else 0)
             self.send_kv_commands()

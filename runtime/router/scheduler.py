@@ -56,6 +56,7 @@ class SchedulerLimits:
     pipeline_depth: int = 1  # steps planned ahead of their results
     prompt_cache: bool = False  # share prompt prefixes through the radix tree
     pd_role: Optional[str] = None  # "prefill" | "decode" on a pd instance
+    max_waiting: int = 2**31  # requests waiting for admission; a new one beyond it is refused (overloaded)
 
 
 class Scheduler:
@@ -79,10 +80,16 @@ class Scheduler:
     # ---- requests in -----------------------------------------------------------------------
 
     def add(self, req: Request) -> Optional[TokenDelta]:
-        """Queue a request; one that could never fit the KV cache ends at once with an error."""
+        """Queue a request; one that could never fit the KV cache ends at once with an error, and one
+        beyond the wait queue's bound is refused (the frontend answers 503 with Retry-After)."""
         # the pipeline margin of `_kv_fits`: a request alone must fit it, or it would wait for good
         if req.peak_tokens + self.limits.pipeline_depth - 1 > self.limits.kv_slots:
-            return TokenDelta(request_id=req.id, token_ids=[], finish_reason="error")
+            return TokenDelta(request_id=req.id, token_ids=[], finish_reason="error",
+                              error=f"it needs {req.peak_tokens} KV slots; the cache holds {self.limits.kv_slots}")
+        if len(self.waiting) + len(self.awaiting_kv) >= self.limits.max_waiting:
+            return TokenDelta(request_id=req.id, token_ids=[], finish_reason="overloaded",
+                              error=f"{self.limits.max_waiting} requests are already waiting "
+                                    "(router.max_waiting_requests); retry later")
         if req.pd is not None and self.limits.pd_role == "decode":
             self.awaiting_kv.append(req)
         else:
@@ -342,6 +349,19 @@ class Scheduler:
         if len(req.output_ids) >= sp.max_new_tokens or req.num_tokens >= self.limits.max_model_len:
             return "length"
         return None
+
+    def fail_all(self, reason: str, error: str) -> list[TokenDelta]:
+        """End every request at once: the worker is gone, so no step in flight will come back and
+        nothing is released (the replica serves nothing more)."""
+        deltas = [TokenDelta(request_id=rid, token_ids=[], finish_reason=reason, error=error) for rid in self.by_id]
+        self.by_id.clear()
+        self.waiting.clear()
+        self.awaiting_kv.clear()
+        self.running.clear()
+        self.transfers.clear()
+        self._in_flight.clear()
+        self._in_flight_all.clear()
+        return deltas
 
     def _finish(self, req: Request, reason: str) -> TokenDelta:
         req.status = Status.FINISHED

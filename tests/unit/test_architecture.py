@@ -113,13 +113,18 @@ def _llaunch_variables(path: Path) -> list[tuple[int, str]]:
             and re.fullmatch(r"LLAUNCH_[A-Z0-9_]+", node.value)]
 
 
+# What the environment may still carry: where models live (Hydra interpolates it: `${models_dir:}`)
+# and the API key (a secret, never in a config file; conf/server/default.yaml interpolates it too).
+ALLOWED_VARIABLES = {"LLAUNCH_MODELS_DIR", "LLAUNCH_API_KEY"}
+
+
 def test_no_behaviour_from_llaunch_environment_variables():
-    """No code names an LLAUNCH_* variable, so none is read, however indirectly (a constant, a helper).
-    LLAUNCH_MODELS_DIR is the one left: Hydra interpolates it (`${models_dir:}`)."""
+    """No code names an LLAUNCH_* variable but the allowed ones, so none is read, however indirectly
+    (a constant, a helper)."""
     found = [f"{path.relative_to(REPO)}:{line}: {name}"
              for pattern in ("launcher/**/*.py", "runtime/**/*.py", "kernels/**/*.py", "scripts/**/*.py")
              for path in REPO.glob(pattern) for line, name in _llaunch_variables(path)
-             if name != "LLAUNCH_MODELS_DIR"]
+             if name not in ALLOWED_VARIABLES]
     assert not found, "\n".join(found)
 
 

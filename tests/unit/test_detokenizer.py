@@ -179,6 +179,28 @@ def test_stop_matcher_is_independent_of_how_text_is_split():
         assert out == expected and matcher.stopped == " a h"
 
 
+def test_stop_matcher_on_random_overlapping_stops_matches_the_brute_force_answer():
+    """Self-overlapping stop strings over a two-letter alphabet (where a naive automaton goes wrong):
+    after every piece the text sent is the text so far less its longest tail that begins a stop
+    string, and the whole output ends where the first stop string ends (ties: the longer)."""
+    rng = random.Random(7)
+    for _ in range(400):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 14)))
+        expected, stopped = reference_stop(text, stops)
+        matcher, sent, seen = StopStringMatcher(stops), "", ""
+        cuts = sorted(rng.sample(range(1, max(len(text), 2)), min(rng.randrange(0, 5), max(len(text) - 1, 0))))
+        for piece in (text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])):
+            sent += matcher.feed(piece)
+            seen += piece
+            if matcher.stopped:
+                break
+            tail = max((n for st in stops for n in range(len(st)) if seen.endswith(st[:n])), default=0)
+            assert sent == seen[:len(seen) - tail], (stops, text, cuts)
+        sent += "" if matcher.stopped else matcher.flush()
+        assert (sent, matcher.stopped is not None) == (expected, stopped), (stops, text, cuts)
+
+
 def test_empty_stop_string_is_ignored():
     matcher = StopStringMatcher(["", "end"])
     assert matcher.feed("text") == "text" and matcher.stopped is None

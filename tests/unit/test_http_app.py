@@ -14,7 +14,7 @@ import pytest
 from llaunch.runtime.http.app import FrontendSettings, create_app
 from llaunch.runtime.http.engine_client import EngineClient
 from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.http.openai_protocol import ModelLimits
+from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.http.process import listening_socket, serve_app
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, MetricsSnapshot, SamplingParams, TextBatch,
@@ -22,7 +22,7 @@ from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, MetricsSnaps
 
 from unit.http_support import METRICS_TEXT, MODEL, REPLY, reply_text, smollm2_tokenizer, wait_for
 
-LIMITS = ModelLimits(served_name=MODEL, max_model_len=128, vocab_size=49152)
+LIMITS = RequestLimits(served_name=MODEL, max_model_len=128, vocab_size=49152)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 every bad request → the right status and OpenAI error JSON. The tokenizer is SmolLM2's real one."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -10,12 +11,12 @@ import pytest
 
 from llaunch.runtime.http.errors import ApiError
 from llaunch.runtime.http.generate_api import GenerateRequest, generate_jobs
-from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, ModelLimits, chat_choices,
-                                                  chat_prompt, check_model, completion_choices, completion_prompts,
-                                                  decode_body)
+from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_choices, chat_prompt,
+                                                  check_model, completion_choices, completion_prompts, decode_body)
+from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer, load_hf_tokenizer
 
-LIMITS = ModelLimits(served_name="smollm2-135m", max_model_len=64, vocab_size=49152)
+LIMITS = RequestLimits(served_name="smollm2-135m", max_model_len=64, vocab_size=49152)
 
 
 def smollm2_gguf() -> str:
@@ -31,14 +32,14 @@ def tok() -> PromptTokenizer:
 def completion(tok, **body):
     req = decode_body(json.dumps({"model": "smollm2-135m", **body}).encode(), CompletionRequest)
     check_model(req.model, LIMITS)
-    return completion_choices(req, completion_prompts(req, tok), LIMITS)
+    return completion_choices(req, completion_prompts(req, tok, LIMITS), LIMITS)
 
 
 def chat(tok, **body):
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
     req = decode_body(json.dumps({"model": "smollm2-135m", **body}).encode(), ChatCompletionRequest)
     check_model(req.model, LIMITS)
-    return chat_choices(req, chat_prompt(req, tok), LIMITS)
+    return chat_choices(req, chat_prompt(req, tok, LIMITS), LIMITS)
 
 
 def test_completion_defaults_fill_the_context(tok):
@@ -127,6 +128,23 @@ BAD_COMPLETIONS = [
     (b'{"model": "smollm2-135m", "prompt": "x", "presence_penalty": 3}', 400, "presence_penalty"),
     (b'{"model": "smollm2-135m", "prompt": "x", "logit_bias": {"5": 1}}', 400, "logit_bias"),
     (b'{"model": "smollm2-135m", "prompt": "x", "stop": [1]}', 400, "stop[0]"),
+    # values the worker's tensors cannot hold, and fan-out: refused before any engine work
+    (b'{"model": "smollm2-135m", "prompt": "x", "temperature": 1e400}', 400, "temperature"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "temperature": 3e38}', 400, "temperature"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "seed": 123456789012345678901234567890}', 400, "seed"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "top_k": 99999999999999999999}', 400, "top_k"),
+    (b'{"model": "smollm2-135m", "prompt": [123456789012345678901234567890]}', 400, "prompt"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "max_tokens": 99999999999999999999}', 400, "max_tokens"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "guided_json": {"type": "object"}}', 400, "guided_json"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "stream_options": {"made_up": true}}', 400,
+     "stream_options.made_up"),
+    (json.dumps({"model": "smollm2-135m", "prompt": "x", "stop": ["s"] * 33}).encode(), 400, "stop"),
+    (json.dumps({"model": "smollm2-135m", "prompt": "x", "stop": ["s" * 513]}).encode(), 400, "stop[0]"),
+    (json.dumps({"model": "smollm2-135m", "prompt": "x", "stop_token_ids": [2] * 33}).encode(), 400, "stop_token_ids"),
+    (json.dumps({"model": "smollm2-135m", "prompt": [[1]] * 257, "max_tokens": 1}).encode(), 400, "prompt"),
+    (json.dumps({"model": "smollm2-135m", "prompt": [[1]] * 17, "n": 16, "max_tokens": 1}).encode(), 400, "n"),
+    (json.dumps({"model": "smollm2-135m", "prompt": "word " * 1000}).encode(), 400, "prompt"),
+    (b'{"model": "smollm2-135m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
 ]
 
 BAD_CHATS = [
@@ -156,7 +174,7 @@ def test_bad_completion_requests(tok, body, status, param):
     def parse(b):
         req = decode_body(b, CompletionRequest)
         check_model(req.model, LIMITS)
-        return completion_choices(req, completion_prompts(req, tok), LIMITS)
+        return completion_choices(req, completion_prompts(req, tok, LIMITS), LIMITS)
 
     e = _reject(parse, body)
     assert (e.status, e.param) == (status, param), e.message
@@ -168,10 +186,22 @@ def test_bad_chat_requests(tok, body, status, param):
     def parse(b):
         req = decode_body(b, ChatCompletionRequest)
         check_model(req.model, LIMITS)
-        return chat_choices(req, chat_prompt(req, tok), LIMITS)
+        return chat_choices(req, chat_prompt(req, tok, LIMITS), LIMITS)
 
     e = _reject(parse, body)
     assert (e.status, e.param) == (status, param), e.message
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(tok, monkeypatch):
+    monkeypatch.setattr(tok.hf, "encode", lambda *a, **kw: pytest.fail("tokenized a prompt that cannot fit"))
+    e = _reject(lambda b: completion(tok, prompt="x" * (LIMITS.max_prompt_chars + 1)), b"")
+    assert e.code == "context_length_exceeded" and str(LIMITS.max_model_len) in e.message
+
+
+def test_tiny_temperatures_sample_greedily(tok):
+    """A denormal float32 temperature would overflow the logits it divides: below 1e-5 is greedy."""
+    [c] = completion(tok, prompt="x", max_tokens=2, temperature=1e-40)
+    assert c.sampling.temperature == 0.0 and c.sampling.greedy
 
 
 def test_context_error_names_both_numbers(tok):
@@ -183,17 +213,22 @@ def test_context_error_names_both_numbers(tok):
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"do_sample": True, "temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"), ({"repetition_penalty": 0.5}, "repetition_penalty"),
     ({"n": 2}, "n"), ({"stop_sequences": [1.5]}, "stop_sequences"), ({"min_new_tokens": 3}, "min_new_tokens"),
+    ({"temperature": 1e39}, "temperature"), ({"seed": 2**70}, "seed"), ({"top_k": 2**40}, "top_k"),
+    ({"stop_sequences": ["x"] * 33}, "stop_sequences"), ({"stop_sequences": ["x" * 513]}, "stop_sequences[0]"),
+    ({"best_of": 3, "n": 3, "max_new_tokens": 2}, "best_of"), ({"presence_penalty": 1e300}, "presence_penalty"),
+    ({"do_sample": True, "temperature": 2, "made_up": 1}, "made_up"),
 ])
 def test_bad_lightllm_requests(tok, parameters, param):
     body = json.dumps({"inputs": "hi", "parameters": parameters}).encode()
-    e = _reject(lambda b: generate_jobs(decode_body(b, GenerateRequest), tok, LIMITS, stream=False), body)
-    assert (e.status, e.param) == (400, param), e.message
+    limits = dataclasses.replace(LIMITS, max_choices=2)
+    e = _reject(lambda b: generate_jobs(decode_body(b, GenerateRequest), tok, limits, stream=False), body)
+    assert (e.status, e.param) == (400, f"parameters.{param}"), e.message
 
 
 def test_stream_api_refuses_best_of(tok):
     body = json.dumps({"inputs": "hi", "parameters": {"n": 2, "best_of": 2}}).encode()
     e = _reject(lambda b: generate_jobs(decode_body(b, GenerateRequest), tok, LIMITS, stream=True), body)
-    assert e.param == "best_of"
+    assert e.param == "parameters.best_of"
 
 
 def test_token_bytes_are_raw_utf8_pieces(tok):
