@@ -16,6 +16,7 @@ from llaunch.runtime.http.generate_api import GenerateApi
 from llaunch.runtime.http.guards import gatekeeper, json_errors
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_serving import OpenAIServing
+from llaunch.runtime.http.openapi import openapi_document
 from llaunch.runtime.http.pd_instance import PrefillServing, link_from_headers
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import RequestLimits
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _HEALTH_PATHS = ("/health", "/health/live", "/health/ready")
-_OPEN_PATHS = _HEALTH_PATHS  # no API key needed
+_OPEN_PATHS = (*_HEALTH_PATHS, "/openapi.json")  # no API key needed
 _DRAIN_EXEMPT = (*_HEALTH_PATHS, "/metrics")  # still answered while draining (ready then says 503)
 
 
@@ -123,6 +124,12 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
                                                 "(router.stall_timeout_s).", type="service_unavailable",
                                            code="engine_stalled"))
         return json_response({"status": "ok", "running": engine.running, "stalled_replicas": stalled})
+
+    schema = openapi_document(limits, api_key=settings.api_key is not None)
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return json_response(schema)
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:

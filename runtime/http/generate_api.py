@@ -13,9 +13,10 @@ from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, js
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import decode_body
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
-from llaunch.runtime.http.request_limits import (MAX_TEMPERATURE, ChoiceCount, RequestLimits, Seed, TokenCount, TopK, TopP,
-                                                 check_fan_out, check_prompt_text, check_stop_strings, check_token_id,
-                                                 greedy_temperature, max_new_tokens_for)
+from llaunch.runtime.http.request_limits import (MAX_TEMPERATURE, ChoiceCount, RequestLimits, Seed, TokenCount,
+                                                 TokenId, TopK, TopP, check_fan_out, check_prompt_text,
+                                                 check_stop_strings, check_token_id, greedy_temperature,
+                                                 max_new_tokens_for)
 from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
 from llaunch.runtime.ipc.messages import SamplingParams, TextDelta
 
@@ -45,7 +46,7 @@ class GenerateParameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
-    inputs: Union[str, list[int]]
+    inputs: Union[str, list[TokenId]]
     parameters: GenerateParameters = msgspec.field(default_factory=GenerateParameters)
 
 

@@ -51,10 +51,14 @@ def _prepare_ipc(address: str) -> None:
 class Receiver(Generic[T]):
     """PULL socket bound at `address`; `recv` returns a decoded `T` (a Struct or a Union of them)."""
 
-    def __init__(self, ctx: zmq.Context, address: str, msg_type: Type[T] | Any):
+    def __init__(self, ctx: zmq.Context, address: str, msg_type: Type[T] | Any,
+                 monitor: Optional["SocketMonitor"] = None):
+        """`monitor`: attached before the bind, so no peer's connection can come before it."""
         _prepare_ipc(address)
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if monitor is not None:
+            self.socket.monitor(monitor.address, monitor.events)
         self.socket.bind(address)
         self.address = address
         self._decoding = _Decoding(msg_type, address)
@@ -88,6 +92,25 @@ class Receiver(Generic[T]):
 
     def close(self) -> None:
         self.socket.close(0)
+
+
+class SocketMonitor:
+    """The connection events of a socket this process binds (a ZMQ socket monitor), for a watcher
+    thread to read. Its reader connects before the monitor exists and the monitor is attached before
+    the bind (Receiver(monitor=...)), so no event is lost, not even a peer's first connection."""
+
+    def __init__(self, ctx: zmq.Context, name: str, events: int):
+        self.address = f"inproc://monitor-{name}"
+        self.events = events
+        self._reader = ctx.socket(zmq.PAIR)
+        self._reader.connect(self.address)  # inproc may connect before the bind
+
+    def recv(self) -> tuple[int, int]:
+        """(event kind, its value: the connection's fd), blocking; call from one thread only."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(self._reader)
+        return event["event"], event["value"]
 
 
 class Sender:

@@ -12,6 +12,8 @@ from typing import Optional
 
 import zmq
 
+from llaunch.runtime.ipc.sockets import SocketMonitor
+
 log = logging.getLogger("llaunch.router")
 EXIT_STALLED = 4  # launcher/supervise.py names it
 
@@ -51,32 +53,26 @@ class EngineHealth:
 
 
 class WorkerWatch:
-    """Follows the connections to the router's results socket (a ZMQ socket monitor): a worker
-    connection that completed its handshake and then drops means that worker is gone."""
+    """Follows the connections to the router's results socket (its monitor): a worker connection
+    that completed its handshake and then drops means that worker is gone."""
 
-    EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+    EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
-    def __init__(self, ctx: zmq.Context, results_socket: zmq.Socket, health: EngineHealth):
-        self.ctx = ctx
+    def __init__(self, ctx: zmq.Context, health: EngineHealth):
         self.health = health
-        self.address = f"inproc://worker-watch-{id(self)}"
-        results_socket.monitor(self.address, self.EVENTS)
-        self.stopping = False  # a clean shutdown: workers leaving then is expected
+        self.monitor = SocketMonitor(ctx, "worker-watch", self.EVENTS)  # give it to the results socket's Receiver
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="worker-watch", daemon=True).start()
 
     def _run(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        events = self.ctx.socket(zmq.PAIR)
-        events.connect(self.address)
-        connected: set[int] = set()
+        accepted, workers = None, set()  # a handshake event carries no fd: it completes the last accepted one
         while True:
-            event = recv_monitor_message(events)
-            kind, fd = event["event"], event["value"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                connected.add(fd)
-            elif kind == zmq.EVENT_DISCONNECTED and fd in connected and not self.stopping:
+            kind, fd = self.monitor.recv()
+            if kind == zmq.EVENT_ACCEPTED:
+                accepted = fd
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED and accepted is not None:
+                workers.add(accepted)
+            elif kind == zmq.EVENT_DISCONNECTED and fd in workers:
                 self.health.gone = "a worker's connection to the router dropped (its process or node stopped)"
                 return

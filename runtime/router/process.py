@@ -62,8 +62,11 @@ class Router:
     def __init__(self, cfg: RunConfig, spec, ctx: zmq.Context):
         self.cfg = cfg
         self.dp_rank = spec.dp_rank
+        self.health = EngineHealth(cfg.router.stall_timeout_s)
+        watch = WorkerWatch(ctx, self.health)
         self.requests = Receiver(ctx, spec.binds["requests"], RouterInbound)
-        self.results = Receiver(ctx, spec.binds["results"], RouterResults)
+        self.results = Receiver(ctx, spec.binds["results"], RouterResults, monitor=watch.monitor)
+        watch.start()
         plan_keys = sorted((k for k in spec.connects if k.startswith("plan.")), key=lambda k: int(k.split(".")[1]))
         self.workers = [Sender(ctx, spec.connects[k]) for k in plan_keys]
         self.detokenizer = Sender(ctx, spec.connects["tokens"])
@@ -73,8 +76,6 @@ class Router:
         self._kv_reports: dict[str, list[KvDone]] = {}  # request id → the ranks' KvDone so far
         self.trace = StepTrace.for_replica(cfg.router.step_trace, self.dp_rank)
         self.admission = admission_limits(cfg)
-        self.health = EngineHealth(cfg.router.stall_timeout_s)
-        WorkerWatch(ctx, self.results.socket, self.health).start()  # right after the bind: before workers connect
         self._sent: deque[tuple[int, float]] = deque()  # steps out: (step, time sent)
 
     def wait_for_workers(self) -> None:

@@ -23,7 +23,7 @@ from llaunch.kernels import settings as kernel_settings
 from llaunch.runtime import bootstrap
 from llaunch.runtime.ipc.messages import (CancelKv, ReceiveKv, SendKv, Shutdown, StepPlan, WorkerInbound,
                                           WorkerReady)
-from llaunch.runtime.ipc.sockets import Receiver, Sender
+from llaunch.runtime.ipc.sockets import Receiver, Sender, SocketMonitor
 from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
@@ -74,30 +74,24 @@ class PeerWatch:
 
 
 class RouterWatch:
-    """Follows the connections to this worker's plan socket (a ZMQ socket monitor): once the router
-    has connected, its connection dropping means node 0 stopped and no plan will come any more.
-    Only for workers off node 0: on node 0 the launcher tears everything down itself."""
+    """Follows the connections to this worker's plan socket (its monitor): once the router has
+    connected, its connection dropping means node 0 stopped and no plan will come any more. Only
+    for workers off node 0: on node 0 the launcher tears everything down itself."""
 
     EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
-    def __init__(self, ctx: zmq.Context, plans: Receiver):
-        self.ctx = ctx
-        self.address = "inproc://router-watch"
-        self.plan_address = plans.address
-        plans.socket.monitor(self.address, self.EVENTS)  # before the router can connect
+    def __init__(self, ctx: zmq.Context):
+        self.monitor = SocketMonitor(ctx, "router-watch", self.EVENTS)  # give it to the plan socket's Receiver
+        self.plan_address = "?"
 
-    def start(self) -> None:
+    def start(self, plans: Receiver) -> None:
+        self.plan_address = plans.address
         threading.Thread(target=self._run, name="router-watch", daemon=True).start()
 
     def _run(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        events = self.ctx.socket(zmq.PAIR)
-        events.connect(self.address)
         accepted = router = None  # connection fds; the router's is the first to complete a ZMQ handshake
         while True:
-            event = recv_monitor_message(events)
-            kind, fd = event["event"], event["value"]
+            kind, fd = self.monitor.recv()
             if kind == zmq.EVENT_ACCEPTED:
                 accepted = fd
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED and router is None:
@@ -156,9 +150,10 @@ def main() -> None:
         watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up
 
     ctx = zmq.Context()
-    plans = Receiver(ctx, spec.binds["plan"], WorkerInbound)
-    if spec.node != 0:
-        RouterWatch(ctx, plans).start()
+    watch = RouterWatch(ctx) if spec.node != 0 else None
+    plans = Receiver(ctx, spec.binds["plan"], WorkerInbound, monitor=watch.monitor if watch else None)
+    if watch is not None:
+        watch.start(plans)
     results = Sender(ctx, spec.connects["results"]) if spec.tp_rank == 0 else None
     if results is not None:
         results.send(WorkerReady(kv_slots=num_slots, max_running_requests=max_rows))

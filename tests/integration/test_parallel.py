@@ -209,12 +209,12 @@ def launcher_children(pid: int) -> list[tuple[int, str, str]]:
 NODE1_WORKER = {"tp2": "worker.0.1", "dp2": "worker.1.0"}
 
 
-@pytest.mark.parametrize("layout", sorted(NODE1_WORKER))
-def test_two_nodes_serve_and_stop_together_on_sigterm(layout, tmp_path_factory, tiny_dirs, oracles):
+def start_two_nodes(layout: str, tmp_path_factory, tiny_dirs, extra: tuple[str, ...] = ()):
+    """(node 0 as a LlaunchServer, node 1's launcher process, its log path, its log file, its port)."""
     master_port = free_port_range(16)
     common = CPU_BASE + model_overrides("qwen2", tiny_dirs) + [
         f"parallel={layout}", "parallel.nnodes=2", "parallel.master_addr=127.0.0.1",
-        f"parallel.master_port={master_port}", "parallel.node_addrs=[127.0.0.1,127.0.0.1]"]
+        f"parallel.master_port={master_port}", "parallel.node_addrs=[127.0.0.1,127.0.0.1]", *extra]
     # node 1 gets its own server.port only because both "nodes" share this host: it must not bind it
     node1_port = free_port()
     node1_dir = tmp_path_factory.mktemp(f"run-{layout}-node1")
@@ -224,6 +224,13 @@ def test_two_nodes_serve_and_stop_together_on_sigterm(layout, tmp_path_factory, 
                               f"server.port={node1_port}", f"hydra.run.dir={node1_dir}"],
                              cwd=REPO, stdout=node1_log, stderr=subprocess.STDOUT)
     node0 = LlaunchServer(common + ["parallel.node_rank=0"], run_dir=tmp_path_factory.mktemp(f"run-{layout}-node0"))
+    return node0, node1, node1_dir, node1_log_path, node1_log, node1_port
+
+
+@pytest.mark.parametrize("layout", sorted(NODE1_WORKER))
+def test_two_nodes_serve_and_stop_together_on_sigterm(layout, tmp_path_factory, tiny_dirs, oracles):
+    node0, node1, node1_dir, node1_log_path, node1_log, node1_port = start_two_nodes(layout, tmp_path_factory,
+                                                                                     tiny_dirs)
     try:
         node0.wait_healthy()
         oracle = oracles("qwen2")
@@ -275,6 +282,37 @@ def test_two_nodes_serve_and_stop_together_on_sigterm(layout, tmp_path_factory, 
         if node1.poll() is None:
             node1.send_signal(signal.SIGINT)
             node1.wait(30)
+        node1_log.close()
+
+
+def test_node_0_notices_a_dead_replica_on_another_node(tmp_path_factory, tiny_dirs, oracles):
+    """dp2 over two nodes: node 1 (replica 1) is killed. Node 0's router for replica 1 sees its
+    worker's connection drop, reports the replica stalled (metric, /health), fails what ran there,
+    and the frontend sends new requests to replica 0 only: none hangs."""
+    node0, node1, _, _, node1_log, _ = start_two_nodes("dp2", tmp_path_factory, tiny_dirs)
+    try:
+        node0.wait_healthy()
+        oracle = oracles("qwen2")
+        assert greedy_ids(node0, "qwen2", PROMPTS[0]) == oracle.greedy(oracle.tokenizer(PROMPTS[0])["input_ids"], MAX_NEW)
+        node1.kill()  # the launcher, and with it (PR_SET_PDEATHSIG) its worker: the node is gone
+        node1.wait(30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            health = httpx.get(node0.url + "/health").json()
+            if health.get("stalled_replicas") == [1]:
+                break
+            time.sleep(0.2)
+        assert health.get("stalled_replicas") == [1], health
+        metrics = httpx.get(node0.url + "/metrics").text
+        assert 'llaunch:engine_stalled{model_name="tiny-qwen2",dp_rank="1"} 1' in metrics
+        assert 'llaunch:engine_stalled{model_name="tiny-qwen2",dp_rank="0"} 0' in metrics
+        for prompt in PROMPTS:  # every one is served, on replica 0
+            want = oracle.greedy(oracle.tokenizer(prompt)["input_ids"], MAX_NEW)
+            assert greedy_ids(node0, "qwen2", prompt) == want
+    finally:
+        node0.stop()
+        if node1.poll() is None:
+            node1.kill()
         node1_log.close()
 
 

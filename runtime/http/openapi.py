@@ -1,0 +1,85 @@
+"""GET /openapi.json: the frontend's API as OpenAPI 3.1, its request bodies generated from the msgspec
+structs the routes decode with (so the schema carries the same field types and bounds), and the
+error body every 4xx/5xx has. CI fuzzes the server against it (tests/integration/test_openapi.py)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import msgspec
+
+from llaunch.runtime.http.generate_api import GenerateRequest
+from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, CompletionRequest
+from llaunch.runtime.http.request_limits import RequestLimits
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+           "/generate": GenerateRequest, "/generate_stream": GenerateRequest}
+_GETS = {"/v1/models": "The served model.", "/health": "Ready to serve (as /health/ready).",
+         "/health/live": "The process answers.", "/health/ready": "Ready to serve new requests.",
+         "/metrics": "Prometheus metrics (text).", "/openapi.json": "This document."}
+
+
+def _responses(ok: str, content_types: tuple[str, ...] = ("application/json",)) -> dict[str, Any]:
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    return {"200": {"description": ok, "content": {t: {"schema": {}} for t in content_types}},
+            "4XX": {"description": "The request was refused; the error names the field.", **error},
+            "5XX": {"description": "The server could not serve it (draining, overloaded, stalled).", **error}}
+
+
+def _narrow(schema: dict[str, Any], field: str, **bounds: Any) -> None:
+    """Tighten a property's non-null alternative with what this server's model allows."""
+    prop = schema["properties"].get(field)
+    if prop is not None:
+        for alternative in prop.get("anyOf", [prop]):
+            if alternative.get("type") != "null":
+                alternative.update(bounds)
+
+
+def openapi_document(limits: RequestLimits, api_key: bool) -> dict[str, Any]:
+    types = [CompletionRequest, ChatCompletionRequest, GenerateRequest, ErrorBody]
+    refs, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        _narrow(components[name], "model", enum=[limits.served_name])
+        for field in ("max_tokens", "max_completion_tokens"):
+            _narrow(components[name], field, maximum=limits.max_model_len)
+    _narrow(components["GenerateParameters"], "max_new_tokens", maximum=limits.max_model_len)
+    ref = dict(zip(types, refs))
+    paths: dict[str, Any] = {}
+    for path, body in _BODIES.items():
+        streams = ("application/json", "text/event-stream")
+        paths[path] = {"post": {"operationId": path.strip("/").replace("/", "_"),
+                                "requestBody": {"required": True,
+                                                "content": {"application/json": {"schema": ref[body]}}},
+                                "responses": _responses("The generated text.", streams)}}
+    for path, what in _GETS.items():
+        kind = ("text/plain",) if path == "/metrics" else ("application/json",)
+        paths[path] = {"get": {"operationId": path.strip("/").replace("/", "_").replace(".", "_") or "root",
+                               "responses": _responses(what, kind)}}
+    paths["/flush_cache"] = {"post": {"operationId": "flush_cache",
+                                      "responses": _responses("The prompt cache was flushed.")}}
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "llaunch", "version": "1", "description": (
+            f"Serves `{limits.served_name}`: context {limits.max_model_len} tokens, vocabulary {limits.vocab_size}; "
+            f"at most {limits.max_prompts} prompts and {limits.max_choices} completions per request, "
+            f"{limits.max_stop_strings} stop strings of {limits.max_stop_string_chars} characters.")},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+        for path in ("/health", "/health/live", "/health/ready", "/openapi.json"):
+            doc["paths"][path]["get"]["security"] = []
+    return doc
