@@ -16,7 +16,9 @@
 #             REPEATS times (default 3) on prompts no earlier run sent (a seed per case and run), with
 #             the prefix-cache hit rate; the summary's headline is the minimum over the repeats
 #   baseline  transformers' generate on the same model shape (../shared/bench/hf_baseline.py)
-# Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), CLIENT_PROCS (bench clients).
+# Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), CLIENT_PROCS (bench clients),
+#   TESTS (pytest paths and options of the tests step), TRACE=1 (a step trace: each case's first run's
+#   steps by kind, host enqueue and device time).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/llaunch-gpu}
@@ -66,8 +68,8 @@ if has tests; then
     $PY scripts/prepare_models.py --gguf /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out .models 2>&1 | tail -1
   fi
   stamp "GPU tests"
-  TRITON_INTERPRET=0 timeout 480 $PY -m pytest -q -m gpu tests/kernels tests/gpu -p no:cacheprovider -rs \
-    --confcutdir=tests 2>&1 | grep -v "Warning\|warnings.warn" | tail -25
+  TRITON_INTERPRET=0 timeout 480 $PY -m pytest -q -m gpu ${TESTS:-tests/kernels tests/gpu} -p no:cacheprovider -rs \
+    --confcutdir=tests -s 2>&1 | grep -v "Warning\|warnings.warn" | tail -25
   rc=${PIPESTATUS[0]}
   echo "GPU tests exit $rc"; [ "$rc" = 0 ] || status=1
 fi
@@ -78,17 +80,20 @@ run_case() {  # name prompts input output concurrency timeout
   local name=$1 r
   for r in $(seq 1 "$REPEATS"); do
     stamp "bench $name, run $r of $REPEATS"
+    $PY -c "import time; print(time.monotonic())" > "$OUT/window-$name-$r.txt"
     timeout "$6" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model "$MODEL" \
       --num-prompts "$2" --input-len "$3" --output-len "$4" --concurrency "$5" --warmup 2 --vocab-size 151000 \
       --seed $(( $(case_seed "$name") + 100 * r )) --client-procs $(( $5 >= 64 ? ${CLIENT_PROCS:-4} : 1 )) \
       --result-file "$OUT/bench-$name-$r.json" 2>&1 | grep -E "Output token throughput|P99 TTFT|Median TTFT|Median TPOT|hit rate|Failed"
+    $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$name-$r.txt"
   done
 }
 
 if has cases; then
   stamp "serve: llaunch $SERVE"
   start=$($PY -c "import time; print(time.time())")
-  llaunch $SERVE server.port=8000 hydra.run.dir=/tmp/llaunch-run >"$OUT/llaunch.log" 2>&1 &
+  llaunch $SERVE server.port=8000 hydra.run.dir=/tmp/llaunch-run ${TRACE:+router.step_trace=/tmp/trace.jsonl} \
+    >"$OUT/llaunch.log" 2>&1 &
   lpid=$!
   if $PY scripts/wait_http.py http://127.0.0.1:8000/health 300; then
     $PY -c "import time, sys; print(f'launch -> /health 200: {time.time() - float(sys.argv[1]):.1f}s')" "$start" \
@@ -107,6 +112,12 @@ if has cases; then
   fi
   kill -TERM $lpid 2>/dev/null; wait $lpid
   for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -30 "$f"; done > "$OUT/process-logs.txt"
+  if [ -n "${TRACE:-}" ]; then
+    for c in $CASES; do
+      echo "== step trace, $c run 1"
+      $PY scripts/step_trace_report.py /tmp/trace.jsonl --bins 4 --window $(cat "$OUT/window-$c-1.txt") | head -16
+    done
+  fi
   $PY - "$OUT" <<'PYEOF'
 import glob, json, os, sys
 out = sys.argv[1]

@@ -1,10 +1,12 @@
 """Summarise a router step trace (llaunch router.step_trace=PATH ...): where a run's time went.
 
-    python scripts/step_trace_report.py TRACE.jsonl [--bins 10] [--starts]
+    python scripts/step_trace_report.py TRACE.jsonl [--bins 10] [--starts] [--window START END]
 
 Per step kind (decode only, mixed decode + prefill, prefill only): steps, time between consecutive
-results, decode rows and prefill tokens per step; time with no step in flight (the device idles
-for the host); the decode batch and prefill tokens over the run in equal time bins. `--starts`: one line per step that
+results, decode rows and prefill tokens per step and, with a GPU worker's timings, its host enqueue
+and device time per step (a step whose enqueue exceeds its device time is host-bound); time with no
+step in flight (the device idles for the host); the decode batch and prefill tokens over the run in
+equal time bins. `--window`: only the steps sent in [START, END] (time.monotonic, as the trace). `--starts`: one line per step that
 starts requests, splitting its latency (with a traced worker's timings): frontend → router (the
 oldest new request's wait when planned), router → worker, the worker's host enqueue time, its device
 time, and sent → returned.
@@ -28,8 +30,11 @@ def main() -> int:
     ap.add_argument("trace")
     ap.add_argument("--bins", type=int, default=10)
     ap.add_argument("--starts", action="store_true", help="latency split of each step that starts requests")
+    ap.add_argument("--window", type=float, nargs=2, metavar=("START", "END"))
     args = ap.parse_args()
     steps = sorted((json.loads(line) for line in open(args.trace)), key=lambda r: r["step"])
+    if args.window:
+        steps = [r for r in steps if args.window[0] <= r["sent"] <= args.window[1]]
     if not steps:
         print("empty trace")
         return 1
@@ -40,14 +45,18 @@ def main() -> int:
         r["span"] = r["returned"] - max(r["sent"], last_return)
         last_return = max(last_return, r["returned"])
     print(f"{len(steps)} steps over {end - start:.2f} s; no step in flight for {idle:.2f} s")
-    print(f"{'kind':8} {'steps':>6} {'time s':>8} {'ms/step':>8} {'decode rows':>11} {'prefill tok':>11}")
+    print(f"{'kind':8} {'steps':>6} {'time s':>8} {'ms/step':>8} {'decode rows':>11} {'prefill tok':>11} "
+          f"{'enqueue ms':>10} {'device ms':>9}")
     for k in ("decode", "mixed", "prefill"):
         group = [r for r in steps if kind(r) == k]
         if group:
             t = sum(r["span"] for r in group)
+            timed = [r for r in group if "device_s" in r]
+            host = f"{1000 * statistics.mean(r['launch_s'] for r in timed):10.2f}" if timed else f"{'-':>10}"
+            device = f"{1000 * statistics.mean(r['device_s'] for r in timed):9.2f}" if timed else f"{'-':>9}"
             print(f"{k:8} {len(group):6d} {t:8.2f} {1000 * t / len(group):8.2f} "
                   f"{statistics.mean(r['decode'] for r in group):11.1f} "
-                  f"{statistics.mean(r['prefill_tokens'] for r in group):11.1f}")
+                  f"{statistics.mean(r['prefill_tokens'] for r in group):11.1f} {host} {device}")
     width = (end - start) / args.bins
     print(f"\n{'t (s)':>8} {'steps':>6} {'decode rows':>11} {'prefill tok/s':>13} {'output tok/s':>12} {'waiting':>8}")
     for b in range(args.bins):

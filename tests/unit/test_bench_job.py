@@ -42,13 +42,15 @@ def test_a_job_larger_than_the_host_fails_with_the_counts():
         bench_job.job_gpus(0, 8, ["0", "1", "2", "3"])
 
 
-def test_bench_command_carries_the_profile_to_bench_serving(bench, tmp_path):
+def test_bench_command_carries_the_profile_to_bench_serving(bench, tmp_path, monkeypatch):
     cfg = RunConfig(model=ModelConfig(name="tiny", vocab_size=49152), server=ServerConfig(api_key="k"),
                     graph=ProcessGraph(processes=[], http_url="http://127.0.0.1:4321", ipc_dir="", control=""))
     profile = BenchConfig(num_prompts=7, input_len=33, output_len=9, concurrency=3, request_rate=float("inf"),
                           warmup=2)
     cmd = bench_job.bench_command(profile, cfg, tmp_path / "bench.json")
     assert cmd[0] == sys.executable and Path(cmd[1]).name == "bench_serving.py" and Path(cmd[1]).exists()
+    assert not [a for a in cmd if "api-key" in a]  # a secret stays off the command line (ps)
+    monkeypatch.setenv(bench_job.API_KEY_VARIABLE, "k")  # run_bench hands it over in the environment
     args = bench.parse_args(cmd[2:])
     assert (args.base_url, args.model, args.vocab_size, args.api_key) == ("http://127.0.0.1:4321", "tiny", 49152, "k")
     assert (args.num_prompts, args.input_len, args.output_len, args.concurrency, args.warmup) == (7, 33, 9, 3, 2)
