@@ -102,7 +102,7 @@ def timeouts_positive(cfg):
 @rule()
 def request_limits_positive(cfg):
     for key in ("server.max_prompts_per_request", "server.max_choices_per_request", "server.max_stop_strings",
-                "server.max_stop_string_chars", "router.max_waiting_requests", "router.pipeline_depth"):
+                "server.max_stop_string_chars", "router.max_waiting_requests"):
         if get(cfg, key) < 1:
             yield (key,), f"{key}={get(cfg, key)} must be >= 1"
     if cfg.server.max_body_bytes < 1024:

@@ -129,9 +129,6 @@ class RouterConfig:
     chunked_prefill: bool = True
     chunked_prefill_size: int = 4096
     max_wait_tokens: int = 6  # decode steps to run before new prefills join the batch
-    # Steps planned ahead of their results: the worker enqueues them back to back, so host work on a
-    # step (an eager mixed step takes tens of ms) overlaps the device work of the ones before it.
-    pipeline_depth: int = 2
     token_ratio: float = 0.0  # KV usage below which new requests are admitted without waiting
     # Requests waiting for admission, per replica: beyond it a new request is refused at once (HTTP 503
     # with Retry-After) instead of queueing for minutes behind the others.
@@ -176,7 +173,6 @@ class BenchConfig:
     shared_prefix_groups: int = 0  # > 0: prompts share one of this many system prompts (prompt cache)
     shared_prefix_len: int = 0  # tokens of each shared system prompt
     multi_turn: int = 1  # turns per conversation, each re-sending the history
-    client_procs: int = 1  # benchmark client processes (one Python process cannot keep c256 busy)
     ready_timeout_s: float = 900.0  # the job's server: launch until /health answers
     timeout_s: float = 3600.0  # the benchmark client's whole run
 

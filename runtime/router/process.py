@@ -29,6 +29,7 @@ from llaunch.runtime.router.step_trace import StepTrace
 
 log = logging.getLogger("llaunch.router")
 STATS_PERIOD_S = 0.25
+PIPELINE_DEPTH = 2  # plan step N+1 while step N runs: the device never waits for the host
 PD_ROLES = {Mode.pd_prefill: "prefill", Mode.pd_decode: "decode"}
 
 
@@ -44,7 +45,7 @@ def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
         token_ratio=r.token_ratio,
         max_model_len=cfg.model.max_model_len,
         eos_ids=tuple(cfg.model.eos_token_ids or ()),
-        pipeline_depth=r.pipeline_depth,
+        pipeline_depth=PIPELINE_DEPTH,
         prompt_cache=cfg.cache.prompt_cache,
         pd_role=PD_ROLES.get(cfg.mode.kind),
         max_waiting=r.max_waiting_requests,

@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from typing import Optional
 
 import torch
@@ -190,11 +189,10 @@ def log_admitted(plan: StepPlan) -> None:
 
 def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Optional[KvLink] = None,
           kv_results=None) -> None:
-    """Run plans in order. With `overlap`, every plan is launched as it arrives (the router keeps up
-    to router.pipeline_depth steps out), and each step's tokens are read once it is done, so the
-    device runs step N while the host enqueues the steps after it. With a KV `link`, transfer
+    """Run plans in order. With `overlap`, step N+1 is launched before step N's tokens are read,
+    so the device is busy while the host prepares the next step. With a KV `link`, transfer
     commands start between steps and their ends are reported as they come."""
-    pending: deque = deque()  # launched steps, oldest first
+    pending = None
 
     def send(step):
         result = runner.finish(step)
@@ -205,20 +203,23 @@ def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Op
         if link is not None and link.busy:
             for done in link.poll():
                 kv_results.send(done)
-            msg = plans.recv(timeout_ms=1) if not pending else plans.recv_nowait()
+            msg = plans.recv(timeout_ms=1) if pending is None else plans.recv_nowait()
         elif link is not None:  # idle, but a stuck transport must still end the worker within ~0.1 s
-            msg = plans.recv_nowait() if pending else plans.recv(timeout_ms=100)
+            msg = plans.recv_nowait() if pending is not None else plans.recv(timeout_ms=100)
         else:
-            msg = plans.recv_nowait() if pending else plans.recv()
+            msg = plans.recv_nowait() if pending is not None else plans.recv()
         if link is not None:
             link.check()  # before the message can put work on a GPU that a stuck transfer blocks
         if isinstance(msg, (SendKv, ReceiveKv, CancelKv)):
             link.start(msg)  # a send waits on the device for the steps launched so far
             continue
         if msg is None:
-            if pending and runner.ready(pending[0]):
-                send(pending.popleft())
-            elif pending:
+            if pending is None:
+                continue
+            if runner.ready(pending):
+                send(pending)
+                pending = None
+            else:
                 time.sleep(20e-6)
             continue
         if isinstance(msg, Shutdown):
@@ -229,7 +230,9 @@ def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Op
         if not overlap:
             send(step)
             continue
-        pending.append(step)
+        if pending is not None:
+            send(pending)
+        pending = step
 
 
 if __name__ == "__main__":
