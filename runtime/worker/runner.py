@@ -61,6 +61,23 @@ class ModelRunner:
                 self.prefill_graphs = PrefillGraphs(model, kv, min(prefill_graph_tokens, kv.req_to_slots.shape[1]),
                                                     scratch_row=max_rows, scratch_slot=scratch_slot)
                 self.prefill_graphs.capture()
+        if device.type == "cuda":
+            self._warm_eager(max_rows, kv.num_slots - 1)
+
+    @torch.inference_mode()
+    def _warm_eager(self, scratch_row: int, scratch_slot: int) -> None:
+        """Build (JIT) the kernels of an eager step before serving: the graphs captured PDL variants,
+        and a mixed step (decode rows + prefill chunks) launches the plain ones, which would otherwise
+        compile for seconds inside the first such step, under load (H200: a 1.2 s step)."""
+        self.kv.req_to_slots[scratch_row].fill_(scratch_slot)
+        t = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
+        row, n = [scratch_row], 3  # one decode token, then a 2-token chunk continuing a 1-token prefix
+        batch = ForwardBatch(input_ids=t([0] * n), positions=t([1, 1, 2]), out_slots=t([scratch_slot] * n),
+                             decode_rows=t(row), decode_seq_lens=t([2]), prefill_rows=t(row), prefill_q_starts=t([1]),
+                             prefill_q_lens=t([2]), prefill_prefix_lens=t([1]), logits_index=t([0, 2]),
+                             num_decode=1, num_prefill_tokens=2, max_prefill_len=2, max_decode_len=2)
+        self.model.forward(batch, self.kv)
+        torch.cuda.synchronize()
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         return to_device(values, dtype, self.device)
