@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from llaunch import kernels
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.worker.prefill_graphs import PrefillGraphs, alone_chunk
@@ -76,7 +77,14 @@ class ModelRunner:
                              decode_rows=t(row), decode_seq_lens=t([2]), prefill_rows=t(row), prefill_q_starts=t([1]),
                              prefill_q_lens=t([2]), prefill_prefix_lens=t([1]), logits_index=t([0, 2]),
                              num_decode=1, num_prefill_tokens=2, max_prefill_len=2, max_decode_len=2)
-        self.model.forward(batch, self.kv)
+        logits = self.model.forward(batch, self.kv)
+        # and sampling's: penalties, then a draw with and without the top-k / top-p search
+        f32 = dict(dtype=torch.float32, device=self.device)
+        two = lambda value: torch.full((2,), value, **f32)  # noqa: E731
+        penalized = kernels.apply_penalties(logits, torch.zeros_like(logits), two(0.5), two(0.5), two(1.1),
+                                            torch.zeros(logits.shape, dtype=torch.bool, device=self.device))
+        for top_filters in (True, False):
+            kernels.sample(penalized, two(0.7), two(0.9), t([5, -1]), t([1, 2]), t([0, 0]), top_filters=top_filters)
         torch.cuda.synchronize()
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
