@@ -91,8 +91,8 @@ class ModelRunner:
         return to_device(values, dtype, self.device)
 
     def _start_rows(self, plan: StepPlan) -> None:
+        self.sampling.set_rows([(new.row, new.sampling, new.prompt_ids) for new in plan.new])
         for new in plan.new:
-            self.sampling.set_row(new.row, new.sampling, new.prompt_ids)
             cached = len(new.cached_slots)
             if cached:  # the prompt cache's prefix: its first chunk starts at `cached` and reads these
                 self.kv.req_to_slots[new.row, :cached] = self._tensor(new.cached_slots).to(self.kv.req_to_slots.dtype)

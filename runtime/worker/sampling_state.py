@@ -39,25 +39,34 @@ class SamplingState:
             self._seen = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
         return self._counts, self._seen
 
-    def set_row(self, row: int, sp: SamplingParams, prompt_ids: list[int]) -> None:
-        self.temperature[row] = sp.temperature
-        self.top_p[row] = sp.top_p
-        self.top_k[row] = sp.top_k
-        self.seed[row] = (sp.seed or 0) & (2**63 - 1)  # fits int64; the noise hashes only the low bits
-        self.presence[row] = sp.presence_penalty
-        self.frequency[row] = sp.frequency_penalty
-        self.repetition[row] = sp.repetition_penalty
-        self.greedy[row] = sp.greedy
-        self.filtered[row] = sp.top_p < 1.0 or 0 < sp.top_k < self.vocab_size
-        self.penalized[row] = sp.penalized
-        self.top_logprobs[row] = sp.top_logprobs if sp.logprobs else -1
-        self.generated[row] = 0
-        if sp.penalized:
-            counts, seen = self._penalty_tables()
-            counts[row].zero_()
-            seen[row].zero_()
-            if prompt_ids:
-                seen[row, to_device(prompt_ids, torch.int64, self.device)] = True
+    def set_rows(self, news: list[tuple[int, SamplingParams, list[int]]]) -> None:
+        """Set up new requests' rows: (row, sampling, prompt ids) each. One batched write per field:
+        assigning a Python number to a CUDA tensor element is a synchronous copy that waits for the
+        steps in flight (a mixed step's launch then took the whole previous step)."""
+        if not news:
+            return
+        rows = to_device([r for r, _, _ in news], torch.int64, self.device)
+        for table, values, dtype in (
+                (self.temperature, [sp.temperature for _, sp, _ in news], torch.float32),
+                (self.top_p, [sp.top_p for _, sp, _ in news], torch.float32),
+                (self.top_k, [sp.top_k for _, sp, _ in news], torch.int64),
+                (self.seed, [(sp.seed or 0) & (2**63 - 1) for _, sp, _ in news], torch.int64),  # the noise hashes only the low bits
+                (self.presence, [sp.presence_penalty for _, sp, _ in news], torch.float32),
+                (self.frequency, [sp.frequency_penalty for _, sp, _ in news], torch.float32),
+                (self.repetition, [sp.repetition_penalty for _, sp, _ in news], torch.float32)):
+            table[rows] = to_device(values, dtype, self.device)
+        for row, sp, prompt_ids in news:
+            self.greedy[row] = sp.greedy
+            self.filtered[row] = sp.top_p < 1.0 or 0 < sp.top_k < self.vocab_size
+            self.penalized[row] = sp.penalized
+            self.top_logprobs[row] = sp.top_logprobs if sp.logprobs else -1
+            self.generated[row] = 0
+            if sp.penalized:
+                counts, seen = self._penalty_tables()
+                counts[row].zero_()
+                seen[row].zero_()
+                if prompt_ids:
+                    seen[row].index_fill_(0, to_device(prompt_ids, torch.int64, self.device), True)
 
     def plain_greedy(self, rows: list[int]) -> bool:
         """Is every row's token the argmax of its raw logits (greedy, no penalties)?"""
