@@ -125,9 +125,6 @@ def cpu_threads(cfg: RunConfig) -> int:
 def main() -> None:
     cfg, spec = bootstrap.start()
     kernel_settings.configure(cfg.kernels)  # before any kernel launches or graph captures
-    # cuBLAS may sum split-K partials of a bf16 product in bf16 (torch's default); float32 partials
-    # keep a batched step's logits as close to the exact answer as transformers' are
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     if cfg.device.value == "cpu":
         torch.set_num_threads(cpu_threads(cfg))
         device = torch.device("cpu")
