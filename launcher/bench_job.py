@@ -92,7 +92,8 @@ def bench_command(bench: BenchConfig, cfg: RunConfig, result_file: Path) -> list
             "result-file": result_file,
             "shared-prefix-groups": bench.shared_prefix_groups or None,
             "shared-prefix-len": bench.shared_prefix_len or None,
-            "multi-turn": bench.multi_turn if bench.multi_turn != 1 else None}
+            "multi-turn": bench.multi_turn if bench.multi_turn != 1 else None,
+            "client-procs": bench.client_procs if bench.client_procs != 1 else None}
     return [sys.executable, str(BENCH_SCRIPT), *(f"--{k}={v}" for k, v in args.items() if v is not None)]
 
 

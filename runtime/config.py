@@ -173,6 +173,7 @@ class BenchConfig:
     shared_prefix_groups: int = 0  # > 0: prompts share one of this many system prompts (prompt cache)
     shared_prefix_len: int = 0  # tokens of each shared system prompt
     multi_turn: int = 1  # turns per conversation, each re-sending the history
+    client_procs: int = 1  # benchmark client processes (one Python process cannot keep c256 busy)
     ready_timeout_s: float = 900.0  # the job's server: launch until /health answers
     timeout_s: float = 3600.0  # the benchmark client's whole run
 

@@ -58,7 +58,9 @@ def test_bench_command_carries_the_profile_to_bench_serving(bench, tmp_path, mon
     finite = bench_job.bench_command(BenchConfig(request_rate=2.5), cfg, tmp_path / "b.json")
     assert bench.parse_args(finite[2:]).request_rate == 2.5
     plain = bench.parse_args(cmd[2:])
-    assert (plain.shared_prefix_groups, plain.shared_prefix_len, plain.multi_turn) == (0, 0, 1)
+    assert (plain.shared_prefix_groups, plain.shared_prefix_len, plain.multi_turn, plain.client_procs) == (0, 0, 1, 1)
+    procs = bench_job.bench_command(BenchConfig(client_procs=4), cfg, tmp_path / "p.json")
+    assert bench.parse_args(procs[2:]).client_procs == 4
     shared = BenchConfig(shared_prefix_groups=4, shared_prefix_len=2048, multi_turn=3)
     args = bench.parse_args(bench_job.bench_command(shared, cfg, tmp_path / "s.json")[2:])
     assert (args.shared_prefix_groups, args.shared_prefix_len, args.multi_turn) == (4, 2048, 3)
