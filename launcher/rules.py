@@ -111,6 +111,15 @@ def request_limits_positive(cfg):
 
 
 @rule()
+def bench_clients_fit(cfg):
+    b = cfg.bench
+    if b is not None and not 1 <= b.client_procs <= max(b.concurrency, 1):
+        yield ("bench.client_procs", "bench.concurrency"), (
+            f"bench.client_procs={b.client_procs} must be in [1, bench.concurrency={b.concurrency}]: each client "
+            "process keeps at least one request in flight")
+
+
+@rule()
 def api_key_source(cfg):
     s = cfg.server
     if s.api_key and s.api_key_file:

@@ -59,7 +59,7 @@ def test_bench_command_carries_the_profile_to_bench_serving(bench, tmp_path, mon
     assert bench.parse_args(finite[2:]).request_rate == 2.5
     plain = bench.parse_args(cmd[2:])
     assert (plain.shared_prefix_groups, plain.shared_prefix_len, plain.multi_turn, plain.client_procs) == (0, 0, 1, 1)
-    procs = bench_job.bench_command(BenchConfig(client_procs=4), cfg, tmp_path / "p.json")
+    procs = bench_job.bench_command(BenchConfig(client_procs=4, concurrency=8), cfg, tmp_path / "p.json")
     assert bench.parse_args(procs[2:]).client_procs == 4
     shared = BenchConfig(shared_prefix_groups=4, shared_prefix_len=2048, multi_turn=3)
     args = bench.parse_args(bench_job.bench_command(shared, cfg, tmp_path / "s.json")[2:])
