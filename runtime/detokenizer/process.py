@@ -9,33 +9,20 @@ heartbeat): the launcher drains the frontends first and signals this process onl
 from __future__ import annotations
 
 import logging
-import os
 import re
 import signal
 import time
-from typing import Any
 
 import zmq
 
-from llaunch.runtime.config import ModelConfig, ProcessSpec
+from llaunch.runtime.config import ProcessSpec
 from llaunch.runtime.bootstrap import report_ready, start
+from llaunch.runtime.models.tokenizer import load_tokenizer
 from llaunch.runtime.detokenizer.detokenizer import HEARTBEAT_S, Detokenizer
 from llaunch.runtime.ipc.messages import DetokenizerInbound
 from llaunch.runtime.ipc.sockets import Receiver, Sender
 
 log = logging.getLogger("llaunch.detokenizer")
-
-
-def load_tokenizer(model: ModelConfig) -> Any:
-    """The model's Hugging Face tokenizer: `model.tokenizer`, else `model.path` (a folder or a .gguf)."""
-    from transformers import AutoTokenizer  # slow import: only in the process that needs it
-
-    source = model.tokenizer or model.path
-    if source is None:
-        raise SystemExit("the detokenizer needs a tokenizer: set model.tokenizer or model.path")
-    if source.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(source) or ".", gguf_file=os.path.basename(source))
-    return AutoTokenizer.from_pretrained(source)
 
 
 def frontend_endpoints(spec: ProcessSpec) -> dict[int, str]:

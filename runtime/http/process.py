@@ -24,7 +24,8 @@ from llaunch.runtime.http.app import FrontendSettings, create_app
 from llaunch.runtime.http.engine_client import EngineClient, ZmqEngineLink
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.pd_instance import start_registrar
-from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer, load_hf_tokenizer
+from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
+from llaunch.runtime.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     api_key = read_api_key(cfg)
     # Hypercorn wraps the fd in its own socket object and closes it; detach so nothing else does.
     fd = own.listen_fd if own.listen_fd is not None else listening_socket(cfg.server.host, cfg.server.port).detach()
-    hf = load_hf_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    hf = load_tokenizer(cfg.model)
     tokenizer = PromptTokenizer(hf, vocab_size=cfg.model.vocab_size)
     asyncio.run(run_frontend(cfg, spec, tokenizer, fd, api_key))
     log.info("stopped")

@@ -2,22 +2,12 @@
 to the token strings and bytes that logprobs report. Generated text comes from the detokenizer."""
 from __future__ import annotations
 
-import os
 import re
 import threading
 from functools import lru_cache
 from typing import Optional
 
-from transformers import AutoTokenizer
-
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallback
-
-
-def load_hf_tokenizer(path: str):
-    """A Hugging Face folder, or a .gguf file (transformers reads its embedded tokenizer)."""
-    if path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    return AutoTokenizer.from_pretrained(path)
 
 
 @lru_cache(maxsize=1)

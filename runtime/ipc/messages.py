@@ -18,6 +18,13 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
     pass
 
 
+class Constraint(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """Structured output: what every sampled token must keep the text within (runtime/constrained/)."""
+
+    kind: str  # json_schema | json_object | regex | grammar (EBNF) | structural_tag (JSON)
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     max_new_tokens: int
     temperature: float = 1.0  # 0: greedy
@@ -33,6 +40,14 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     skip_special_tokens: bool = True
     logprobs: bool = False  # return the chosen token's logprob
     top_logprobs: int = 0  # and this many most likely alternatives
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one's probability
+    min_tokens: int = 0  # eos and stop_token_ids cannot be sampled before this many tokens
+    bias_ids: list[int] = []  # logit_bias: these tokens' logits get bias_values added
+    bias_values: list[float] = []
+    banned_ids: list[int] = []  # never sampled (bad words of one token)
+    banned_sequences: list[list[int]] = []  # the last token of each is never sampled after the others
+    allowed_ids: list[int] = []  # when set, only these tokens are sampled (LightLLM's allowed_token_ids)
+    constraint: Optional[Constraint] = None
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +56,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def masked(self) -> bool:
+        """Some tokens are excluded at some steps: the sampled token is not the raw argmax."""
+        return bool(self.constraint or self.banned_ids or self.banned_sequences or self.allowed_ids
+                    or self.min_tokens or self.bias_ids or self.min_p > 0.0)
 
 
 # ---- frontend → router -------------------------------------------------------------------------

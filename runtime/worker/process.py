@@ -9,6 +9,7 @@ lost its router's connection)."""
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import threading
@@ -144,7 +145,8 @@ def main() -> None:
     kv = model.make_kv_cache(num_slots + 1, max_rows + 1, cfg.model.max_model_len)
     runner = ModelRunner(model, kv, max_rows, device, cuda_graphs=not cfg.model.enforce_eager,
                          prefill_graph_tokens=cfg.model.prefill_graph_tokens,
-                         timed=cfg.router.step_trace is not None)
+                         timed=cfg.router.step_trace is not None, eos_ids=tuple(cfg.model.eos_token_ids or ()),
+                         grammar=grammar_compiler(cfg))
     log.info("model loaded: %s %s on %s, %d KV slots", cfg.model.name, dtype, device, num_slots)
     if watch is not None:
         watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up
@@ -179,6 +181,19 @@ def main() -> None:
             link.close()
     if watch is not None:
         watch.stopping = True
+
+
+def grammar_compiler(cfg: RunConfig):
+    """A factory of the worker's GrammarCompiler: the tokenizer loads on the first structured request."""
+
+    @functools.cache
+    def make():
+        from llaunch.runtime.constrained.compiler import GrammarCompiler
+        from llaunch.runtime.models.tokenizer import load_tokenizer
+
+        return GrammarCompiler(load_tokenizer(cfg.model), cfg.model.vocab_size)
+
+    return make
 
 
 def log_admitted(plan: StepPlan) -> None:
@@ -227,6 +242,11 @@ def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Op
         if results is not None:
             log_admitted(msg)
         step = runner.launch(msg)
+        if step.deferred is not None:  # its masks need the tokens of the step before: read them first
+            if pending is not None:
+                send(pending)
+                pending = None
+            runner.sample_deferred(step)
         if not overlap:
             send(step)
             continue

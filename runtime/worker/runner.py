@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -31,19 +31,22 @@ class PendingStep:
     started: float = 0.0  # the trace's timings (timed runners only): monotonic start, host enqueue time
     launch_s: float = 0.0
     start_event: Optional[torch.cuda.Event] = None  # recorded before the step's first device work
+    deferred: Optional[torch.Tensor] = None  # logits whose sampling waits for earlier tokens (sample_deferred)
 
 
 class ModelRunner:
     def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device, cuda_graphs: bool = False,
-                 prefill_graph_tokens: int = 0, timed: bool = False):
+                 prefill_graph_tokens: int = 0, timed: bool = False, eos_ids: tuple[int, ...] = (),
+                 grammar: Optional[Callable] = None):
         """`kv` has one row and one slot more than the router uses: scratch space for padding.
         `prefill_graph_tokens`: with CUDA graphs, the longest chunk a lone prefill replays one for.
-        `timed` (a step trace is on): on a GPU each step also reports its host and device time."""
+        `timed` (a step trace is on): on a GPU each step also reports its host and device time.
+        `eos_ids`, `grammar`: what SamplingState needs for min_tokens and structured output."""
         self.model = model
         self.kv = kv
         self.device = device
         self.max_rows = max_rows
-        self.sampling = SamplingState(max_rows, model.arch.vocab_size, device)
+        self.sampling = SamplingState(max_rows, model.arch.vocab_size, device, eos_ids, grammar)
         self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
         self.seq_len = [0] * max_rows  # tokens in the KV cache per row (host mirror)
         self.graphs = None
@@ -175,6 +178,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
+        """Enqueue the step's forward and, unless a row's token mask depends on tokens not read back
+        yet (`PendingStep.deferred`: call `sample_deferred` once every earlier step is finished), its
+        sampling."""
         t0 = time.perf_counter()
         started, start_event = time.monotonic(), None
         if self.timed:
@@ -182,25 +188,43 @@ class ModelRunner:
             start_event.record()
         self._start_rows(plan)
         logits, rows, greedy = self._forward(plan)
+        pending = PendingStep(plan.step, rows, None, None, None, t0, started, 0.0, start_event)
         if logits is None or not rows:
-            return PendingStep(plan.step, [], None, None, None, t0)
+            pending.rows = []
+            return pending
         if greedy is not None and self.sampling.plain_greedy(rows):
-            tokens = greedy  # the graph's argmax, already each row's last token
             self.sampling.advance(rows)
+            self._sampled(pending, logits, greedy)  # the graph's argmax, already each row's last token
+        elif self.sampling.needs_history(rows):
+            pending.deferred = logits
         else:
-            tokens = self.sampling.sample(logits, rows)
-            self.last_token[self._tensor(rows)] = tokens
-        logprobs = self.sampling.logprobs(logits, rows, tokens)
-        done = None
+            self._sample(pending, logits)
+        pending.launch_s = time.perf_counter() - t0
+        return pending
+
+    @torch.inference_mode()
+    def sample_deferred(self, pending: PendingStep) -> None:
+        """A deferred step's sampling, now that its rows have accepted every earlier token."""
+        logits, pending.deferred = pending.deferred, None
+        self._sample(pending, logits)
+
+    def _sample(self, pending: PendingStep, logits: torch.Tensor) -> None:
+        rows = pending.rows
+        tokens = self.sampling.sample(logits, rows, self.sampling.bitmask(rows))
+        self.last_token[self._tensor(rows)] = tokens
+        self._sampled(pending, logits, tokens)
+
+    def _sampled(self, pending: PendingStep, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        logprobs = self.sampling.logprobs(logits, pending.rows, tokens)
         if self.device.type == "cuda":
             tokens = to_host_async(tokens)
             if logprobs is not None:  # read after the next step is launched: copy now, not then
                 chosen, vals, ids, wants = logprobs
                 logprobs = (to_host_async(chosen), None if vals is None else to_host_async(vals),
                             None if ids is None else to_host_async(ids), wants)
-            done = torch.cuda.Event(enable_timing=self.timed)
-            done.record()
-        return PendingStep(plan.step, rows, tokens, done, logprobs, t0, started, time.perf_counter() - t0, start_event)
+            pending.done = torch.cuda.Event(enable_timing=self.timed)
+            pending.done.record()
+        pending.tokens, pending.logprobs = tokens, logprobs
 
     def finish(self, pending: PendingStep) -> StepResult:
         if pending.done is not None:
@@ -208,6 +232,7 @@ class ModelRunner:
         if pending.tokens is None:
             return StepResult(step=pending.step, rows=[], token_ids=[])
         result = StepResult(step=pending.step, rows=pending.rows, token_ids=pending.tokens.tolist())
+        self.sampling.accept(pending.rows, result.token_ids)
         if pending.logprobs is not None:
             result.logprobs, result.top_ids, result.top_logprobs = logprobs_to_host(pending.logprobs)
         result.forward_s = time.perf_counter() - pending.t0

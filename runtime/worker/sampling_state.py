@@ -1,20 +1,32 @@
 """Per-row sampling parameters and penalty counters, kept on the model's device so that a step
-samples every row in one batched call with no host round trip per request."""
+samples every row in one batched call with no host round trip per request; and each row's token
+exclusions (structured output, banned tokens, min_tokens: runtime/constrained/row_state.py) as the
+step's token bitmask, with logit_bias and min_p applied before the draw."""
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Callable, Optional
 
 import torch
 
 from llaunch import kernels
+from llaunch.runtime.constrained.row_state import RowConstraint
 from llaunch.runtime.ipc.messages import SamplingParams
 from llaunch.runtime.worker.transfer import to_device
 
 
 class SamplingState:
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, eos_ids: tuple[int, ...] = (),
+                 grammar: Optional[Callable] = None):
+        """`grammar`: returns the worker's GrammarCompiler (made on first use: it loads the tokenizer);
+        None refuses structured output."""
         self.vocab_size = vocab_size
         self.device = device
+        self.eos_ids = list(eos_ids)
+        self._grammar = grammar
+        self.rows: list[Optional[RowConstraint]] = [None] * max_rows  # token exclusions, where any
+        self.bias: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * max_rows  # logit_bias ids, values
+        self.min_p = [0.0] * max_rows
         f32 = dict(dtype=torch.float32, device=device)
         self.temperature = torch.zeros(max_rows, **f32)
         self.top_p = torch.ones(max_rows, **f32)
@@ -56,6 +68,7 @@ class SamplingState:
                 (self.repetition, [sp.repetition_penalty for _, sp, _ in news], torch.float32)):
             table[rows] = to_device(values, dtype, self.device)
         for row, sp, prompt_ids in news:
+            self._set_exclusions(row, sp)
             self.greedy[row] = sp.greedy
             self.filtered[row] = sp.top_p < 1.0 or 0 < sp.top_k < self.vocab_size
             self.penalized[row] = sp.penalized
@@ -68,23 +81,88 @@ class SamplingState:
                 if prompt_ids:
                     seen[row].index_fill_(0, to_device(prompt_ids, torch.int64, self.device), True)
 
+    def _set_exclusions(self, row: int, sp: SamplingParams) -> None:
+        self.min_p[row] = sp.min_p if not sp.greedy else 0.0  # min_p keeps the most likely token: moot when greedy
+        self.bias[row] = ((to_device(sp.bias_ids, torch.int64, self.device),
+                           to_device(sp.bias_values, torch.float32, self.device)) if sp.bias_ids else None)
+        excludes = sp.constraint or sp.banned_ids or sp.banned_sequences or sp.allowed_ids or sp.min_tokens
+        if not excludes:
+            self.rows[row] = None
+            return
+        grammar = None
+        if sp.constraint is not None:
+            if self._grammar is None:
+                raise ValueError("structured output needs the worker's tokenizer")
+            grammar = self._grammar().compile_async(sp.constraint)  # compiles while the prompt prefills
+        self.rows[row] = RowConstraint(sp, grammar, self.eos_ids + list(sp.stop_token_ids))
+
     def plain_greedy(self, rows: list[int]) -> bool:
-        """Is every row's token the argmax of its raw logits (greedy, no penalties)?"""
-        return all(self.greedy[r] and not self.penalized[r] for r in rows)
+        """Is every row's token the argmax of its raw logits (greedy, no penalties or exclusions)?"""
+        return all(self.greedy[r] and not self.penalized[r] and self.rows[r] is None and self.bias[r] is None
+                   for r in rows)
+
+    def needs_history(self, rows: list[int]) -> bool:
+        """Does a row's mask depend on tokens sampled so far (a grammar, a banned sequence)?"""
+        return any(self.rows[r] is not None and self.rows[r].needs_history for r in rows)
+
+    def bitmask(self, rows: list[int]) -> Optional[torch.Tensor]:
+        """The step's token bitmask on the device ([len(rows), words]; all allowed where a row
+        excludes nothing), or None when no row excludes anything. A needs_history row must have
+        accepted every token sampled for it before this is called."""
+        if all(self.rows[r] is None for r in rows):
+            return None
+        words = (self.vocab_size + 31) // 32
+        host = torch.full((len(rows), words), -1, dtype=torch.int32).pin_memory() if self.device.type == "cuda" \
+            else torch.full((len(rows), words), -1, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            if self.rows[r] is not None:
+                self.rows[r].fill(host, i, self.generated[r])
+        return host.to(self.device, non_blocking=True)
+
+    def accept(self, rows: list[int], tokens: list[int]) -> None:
+        """The tokens a step sampled, read back: rows with exclusions follow their output."""
+        for r, token in zip(rows, tokens):
+            if self.rows[r] is not None:
+                self.rows[r].accept(token)
+
+    def _exclude(self, logits: torch.Tensor, rows: list[int], bitmask: Optional[torch.Tensor]) -> torch.Tensor:
+        """logit_bias, the bitmask and min_p, on a copy (logprobs report the model's own distribution)."""
+        biased = [i for i, r in enumerate(rows) if self.bias[r] is not None]
+        with_min_p = [i for i, r in enumerate(rows) if self.min_p[r] > 0.0]
+        if not biased and bitmask is None and not with_min_p:
+            return logits
+        logits = logits.clone()
+        for i in biased:
+            ids, values = self.bias[rows[i]]
+            logits[i].index_add_(0, ids, values.to(logits.dtype))
+        if bitmask is not None:
+            import xgrammar as xgr
+
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+        if with_min_p:  # p_i < min_p · p_max  ⟺  l_i < l_max + T · ln(min_p)
+            index = to_device(with_min_p, torch.int64, self.device)
+            rows_t = to_device([rows[i] for i in with_min_p], torch.int64, self.device)
+            floor = to_device([math.log(self.min_p[rows[i]]) for i in with_min_p], torch.float32, self.device)
+            part = logits[index]
+            cut = part.max(dim=-1, keepdim=True).values + (self.temperature[rows_t] * floor)[:, None]
+            logits[index] = part.masked_fill(part < cut, float("-inf"))
+        return logits
 
     def advance(self, rows: list[int]) -> None:
         """Count a token sampled elsewhere (the decode graph's argmax) for these rows."""
         for r in rows:
             self.generated[r] += 1
 
-    def sample(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Tokens [len(rows)] for logits [len(rows), V]; also advances the rows' counters."""
+    def sample(self, logits: torch.Tensor, rows: list[int], bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Tokens [len(rows)] for logits [len(rows), V]; also advances the rows' counters. `bitmask`:
+        self.bitmask(rows), when any row excludes tokens."""
         penalized = any(self.penalized[r] for r in rows)
         rows_t = to_device(rows, torch.int64, self.device)
         if penalized:
             counts, seen = self._penalty_tables()
             logits = kernels.apply_penalties(logits, counts[rows_t].to(logits.dtype), self.presence[rows_t],
                                              self.frequency[rows_t], self.repetition[rows_t], seen[rows_t])
+        logits = self._exclude(logits, rows, bitmask)
         if all(self.greedy[r] for r in rows):
             tokens = torch.argmax(logits, dim=-1)
         else:

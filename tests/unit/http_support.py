@@ -7,7 +7,9 @@ import importlib.util
 import os
 import time
 
-from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer, load_hf_tokenizer
+from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
+from llaunch.runtime.config import ModelConfig
+from llaunch.runtime.models.tokenizer import load_tokenizer
 
 MODEL = "smollm2-135m"
 REPLY = " The quick brown fox jumps over the lazy dog."
@@ -21,7 +23,7 @@ def smollm2_gguf() -> str:
 
 @functools.cache
 def smollm2_tokenizer() -> PromptTokenizer:
-    return PromptTokenizer(load_hf_tokenizer(smollm2_gguf()))
+    return PromptTokenizer(load_tokenizer(ModelConfig(path=str(smollm2_gguf()))))
 
 
 def wait_for(predicate, timeout: float = 5.0) -> None:

@@ -14,7 +14,9 @@ from llaunch.runtime.http.generate_api import GenerateRequest, generate_jobs
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_choices, chat_prompt,
                                                   check_model, completion_choices, completion_prompts, decode_body)
 from llaunch.runtime.http.request_limits import RequestLimits
-from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer, load_hf_tokenizer
+from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
+from llaunch.runtime.config import ModelConfig
+from llaunch.runtime.models.tokenizer import load_tokenizer
 
 LIMITS = RequestLimits(served_name="smollm2-135m", max_model_len=64, vocab_size=49152)
 
@@ -26,7 +28,7 @@ def smollm2_gguf() -> str:
 
 @pytest.fixture(scope="module")
 def tok() -> PromptTokenizer:
-    return PromptTokenizer(load_hf_tokenizer(smollm2_gguf()))
+    return PromptTokenizer(load_tokenizer(ModelConfig(path=str(smollm2_gguf()))))
 
 
 def completion(tok, **body):

@@ -1,0 +1,69 @@
+"""Constraints compiled by xgrammar for one tokenizer: JSON schema, any JSON object, regex, EBNF
+grammar, structural tag (tool calls). A spec compiles once per process (cached by its text) and off
+the caller's thread when asked for asynchronously; a spec xgrammar refuses raises ConstraintError
+with its message, which the frontend answers with a 400."""
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from llaunch.runtime.ipc.messages import Constraint
+
+KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
+MAX_SPEC_CHARS = 1 << 20
+_CACHE_ENTRIES = 512
+
+
+class ConstraintError(ValueError):
+    """The constraint cannot be compiled (bad schema, regex or grammar)."""
+
+
+class GrammarCompiler:
+    """xgrammar's compiler for one tokenizer, with a cache of compiled specs and a small thread pool."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, threads: int = 2):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True,
+                                             cache_limit_bytes=256 << 20)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
+        self._futures: dict[Constraint, Future] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, constraint: Constraint):
+        """The compiled grammar (blocking); ConstraintError when it cannot be built."""
+        return self.compile_async(constraint).result()
+
+    def compile_async(self, constraint: Constraint) -> Future:
+        with self._lock:
+            future = self._futures.get(constraint)
+            if future is None:
+                if len(self._futures) >= _CACHE_ENTRIES:  # oldest out (xgrammar caches compiled bytes too)
+                    self._futures.pop(next(iter(self._futures)))
+                future = self._futures[constraint] = self._pool.submit(self._compile, constraint)
+            return future
+
+    def _compile(self, c: Constraint):
+        if c.kind not in KINDS:
+            raise ConstraintError(f"unknown constraint kind {c.kind!r} (one of {', '.join(KINDS)})")
+        if len(c.spec) > MAX_SPEC_CHARS:
+            raise ConstraintError(f"the {c.kind} has {len(c.spec)} characters; at most {MAX_SPEC_CHARS}")
+        comp = self._compiler
+        try:
+            if c.kind == "json_schema":
+                return comp.compile_json_schema(c.spec, any_whitespace=False, strict_mode=True)
+            if c.kind == "json_object":
+                return comp.compile_builtin_json_grammar()
+            if c.kind == "regex":
+                return comp.compile_regex(c.spec)
+            if c.kind == "grammar":
+                return comp.compile_grammar(c.spec)
+            return comp.compile_structural_tag(json.loads(c.spec))
+        except ConstraintError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError/its own errors on bad specs
+            raise ConstraintError(f"the {c.kind.replace('_', ' ')} cannot be used: {str(e).strip()[:500]}") from None
