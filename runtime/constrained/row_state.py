@@ -7,13 +7,17 @@ A grammar or a banned sequence depends on the tokens sampled so far (`needs_hist
 fills such a row only once the step before it has been read back (`accept`)."""
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from typing import Optional
 
 import numpy as np
 import torch
 
+from llaunch.runtime.constrained.compiler import ConstraintError
 from llaunch.runtime.ipc.messages import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def clear_bits(row: np.ndarray, ids) -> None:
@@ -21,6 +25,13 @@ def clear_bits(row: np.ndarray, ids) -> None:
     ids = np.asarray(ids, dtype=np.int64)
     if ids.size:
         np.bitwise_and.at(row, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+
+
+def set_bits(row: np.ndarray, ids) -> None:
+    """Allow `ids` in one bitmask row (a uint32 view)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size:
+        np.bitwise_or.at(row, ids >> 5, np.uint32(1) << (ids & 31).astype(np.uint32))
 
 
 def only_bits(row: np.ndarray, ids) -> None:
@@ -54,8 +65,16 @@ class RowConstraint:
         if self._matcher is None and self._grammar is not None:
             import xgrammar as xgr
 
-            # compiled off the step loop meanwhile; it ends on the model's stop tokens, not the tokenizer's
-            self._matcher = xgr.GrammarMatcher(self._grammar.result(), override_stop_tokens=self.stop_ids or None)
+            try:
+                compiled = self._grammar.result()  # compiled off the step loop while the prompt prefilled
+            except ConstraintError as e:
+                # the frontend compiled the same spec to admit the request, so this is a bug: end the
+                # output at once (only stop tokens allowed) rather than take the worker down
+                log.error("a constraint the frontend admitted does not compile here: %s", e)
+                self._grammar, self.allowed, self.min_tokens = None, list(self.stop_ids), 0
+                return None
+            # it ends on the model's stop tokens, not the tokenizer's
+            self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids or None)
         return self._matcher
 
     def fill(self, bitmask: torch.Tensor, i: int, generated: int) -> None:
@@ -76,6 +95,8 @@ class RowConstraint:
                 clear_bits(row, seq[-1:])
         if generated < self.min_tokens:
             clear_bits(row, self.stop_ids)
+        if not row.any():  # the exclusions leave nothing (allowed ids all banned, say): the output ends
+            set_bits(row, self.stop_ids or range(len(row) * 32))
 
     def accept(self, token: int) -> bool:
         """The token sampled for this row; False if the grammar refuses it (it cannot, when the

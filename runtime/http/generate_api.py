@@ -18,6 +18,7 @@ from llaunch.runtime.http.request_limits import (MAX_TEMPERATURE, ChoiceCount, R
                                                  check_stop_strings, check_token_id, greedy_temperature,
                                                  max_new_tokens_for)
 from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
+from llaunch.runtime.http.structured_output import constraint_from, one_constraint
 from llaunch.runtime.ipc.messages import SamplingParams, TextDelta
 
 # LightLLM's own ranges (its SamplingParams.verify): penalties >= 0, repetition >= 1
@@ -43,6 +44,11 @@ class GenerateParameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     n: Optional[ChoiceCount] = None
     best_of: ChoiceCount = 1
     return_details: bool = False
+    # constrained output, LightLLM's names: a regex, an EBNF grammar, a JSON schema; only these tokens
+    regular_constraint: Optional[str] = None
+    guided_grammar: Optional[str] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    allowed_token_ids: Optional[list[TokenId]] = None
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -81,8 +87,6 @@ def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: Requ
     check_fan_out(1, n, limits, n_param="parameters.best_of")
     if stream and n != 1:
         raise bad_request("The stream API only supports best_of == 1.", param="parameters.best_of")
-    if p.min_new_tokens != 1:
-        raise bad_request("min_new_tokens other than 1 is not supported.", param="parameters.min_new_tokens")
     greedy = not p.do_sample or greedy_temperature(p.temperature) == 0.0
     if p.top_k == 0:
         raise bad_request("top_k must be -1 (disable) or at least 1, got 0.", param="parameters.top_k")
@@ -92,7 +96,19 @@ def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: Requ
     else:
         prompt_ids = list(req.inputs)
     max_new = max_new_tokens_for(prompt_ids, p.max_new_tokens, "max_new_tokens", limits)
+    if not 1 <= p.min_new_tokens <= max_new:  # LightLLM's own range
+        raise bad_request(f"min_new_tokens must be in [1, max_new_tokens = {max_new}].",
+                          param="parameters.min_new_tokens")
     stop, stop_ids = _stops(p.stop_sequences, tokenizer, limits)
+    for t in p.allowed_token_ids or []:
+        check_token_id(t, limits, "parameters.allowed_token_ids")
+    if p.allowed_token_ids is not None and not p.allowed_token_ids:
+        raise bad_request("allowed_token_ids must not be empty.", param="parameters.allowed_token_ids")
+    sources = [(f"parameters.{name}", constraint_from(kind, value, f"parameters.{name}"))
+               for name, kind, value in (("regular_constraint", "regex", p.regular_constraint),
+                                         ("guided_grammar", "grammar", p.guided_grammar),
+                                         ("guided_json", "json", p.guided_json)) if value is not None]
+    constraint = one_constraint(sources, tokenizer.grammar) if sources else None
     jobs = []
     for i in range(n):
         jobs.append(SamplingParams(
@@ -102,7 +118,8 @@ def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: Requ
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
             ignore_eos=p.ignore_eos, stop=stop, stop_token_ids=stop_ids, skip_special_tokens=p.skip_special_tokens,
             # LightLLM reports each token's logprob in streams and details.
-            logprobs=stream or p.return_details))
+            logprobs=stream or p.return_details, min_tokens=p.min_new_tokens if p.min_new_tokens > 1 else 0,
+            allowed_ids=list(dict.fromkeys(p.allowed_token_ids or [])), constraint=constraint))
     return prompt_ids, jobs
 
 

@@ -12,19 +12,45 @@ from typing import Any, Optional, Type, TypeVar, Union
 
 import msgspec
 
+from llaunch.runtime.http.chat_messages import chat_messages
 from llaunch.runtime.http.errors import bad_request, model_not_found
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
-from llaunch.runtime.http.request_limits import (ChoiceCount, Penalty, RepetitionPenalty, RequestLimits, Seed,
-                                                 Temperature, TokenCount, TokenId, TopK, TopLogprobs, TopP,
-                                                 check_fan_out, check_prompt_text, check_stop_strings,
-                                                 check_token_id, greedy_temperature, max_new_tokens_for)
-from llaunch.runtime.ipc.messages import SamplingParams
+from llaunch.runtime.http.request_limits import (MAX_LOGIT_BIAS, ChoiceCount, LogitBias, MinTokens, Penalty,
+                                                 Probability, RepetitionPenalty, RequestLimits, Seed, Temperature,
+                                                 TokenCount, TokenId, TopK, TopLogprobs, TopP, check_fan_out,
+                                                 check_prompt_text, check_stop_strings, check_token_id,
+                                                 greedy_temperature, max_new_tokens_for)
+from llaunch.runtime.http.structured_output import one_constraint, openai_sources
+from llaunch.runtime.http.tool_calls import tools_constraint
+from llaunch.runtime.ipc.messages import Constraint, SamplingParams
 
 R = TypeVar("R")
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: Optional[bool] = None
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: str  # text | json_object | json_schema
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` extra: one of these."""
+
+    json: Union[dict[str, Any], str, None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
 
 
 class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -44,7 +70,19 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     skip_special_tokens: Optional[bool] = None
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, LogitBias]] = None  # token id (a string, as JSON keys are) → bias
+    min_p: Optional[Probability] = None
+    min_tokens: Optional[MinTokens] = None
+    bad_words: Optional[list[str]] = None  # never generated (vLLM's extension)
+    allowed_token_ids: Optional[list[TokenId]] = None  # only these are generated (vLLM's extension)
+    # structured output: OpenAI's response_format, or one of vLLM's extensions
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None  # only "xgrammar" (or unset)
     user: Optional[str] = None  # accepted, unused
     metadata: Optional[dict[str, str]] = None  # accepted, unused
     return_token_ids: Optional[bool] = None  # vLLM's extension: choices carry the generated token ids
@@ -67,10 +105,35 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     text: Optional[str] = None
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant turn that called tools
+    tool_call_id: Optional[str] = None  # a tool turn: which call it answers
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    type: str  # function
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=True):
@@ -78,8 +141,9 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fie
     logprobs: Optional[bool] = None
     top_logprobs: Optional[TopLogprobs] = None
     max_completion_tokens: Optional[TokenCount] = None  # the newer name of max_tokens
-    tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None  # none | auto | required | {"type": "function", ...}
+    parallel_tool_calls: Optional[bool] = None
 
 
 @dataclass(frozen=True)
@@ -149,38 +213,34 @@ def _is_token_id(x: Any) -> bool:
 def chat_prompt(req: ChatCompletionRequest, tokenizer: PromptTokenizer, limits: RequestLimits) -> list[int]:
     if not req.messages:
         raise bad_request("`messages` must not be empty.", param="messages")
-    if req.tools:
-        raise bad_request("Tool calls are not supported.", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("Only `response_format` of type `text` is supported.", param="response_format")
     if not tokenizer.has_chat_template:
         raise bad_request("The served model's tokenizer has no chat template; use /v1/completions.")
-    messages = []
     for i, m in enumerate(req.messages):
         if m.role not in ("system", "developer", "user", "assistant", "tool"):
             raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, developer, user, "
                               "assistant, tool.", param=f"messages[{i}].role")
-        messages.append({"role": m.role, "content": _message_text(m, i)})
+    messages, tools = chat_messages(req, tokenizer.tool_format, tokenizer.template_has_tools)
     check_prompt_text("".join(m["content"] for m in messages), limits, param="messages")
     try:
-        return tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat(messages, tools)
     except Exception as e:  # the template itself may reject an order of roles
         raise bad_request(f"The chat template rejected the messages: {e}", param="messages") from None
 
 
-def _message_text(m: ChatMessage, i: int) -> str:
-    if m.content is None or isinstance(m.content, str):
-        return m.content or ""
-    parts = []
-    for part in m.content:
-        if part.type != "text" or part.text is None:
-            raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type!r}.",
-                              param=f"messages[{i}].content")
-        parts.append(part.text)
-    return "".join(parts)
+def constraint_of(req: _GenerationRequest, tokenizer: PromptTokenizer) -> Optional[Constraint]:
+    """The request's structured output: its response_format / guided_* field, or its tools."""
+    sources = openai_sources(req)
+    if isinstance(req, ChatCompletionRequest):
+        tools = tools_constraint(req, tokenizer.tool_format)
+        if tools is not None:
+            if sources:
+                raise bad_request("Give `tools` or a structured output, not both.", param=sources[0][0])
+            sources = [("tools", tools)]
+    return one_constraint(sources, tokenizer.grammar)
 
 
-def completion_choices(req: CompletionRequest, prompts: list[list[int]], limits: RequestLimits) -> list[Choice]:
+def completion_choices(req: CompletionRequest, prompts: list[list[int]], limits: RequestLimits,
+                       tokenizer: PromptTokenizer) -> list[Choice]:
     if req.suffix:
         raise bad_request("`suffix` is not supported.", param="suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):
@@ -188,27 +248,31 @@ def completion_choices(req: CompletionRequest, prompts: list[list[int]], limits:
     if req.echo and req.logprobs is not None:
         raise bad_request("`echo` with `logprobs` needs prompt logprobs, which are not supported.", param="echo")
     want_logprobs = req.logprobs is not None
-    return _choices(req, prompts, limits, req.max_tokens, "max_tokens", want_logprobs, req.logprobs or 0)
+    return _choices(req, prompts, limits, tokenizer, req.max_tokens, "max_tokens", want_logprobs, req.logprobs or 0)
 
 
-def chat_choices(req: ChatCompletionRequest, prompt_ids: list[int], limits: RequestLimits) -> list[Choice]:
+def chat_choices(req: ChatCompletionRequest, prompt_ids: list[int], limits: RequestLimits,
+                 tokenizer: PromptTokenizer) -> list[Choice]:
     top = req.top_logprobs
     if top is not None and top > 0 and not req.logprobs:
         raise bad_request("`top_logprobs` needs `logprobs` set to true.", param="top_logprobs")
     max_tokens, param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
-    return _choices(req, [prompt_ids], limits, max_tokens, param, bool(req.logprobs), top or 0)
+    return _choices(req, [prompt_ids], limits, tokenizer, max_tokens, param, bool(req.logprobs), top or 0)
 
 
-def _choices(req: _GenerationRequest, prompts: list[list[int]], limits: RequestLimits,
+def _choices(req: _GenerationRequest, prompts: list[list[int]], limits: RequestLimits, tokenizer: PromptTokenizer,
              max_tokens: Optional[int], max_tokens_param: str, logprobs: bool, top_logprobs: int) -> list[Choice]:
     n = 1 if req.n is None else req.n
     check_fan_out(len(prompts), n, limits)
-    base = _sampling_fields(req, limits)
+    base = _sampling_fields(req, limits, tokenizer)
     choices = []
     for p, prompt_ids in enumerate(prompts):
         new_tokens = max_new_tokens_for(prompt_ids, max_tokens, max_tokens_param, limits)
+        if base["min_tokens"] > new_tokens:
+            raise bad_request(f"`min_tokens` ({base['min_tokens']}) exceeds the {new_tokens} tokens this completion "
+                              "may have.", param="min_tokens")
         for i in range(n):
             seed = None if req.seed is None else req.seed + i  # distinct samples, reproducible
             sampling = SamplingParams(max_new_tokens=new_tokens, seed=seed, logprobs=logprobs,
@@ -219,9 +283,7 @@ def _choices(req: _GenerationRequest, prompts: list[list[int]], limits: RequestL
     return choices
 
 
-def _sampling_fields(req: _GenerationRequest, limits: RequestLimits) -> dict:
-    if req.logit_bias:
-        raise bad_request("`logit_bias` is not supported.", param="logit_bias")
+def _sampling_fields(req: _GenerationRequest, limits: RequestLimits, tokenizer: PromptTokenizer) -> dict:
     temperature = greedy_temperature(1.0 if req.temperature is None else req.temperature)
     top_k = -1 if req.top_k in (None, 0) else req.top_k  # 0 and -1 both mean: no top-k
     fields = dict(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
@@ -236,4 +298,47 @@ def _sampling_fields(req: _GenerationRequest, limits: RequestLimits) -> dict:
     fields["stop_token_ids"] = list(req.stop_token_ids or [])
     fields["ignore_eos"] = bool(req.ignore_eos)
     fields["skip_special_tokens"] = True if req.skip_special_tokens is None else req.skip_special_tokens
+    fields["min_p"] = req.min_p or 0.0
+    fields["min_tokens"] = req.min_tokens or 0
+    fields["bias_ids"], fields["bias_values"] = logit_bias_of(req.logit_bias, limits)
+    fields["banned_ids"], fields["banned_sequences"] = bad_words_of(req.bad_words, tokenizer, limits)
+    for token_id in req.allowed_token_ids or []:
+        check_token_id(token_id, limits, "allowed_token_ids")
+    if req.allowed_token_ids is not None and not req.allowed_token_ids:
+        raise bad_request("`allowed_token_ids` must not be empty.", param="allowed_token_ids")
+    fields["allowed_ids"] = list(dict.fromkeys(req.allowed_token_ids or []))
+    fields["constraint"] = constraint_of(req, tokenizer)
     return fields
+
+
+def logit_bias_of(bias: Optional[dict[str, float]], limits: RequestLimits) -> tuple[list[int], list[float]]:
+    """OpenAI's logit_bias (token id as a JSON key → bias in [-100, 100]) as two lists."""
+    if not bias:
+        return [], []
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"`logit_bias` has {len(bias)} entries; at most {MAX_LOGIT_BIAS}.", param="logit_bias")
+    ids = []
+    for key in bias:
+        if not (key.isdigit() and int(key) < limits.vocab_size):
+            raise bad_request(f"`logit_bias` key {key!r} is not a token id in [0, {limits.vocab_size}).",
+                              param="logit_bias")
+        ids.append(int(key))
+    return ids, list(bias.values())
+
+
+def bad_words_of(words: Optional[list[str]], tokenizer: PromptTokenizer,
+                 limits: RequestLimits) -> tuple[list[int], list[list[int]]]:
+    """vLLM's bad_words: each word's tokens, alone and after a space (as it appears mid-text). A word
+    of one token is never generated; of several, its last token never follows the others."""
+    if not words:
+        return [], []
+    words = check_stop_strings(words, limits, "bad_words")  # the same bounds as stop strings
+    single, sequences = set(), []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode_plain(text)
+            if len(ids) == 1:
+                single.add(ids[0])
+            elif ids and ids not in sequences:
+                sequences.append(ids)
+    return sorted(single), sequences

@@ -19,6 +19,7 @@ from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice,
                                                   completion_prompts, decode_body)
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.sse import DONE, TrackedStream, sse_event, sse_response
+from llaunch.runtime.http.tool_calls import ToolCallStream, parse_tool_calls, tool_format_of
 from llaunch.runtime.ipc.messages import TextDelta
 
 FINISH_REASONS = ("stop", "length")  # anything else (abort, error) means the engine failed the request
@@ -33,6 +34,7 @@ class ChoiceState:
         self.logprobs: list = []
         self.token_ids: list[int] = []
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of its prompt, served by the prefix cache
         self.finish_reason: Optional[str] = None
 
     def add(self, delta: TextDelta) -> str:
@@ -41,6 +43,7 @@ class ChoiceState:
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.completion_tokens = delta.completion_tokens or self.completion_tokens + len(delta.token_ids)
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if delta.finish_reason is not None:
             if delta.finish_reason not in FINISH_REASONS:
                 raise engine_failed(delta.finish_reason, delta.error)
@@ -64,8 +67,8 @@ class CompletionFormat:
         state.logprobs.append(part)
         return part
 
-    def chunk_choice(self, index: int, text: str, logprobs: Optional[dict], finish_reason: Optional[str]) -> dict:
-        return shapes.completion_choice(index, text, logprobs, finish_reason)
+    def chunk_choices(self, index: int, text: str, logprobs: Optional[dict], finish_reason: Optional[str]) -> list:
+        return [shapes.completion_choice(index, text, logprobs, finish_reason)]
 
     def final_choice(self, index: int, state: ChoiceState) -> dict:
         logprobs = shapes.merge_completion_logprobs(state.logprobs) if self.tracks is not None else None
@@ -75,9 +78,12 @@ class CompletionFormat:
 class ChatFormat:
     kind = "chat"
 
-    def __init__(self, tokenizer: PromptTokenizer, want_logprobs: bool):
+    def __init__(self, tokenizer: PromptTokenizer, want_logprobs: bool, n: int, tool_format: Optional[str] = None):
+        """`tool_format`: the call format when the request offers tools (its text is parsed for calls)."""
         self.tokenizer = tokenizer
         self.want_logprobs = want_logprobs
+        self.tool_format = tool_format
+        self.streams = [ToolCallStream(tool_format) for _ in range(n)] if tool_format else None
 
     def opening(self, n: int) -> list[dict]:
         # OpenAI's first chunk of each choice names the role; content follows in later chunks.
@@ -90,12 +96,43 @@ class ChatFormat:
         state.logprobs.extend(part)
         return part
 
-    def chunk_choice(self, index: int, text: str, logprobs: Optional[list], finish_reason: Optional[str]) -> dict:
-        return shapes.chat_chunk_choice(index, {"content": text} if text else {}, logprobs, finish_reason)
+    def chunk_choices(self, index: int, text: str, logprobs: Optional[list], finish_reason: Optional[str]) -> list:
+        if self.streams is None:
+            return [shapes.chat_chunk_choice(index, {"content": text} if text else {}, logprobs, finish_reason)]
+        stream = self.streams[index]
+        deltas = stream.feed(text)
+        if finish_reason is not None:
+            deltas += stream.finish()
+            finish_reason = _with_calls(finish_reason, stream.calls)
+        if not deltas:  # the text is held back as a possible call
+            return [shapes.chat_chunk_choice(index, {}, logprobs, finish_reason)]
+        last = len(deltas) - 1
+        return [shapes.chat_chunk_choice(index, d, logprobs if j == 0 else None, finish_reason if j == last else None)
+                for j, d in enumerate(deltas)]
 
     def final_choice(self, index: int, state: ChoiceState) -> dict:
-        return shapes.chat_choice(index, "".join(state.text), state.logprobs if self.want_logprobs else None,
-                                  state.finish_reason)
+        text, logprobs = "".join(state.text), state.logprobs if self.want_logprobs else None
+        if self.tool_format is None:
+            return shapes.chat_choice(index, text, logprobs, state.finish_reason)
+        content, calls = parse_tool_calls(text, self.tool_format)
+        choice = shapes.chat_choice(index, content, logprobs, _with_calls(state.finish_reason, len(calls)))
+        if calls:
+            choice["message"]["tool_calls"] = [c.openai() for c in calls]
+        return choice
+
+
+def _usage(choices: list[Choice], states: list[ChoiceState], prompt_tokens: int) -> dict:
+    """Usage; a prompt's cached tokens are those of its first choice (the others share its prefill)."""
+    first = {}
+    for choice, state in zip(choices, states):
+        first.setdefault(choice.prompt, state)
+    return shapes.usage(prompt_tokens, sum(s.completion_tokens for s in states),
+                        sum(s.cached_tokens for s in first.values()))
+
+
+def _with_calls(finish_reason: Optional[str], calls: int) -> Optional[str]:
+    """OpenAI's finish reason of an answer that called tools."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
 class OpenAIServing:
@@ -115,20 +152,21 @@ class OpenAIServing:
         req = decode_body(body, CompletionRequest)
         check_model(req.model, self.limits)
         prompts = completion_prompts(req, self.tokenizer, self.limits)
-        choices = completion_choices(req, prompts, self.limits)
+        choices = completion_choices(req, prompts, self.limits, self.tokenizer)
         echo = [self._echo_text(req, p, ids) for p, ids in enumerate(prompts)] if req.echo else None
         return req, prompts, choices, echo
 
     async def chat(self, body: bytes) -> Response:
         req, prompt_ids, choices = await asyncio.to_thread(self._parse_chat, body)
         states = [ChoiceState() for _ in choices]
-        return await self._serve(req, choices, [prompt_ids], states, ChatFormat(self.tokenizer, bool(req.logprobs)))
+        fmt = ChatFormat(self.tokenizer, bool(req.logprobs), len(choices), tool_format_of(req, self.tokenizer))
+        return await self._serve(req, choices, [prompt_ids], states, fmt)
 
     def _parse_chat(self, body: bytes):
         req = decode_body(body, ChatCompletionRequest)
         check_model(req.model, self.limits)
         prompt_ids = chat_prompt(req, self.tokenizer, self.limits)
-        return req, prompt_ids, chat_choices(req, prompt_ids, self.limits)
+        return req, prompt_ids, chat_choices(req, prompt_ids, self.limits, self.tokenizer)
 
     def _echo_text(self, req: CompletionRequest, p: int, ids: list[int]) -> str:
         if isinstance(req.prompt, str):
@@ -144,7 +182,7 @@ class OpenAIServing:
         group = await self.engine.submit([(c.prompt_ids, c.sampling) for c in choices], lifecycle=self.lifecycle)
         if req.stream:
             await admitted(group)  # a refused request answers with its status, not a 200 stream
-            events = self._stream(group, header, states, fmt, prompt_tokens, req.include_usage,
+            events = self._stream(group, header, choices, states, fmt, prompt_tokens, req.include_usage,
                                   bool(req.return_token_ids))
             return sse_response(TrackedStream(events, group))
         try:
@@ -153,30 +191,30 @@ class OpenAIServing:
                 fmt.logprobs_of(index, delta, states[index])
         finally:
             await group.close()  # aborts what an engine failure or a gone client left running
-        completion_tokens = sum(s.completion_tokens for s in states)
         final = [fmt.final_choice(i, s) for i, s in enumerate(states)]
         if req.return_token_ids:
             for c, choice, state in zip(final, choices, states):
                 c["token_ids"], c["prompt_token_ids"] = state.token_ids, choice.prompt_ids
-        return json_response(header.whole(final, shapes.usage(prompt_tokens, completion_tokens)))
+        return json_response(header.whole(final, _usage(choices, states, prompt_tokens)))
 
-    async def _stream(self, group: RequestGroup, header: shapes.ResponseHeader, states: list[ChoiceState], fmt,
-                      prompt_tokens: int, include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
+    async def _stream(self, group: RequestGroup, header: shapes.ResponseHeader, choices: list[Choice],
+                      states: list[ChoiceState], fmt, prompt_tokens: int, include_usage: bool,
+                      token_ids: bool = False) -> AsyncIterator[bytes]:
         for choice in fmt.opening(len(states)):  # one choice per chunk, as OpenAI streams
             yield sse_event(header.chunk([choice], None, include_usage))
         try:
             async for index, delta in group:
                 text = states[index].add(delta)
                 logprobs = fmt.logprobs_of(index, delta, states[index])
-                choice = fmt.chunk_choice(index, text, logprobs, delta.finish_reason)
-                if token_ids:
-                    choice["token_ids"] = delta.token_ids
-                yield sse_event(header.chunk([choice], None, include_usage))
+                chunk = fmt.chunk_choices(index, text, logprobs, delta.finish_reason)
+                if token_ids and chunk:
+                    chunk[0]["token_ids"] = delta.token_ids
+                for choice in chunk:
+                    yield sse_event(header.chunk([choice], None, include_usage))
         except ApiError as e:
             yield sse_event(e.body())
             yield DONE
             return
         if include_usage:
-            completion_tokens = sum(s.completion_tokens for s in states)
-            yield sse_event(header.chunk([], shapes.usage(prompt_tokens, completion_tokens), True))
+            yield sse_event(header.chunk([], _usage(choices, states, prompt_tokens), True))
         yield DONE

@@ -54,11 +54,12 @@ class PrefillServing:
         if path == "/v1/completions":
             req = decode_body(body, CompletionRequest)
             check_model(req.model, self.limits)
-            choices = completion_choices(req, completion_prompts(req, self.tokenizer, self.limits), self.limits)
+            choices = completion_choices(req, completion_prompts(req, self.tokenizer, self.limits), self.limits,
+                                         self.tokenizer)
         elif path == "/v1/chat/completions":
             req = decode_body(body, ChatCompletionRequest)
             check_model(req.model, self.limits)
-            choices = chat_choices(req, chat_prompt(req, self.tokenizer, self.limits), self.limits)
+            choices = chat_choices(req, chat_prompt(req, self.tokenizer, self.limits), self.limits, self.tokenizer)
         else:
             prompt_ids, samplings = generate_jobs(decode_body(body, GenerateRequest), self.tokenizer, self.limits,
                                                   stream=path == "/generate_stream")

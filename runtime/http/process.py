@@ -116,7 +116,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     # Hypercorn wraps the fd in its own socket object and closes it; detach so nothing else does.
     fd = own.listen_fd if own.listen_fd is not None else listening_socket(cfg.server.host, cfg.server.port).detach()
     hf = load_tokenizer(cfg.model)
-    tokenizer = PromptTokenizer(hf, vocab_size=cfg.model.vocab_size)
+    fmt = cfg.server.tool_call_format
+    tokenizer = PromptTokenizer(hf, vocab_size=cfg.model.vocab_size, tool_call_format=fmt.value if fmt else None)
     asyncio.run(run_frontend(cfg, spec, tokenizer, fd, api_key))
     log.info("stopped")
 

@@ -7,6 +7,8 @@ import threading
 from functools import lru_cache
 from typing import Optional
 
+from llaunch.runtime.http.tool_calls import template_format
+
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallback
 
 
@@ -30,7 +32,8 @@ def _is_byte_level(hf_tokenizer) -> bool:
 
 
 class PromptTokenizer:
-    def __init__(self, hf_tokenizer, vocab_size: Optional[int] = None):
+    def __init__(self, hf_tokenizer, vocab_size: Optional[int] = None, tool_call_format: Optional[str] = None):
+        """`tool_call_format`: server.tool_call_format (None: the one the chat template speaks)."""
         self.hf = hf_tokenizer
         # The model's vocabulary may be padded beyond the tokenizer's: ids up to it are valid input.
         self.vocab_size = vocab_size or len(hf_tokenizer)
@@ -44,20 +47,38 @@ class PromptTokenizer:
         # the longest token, in characters: a piece's length bounds the text it decodes to (byte-level
         # pieces have one character per byte, SentencePiece pieces one per character)
         self.max_token_chars = max((len(piece) for piece in hf_tokenizer.get_vocab()), default=1)
+        template = getattr(hf_tokenizer, "chat_template", None)
+        self.template_has_tools = isinstance(template, str) and "tools" in template
+        self.tool_format = template_format(template if isinstance(template, str) else None, tool_call_format)
+        self._grammar = None
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
+    @property
+    def grammar(self):
+        """The GrammarCompiler of this tokenizer (made on the first structured request)."""
+        with self._lock:
+            if self._grammar is None:
+                from llaunch.runtime.constrained.compiler import GrammarCompiler
+
+                self._grammar = GrammarCompiler(self.hf, self.vocab_size)
+            return self._grammar
+
     def encode(self, text: str) -> list[int]:
         with self._lock:
             return list(self.hf.encode(text, add_special_tokens=True))
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        # The template already writes BOS and role markers; encoding must not add them twice.
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def encode_plain(self, text: str) -> list[int]:
+        """The text's own tokens, without BOS or other special tokens."""
         with self._lock:
             return list(self.hf.encode(text, add_special_tokens=False))
+
+    def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+        # The template already writes BOS and role markers; encoding must not add them twice.
+        text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return self.encode_plain(text)
 
     def decode(self, ids: list[int]) -> str:
         with self._lock:

@@ -33,6 +33,10 @@ TokenCount = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # the vocabulary is checked against the model
 ChoiceCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+MinTokens = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]  # OpenAI's range
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
 
 @dataclass(frozen=True)

@@ -219,6 +219,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: Optional[str] = None
     kv_transfer_ms: float = 0.0  # pd_prefill: how long sending the KV took
     error: Optional[str] = None  # why, for invalid / overloaded / error / stalled
+    cached_tokens: int = 0  # the first token's delta: prompt tokens the prefix cache served
 
 
 class TokenBatch(_Msg):
@@ -258,6 +259,7 @@ class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     stopped_by_string: bool = False  # the frontend aborts the request at the router
     kv_transfer_ms: float = 0.0  # pd_prefill: how long sending the KV took
     error: Optional[str] = None  # TokenDelta.error
+    cached_tokens: int = 0  # TokenDelta.cached_tokens
 
 
 class TextBatch(_Msg):

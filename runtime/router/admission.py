@@ -7,11 +7,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from llaunch.runtime.constrained.compiler import KINDS, MAX_SPEC_CHARS
 from llaunch.runtime.ipc.messages import AddRequest
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_TOP_LOGPROBS = 20
+MAX_EXCLUSION_IDS = 1 << 17  # banned, allowed, biased and banned-sequence tokens of one request
 
 
 @dataclass(frozen=True)
@@ -54,4 +56,22 @@ def refusal(msg: AddRequest, limits: AdmissionLimits) -> Optional[str]:
     if len(s.stop) > limits.max_stop_strings or any(len(x) > limits.max_stop_string_chars for x in s.stop):
         return (f"more than {limits.max_stop_strings} stop strings, or one longer than "
                 f"{limits.max_stop_string_chars} characters")
+    return _exclusions_refusal(s, limits)
+
+
+def _exclusions_refusal(s, limits: AdmissionLimits) -> Optional[str]:
+    """The token exclusions: ids inside the vocabulary, bounded counts, finite biases."""
+    if not _within(s.min_p, 0.0, 1.0):
+        return f"min_p={s.min_p!r} is outside [0, 1]"
+    if not 0 <= s.min_tokens <= s.max_new_tokens:
+        return f"min_tokens={s.min_tokens} is outside [0, max_new_tokens]"
+    if len(s.bias_ids) != len(s.bias_values) or any(not _within(v, -100.0, 100.0) for v in s.bias_values):
+        return "logit_bias needs one value in [-100, 100] per token"
+    groups = (s.bias_ids, s.banned_ids, s.allowed_ids, *s.banned_sequences)
+    if sum(len(g) for g in groups) > MAX_EXCLUSION_IDS:
+        return f"more than {MAX_EXCLUSION_IDS} biased, banned or allowed token ids"
+    if any(not 0 <= t < limits.vocab_size for g in groups for t in g):
+        return f"a biased, banned or allowed token id is outside the vocabulary [0, {limits.vocab_size})"
+    if s.constraint is not None and (s.constraint.kind not in KINDS or len(s.constraint.spec) > MAX_SPEC_CHARS):
+        return f"a constraint is one of {', '.join(KINDS)} of at most {MAX_SPEC_CHARS} characters"
     return None

@@ -323,6 +323,8 @@ class Scheduler:
                 continue  # finished while this step was out: the token is dropped
             req.output_ids.append(token)
             delta = TokenDelta(request_id=req.id, token_ids=[token])
+            if len(req.output_ids) == 1:
+                delta.cached_tokens = req.num_cached
             if has_lp:
                 delta.logprobs = [result.logprobs[i]]
                 if result.top_ids and result.top_ids[i]:

@@ -159,7 +159,9 @@ def servers(tmp_path_factory, tiny_dirs):
             s.stop()
 
 
-async def complete_all(server, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[list[int]]:
+async def complete_all(server, prompts: list[list[int]], max_tokens: int, concurrency: int,
+                       cached: list[int] | None = None) -> list[list[int]]:
+    """Each prompt's greedy tokens; `cached` gets each one's usage.prompt_tokens_details.cached_tokens."""
     client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     cap = asyncio.Semaphore(concurrency)
 
@@ -167,6 +169,8 @@ async def complete_all(server, prompts: list[list[int]], max_tokens: int, concur
         async with cap:
             out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                                   extra_body={"ignore_eos": True, "return_token_ids": True})
+        if cached is not None:
+            cached.append(out.usage.prompt_tokens_details.cached_tokens)
         return out.choices[0].model_extra["token_ids"]
 
     try:
@@ -183,13 +187,16 @@ def test_servers_with_and_without_the_cache_agree_and_the_cache_flushes(servers)
     # a two-turn conversation, one turn at a time: the second reuses the first's prompt and all its
     # outputs but the last (whose KV was never computed)
     first = systems[0] + random_ids(rng, 10)
-    out_first = asyncio.run(complete_all(cache, [first], 8, 1))[0]
+    cached: list[int] = []
+    out_first = asyncio.run(complete_all(cache, [first], 8, 1, cached))[0]
     second = first + out_first + random_ids(rng, 10)
-    out_second = asyncio.run(complete_all(cache, [second], 8, 1))[0]
+    out_second = asyncio.run(complete_all(cache, [second], 8, 1, cached))[0]
     queries = len(first) + len(second)
     m = wait_for(cache, lambda m: m["prefix_cache_queries_total"] == queries, "queries of the two turns")
     assert m["prefix_cache_hits_total"] == len(first) + 8 - 1
-    assert asyncio.run(complete_all(plain, [first, second], 8, 1)) == [out_first, out_second]
+    assert cached == [0, len(first) + 8 - 1]  # the usage a client sees says the same
+    assert asyncio.run(complete_all(plain, [first, second], 8, 1, cached)) == [out_first, out_second]
+    assert cached[2:] == [0, 0]
 
     # shared system prompts under concurrency: 24 sequences of 80-90 distinct tokens against 300 slots,
     # so entries are evicted while requests run

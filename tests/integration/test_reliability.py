@@ -71,7 +71,7 @@ HOSTILE = [
     # thousands of long stop strings would slow every token of every request (detokenizer)
     (json.dumps({"model": MODEL, "prompt": "x", "stop": ["stop" * 200] * 2000}), "stop"),
     # a field llaunch does not implement is refused, not ignored
-    ('{"model": "tiny-qwen2", "prompt": "x", "guided_json": {"type": "object"}}', "guided_json"),
+    ('{"model": "tiny-qwen2", "prompt": "x", "prompt_logprobs": 1}', "prompt_logprobs"),
     # nesting deep enough to overflow a recursive decoder
     ('{"model": "tiny-qwen2", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", None),
 ]

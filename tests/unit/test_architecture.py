@@ -132,3 +132,13 @@ def test_the_variable_finder_sees_indirect_reads(tmp_path):
     code = tmp_path / "m.py"
     code.write_text('"""Mentions LLAUNCH_GEMV in prose."""\nENV = "LLAUNCH_STEP_TRACE"\nos.getenv(ENV)\n')
     assert _llaunch_variables(code) == [(2, "LLAUNCH_STEP_TRACE")]
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists the packages by hand (the folders map into one `llaunch` namespace): a
+    folder missing there imports from the checkout but not from an installed wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {_module_name(p) for pkg in PACKAGES for p in (REPO / pkg).rglob("__init__.py")}
+    assert folders - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"

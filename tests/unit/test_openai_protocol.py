@@ -34,14 +34,14 @@ def tok() -> PromptTokenizer:
 def completion(tok, **body):
     req = decode_body(json.dumps({"model": "smollm2-135m", **body}).encode(), CompletionRequest)
     check_model(req.model, LIMITS)
-    return completion_choices(req, completion_prompts(req, tok, LIMITS), LIMITS)
+    return completion_choices(req, completion_prompts(req, tok, LIMITS), LIMITS, tok)
 
 
 def chat(tok, **body):
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
     req = decode_body(json.dumps({"model": "smollm2-135m", **body}).encode(), ChatCompletionRequest)
     check_model(req.model, LIMITS)
-    return chat_choices(req, chat_prompt(req, tok, LIMITS), LIMITS)
+    return chat_choices(req, chat_prompt(req, tok, LIMITS), LIMITS, tok)
 
 
 def test_completion_defaults_fill_the_context(tok):
@@ -128,7 +128,18 @@ BAD_COMPLETIONS = [
     (b'{"model": "smollm2-135m", "prompt": "x", "top_k": -2}', 400, "top_k"),
     (b'{"model": "smollm2-135m", "prompt": "x", "logprobs": 21}', 400, "logprobs"),
     (b'{"model": "smollm2-135m", "prompt": "x", "presence_penalty": 3}', 400, "presence_penalty"),
-    (b'{"model": "smollm2-135m", "prompt": "x", "logit_bias": {"5": 1}}', 400, "logit_bias"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "logit_bias": {"five": 1}}', 400, "logit_bias"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "logit_bias": {"99999": 1}}', 400, "logit_bias"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "min_p": 1.5}', 400, "min_p"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "min_tokens": 100}', 400, "min_tokens"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "allowed_token_ids": [49152]}', 400, "allowed_token_ids"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "guided_regex": "(unclosed"}', 400, "guided_regex"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "guided_json": {"type": "wat"}}', 400, "guided_json"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "guided_choice": []}', 400, "guided_choice"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}', 400, "guided_choice"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "guided_decoding_backend": "outlines", "guided_regex": "a"}', 400,
+     "guided_decoding_backend"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "response_format": {"type": "yaml"}}', 400, "response_format.type"),
     (b'{"model": "smollm2-135m", "prompt": "x", "stop": [1]}', 400, "stop[0]"),
     # values the worker's tensors cannot hold, and fan-out: refused before any engine work
     (b'{"model": "smollm2-135m", "prompt": "x", "temperature": 1e400}', 400, "temperature"),
@@ -137,7 +148,7 @@ BAD_COMPLETIONS = [
     (b'{"model": "smollm2-135m", "prompt": "x", "top_k": 99999999999999999999}', 400, "top_k"),
     (b'{"model": "smollm2-135m", "prompt": [123456789012345678901234567890]}', 400, "prompt"),
     (b'{"model": "smollm2-135m", "prompt": "x", "max_tokens": 99999999999999999999}', 400, "max_tokens"),
-    (b'{"model": "smollm2-135m", "prompt": "x", "guided_json": {"type": "object"}}', 400, "guided_json"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "prompt_logprobs": 1}', 400, "prompt_logprobs"),
     (b'{"model": "smollm2-135m", "prompt": "x", "stream_options": {"made_up": true}}', 400,
      "stream_options.made_up"),
     (json.dumps({"model": "smollm2-135m", "prompt": "x", "stop": ["s"] * 33}).encode(), 400, "stop"),
@@ -176,7 +187,7 @@ def test_bad_completion_requests(tok, body, status, param):
     def parse(b):
         req = decode_body(b, CompletionRequest)
         check_model(req.model, LIMITS)
-        return completion_choices(req, completion_prompts(req, tok, LIMITS), LIMITS)
+        return completion_choices(req, completion_prompts(req, tok, LIMITS), LIMITS, tok)
 
     e = _reject(parse, body)
     assert (e.status, e.param) == (status, param), e.message
@@ -188,7 +199,7 @@ def test_bad_chat_requests(tok, body, status, param):
     def parse(b):
         req = decode_body(b, ChatCompletionRequest)
         check_model(req.model, LIMITS)
-        return chat_choices(req, chat_prompt(req, tok, LIMITS), LIMITS)
+        return chat_choices(req, chat_prompt(req, tok, LIMITS), LIMITS, tok)
 
     e = _reject(parse, body)
     assert (e.status, e.param) == (status, param), e.message
@@ -214,7 +225,11 @@ def test_context_error_names_both_numbers(tok):
 @pytest.mark.parametrize("parameters,param", [
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"do_sample": True, "temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"), ({"repetition_penalty": 0.5}, "repetition_penalty"),
-    ({"n": 2}, "n"), ({"stop_sequences": [1.5]}, "stop_sequences"), ({"min_new_tokens": 3}, "min_new_tokens"),
+    ({"n": 2}, "n"), ({"stop_sequences": [1.5]}, "stop_sequences"), ({"min_new_tokens": 0}, "min_new_tokens"),
+    ({"min_new_tokens": 17}, "min_new_tokens"), ({"regular_constraint": "(ab"}, "regular_constraint"),
+    ({"guided_json": "{not json"}, "guided_json"), ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+    ({"regular_constraint": "a+", "guided_json": {"type": "object"}}, "guided_json"),
     ({"temperature": 1e39}, "temperature"), ({"seed": 2**70}, "seed"), ({"top_k": 2**40}, "top_k"),
     ({"stop_sequences": ["x"] * 33}, "stop_sequences"), ({"stop_sequences": ["x" * 513]}, "stop_sequences[0]"),
     ({"best_of": 3, "n": 3, "max_new_tokens": 2}, "best_of"), ({"presence_penalty": 1e300}, "presence_penalty"),

@@ -1,0 +1,61 @@
+"""A chat request's messages as the chat template takes them: text parts joined, earlier tool calls
+and tool results in the template's own fields, or written out in the call format when the template
+knows no tools (then the tools are described in a system message)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.http.tool_calls import call_text, openai_tools
+
+
+def message_text(m, i: int) -> str:
+    if m.content is None or isinstance(m.content, str):
+        if m.content is None and not m.tool_calls and m.role != "assistant":
+            raise bad_request(f"messages[{i}] has no content.", param=f"messages[{i}].content")
+        return m.content or ""
+    parts = []
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type!r}.",
+                              param=f"messages[{i}].content")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def chat_messages(req, fmt: str, template_has_tools: bool) -> tuple[list[dict], Optional[list[dict]]]:
+    """(messages, tools) for the chat template. A template without tools gets them described in a
+    system message, earlier calls written out in the call format and tool results as tool turns."""
+    messages, tools = [], openai_tools(req) or None
+    for i, m in enumerate(req.messages):
+        out: dict[str, Any] = {"role": m.role, "content": message_text(m, i)}
+        if m.tool_calls:
+            calls = [(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls]
+            if template_has_tools:
+                out["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+            else:
+                out["content"] = "\n".join([out["content"], *(call_text(fmt, n, a) for n, a in calls)]).strip()
+        if m.role == "tool":
+            if m.tool_call_id is not None:
+                out["tool_call_id"] = m.tool_call_id
+            if not template_has_tools:
+                out["content"] = f"<tool_response>\n{out['content']}\n</tool_response>"
+        messages.append(out)
+    if tools and not template_has_tools:
+        described = "\n".join(json.dumps(t["function"]) for t in tools)
+        example = call_text(fmt, "<name>", {"<parameter>": "<value>"})
+        system = (f"You can call these tools:\n{described}\nTo call one, answer with:\n{example}")
+        if messages and messages[0]["role"] == "system":
+            messages[0] = dict(messages[0], content=f"{messages[0]['content']}\n\n{system}")
+        else:
+            messages.insert(0, {"role": "system", "content": system})
+        tools = None
+    return messages, tools
+
+
+def _arguments(text: str, i: int) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise bad_request(f"messages[{i}].tool_calls: arguments are not JSON.", param=f"messages[{i}].tool_calls") from None

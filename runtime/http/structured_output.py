@@ -1,0 +1,89 @@
+"""A request's structured output as one Constraint: OpenAI's `response_format` (json_object,
+json_schema), vLLM's `structured_outputs` and `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`, LightLLM's `guided_json` / `guided_grammar` / `regular_constraint`. At most one per
+request; each is compiled here (cached per spec) so a spec the grammar engine refuses is a 400 that
+names the field, before anything reaches the engine."""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from llaunch.runtime.constrained.compiler import ConstraintError
+from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.ipc.messages import Constraint
+
+
+def _schema(value: Any, param: str) -> Constraint:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise bad_request(f"`{param}` is not JSON.", param=param) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"`{param}` must be a JSON schema object.", param=param)
+    return Constraint("json_schema", json.dumps(value))  # key order kept: properties come in it
+
+
+def _choice(values: list[str], param: str) -> Constraint:
+    if not values or not all(isinstance(v, str) and v for v in values):
+        raise bad_request(f"`{param}` must be a non-empty list of non-empty strings.", param=param)
+    return Constraint("grammar", "root ::= " + " | ".join(json.dumps(v) for v in dict.fromkeys(values)))
+
+
+def openai_sources(req) -> list[tuple[str, Constraint]]:
+    """Every structured-output field the OpenAI-shaped request sets, as (field, constraint)."""
+    found: list[tuple[str, Constraint]] = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(("response_format", Constraint("json_object")))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema is None:
+                raise bad_request("response_format of type json_schema needs json_schema.schema.",
+                                  param="response_format.json_schema")
+            found.append(("response_format", _schema(rf.json_schema.schema, "response_format.json_schema.schema")))
+        else:
+            raise bad_request(f"response_format.type {rf.type!r} is not one of text, json_object, json_schema.",
+                              param="response_format.type")
+    so = req.structured_outputs
+    if so is not None:
+        for name, value in (("json", so.json), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar)):
+            if value is not None:
+                found.append((f"structured_outputs.{name}", constraint_from(name, value, f"structured_outputs.{name}")))
+        if so.json_object:
+            found.append(("structured_outputs.json_object", Constraint("json_object")))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, constraint_from(kind, value, name)))
+    if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        raise bad_request(f"guided_decoding_backend {req.guided_decoding_backend!r} is not served (xgrammar only).",
+                          param="guided_decoding_backend")
+    return found
+
+
+def constraint_from(kind: str, value: Any, param: str) -> Constraint:
+    """One field's constraint: kind json (a schema), choice, regex or grammar."""
+    if kind == "json":
+        return _schema(value, param)
+    if kind == "choice":
+        return _choice(value, param)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"`{param}` must be a non-empty string.", param=param)
+    return Constraint("regex" if kind == "regex" else "grammar", value)
+
+
+def one_constraint(sources: list[tuple[str, Constraint]], compiler) -> Optional[Constraint]:
+    """The request's one constraint, compiled once here to refuse a bad spec with a 400."""
+    if not sources:
+        return None
+    if len(sources) > 1:
+        names = ", ".join(name for name, _ in sources)
+        raise bad_request(f"Give one structured output, not several ({names}).", param=sources[1][0])
+    param, constraint = sources[0]
+    try:
+        compiler.compile(constraint)
+    except ConstraintError as e:
+        raise bad_request(f"`{param}`: {e}", param=param) from None
+    return constraint

@@ -1,0 +1,68 @@
+"""Tool calls parsed back from generated text, whole and streamed: the stream, fed in any split,
+reassembles to the same calls and the same content as the whole-text parse."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from llaunch.runtime.http.tool_calls import ToolCallStream, call_text, parse_tool_calls
+
+WEATHER = {"city": "Paris", "days": [1, 2], "unit": "°C"}
+TEXTS = {
+    "hermes": [
+        call_text("hermes", "get_weather", WEATHER),
+        "Let me check. " + call_text("hermes", "get_weather", WEATHER) + "\n" + call_text("hermes", "time", {}),
+        "No tools needed: 2 < 3 and <tool is not a tag.",
+        "  padded   \n" + call_text("hermes", "a", {}) + "\n\n  and more  " + call_text("hermes", "b", {}) + "\n",
+        "<tool_call>\n{\"name\": \"broken\", \"arguments\": {</tool_call> then text",  # not JSON: content
+        "<tool_call>\n{\"name\": \"cut\", \"argu",  # cut by max_tokens: content
+    ],
+    "llama3_json": [
+        call_text("llama3_json", "get_weather", WEATHER),
+        call_text("llama3_json", "a", {"x": 1}) + "; " + call_text("llama3_json", "b", {"y": "}{"}),
+        "Plain answer with {braces} but no call.",
+        '{"name": "cut", "parameters": {"x"',
+    ],
+}
+
+
+def _reassemble(deltas: list[dict]) -> tuple[str, list[dict]]:
+    content, calls = "", {}
+    for d in deltas:
+        content += d.get("content", "")
+        for c in d.get("tool_calls", []):
+            call = calls.setdefault(c["index"], {"name": "", "arguments": ""})
+            call["name"] += c.get("function", {}).get("name", "")
+            call["arguments"] += c.get("function", {}).get("arguments", "")
+            if "id" in c:
+                assert c["type"] == "function" and c["id"].startswith("call_")
+    return content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("fmt,text", [(f, t) for f, texts in TEXTS.items() for t in texts])
+def test_stream_in_any_split_matches_the_whole_parse(fmt, text):
+    content, calls = parse_tool_calls(text, fmt)
+    want_calls = [{"name": c.name, "arguments": c.arguments} for c in calls]
+    for seed in range(5):
+        rng, stream, deltas, at = random.Random(seed), ToolCallStream(fmt), [], 0
+        while at < len(text):
+            step = rng.randint(1, 6)
+            deltas += stream.feed(text[at:at + step])
+            at += step
+        deltas += stream.finish()
+        got_content, got_calls = _reassemble(deltas)
+        assert got_calls == want_calls
+        assert got_content == (content or "")
+
+
+def test_calls_and_content_of_whole_text():
+    content, calls = parse_tool_calls(TEXTS["hermes"][1], "hermes")
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", WEATHER), ("time", {})]
+    assert parse_tool_calls(TEXTS["hermes"][0], "hermes")[0] is None  # only a call: content is null
+    assert parse_tool_calls(TEXTS["hermes"][4], "hermes") == (TEXTS["hermes"][4], [])
+    assert parse_tool_calls(" \n", "hermes") == ("", [])
+    content, calls = parse_tool_calls(TEXTS["llama3_json"][0], "llama3_json")
+    assert content is None and json.loads(calls[0].arguments) == WEATHER  # "parameters" read as arguments
