@@ -36,19 +36,19 @@ MAX_TMA_BOX = 256  # elements per dimension of one TMA copy (the staged GEMV's t
 
 @dataclass(frozen=True)
 class KernelSettings:
-    backend: Backend = Backend.triton
-    gemv: Gemv = Gemv.triton
+    backend: Backend = Backend.triton  # triton kernels, or the plain-torch references everywhere
+    gemv: Gemv = Gemv.triton  # batch-1 decode linear layers: the Triton GEMV or cuBLAS
     # Launch shapes per weight shape, overriding kernels/gemv.py's built-in ones: comma-separated
     # `NxK[:gated]=BLOCK_N/BLOCK_K/WARPS[/STAGES]` (N output rows, K inputs; STAGES ≥ 2 runs the
     # TMA-staged kernel, 0 on the LM head's shape keeps it on cuBLAS). Sweep candidates with
     # `llaunch -m bench=c1 kernels.gemv_shapes=...` on the GPU they are for.
     gemv_shapes: str = ""
-    pdl: Pdl = Pdl.graphs
+    pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
     # after their own wait (late) instead of at their top: early triggering cascades resident grids,
     # which cost decode attention 0.25 ms a step on an H200, while the GEMVs gain from it.
     pdl_kernels: List[str] = field(default_factory=lambda: list(PDL_KERNELS))
-    pdl_late: List[str] = field(default_factory=lambda: ["rotary", "decode_attention"])
+    pdl_late: List[str] = field(default_factory=lambda: ["rotary", "decode_attention"])  # trigger after the wait
 
     def problems(self) -> list[tuple[str, str]]:
         """(key, message) for every invalid value; empty when the settings can be applied."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from pathlib import Path
 
 from llaunch.launcher import gpus
 from llaunch.runtime.config import Device, DType, LlaunchConfig, LoadFormat, Mode, ModelConfig, RouterConfig
@@ -54,10 +55,19 @@ def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
             dtype = checkpoint_dtype(ckpt) or DType.auto
     eos = model.eos_token_ids or (ckpt.eos_token_ids if ckpt and ckpt.eos_token_ids else None)
     return replace(
-        model, **arch, family=family, path=path, tokenizer=_absolute(model.tokenizer) or path,
+        model, **arch, name=model.name or served_name(path) or family, family=family, path=path, tokenizer=_absolute(model.tokenizer) or path,
         load_format=load_format, dtype=dtype, eos_token_ids=eos,
+        sampling_defaults={**(ckpt.sampling if ckpt and model.generation_config else {}), **model.sampling_defaults},
         max_model_len=model.max_model_len or arch["max_position_embeddings"],
     )
+
+
+def served_name(path: str | None) -> str | None:
+    """The name a checkpoint is served under by default: its folder's name, or its .gguf file's stem."""
+    if not path:
+        return None
+    p = Path(path.rstrip("/"))
+    return p.stem if is_gguf(path) else p.name
 
 
 def resolve_router(router: RouterConfig, model: ModelConfig, mode: Mode) -> RouterConfig:

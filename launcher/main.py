@@ -10,6 +10,7 @@ the number of failed jobs, capped at 255.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -20,7 +21,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from llaunch.launcher import bench_job, derive, plan, ports, report, rules, secrets, store
+from llaunch.launcher import bench_job, cli_help, config_keys, derive, plan, ports, report, rules, secrets, store
 from llaunch.runtime.config import Device, LlaunchConfig, RunConfig
 
 EXIT_INVALID = 2
@@ -85,6 +86,10 @@ def _hydra_app(dict_cfg: DictConfig) -> None:
         # Hydra marks a job failed when it raises, runs the sweep's other jobs, then re-raises in main()
         bench_job.run_from_hydra(dict_cfg, HydraConfig.get())
         return
+    unknown = unknown_override_keys(HydraConfig.get().overrides.task)
+    if unknown:  # `+key=value` gets past composition, then fails against the frozen schema
+        report.print_error("invalid configuration", "\n".join(config_keys.unknown_key_message(k) for k in unknown))
+        sys.exit(EXIT_INVALID)
     try:
         composed = OmegaConf.to_object(dict_cfg)
     except OmegaConfBaseException as e:
@@ -95,15 +100,31 @@ def _hydra_app(dict_cfg: DictConfig) -> None:
         sys.exit(code)
 
 
+def unknown_override_keys(overrides) -> list[str]:
+    """Keys of `key=value` overrides that the schema does not have (group choices and hydra.* aside)."""
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
+    return [k for k in keys if not k.startswith("hydra.") and "@" not in k and "/" not in k
+            and k not in store.GROUPS and config_keys.unknown(k)]
+
+
 def _composition_error(e: Exception) -> str:
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else None
     text = str(e) or type(e).__name__
+    full_key = re.search(r"full_key: (\S+)", f"{text}\n{cause}")
+    if full_key and config_keys.unknown(full_key.group(1)):  # Hydra's hint (`+key=...`) would not help
+        return config_keys.unknown_key_message(full_key.group(1))
     if not isinstance(e, HydraException):  # OmegaConf asserts when an override dives into a null group
         text += "\n(overriding a key of an optional group needs the group chosen first, e.g. bench=c64)"
     return f"{text}\n{cause}" if cause is not None and str(cause) not in text else text
 
 
 def main() -> None:
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        print(cli_help.render())
+        return
+    if "--version" in sys.argv[1:]:
+        print(f"llaunch {cli_help.version()}")
+        return
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing: we report composition errors
     try:

@@ -110,6 +110,20 @@ def request_limits_positive(cfg):
                                            "no request would fit")
 
 
+_SAMPLING_RANGES = {"temperature": (0.0, 100.0), "top_p": (1e-9, 1.0), "top_k": (-1, 1 << 30), "min_p": (0.0, 1.0),
+                    "repetition_penalty": (1e-9, 100.0)}
+
+
+@rule()
+def sampling_defaults_valid(cfg):
+    for name, value in cfg.model.sampling_defaults.items():
+        low, high = _SAMPLING_RANGES.get(name, (None, None))
+        if low is None or not isinstance(value, (int, float)) or not low <= value <= high:
+            yield ("model.sampling_defaults",), (
+                f"model.sampling_defaults.{name}={value!r}: the keys are {', '.join(_SAMPLING_RANGES)}, each within "
+                f"its range ({', '.join(f'{k} [{lo}, {hi}]' for k, (lo, hi) in _SAMPLING_RANGES.items())})")
+
+
 @rule()
 def bench_clients_fit(cfg):
     b = cfg.bench

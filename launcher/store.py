@@ -38,6 +38,9 @@ def models_dir() -> str:
 def _writable(node):
     """OmegaConf marks frozen dataclasses read-only, which would refuse every profile merged on top."""
     node._set_flag("readonly", None)
+    if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing() \
+            and OmegaConf.get_type(node) is dict:
+        node._set_flag("struct", False)  # a Dict[str, X] field takes any key (model.sampling_defaults)
     if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
         for key in node.keys():
             _writable(node._get_node(key))

@@ -67,11 +67,13 @@ class Mode(str, Enum):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "smollm2-135m"  # served model name (the OpenAI `model` field)
+    # Served model name (the OpenAI `model` field). None: the checkpoint folder's (or .gguf file's)
+    # name, as vLLM serves a path's last component; without a path, the family.
+    name: Optional[str] = None
     family: Optional[str] = None  # llama | qwen2; None: from config.json's model_type
     path: Optional[str] = None  # Hugging Face folder (config.json, *.safetensors, tokenizer) or .gguf
     tokenizer: Optional[str] = None  # defaults to path
-    load_format: LoadFormat = LoadFormat.auto
+    load_format: LoadFormat = LoadFormat.auto  # auto: from path (.gguf or safetensors); dummy: random weights
     dtype: DType = DType.auto  # auto: config.json's dtype on GPU, float32 on CPU
     seed: int = 0  # dummy weights
     enforce_eager: bool = False  # no CUDA graphs (vLLM's name): for debugging and A/B timing
@@ -80,28 +82,33 @@ class ModelConfig:
     prefill_graph_tokens: int = 1024
     max_model_len: Optional[int] = None  # context length; default: max_position_embeddings
     eos_token_ids: Optional[List[int]] = None  # default: config.json / generation_config.json
-    # Architecture. None: read from `path`/config.json. Sized profiles set them so dummy needs no files.
-    hidden_size: Optional[int] = None
-    intermediate_size: Optional[int] = None
-    num_hidden_layers: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    vocab_size: Optional[int] = None
-    max_position_embeddings: Optional[int] = None
-    rope_theta: Optional[float] = None
-    rope_scaling: Optional[Dict[str, Any]] = None
-    rms_norm_eps: Optional[float] = None
-    tie_word_embeddings: Optional[bool] = None
+    # What an OpenAI request that does not set temperature, top_p, top_k, min_p or repetition_penalty
+    # gets (/generate keeps LightLLM's): generation_config.json's values (as vLLM), then these on top.
+    generation_config: bool = True  # false: ignore generation_config.json's sampling values
+    sampling_defaults: Dict[str, float] = field(default_factory=dict)  # e.g. {temperature: 0.7, top_p: 0.8}
+    # Architecture (config.json's names). None: read from `path`/config.json; sized profiles set them so
+    # dummy weights need no files.
+    hidden_size: Optional[int] = None  # architecture: width of the residual stream
+    intermediate_size: Optional[int] = None  # architecture: MLP width
+    num_hidden_layers: Optional[int] = None  # architecture: decoder layers
+    num_attention_heads: Optional[int] = None  # architecture: query heads
+    num_key_value_heads: Optional[int] = None  # architecture: KV heads (GQA)
+    head_dim: Optional[int] = None  # architecture: None: hidden_size / num_attention_heads
+    vocab_size: Optional[int] = None  # architecture: embedding rows (may exceed the tokenizer's)
+    max_position_embeddings: Optional[int] = None  # architecture: the trained context
+    rope_theta: Optional[float] = None  # architecture: rotary base
+    rope_scaling: Optional[Dict[str, Any]] = None  # architecture: rope_scaling / rope_parameters (llama3, ...)
+    rms_norm_eps: Optional[float] = None  # architecture: RMSNorm epsilon
+    tie_word_embeddings: Optional[bool] = None  # architecture: the LM head shares the embedding
     attention_bias: Optional[bool] = None  # q/k/v bias (Qwen2)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tp: int = 1
-    dp: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
+    tp: int = 1  # tensor parallel ranks per replica (one GPU each)
+    dp: int = 1  # data parallel replicas, each with its own router
+    nnodes: int = 1  # hosts the graph spans
+    node_rank: int = 0  # this host's index (0 runs the HTTP front)
     master_addr: str = "127.0.0.1"  # rendezvous for torch.distributed (node 0's address)
     master_port: Optional[int] = None  # None: allocated
     node_addrs: List[str] = field(default_factory=list)  # nnodes > 1: every node's address, node 0 first
@@ -113,26 +120,26 @@ class CacheConfig:
     mem_fraction: float = 0.9  # share of GPU memory llaunch may use (weights + activations + KV)
     max_total_tokens: Optional[int] = None  # KV slots; None: sized from memory
     cpu_kv_gib: float = 1.0  # KV budget on CPU when max_total_tokens is unset
-    prompt_cache: bool = True
+    prompt_cache: bool = True  # reuse the KV of shared prompt prefixes (a radix tree of finished requests)
 
 
 @dataclass(frozen=True)
 class ModeConfig:
-    kind: Mode = Mode.normal
-    pd_master_host: str = "127.0.0.1"
-    pd_master_port: int = 60011
-    config_server_host: Optional[str] = None
-    config_server_port: int = 60088
+    kind: Mode = Mode.normal  # normal, or a role in prefill/decode disaggregation
+    pd_master_host: str = "127.0.0.1"  # pd_prefill / pd_decode: where the PD master listens
+    pd_master_port: int = 60011  # the PD master's port
+    config_server_host: Optional[str] = None  # several PD masters: the config server they register with
+    config_server_port: int = 60088  # the config server's port
     kv_transfer_port: Optional[int] = None  # pd_decode: first rank's port (rank r: +r); None: allocated
     kv_transport: KvTransport = KvTransport.zmq  # pd_decode: how prefill instances send it KV
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    max_running_requests: int = 1000
+    max_running_requests: int = 1000  # requests in the running batch at once, per replica
     batch_max_tokens: Optional[int] = None  # tokens per forward step; None: derived
-    chunked_prefill: bool = True
-    chunked_prefill_size: int = 4096
+    chunked_prefill: bool = True  # long prompts prefill in chunks that share steps with decodes
+    chunked_prefill_size: int = 4096  # tokens of one prompt per step
     max_wait_tokens: int = 6  # decode steps to run before new prefills join the batch
     token_ratio: float = 0.0  # KV usage below which new requests are admitted without waiting
     # Requests waiting for admission, per replica: beyond it a new request is refused at once (HTTP 503
@@ -141,7 +148,7 @@ class RouterConfig:
     # A step not back after this long means the engine is stalled (a worker hung in a kernel, a
     # remote node gone): /health/ready fails and `on_stall` decides what else happens.
     stall_timeout_s: float = 300.0
-    on_stall: OnStall = OnStall.report
+    on_stall: OnStall = OnStall.report  # report: /health/ready fails; exit: the launcher exits 4
     # A JSONL file that gets one line per step (plan, timings; runtime/router/step_trace.py), for finding
     # where a workload's time goes; dp replica N > 0 writes PATH.N. None: no trace, no timing events.
     step_trace: Optional[str] = None
@@ -149,9 +156,9 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    http_workers: int = 1
+    host: str = "127.0.0.1"  # the HTTP API's interface (0.0.0.0: every interface)
+    port: int = 8000  # the HTTP API's port; 0: any free port
+    http_workers: int = 1  # frontend processes sharing the port
     # Bearer key every API request must carry. Given on the command line it shows in `ps`: prefer
     # $LLAUNCH_API_KEY (conf/server/default.yaml reads it) or api_key_file. Never written to the run dir.
     api_key: Optional[str] = None
@@ -162,8 +169,8 @@ class ServerConfig:
     max_body_bytes: int = 16 * 2**20
     max_prompts_per_request: int = 256  # /v1/completions with a list of prompts
     max_choices_per_request: int = 256  # prompts × n: the engine requests one HTTP request may start
-    max_stop_strings: int = 32
-    max_stop_string_chars: int = 512
+    max_stop_strings: int = 32  # stop strings (and stop token ids, bad words) per request
+    max_stop_string_chars: int = 512  # characters of one stop string
     ready_timeout_s: float = 900.0  # launch: how long the graph may take until every process is ready
     # How the model writes tool calls (OpenAI `tools`); None: the one its chat template speaks.
     tool_call_format: Optional[ToolCallFormat] = None
@@ -171,12 +178,12 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    num_prompts: int = 5
-    input_len: int = 512
-    output_len: int = 256
-    concurrency: int = 1
-    request_rate: float = float("inf")
-    warmup: int = 1
+    num_prompts: int = 5  # requests the benchmark sends
+    input_len: int = 512  # prompt tokens each
+    output_len: int = 256  # tokens generated each (ignore_eos)
+    concurrency: int = 1  # requests in flight at once
+    request_rate: float = float("inf")  # arrivals per second (Poisson); inf: all at once, capped by concurrency
+    warmup: int = 1  # requests sent first and not counted
     shared_prefix_groups: int = 0  # > 0: prompts share one of this many system prompts (prompt cache)
     shared_prefix_len: int = 0  # tokens of each shared system prompt
     multi_turn: int = 1  # turns per conversation, each re-sending the history
@@ -197,8 +204,8 @@ class LlaunchConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     kernels: KernelSettings = field(default_factory=KernelSettings)
     bench: Optional[BenchConfig] = None
-    device: Device = Device.auto
-    dry_run: bool = False
+    device: Device = Device.auto  # auto: cuda when a GPU is visible, else cpu
+    dry_run: bool = False  # validate and print the process graph; start nothing
     log_level: LogLevel = LogLevel.INFO  # every process's log
 
 

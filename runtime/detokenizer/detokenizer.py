@@ -26,6 +26,8 @@ class OpenRequest:
     opened: RequestOpened
     decoder: IncrementalDecoder
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
+    first_output_time: Optional[float] = None
     last_output_time: Optional[float] = None
 
 
@@ -74,6 +76,7 @@ class Detokenizer:
     # ---- one request's step ---------------------------------------------------------------------
 
     def _advance(self, req: OpenRequest, delta: TokenDelta, now: float) -> Optional[TextDelta]:
+        req.cached_tokens = max(req.cached_tokens, delta.cached_tokens)
         pieces: list[str] = []
         used = 0
         for token_id in delta.token_ids:
@@ -91,6 +94,7 @@ class Detokenizer:
             del self.requests[delta.request_id]
             self.metrics.finished(req.opened.arrival_time, now, finish)
             self.finished_since_snapshot = True
+            _log_finished(req, delta, finish, now)
         return TextDelta(
             request_id=delta.request_id, text="".join(pieces), token_ids=delta.token_ids[:used],
             logprobs=delta.logprobs[:used], top_ids=delta.top_ids[:used],
@@ -103,6 +107,7 @@ class Detokenizer:
         if tokens == 0:
             return
         if req.last_output_time is None:
+            req.first_output_time = now
             self.metrics.first_token(req.opened.arrival_time, now, req.opened.prompt_len)
         else:
             self.metrics.token_gap(now - req.last_output_time)
@@ -124,3 +129,14 @@ class Detokenizer:
         self.finished_since_snapshot = False
         return MetricsSnapshot(time=now, text=self.metrics.render(), running=self.metrics.num_running,
                                waiting=self.metrics.num_waiting, stalled_replicas=self.metrics.stalled_replicas)
+
+
+def _log_finished(req: OpenRequest, delta: TokenDelta, finish: str, now: float) -> None:
+    """One INFO line per finished request: what it cost and how it went."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    arrival = req.opened.arrival_time
+    ttft = f"{(req.first_output_time - arrival) * 1e3:.0f} ms" if req.first_output_time is not None else "-"
+    log.info("request %s %s: %d prompt (%d cached) + %d output tokens, TTFT %s, latency %.0f ms%s",
+             delta.request_id, finish, req.opened.prompt_len, req.cached_tokens, req.completion_tokens, ttft,
+             (now - arrival) * 1e3, f" ({delta.error})" if delta.error else "")

@@ -11,7 +11,7 @@ from quart import Quart, Response, request
 
 from llaunch.runtime.config import RunConfig
 from llaunch.runtime.http.engine_client import EngineClient, current_pd_link
-from llaunch.runtime.http.errors import ApiError, draining, error_response, json_response
+from llaunch.runtime.http.errors import ApiError, draining, error_response, json_response, model_not_found
 from llaunch.runtime.http.generate_api import GenerateApi
 from llaunch.runtime.http.guards import gatekeeper, json_errors
 from llaunch.runtime.http.lifecycle import Lifecycle
@@ -20,6 +20,7 @@ from llaunch.runtime.http.openapi import openapi_document
 from llaunch.runtime.http.pd_instance import PrefillServing, link_from_headers
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import RequestLimits
+from llaunch.runtime.http.tokenize_api import TokenizeApi
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class FrontendSettings:
         limits = RequestLimits(served_name=m.name, max_model_len=max_len, vocab_size=m.vocab_size or tokenizer.vocab_size,
                                max_prompts=s.max_prompts_per_request, max_choices=s.max_choices_per_request,
                                max_stop_strings=s.max_stop_strings, max_stop_string_chars=s.max_stop_string_chars,
-                               max_chars_per_token=tokenizer.max_token_chars)
+                               max_chars_per_token=tokenizer.max_token_chars,
+                               sampling_defaults=dict(m.sampling_defaults))
         return FrontendSettings(limits=limits, api_key=api_key, max_body_bytes=s.max_body_bytes,
                                 request_timeout_s=s.request_timeout_s)
 
@@ -96,11 +98,28 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
     async def generate_stream() -> Response:
         return await serve(lightllm.generate_stream)
 
+    card = {"id": limits.served_name, "object": "model", "created": created, "owned_by": "llaunch",
+            "root": limits.served_name, "max_model_len": limits.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": limits.served_name, "object": "model", "created": created, "owned_by": "llaunch",
-                "root": limits.served_name, "max_model_len": limits.max_model_len}
         return json_response({"object": "list", "data": [card]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        if model_id != limits.served_name:
+            return error_response(model_not_found(model_id))
+        return json_response(card)
+
+    tokens = TokenizeApi(tokenizer, limits)
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        return await tokens.tokenize(await request.get_data())
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        return await tokens.detokenize(await request.get_data())
 
     @app.get("/health/live")
     async def live() -> Response:

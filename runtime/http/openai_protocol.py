@@ -284,12 +284,19 @@ def _choices(req: _GenerationRequest, prompts: list[list[int]], limits: RequestL
 
 
 def _sampling_fields(req: _GenerationRequest, limits: RequestLimits, tokenizer: PromptTokenizer) -> dict:
-    temperature = greedy_temperature(1.0 if req.temperature is None else req.temperature)
-    top_k = -1 if req.top_k in (None, 0) else req.top_k  # 0 and -1 both mean: no top-k
-    fields = dict(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+    defaults = limits.sampling_defaults  # the checkpoint's generation_config.json, model.sampling_defaults
+
+    def value(name: str, off: float) -> float:
+        given = getattr(req, name)
+        return given if given is not None else defaults.get(name, off)
+
+    temperature = greedy_temperature(value("temperature", 1.0))
+    top_k = int(value("top_k", -1))
+    top_k = -1 if top_k == 0 else top_k  # 0 and -1 both mean: no top-k
+    fields = dict(temperature=temperature, top_p=value("top_p", 1.0),
                   top_k=-1 if top_k >= limits.vocab_size else top_k,  # the whole vocabulary: no top-k
                   presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                  repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+                  repetition_penalty=value("repetition_penalty", 1.0))
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     fields["stop"] = check_stop_strings(stop, limits, "stop")
     if len(req.stop_token_ids or []) > limits.max_stop_strings:
@@ -298,7 +305,7 @@ def _sampling_fields(req: _GenerationRequest, limits: RequestLimits, tokenizer: 
     fields["stop_token_ids"] = list(req.stop_token_ids or [])
     fields["ignore_eos"] = bool(req.ignore_eos)
     fields["skip_special_tokens"] = True if req.skip_special_tokens is None else req.skip_special_tokens
-    fields["min_p"] = req.min_p or 0.0
+    fields["min_p"] = value("min_p", 0.0)
     fields["min_tokens"] = req.min_tokens or 0
     fields["bias_ids"], fields["bias_values"] = logit_bias_of(req.logit_bias, limits)
     fields["banned_ids"], fields["banned_sequences"] = bad_words_of(req.bad_words, tokenizer, limits)

@@ -10,6 +10,7 @@ import msgspec
 from llaunch.runtime.http.generate_api import GenerateRequest
 from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 from llaunch.runtime.http.request_limits import RequestLimits
+from llaunch.runtime.http.tokenize_api import DetokenizeRequest, TokenizeChat, TokenizeCompletion
 
 
 class ErrorDetail(msgspec.Struct):
@@ -24,7 +25,8 @@ class ErrorBody(msgspec.Struct):
 
 
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-           "/generate": GenerateRequest, "/generate_stream": GenerateRequest}
+           "/generate": GenerateRequest, "/generate_stream": GenerateRequest, "/tokenize": (TokenizeCompletion, TokenizeChat),
+           "/detokenize": DetokenizeRequest}
 _GETS = {"/v1/models": "The served model.", "/health": "Ready to serve (as /health/ready).",
          "/health/live": "The process answers.", "/health/ready": "Ready to serve new requests.",
          "/metrics": "Prometheus metrics (text).", "/openapi.json": "This document."}
@@ -37,6 +39,11 @@ def _responses(ok: str, content_types: tuple[str, ...] = ("application/json",)) 
             "5XX": {"description": "The server could not serve it (draining, overloaded, stalled).", **error}}
 
 
+def _body_schema(body, ref: dict) -> dict[str, Any]:
+    """One struct's schema, or any of several (a route that takes either shape)."""
+    return {"anyOf": [ref[b] for b in body]} if isinstance(body, tuple) else ref[body]
+
+
 def _narrow(schema: dict[str, Any], field: str, **bounds: Any) -> None:
     """Tighten a property's non-null alternative with what this server's model allows."""
     prop = schema["properties"].get(field)
@@ -47,7 +54,8 @@ def _narrow(schema: dict[str, Any], field: str, **bounds: Any) -> None:
 
 
 def openapi_document(limits: RequestLimits, api_key: bool) -> dict[str, Any]:
-    types = [CompletionRequest, ChatCompletionRequest, GenerateRequest, ErrorBody]
+    types = [CompletionRequest, ChatCompletionRequest, GenerateRequest, TokenizeCompletion, TokenizeChat,
+             DetokenizeRequest, ErrorBody]
     refs, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         _narrow(components[name], "model", enum=[limits.served_name])
@@ -60,7 +68,7 @@ def openapi_document(limits: RequestLimits, api_key: bool) -> dict[str, Any]:
         streams = ("application/json", "text/event-stream")
         paths[path] = {"post": {"operationId": path.strip("/").replace("/", "_"),
                                 "requestBody": {"required": True,
-                                                "content": {"application/json": {"schema": ref[body]}}},
+                                                "content": {"application/json": {"schema": _body_schema(body, ref)}}},
                                 "responses": _responses("The generated text.", streams)}}
     for path, what in _GETS.items():
         kind = ("text/plain",) if path == "/metrics" else ("application/json",)

@@ -75,9 +75,11 @@ class PromptTokenizer:
         with self._lock:
             return list(self.hf.encode(text, add_special_tokens=False))
 
-    def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None,
+                    add_generation_prompt: bool = True) -> list[int]:
         # The template already writes BOS and role markers; encoding must not add them twice.
-        text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False)
         return self.encode_plain(text)
 
     def decode(self, ids: list[int]) -> str:

@@ -8,8 +8,8 @@ the OpenAPI schema carries the same bounds. Bounds that depend on the model or t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Any, Optional
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Mapping, Optional
 
 import msgspec
 
@@ -52,6 +52,9 @@ class RequestLimits:
     # characters per context token tokenizes into more tokens than the context holds, so it is
     # refused without being tokenized (PromptTokenizer.max_token_chars)
     max_chars_per_token: int = 64
+    # what a request that leaves temperature, top_p, top_k, min_p, repetition_penalty unset gets
+    # (model.sampling_defaults, generation_config.json's values included)
+    sampling_defaults: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def max_prompt_chars(self) -> int:

@@ -40,6 +40,12 @@ class Checkpoint:
     dtype: Optional[str] = None  # as written (torch_dtype / dtype); None for GGUF
     eos_token_ids: list[int] = field(default_factory=list)
     unsupported: list[str] = field(default_factory=list)  # features it uses that llaunch does not run
+    sampling: dict[str, float] = field(default_factory=dict)  # generation_config.json's sampling defaults
+
+
+# The sampling values of generation_config.json a request inherits when it does not set them (as vLLM's
+# --generation-config auto): the model's authors chose them for its chat use.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def is_gguf(path: Optional[str]) -> bool:
@@ -106,8 +112,11 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
         eos += [t for t in _eos_list(generation.get("eos_token_id")) if t not in eos]
     dtype = c.get("torch_dtype", c.get("dtype"))
     unsupported = [f"{key}=true" for key in ("mlp_bias", "use_sliding_window") if c.get(key)]
+    sampling = {k: float(generation[k]) for k in SAMPLING_KEYS
+                if generation and isinstance(generation.get(k), (int, float)) and not isinstance(generation[k], bool)}
     return Checkpoint(family=family, arch={k: v for k, v in arch.items() if v is not None},
-                      dtype=str(dtype) if dtype is not None else None, eos_token_ids=eos, unsupported=unsupported)
+                      dtype=str(dtype) if dtype is not None else None, eos_token_ids=eos, unsupported=unsupported,
+                      sampling=sampling)
 
 
 def _from_hf_folder(folder: str) -> Checkpoint:

@@ -23,13 +23,32 @@ def llaunch(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.C
                           env=dict(os.environ, COLUMNS="200", **(env or {})))
 
 
-def test_help_lists_groups_and_profiles(tmp_path):
+def test_help_lists_profiles_and_every_key_with_type_default_and_description(tmp_path):
     r = llaunch(tmp_path, "--help")
     assert r.returncode == 0, r.stderr
-    assert "llaunch" in r.stdout and "Configuration groups" in r.stdout
     assert "model: llama, llama3-8b, qwen2, qwen2-0.5b, qwen2-72b, qwen2-7b, smollm2-135m, tiny-llama, tiny-qwen2" \
         in r.stdout
-    assert "_schema" not in r.stdout.split("== Config ==")[0]  # schemas are not user-facing options
+    assert "_schema" not in r.stdout  # schemas are not user-facing options
+    assert "  router.max_running_requests  int = 1000\n      requests in the running batch" in r.stdout
+    assert "  server.tool_call_format  hermes|llama3_json? = null\n" in r.stdout
+    lines = r.stdout.split("Keys (")[1].splitlines()
+    keys = [i for i, line in enumerate(lines) if line.startswith("  ") and line[2] != " " and " = " in line]
+    assert len(keys) > 80
+    for i in keys:  # each key line is followed by its description
+        assert lines[i + 1].startswith("      ") and lines[i + 1].strip(), f"{lines[i]} has no description"
+    version = llaunch(tmp_path, "--version")
+    assert version.returncode == 0 and version.stdout.strip() == "llaunch 0.1.0"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("router.max_runing_requests=64", "did you mean router.max_running_requests"),
+    ("+router.max_runing_requests=64", "did you mean router.max_running_requests"),
+    ("+devcie=cpu", "did you mean device"),
+    ("server.prot=1", "did you mean server.port"),
+])
+def test_a_misspelled_key_exits_2_naming_the_closest_one(tmp_path, override, message):
+    r = llaunch(tmp_path, override, "dry_run=true")
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path):

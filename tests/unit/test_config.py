@@ -138,6 +138,7 @@ def test_smollm2_profile_and_gguf_reader_agree_with_transformers(compose_config)
     assert ckpt.eos_token_ids == [hf["eos_token_id"]] == profile.eos_token_ids
     resolved = derive.resolve_model(ModelConfig(path=str(smollm2_gguf())), Device.cpu)
     assert resolved.head_dim == hf["head_dim"] and resolved.load_format == LoadFormat.gguf
+    assert resolved.name == smollm2_gguf().stem  # served under the file's name
     assert resolved.attention_bias is False
 
 
@@ -167,7 +168,20 @@ def test_resolve_reads_a_qwen2_folder(tmp_path):
     assert m.dtype == DType.bfloat16 and m.load_format == LoadFormat.safetensors
     assert m.eos_token_ids == [7, 9]  # config.json's, then generation_config.json's extras
     assert m.tokenizer == str(tmp_path)
+    assert m.name == tmp_path.name  # served under the folder's name, as vLLM serves a path's last part
+    assert derive.resolve_model(ModelConfig(path=str(tmp_path) + "/", name="mine"), Device.cpu).name == "mine"
     assert derive.resolve_model(ModelConfig(path=str(tmp_path)), Device.cpu).dtype == DType.float32
+
+
+def test_sampling_defaults_come_from_generation_config_then_the_profile(tmp_path):
+    from transformers import GenerationConfig
+
+    write_hf_config(tmp_path, "llama")
+    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, repetition_penalty=1.1).save_pretrained(tmp_path)
+    m = derive.resolve_model(ModelConfig(path=str(tmp_path), sampling_defaults={"top_p": 0.5}), Device.cpu)
+    assert m.sampling_defaults == {"temperature": 0.6, "top_p": 0.5, "repetition_penalty": 1.1}
+    off = derive.resolve_model(ModelConfig(path=str(tmp_path), generation_config=False), Device.cpu)
+    assert off.sampling_defaults == {}
 
 
 def test_resolve_reads_older_spellings(tmp_path):
@@ -200,6 +214,7 @@ def test_resolve_without_a_checkpoint():
     m = derive.resolve_model(ModelConfig(family="qwen2", hidden_size=64, num_attention_heads=8), Device.cuda)
     assert m.head_dim == 8 and m.attention_bias is True and m.tie_word_embeddings is False
     assert m.dtype == derive.GPU_FALLBACK_DTYPE and m.load_format == LoadFormat.auto and m.max_model_len is None
+    assert m.name == "qwen2"  # no path: the family
 
 
 def test_unreadable_checkpoints_raise(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import random
 
@@ -290,3 +291,19 @@ def test_special_tokens_per_request(tokenizer):
                                           TokenDelta("0-b", ids, finish_reason="stop")]), 1.0)
     assert [d.text for d in out[0].deltas] == ["ok", "ok<|im_end|>"]
     assert not any(d.stopped_by_string for d in out[0].deltas)
+
+
+def test_each_finished_request_is_one_log_line(tokenizer, caplog):
+    detok = Detokenizer(tokenizer, model_name="smollm2")
+    ids = tokenizer.encode("three more words")
+    detok.handle(opened("0-7", prompt_len=40, arrival=100.0), 100.0)
+    with caplog.at_level(logging.INFO, logger="llaunch.runtime.detokenizer.detokenizer"):
+        for i, token in enumerate(ids):
+            last = i == len(ids) - 1
+            detok.handle(TokenBatch(deltas=[TokenDelta(request_id="0-7", token_ids=[token], cached_tokens=32 if i == 0
+                                                       else 0, finish_reason="stop" if last else None)]),
+                         100.25 + i * 0.01)
+    [line] = [r.getMessage() for r in caplog.records]
+    latency = (len(ids) - 1) * 10 + 250
+    assert line == (f"request 0-7 stop: 40 prompt (32 cached) + {len(ids)} output tokens, TTFT 250 ms, "
+                    f"latency {latency} ms")

@@ -372,3 +372,31 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(tok):
         assert not srv.thread.is_alive()  # drained: the server stopped by itself
     finally:
         srv.stop()
+
+
+def test_model_card_tokenize_and_detokenize(server, tok):
+    card = server.openai().models.retrieve(MODEL)
+    assert card.id == MODEL and card.max_model_len == LIMITS.max_model_len
+    with pytest.raises(openai.NotFoundError):
+        server.openai().models.retrieve("gpt-9")
+
+    def post(path: str, body: dict):
+        status, _, data = server.raw("POST", path, json.dumps(body).encode())
+        return status, json.loads(data)
+
+    text = "Hello there, tokenizer."
+    status, out = post("/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+    assert status == 200 and out["tokens"] == tok.hf.encode(text) and out["count"] == len(out["tokens"])
+    assert "".join(out["token_strs"]) == tok.hf.decode(out["tokens"]) and out["max_model_len"] == LIMITS.max_model_len
+    messages = [{"role": "user", "content": text}]
+    status, out = post("/tokenize", {"messages": messages})
+    want = tok.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert status == 200 and out["tokens"] == tok.hf.encode(want, add_special_tokens=False)
+    assert out["token_strs"] is None
+    assert post("/detokenize", {"model": MODEL, "tokens": out["tokens"]}) == (200, {"prompt": want})
+    for path, body, param in [("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/tokenize", {"prompt": "x", "made_up": 1}, "made_up"),
+                              ("/tokenize", {"messages": []}, "messages"),
+                              ("/tokenize", {"model": "gpt-9", "prompt": "x"}, "model")]:
+        status, out = post(path, body)
+        assert 400 <= status < 500 and out["error"]["param"] == param, (path, body, out)

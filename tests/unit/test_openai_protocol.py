@@ -252,3 +252,19 @@ def test_token_bytes_are_raw_utf8_pieces(tok):
     ids = tok.hf.encode("héllo 日本", add_special_tokens=False)
     assert b"".join(tok.token_bytes(i) for i in ids) == "héllo 日本".encode()
     assert "".join(tok.token_text(i) for i in tok.hf.encode("plain words", add_special_tokens=False)) == "plain words"
+
+
+def test_unset_sampling_fields_take_the_models_defaults(tok):
+    defaults = {"temperature": 0.3, "top_p": 0.8, "top_k": 20.0, "min_p": 0.05, "repetition_penalty": 1.05}
+    limits = dataclasses.replace(LIMITS, sampling_defaults=defaults)
+
+    def sampling(**body):
+        req = decode_body(json.dumps({"prompt": "x", "max_tokens": 2, **body}).encode(), CompletionRequest)
+        return completion_choices(req, completion_prompts(req, tok, limits), limits, tok)[0].sampling
+
+    s = sampling()
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (0.3, 0.8, 20, 0.05, 1.05)
+    s = sampling(temperature=0, top_p=1, top_k=0, min_p=0, repetition_penalty=1)  # a request's own values win
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (0.0, 1.0, -1, 0.0, 1.0) and s.greedy
+    plain = completion(tok, prompt="x", max_tokens=2)[0].sampling  # no defaults: OpenAI's
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.min_p) == (1.0, 1.0, -1, 0.0)

@@ -56,6 +56,7 @@ BREAKS = {
     "request_limits_positive": [["server.max_stop_strings=0"], ["router.max_waiting_requests=0"],
                                 ["server.max_body_bytes=10"]],
     "bench_clients_fit": [["bench=c1", "bench.client_procs=2"]],
+    "sampling_defaults_valid": [["model.sampling_defaults={temperature:-1}"], ["model.sampling_defaults={beams:2}"]],
     "api_key_source": [["server.api_key=k", "server.api_key_file=/etc/hostname"],
                        ["server.api_key_file=/no/such/key"], ["server.api_key_file=/dev/null"]],
     "family_supported": [["model.family=mistral"]],
