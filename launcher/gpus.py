@@ -29,6 +29,33 @@ def _nvml_count() -> int | None:
         nvml.nvmlShutdown()
 
 
+class _MemoryInfo(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+@functools.cache
+def memory_bytes() -> int | None:
+    """The smallest total memory of this machine's NVIDIA GPUs (NVML), or None where NVML cannot tell."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count, sizes = ctypes.c_uint(0), []
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        for i in range(count.value):
+            handle, info = ctypes.c_void_p(), _MemoryInfo()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) == 0 \
+                    and nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(info)) == 0:
+                sizes.append(info.total)
+        return min(sizes) if sizes else None
+    finally:
+        nvml.nvmlShutdown()
+
+
 def _torch_count() -> int:
     """torch's count, in a child process (it honours CUDA_VISIBLE_DEVICES itself)."""
     code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"

@@ -21,7 +21,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from llaunch.launcher import bench_job, cli_help, config_keys, derive, plan, ports, report, rules, secrets, store
+from llaunch.launcher import (bench_job, cli_help, config_keys, derive, memory_plan, plan, ports, report, rules,
+                              secrets, store)
 from llaunch.runtime.config import Device, LlaunchConfig, RunConfig
 
 EXIT_INVALID = 2
@@ -66,6 +67,9 @@ def launch(composed: LlaunchConfig, run_dir: Path) -> int:
             if composed.device == Device.auto and cfg.device == Device.cpu:
                 report.err.print("[dim]device=auto is cpu on this machine; pass device=cuda to plan GPUs[/]")
             report.print_dry_run_notes(rules.warnings(cfg), rules.pending(cfg))
+            memory = memory_plan.summary(cfg)
+            if memory:
+                report.err.print(f"[dim]{memory}[/]")
             report.print_graph(run_config)
             return 0
         from llaunch.launcher.supervise import run_graph  # imports zmq and the runtime: only when serving

@@ -13,6 +13,7 @@ import socket
 
 from llaunch.launcher import gpus, secrets
 # check_all, warnings, pending and RULES are called through this module, which fills the registry
+from llaunch.launcher import memory_plan  # noqa: F401 (registers weights_fit_memory)
 from llaunch.launcher.rule_registry import RULES, check_all, get, pending, rule, warnings  # noqa: F401
 from llaunch.runtime.config import Device, DType, LlaunchConfig, LoadFormat, Mode
 from llaunch.runtime.models.checkpoint import is_gguf, read_checkpoint

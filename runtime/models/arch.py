@@ -53,6 +53,8 @@ class ModelArch:
     def num_params(self) -> int:
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        if self.attention_bias:  # q, k, v biases (and o's for Llama)
+            attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads) + (h if self.o_proj_bias else 0)
         layer = attn + 3 * h * self.intermediate_size + 2 * h
         heads = 1 if self.tie_word_embeddings else 2
         return self.num_hidden_layers * layer + heads * self.vocab_size * h + h

@@ -7,18 +7,12 @@ import torch
 
 from llaunch.runtime.config import KvTransport, Mode
 from llaunch.runtime.kv_transfer.nccl_pairing import NCCL_PAIR_RESERVE, NCCL_PARKING_BYTES
-
-GiB = 1 << 30
+from llaunch.runtime.models.memory import GiB, activation_bytes
 
 
 def activation_reserve_bytes(cfg, model) -> int:
-    """Peak transient memory of one step: hidden states and MLP intermediates of batch_max_tokens
-    tokens, the float32 logits and sampling buffers of the largest batch, plus CUDA graph pools."""
-    a = model.arch
-    tokens = cfg.router.batch_max_tokens
-    per_token = (6 * a.hidden_size + 3 * a.intermediate_size // cfg.parallel.tp) * 4
-    logits = max(cfg.router.max_running_requests, 1) * a.vocab_size * 4 * 4
-    return tokens * per_token + logits + 2 * GiB + kv_link_reserve_bytes(cfg)
+    """Peak transient memory of one step (runtime/models/memory.py) and what the KV transport holds."""
+    return activation_bytes(cfg, model.arch) + kv_link_reserve_bytes(cfg)
 
 
 def kv_link_reserve_bytes(cfg) -> int:

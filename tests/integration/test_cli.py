@@ -120,3 +120,14 @@ def test_sweep_dry_runs_every_job(tmp_path):
     assert r.returncode == 0, r.stderr
     kinds = [load_run_config(str(tmp_path / "sweep" / str(i) / "config.yaml")).mode.kind.value for i in (0, 1)]
     assert kinds == ["normal", "pd_master"]
+
+
+def test_dry_run_reports_memory_and_a_start_that_cannot_fit_exits_2(tmp_path):
+    dry = llaunch(tmp_path, "model=qwen2-7b", "model.load_format=dummy", "device=cuda", "parallel=tp2",
+                  "dry_run=true")
+    assert dry.returncode == 0, dry.stderr
+    # 7,615,616,512 bfloat16 parameters over two ranks; 28 layers x 2 KV heads x 128 x (K, V) x 2 bytes
+    assert "weights 7.1 GiB (bfloat16)" in dry.stderr and "KV 28 KiB per token" in dry.stderr
+    (tmp_path / "live").mkdir()  # Qwen2-72B in float32 on CPU: 271 GiB of weights, more than any CI host
+    live = llaunch(tmp_path / "live", "model=qwen2-72b", "model.load_format=dummy", "device=cpu")
+    assert live.returncode == 2 and "weights_fit_memory" in live.stderr and "host's" in live.stderr, live.stderr

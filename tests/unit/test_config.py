@@ -253,3 +253,18 @@ def test_resolve_sets_a_concrete_device(compose_config):
     cpu = derive.resolve(compose_config("model=tiny-llama", "device=cpu"))
     assert cpu.device == Device.cpu and cpu.model.dtype == DType.float32
     assert cpu.router.batch_max_tokens == 4096 and cpu.model.max_model_len == 512
+
+
+@pytest.mark.parametrize("profile,tp", [("qwen2-7b", 2), ("qwen2-72b", 8), ("smollm2-135m", 1)])
+def test_rank_memory_is_the_published_parameters_over_tp(compose_config, profile, tp):
+    """The plan's estimate: the checkpoint's parameter count (transformers' own, above) split over tp,
+    and K and V of each layer's KV heads on this rank."""
+    from llaunch.runtime.models.memory import DTYPE_BYTES, rank_memory
+
+    cfg = derive.resolve(compose_config(f"model={profile}", f"parallel.tp={tp}", "device=cuda"))
+    m = cfg.model
+    mem = rank_memory(cfg)
+    itemsize = DTYPE_BYTES[m.dtype]  # bfloat16 on a GPU; SmolLM2's folder is float32
+    assert mem.weights == -(-PUBLISHED_PARAMS[profile] // tp) * itemsize
+    kv_heads = max(1, m.num_key_value_heads // tp)
+    assert mem.kv_per_token == 2 * m.num_hidden_layers * kv_heads * m.head_dim * itemsize

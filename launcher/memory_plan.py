@@ -1,0 +1,88 @@
+"""Memory in the plan: what one rank holds (runtime/models/memory.py's estimate: weights, a step's
+activations, KV per token), printed by a dry run, and the rule that refuses a model whose weights do
+not fit this machine before anything starts (on a GPU: within cache.mem_fraction of the smallest
+GPU; on CPU: with the KV budget, within the host's memory)."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from llaunch.launcher import gpus
+from llaunch.launcher.rule_registry import get, rule
+from llaunch.runtime.config import Device, LlaunchConfig, Mode
+from llaunch.runtime.models.memory import GiB, RankMemory, rank_memory
+
+_ARCH = ("model.family", "model.hidden_size", "model.intermediate_size", "model.num_hidden_layers",
+         "model.num_attention_heads", "model.vocab_size", "model.max_position_embeddings", "router.batch_max_tokens")
+_SERVING = (Mode.normal, Mode.pd_prefill, Mode.pd_decode)
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+
+
+def kv_budget_bytes(cfg: LlaunchConfig, mem: RankMemory, device_bytes: Optional[int]) -> Optional[int]:
+    """What the KV cache gets: cache.max_total_tokens, the CPU budget, or the GPU's memory left."""
+    if cfg.cache.max_total_tokens:
+        return cfg.cache.max_total_tokens * mem.kv_per_token
+    if cfg.device == Device.cpu:
+        return int(cfg.cache.cpu_kv_gib * GiB)
+    if device_bytes is None:
+        return None
+    return int(device_bytes * cfg.cache.mem_fraction) - mem.before_kv
+
+
+def _rank_memory(cfg: LlaunchConfig) -> Optional[RankMemory]:
+    """The estimate, or None when the model is not known well enough (other rules say why)."""
+    if cfg.mode.kind not in _SERVING or any(get(cfg, k) is None for k in _ARCH):
+        return None
+    try:
+        return rank_memory(cfg)
+    except (ValueError, KeyError):  # an unsupported family or dtype: family_supported & co. report it
+        return None
+
+
+def summary(cfg: LlaunchConfig) -> Optional[str]:
+    """One line for the dry run, or None when the architecture is not known yet."""
+    mem = _rank_memory(cfg)
+    if mem is None:
+        return None
+    line = (f"memory per rank (estimate): weights {_gib(mem.weights)} ({cfg.model.dtype.value}), step activations "
+            f"{_gib(mem.activations)}, KV {mem.kv_per_token / 1024:.0f} KiB per token")
+    device_bytes = gpus.memory_bytes() if cfg.device == Device.cuda else None
+    budget = kv_budget_bytes(cfg, mem, device_bytes)
+    if budget is None:
+        return line + f"; a GPU needs {_gib(mem.before_kv)} within cache.mem_fraction before any KV"
+    where = f" of {_gib(device_bytes)} per GPU" if device_bytes and not cfg.cache.max_total_tokens else ""
+    return line + f"; KV {_gib(max(budget, 0))}{where}: {max(budget, 0) // mem.kv_per_token:,} tokens"
+
+
+@rule(needs=_ARCH, live="warn")
+def weights_fit_memory(cfg):
+    mem = _rank_memory(cfg)
+    if mem is None:
+        return
+    if cfg.device == Device.cpu:
+        host, weights = host_memory_bytes(), mem.weights * cfg.parallel.tp * cfg.parallel.dp
+        kv_key = "cache.max_total_tokens" if cfg.cache.max_total_tokens else "cache.cpu_kv_gib"
+        kv = kv_budget_bytes(cfg, mem, None) or 0
+        if weights + kv > host:
+            yield ("model.dtype", kv_key), (
+                f"weights ({_gib(weights)} with model.dtype={cfg.model.dtype.value}, every replica) and KV "
+                f"({_gib(kv)}, {kv_key}={get(cfg, kv_key)}) need more than this host's {_gib(host)}: take a "
+                "smaller model, or a GPU")
+        return
+    device_bytes = gpus.memory_bytes()
+    if device_bytes is None:
+        return
+    usable = device_bytes * cfg.cache.mem_fraction
+    if mem.before_kv + cfg.model.max_model_len * mem.kv_per_token > usable:
+        yield ("parallel.tp", "cache.mem_fraction", "model.max_model_len"), (
+            f"each rank needs {_gib(mem.weights)} of weights + {_gib(mem.activations)} for a step + KV for one "
+            f"request of model.max_model_len={cfg.model.max_model_len}, more than cache.mem_fraction="
+            f"{cfg.cache.mem_fraction} of the {_gib(device_bytes)} GPU: raise parallel.tp, lower "
+            f"router.batch_max_tokens or model.max_model_len, or take a smaller model")
