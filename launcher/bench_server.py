@@ -1,5 +1,6 @@
-"""The server of one benchmark job: `llaunch <job overrides minus bench> server.port=0` as a subprocess
-in <job dir>/server (so no state leaks between the jobs of a sweep), its output in <job dir>/server.log.
+"""The server of one benchmark job: `llaunch <job overrides minus bench>` (on server.port if the job sets
+it, else any free port) as a subprocess in <job dir>/server (so no state leaks between the jobs of a
+sweep), its output in <job dir>/server.log.
 
 It learns its port from the run config the launcher writes before starting any process, waits for
 /health, and stops with SIGTERM (drain) and waits until the port is free."""
@@ -29,10 +30,10 @@ def override_key(override: str) -> str:
 
 
 def server_overrides(overrides: list[str]) -> list[str]:
-    """The job's overrides for its server: no bench keys, and any free port (read back from its config)."""
-    kept = [o for o in overrides
-            if override_key(o) not in ("bench", "server.port") and not override_key(o).startswith("bench.")]
-    return [*kept, "server.port=0"]
+    """The job's overrides for its server: no bench keys; the port given, else any free one (read back
+    from its config), so parallel jobs never collide by default."""
+    kept = [o for o in overrides if override_key(o) != "bench" and not override_key(o).startswith("bench.")]
+    return kept if any(override_key(o) == "server.port" for o in kept) else [*kept, "server.port=0"]
 
 
 def die_with_parent() -> None:

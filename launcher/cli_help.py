@@ -15,7 +15,7 @@ Profiles compose the config; rules check it; a dry run prints the process graph.
   llaunch                                               the default model on this machine
   llaunch model=qwen2 model.path=/ckpt/Qwen2-7B-Instruct server.port=8080
   llaunch model=qwen2-7b model.load_format=dummy parallel=tp2 device=cuda dry_run=true
-  llaunch -m bench=c64 router.max_running_requests=64,128      a sweep: one server + benchmark per job
+  llaunch -m bench=smoke router.max_running_requests=4,8      a sweep: one server + benchmark per job
 """
 FOOTER = """\
 Exit codes: 0 ok; 2 invalid configuration (each violated rule or unknown key is named); else the

@@ -120,3 +120,18 @@ def test_a_single_bench_job_times_out_and_stops_its_server(tmp_path):
     assert "bench.ready_timeout_s" in status["reason"]
     assert not pid_alive(status["server_pid"])
     assert yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) == [*BENCH, *TINY, "bench.ready_timeout_s=0"]
+
+
+def test_the_readmes_sweep_runs_on_this_machine(tmp_path):
+    """The README's sweep line, as written, on the default model: every job benchmarks and reports."""
+    readme = (REPO / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith(".venv/bin/llaunch -m bench=smoke"))
+    args = line.split("#")[0].split()[1:]
+    sweep = tmp_path / "sweep"
+    r = llaunch(tmp_path, *args, "device=cpu", f"hydra.sweep.dir={sweep}", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert len(jobs) == 2
+    for job in jobs:
+        bench = json.loads((job / "bench.json").read_text())
+        assert status_of(job)["status"] == "ok" and bench["completed"] == 8 and bench["failed"] == 0

@@ -19,11 +19,12 @@ from llaunch.launcher.sweep_progress import SweepProgress, SweepShape, sweep_sha
 
 
 
-def test_server_overrides_drop_the_bench_and_pick_a_free_port():
-    job = ["bench=c64", "bench.concurrency=8", "+bench.extra=1", "model=qwen2-7b", "server.port=8000",
+def test_server_overrides_drop_the_bench_and_keep_or_pick_a_port():
+    job = ["bench=c64", "bench.concurrency=8", "+bench.extra=1", "model=qwen2-7b",
            "router.max_running_requests=64", "server.http_workers=2", "~cache.max_total_tokens"]
     assert bench_server.server_overrides(job) == ["model=qwen2-7b", "router.max_running_requests=64",
                                                "server.http_workers=2", "~cache.max_total_tokens", "server.port=0"]
+    assert bench_server.server_overrides([*job, "server.port=8123"])[-1] == "server.port=8123"  # the user's
 
 
 @pytest.mark.parametrize("num,per_job,visible,expected", [
