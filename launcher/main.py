@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
+import tempfile
 from dataclasses import fields
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import msgspec
@@ -71,6 +74,8 @@ def launch(composed: LlaunchConfig, run_dir: Path) -> int:
             if memory:
                 report.err.print(f"[dim]{memory}[/]")
             report.print_graph(run_config)
+            if Path(run_dir).name.startswith("llaunch-dry-run-"):
+                report.err.print("[dim]a dry run writes nothing; name hydra.run.dir=... to keep its config.yaml[/]")
             return 0
         from llaunch.launcher.supervise import run_graph  # imports zmq and the runtime: only when serving
 
@@ -122,6 +127,18 @@ def _composition_error(e: Exception) -> str:
     return f"{text}\n{cause}" if cause is not None and str(cause) not in text else text
 
 
+def _scratch_run_dir(argv: list[str]) -> Optional[str]:
+    """A plain dry run writes nothing: Hydra's run directory goes to a temporary one, removed after
+    (unless the command names hydra.run.dir, where the run config is then kept)."""
+    if "-m" in argv or "--multirun" in argv or not any(a.lower() == "dry_run=true" for a in argv):
+        return None
+    if any(a.startswith("hydra.run.dir=") for a in argv):
+        return None
+    scratch = tempfile.mkdtemp(prefix="llaunch-dry-run-")
+    argv += [f"hydra.run.dir={scratch}", "hydra.output_subdir=null"]
+    return scratch
+
+
 def main() -> None:
     if {"--help", "-h"} & set(sys.argv[1:]):
         print(cli_help.render())
@@ -131,6 +148,7 @@ def main() -> None:
         return
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing: we report composition errors
+    scratch = _scratch_run_dir(sys.argv)
     try:
         _hydra_app()
     except bench_job.BenchJobFailed as e:  # every job has run; each recorded its outcome in status.json
@@ -146,6 +164,9 @@ def main() -> None:
             raise  # a launcher bug: keep the traceback
         report.print_error("invalid configuration", _composition_error(e))
         raise SystemExit(EXIT_INVALID) from None
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -131,3 +131,13 @@ def test_dry_run_reports_memory_and_a_start_that_cannot_fit_exits_2(tmp_path):
     (tmp_path / "live").mkdir()  # Qwen2-72B in float32 on CPU: 271 GiB of weights, more than any CI host
     live = llaunch(tmp_path / "live", "model=qwen2-72b", "model.load_format=dummy", "device=cpu")
     assert live.returncode == 2 and "weights_fit_memory" in live.stderr and "host's" in live.stderr, live.stderr
+
+
+def test_a_plain_dry_run_writes_nothing(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "llaunch.launcher.main", "dry_run=true"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=100, env=dict(os.environ, COLUMNS="200"))
+    assert r.returncode == 0, r.stderr
+    assert "worker.0.0" in r.stdout and "writes nothing" in r.stderr
+    assert list(tmp_path.iterdir()) == []  # no outputs/DATE/TIME
+    scratch = r.stdout.split("run dir", 1)[1].split()[0]
+    assert not Path(scratch).exists()
