@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ from rich.console import Console
 
 from llaunch.launcher.plan import processes_on
 from llaunch.runtime.config import Mode, ProcessSpec, RunConfig
-from llaunch.runtime.ipc.messages import LauncherInbound, ProcessReady
+from llaunch.runtime.ipc.messages import LauncherInbound, ProcessReady, ProcessStage
 from llaunch.runtime.ipc.sockets import Receiver
 
 ROLE_MODULES = {
@@ -55,7 +56,9 @@ def visible_devices(gpus: list[int]) -> str:
     if max(gpus) >= len(outer):
         raise ValueError(f"the plan needs GPU {max(gpus)}, CUDA_VISIBLE_DEVICES={','.join(outer)} shows {len(outer)}")
     return ",".join(outer[g] for g in gpus)
-console = Console(stderr=True)
+
+
+console = Console(stderr=True, soft_wrap=True)  # piped into a log: whole lines, not 80 columns
 
 
 class ProcessDied(Exception):
@@ -163,19 +166,35 @@ def _on_signal(signum, _frame):
 
 
 def wait_ready(graph: Graph, control: Receiver) -> None:
+    """Until every process reported ready; meanwhile what the slow ones are doing (a spinner on a
+    terminal, a line per stage in a log)."""
     pending = set(graph.procs)
     timeout_s = graph.cfg.server.ready_timeout_s
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        graph.check_alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not ready after {timeout_s:.0f}s (server.ready_timeout_s): "
-                               f"{', '.join(sorted(pending))}")
-        msg = control.recv(timeout_ms=100)
-        if isinstance(msg, ProcessReady) and msg.name in pending:
-            pending.discard(msg.name)
-            extra = " ".join(f"{k}={v}" for k, v in msg.info.items())
-            console.print(f"[green]ready[/] {msg.name} (pid {msg.pid}) {extra}")
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    stages: dict[str, tuple[str, float]] = {}  # process → (stage, since)
+    live = console.status("starting", spinner="dots") if console.is_terminal else contextlib.nullcontext()
+    with live as status:
+        while pending:
+            graph.check_alive()
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"not ready after {timeout_s:.0f}s (server.ready_timeout_s): "
+                                   f"{', '.join(sorted(pending))}")
+            msg = control.recv(timeout_ms=100)
+            if isinstance(msg, ProcessStage) and msg.name in pending:
+                stages[msg.name] = (msg.stage, now)
+                if status is None:
+                    console.print(f"[dim]{msg.name}: {msg.stage} ({now - t0:.1f}s)[/]")
+            elif isinstance(msg, ProcessReady) and msg.name in pending:
+                pending.discard(msg.name)
+                stages.pop(msg.name, None)
+                extra = " ".join(f"{k}={v}" for k, v in msg.info.items())
+                console.print(f"[green]ready[/] {msg.name} (pid {msg.pid}) {extra}")
+            if status is not None:
+                doing = "; ".join(f"{name}: {stage} {now - since:.0f}s"
+                                  for name, (stage, since) in sorted(stages.items()))
+                status.update(f"starting ({len(pending)} of {len(graph.procs)} to go, {now - t0:.0f}s) {doing}")
 
 
 DRAINING_ROLES = ("frontend", "pd_master")  # the processes that answer HTTP and finish in-flight requests

@@ -14,7 +14,7 @@ import msgspec
 import zmq
 
 from llaunch.runtime.config import ProcessSpec, RunConfig
-from llaunch.runtime.ipc.messages import ProcessReady
+from llaunch.runtime.ipc.messages import ProcessReady, ProcessStage
 from llaunch.runtime.ipc.sockets import Sender
 
 
@@ -50,6 +50,20 @@ def start(argv: Optional[list[str]] = None) -> tuple[RunConfig, ProcessSpec]:
     logging.basicConfig(level=cfg.log_level.value, format=f"%(asctime)s {args.name} %(levelname)s %(message)s",
                         stream=sys.stderr)
     return cfg, find_spec(cfg, args.name)
+
+
+class StageReporter:
+    """Tells the launcher each start-up stage of this process (shown while it waits for readiness)."""
+
+    def __init__(self, ctx: zmq.Context, cfg: RunConfig, spec: ProcessSpec):
+        self.name = spec.name
+        self.sender = Sender(ctx, cfg.graph.control)
+
+    def __call__(self, stage: str) -> None:
+        self.sender.send(ProcessStage(name=self.name, stage=stage))
+
+    def close(self) -> None:
+        self.sender.close()
 
 
 def report_ready(ctx: zmq.Context, cfg: RunConfig, spec: ProcessSpec, **info: str) -> None:

@@ -288,4 +288,11 @@ class ProcessReady(_Msg):
     info: dict[str, str] = {}
 
 
-LauncherInbound = Union[ProcessReady]
+class ProcessStage(_Msg):
+    """What a slow-starting process is doing now (loading weights, capturing graphs): the launcher shows it."""
+
+    name: str
+    stage: str
+
+
+LauncherInbound = Union[ProcessReady, ProcessStage]

@@ -132,17 +132,25 @@ def main() -> None:
     else:
         device = torch.device("cuda", 0)  # the launcher sets CUDA_VISIBLE_DEVICES to this rank's GPU
         torch.cuda.set_device(device)
+    ctx = zmq.Context()
+    stage = bootstrap.StageReporter(ctx, cfg, spec)
+    if cfg.parallel.tp > 1:
+        stage(f"joining its {cfg.parallel.tp} tp ranks")
     group, watch = init_distributed(cfg, spec)
     dtype = DTYPES[cfg.model.dtype.value]
 
     from llaunch.runtime.models.loader import build_model
 
+    stage(f"loading weights ({cfg.model.load_format.value}, {cfg.model.dtype.value})")
     model = build_model(cfg.model, device=device, dtype=dtype, tp_rank=spec.tp_rank, tp_size=cfg.parallel.tp,
                         process_group=group)
+    stage("sizing the KV cache")
     num_slots = kv_slots_for(cfg, model, device, group)
     max_rows = cfg.router.max_running_requests
     # one extra row and slot: scratch space that padded CUDA-graph rows read and write
     kv = model.make_kv_cache(num_slots + 1, max_rows + 1, cfg.model.max_model_len)
+    if device.type == "cuda":
+        stage("capturing CUDA graphs and compiling kernels" if not cfg.model.enforce_eager else "compiling kernels")
     runner = ModelRunner(model, kv, max_rows, device, cuda_graphs=not cfg.model.enforce_eager,
                          prefill_graph_tokens=cfg.model.prefill_graph_tokens,
                          timed=cfg.router.step_trace is not None, eos_ids=tuple(cfg.model.eos_token_ids or ()),
@@ -151,7 +159,7 @@ def main() -> None:
     if watch is not None:
         watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up
 
-    ctx = zmq.Context()
+    stage.close()
     watch = RouterWatch(ctx) if spec.node != 0 else None
     plans = Receiver(ctx, spec.binds["plan"], WorkerInbound, monitor=watch.monitor if watch else None)
     if watch is not None:
