@@ -10,9 +10,11 @@ import random
 import pytest
 
 from llaunch.runtime.detokenizer.detokenizer import Detokenizer
-from llaunch.runtime.detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDecoder
+from llaunch.runtime.detokenizer.incremental import IncrementalDecoder
 from llaunch.runtime.detokenizer.stop_strings import StopStringMatcher
 from llaunch.runtime.ipc.messages import RequestOpened, SamplingParams, TokenBatch, TokenDelta
+
+REPLACEMENT_CHAR = "\ufffd"
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
