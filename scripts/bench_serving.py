@@ -38,8 +38,9 @@ from typing import Any, Optional, Sequence
 
 try:
     import httpx
-except ImportError:  # some environments ship it under the name httpx2 (same API)
-    import httpx2 as httpx  # type: ignore[no-redef]
+except ImportError:
+    sys.exit("scripts/bench_serving.py runs in llaunch's environment: `make setup`, then "
+             ".venv/bin/python scripts/bench_serving.py ...")
 
 # the workload, stream timing and metrics live beside this script; run as a script or loaded by path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
