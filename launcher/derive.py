@@ -7,6 +7,7 @@ No torch here: the device is found from the driver (launcher/gpus.py), so planni
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,8 +29,29 @@ def _absolute(path: str | None) -> str | None:
     return os.path.abspath(os.path.expanduser(path)) if path else path
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
+
+
+def hub_snapshot(repo_id: str) -> str:
+    """A Hugging Face Hub id as a local folder: the cache's snapshot, else downloaded (with progress)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=_HUB_FILES, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    try:
+        return snapshot_download(repo_id, allow_patterns=_HUB_FILES)
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        raise CheckpointError(f"model.path={repo_id} is neither a local path nor in the Hugging Face cache, and "
+                              f"downloading it failed: {str(e).splitlines()[0]}") from None
+
+
 def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
-    path = _absolute(model.path)
+    hub_id = model.path if model.path and not os.path.exists(model.path) and _HUB_ID.fullmatch(model.path) else None
+    path = hub_snapshot(hub_id) if hub_id else _absolute(model.path)
     ckpt = read_checkpoint(path) if path else None
     filled = {f: ckpt.arch[f] for f in ARCH_FIELDS
               if ckpt is not None and getattr(model, f) is None and f in ckpt.arch}
@@ -55,7 +77,7 @@ def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
             dtype = checkpoint_dtype(ckpt) or DType.auto
     eos = model.eos_token_ids or (ckpt.eos_token_ids if ckpt and ckpt.eos_token_ids else None)
     return replace(
-        model, **arch, name=model.name or served_name(path) or family, family=family, path=path, tokenizer=_absolute(model.tokenizer) or path,
+        model, **arch, name=model.name or hub_id or served_name(path) or family, family=family, path=path, tokenizer=_absolute(model.tokenizer) or path,
         load_format=load_format, dtype=dtype, eos_token_ids=eos,
         sampling_defaults={**(ckpt.sampling if ckpt and model.generation_config else {}), **model.sampling_defaults},
         max_model_len=model.max_model_len or arch["max_position_embeddings"],

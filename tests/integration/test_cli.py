@@ -141,3 +141,24 @@ def test_a_plain_dry_run_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no outputs/DATE/TIME
     scratch = r.stdout.split("run dir", 1)[1].split()[0]
     assert not Path(scratch).exists()
+
+
+def test_a_hub_id_is_served_from_the_local_hugging_face_cache(tmp_path):
+    from transformers import Qwen2Config
+
+    cache = tmp_path / "hub"  # huggingface_hub's cache layout: refs/main names the snapshot
+    repo = cache / "models--acme--tiny-chat"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256).save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    r = llaunch(tmp_path, "model=qwen2", "model.path=acme/tiny-chat", "model.load_format=dummy",
+                "model.tokenizer=null", "dry_run=true", env=env)
+    assert r.returncode == 0, r.stderr
+    run = load_run_config(str(tmp_path / "run" / "config.yaml"))
+    assert run.model.path == str(snapshot) and run.model.name == "acme/tiny-chat"  # served as vLLM does
+    assert run.model.hidden_size == 64
+    missing = llaunch(tmp_path, "model=qwen2", "model.path=acme/not-cached", "dry_run=true", env=env)
+    assert missing.returncode == 2 and "neither a local path nor in the Hugging Face cache" in missing.stderr
