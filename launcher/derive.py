@@ -73,7 +73,7 @@ def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
             dtype = DType.float32
         elif ckpt is None or ckpt.dtype is None:
             dtype = GPU_FALLBACK_DTYPE
-        else:  # an unsupported checkpoint dtype stays auto: rules.checkpoint_dtype_supported says so
+        else:  # an unsupported checkpoint dtype stays auto: rules_model.checkpoint_dtype_supported says so
             dtype = checkpoint_dtype(ckpt) or DType.auto
     eos = model.eos_token_ids or (ckpt.eos_token_ids if ckpt and ckpt.eos_token_ids else None)
     return replace(

@@ -4,16 +4,17 @@
     llaunch-report BEFORE_SWEEP AFTER_SWEEP                  # after / before ratios (rich + compare.md)
 
 Each job directory holds status.json and bench.json (launcher/bench_job.py). The table's columns are
-the overrides that vary between jobs, then request throughput, output tok/s and TTFT/TPOT median and
-p99; the plot draws output tok/s and TTFT p99 against one varying override (--x), one line per
-combination of the others.
+the overrides that vary between jobs, then request throughput, output tok/s, TTFT, TPOT, ITL and
+latency percentiles, errors and (with bench.slo_*) goodput; after bench.repeats each figure is the
+slowest run's with the range of all of them. The plot draws output tok/s and TTFT p99 against one
+varying override (--x), one line per combination of the others, and output tok/s against latency.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -21,10 +22,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table as RichTable
 
-# (bench.json key, column, format); bench_serving writes vLLM's keys
+# (bench.json key, column, format); bench_serving writes vLLM's keys. Goodput only where a job had SLOs.
 METRICS = (("request_throughput", "req/s", ".3f"), ("output_throughput", "output tok/s", ".1f"),
-           ("median_ttft_ms", "TTFT median (ms)", ".1f"), ("p99_ttft_ms", "TTFT p99 (ms)", ".1f"),
-           ("median_tpot_ms", "TPOT median (ms)", ".2f"), ("p99_tpot_ms", "TPOT p99 (ms)", ".2f"))
+           ("median_ttft_ms", "TTFT median (ms)", ".1f"), ("p95_ttft_ms", "TTFT p95 (ms)", ".1f"),
+           ("p99_ttft_ms", "TTFT p99 (ms)", ".1f"), ("median_tpot_ms", "TPOT median (ms)", ".2f"),
+           ("p99_tpot_ms", "TPOT p99 (ms)", ".2f"), ("median_itl_ms", "ITL median (ms)", ".2f"),
+           ("p95_itl_ms", "ITL p95 (ms)", ".2f"), ("median_e2el_ms", "latency median (ms)", ".0f"),
+           ("p99_e2el_ms", "latency p99 (ms)", ".0f"), ("failed", "errors", ".0f"),
+           ("goodput", "goodput (req/s)", ".3f"))
+OPTIONAL = ("goodput",)
 PLOTTED = (("output_throughput", "output tok/s"), ("p99_ttft_ms", "TTFT p99 (ms)"))
 
 
@@ -34,7 +40,8 @@ class JobResult:
     overrides: dict[str, str]
     ok: bool
     reason: str
-    metrics: dict[str, float]
+    metrics: dict[str, float]  # the headline run's (bench.repeats > 1: the slowest)
+    spread: dict[str, tuple[float, float]] = field(default_factory=dict)  # min and max over the repeats
 
 
 @dataclass(frozen=True)
@@ -62,8 +69,11 @@ def load_job(job_dir: Path) -> Optional[JobResult]:
     ok = status["status"] == "ok" and bench_path.exists()
     metrics = json.loads(bench_path.read_text()) if ok else {}
     reason = status.get("reason") or ("" if ok else "no bench.json")
+    runs = metrics.get("runs", []) if len(metrics.get("runs", [])) > 1 else []
+    spread = {key: (min(r[key] for r in runs), max(r[key] for r in runs))
+              for key, _, _ in METRICS if runs and all(key in r for r in runs)}
     return JobResult(job_dir.name, parse_overrides(overrides or []), ok, reason,
-                     {key: float(metrics[key]) for key, _, _ in METRICS if key in metrics})
+                     {key: float(metrics[key]) for key, _, _ in METRICS if key in metrics}, spread)
 
 
 def load_sweep(sweep_dir: Path) -> list[JobResult]:
@@ -86,12 +96,25 @@ def _ratio(value: Optional[float]) -> str:
     return "—" if value is None or math.isnan(value) else f"{value:.2f}×"
 
 
+def _columns(jobs: Sequence[JobResult]) -> list[tuple[str, str, str]]:
+    return [m for m in METRICS if m[0] not in OPTIONAL or any(m[0] in j.metrics for j in jobs)]
+
+
+def _cell(job: JobResult, key: str, fmt: str) -> str:
+    """The figure, and after repeats its range: `5487.0 (5487.0–5573.0)`."""
+    text = _figure(job.metrics.get(key), fmt)
+    if key in job.spread and job.spread[key][0] != job.spread[key][1]:
+        low, high = job.spread[key]
+        text += f" ({format(low, fmt)}–{format(high, fmt)})"
+    return text
+
+
 def sweep_table(jobs: Sequence[JobResult]) -> Table:
     """One row per successful job: the varying overrides, then the headline figures."""
-    keys = varying_keys(jobs) or ["job"]
+    keys, columns = varying_keys(jobs) or ["job"], _columns(jobs)
     rows = [[job.overrides.get(k, job.name if k == "job" else "") for k in keys]
-            + [_figure(job.metrics.get(key), fmt) for key, _, fmt in METRICS] for job in jobs if job.ok]
-    return Table(keys + [label for _, label, _ in METRICS], rows, len(keys))
+            + [_cell(job, key, fmt) for key, _, fmt in columns] for job in jobs if job.ok]
+    return Table(keys + [label for _, label, _ in columns], rows, len(keys))
 
 
 def compare_table(before: Sequence[JobResult], after: Sequence[JobResult]) -> tuple[Table, list[str]]:
@@ -102,16 +125,17 @@ def compare_table(before: Sequence[JobResult], after: Sequence[JobResult]) -> tu
         return tuple(job.overrides.get(k, job.name if k == "job" else "") for k in keys)
 
     base = {key_of(job): job for job in before if job.ok}
+    columns = [m for m in _columns([*before, *after]) if m[0] != "failed"]  # a ratio of error counts says little
     rows, unmatched = [], []
     for job in (j for j in after if j.ok):
         old = base.pop(key_of(job), None)
         if old is None:
             unmatched.append(f"only in after: {' '.join(f'{k}={v}' for k, v in zip(keys, key_of(job)))}")
             continue
-        ratios = [job.metrics.get(m, math.nan) / old.metrics[m] if old.metrics.get(m) else None for m, _, _ in METRICS]
+        ratios = [job.metrics.get(m, math.nan) / old.metrics[m] if old.metrics.get(m) else None for m, _, _ in columns]
         rows.append(list(key_of(job)) + [_ratio(r) for r in ratios])
     unmatched += [f"only in before: {' '.join(f'{k}={v}' for k, v in zip(keys, key))}" for key in base]
-    return Table(keys + [label for _, label, _ in METRICS], rows, len(keys)), unmatched
+    return Table(keys + [label for _, label, _ in columns], rows, len(keys)), unmatched
 
 
 def to_markdown(table: Table) -> str:
@@ -159,7 +183,7 @@ def plot_sweep(jobs: Sequence[JobResult], path: Path, x_key: Optional[str] = Non
     lines: dict[str, list[JobResult]] = {}
     for job in ok:
         lines.setdefault(", ".join(f"{k}={job.overrides.get(k, '')}" for k in others), []).append(job)
-    fig, axes = plt.subplots(1, len(PLOTTED), figsize=(5.5 * len(PLOTTED), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(PLOTTED) + 1, figsize=(5.5 * (len(PLOTTED) + 1), 4), squeeze=False)
     for ax, (metric, label) in zip(axes[0], PLOTTED):
         for name, members in lines.items():
             points = sorted((_as_number(x_of(j)) if numeric_x else categories.index(x_of(j)), j.metrics[metric])
@@ -173,11 +197,28 @@ def plot_sweep(jobs: Sequence[JobResult], path: Path, x_key: Optional[str] = Non
         ax.grid(alpha=0.3)
         if any(lines):
             ax.legend(fontsize="small")
+    _plot_tradeoff(axes[0][-1], lines, x_of, x_key)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _plot_tradeoff(ax, lines: dict[str, list[JobResult]], x_of, x_key: str) -> None:
+    """Output tok/s against median request latency: what each setting of `x_key` trades."""
+    for name, members in lines.items():
+        points = sorted((j.metrics["median_e2el_ms"] / 1000, j.metrics["output_throughput"], x_of(j))
+                        for j in members if "median_e2el_ms" in j.metrics and "output_throughput" in j.metrics)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name or None)
+        for latency, throughput, x in points:
+            ax.annotate(x, (latency, throughput), textcoords="offset points", xytext=(4, 4), fontsize="small")
+    ax.set_xlabel("latency median (s)")
+    ax.set_ylabel("output tok/s")
+    ax.set_title(f"throughput vs latency (points: {x_key})")
+    ax.grid(alpha=0.3)
+    if any(lines):
+        ax.legend(fontsize="small")
 
 
 def _failed_lines(jobs: Sequence[JobResult]) -> list[str]:
@@ -233,7 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.error(f"{d} is not a directory")
     console = Console()
     if not console.is_terminal:  # piped: wide enough that no column name is cropped
-        console = Console(width=250)
+        console = Console(width=1000)
     if len(args.sweeps) == 1:
         return report(args.sweeps[0], args.out or args.sweeps[0], console, args.x)
     return compare(args.sweeps[0], args.sweeps[1], args.out or args.sweeps[1], console)

@@ -3,29 +3,22 @@ their values and the fix. `check_all` runs them all, so a bad config lists every
 (the registry and the runners are launcher/rule_registry.py's).
 
 Ported from LightLLM's start-up (api_start.py / api_cli.py asserts) where the feature exists here,
-plus ours (parallel layout, ports, modes, model description). A rule for a feature arrives with it.
+plus ours (parallel layout, ports, modes). The model's rules are launcher/rules_model.py's, the memory
+rule launcher/memory_plan.py's; importing this module registers them all. A rule for a feature
+arrives with it.
 """
 from __future__ import annotations
 
-import math
 import os
 import socket
 
-from llaunch.launcher import gpus, secrets
+from llaunch.launcher import gpus, memory_plan, rules_model, secrets  # noqa: F401 (they register rules too)
 # check_all, warnings, pending and RULES are called through this module, which fills the registry
-from llaunch.launcher import memory_plan  # noqa: F401 (registers weights_fit_memory)
 from llaunch.launcher.rule_registry import RULES, check_all, get, pending, rule, warnings  # noqa: F401
-from llaunch.runtime.config import Device, DType, LlaunchConfig, LoadFormat, Mode
-from llaunch.runtime.models.checkpoint import is_gguf, read_checkpoint
+from llaunch.runtime.config import Device, Mode
 from llaunch.runtime.models.heads import HeadLayout
 
-FAMILIES = ("llama", "qwen2")
-SIZED_PROFILES = "model=qwen2-0.5b | qwen2-7b | qwen2-72b | llama3-8b | tiny-qwen2 | tiny-llama"
-SERVING_MODES = (Mode.normal, Mode.pd_prefill, Mode.pd_decode)  # modes that run workers
-
-
-def _serves(cfg: LlaunchConfig) -> bool:
-    return cfg.mode.kind in SERVING_MODES
+_serves = rules_model.serves
 
 
 # ---- memory and batching (LightLLM api_start.py) ------------------------------------------------
@@ -126,12 +119,17 @@ def sampling_defaults_valid(cfg):
 
 
 @rule()
-def bench_clients_fit(cfg):
+def bench_settings_valid(cfg):
     b = cfg.bench
     if b is not None and not 1 <= b.client_procs <= max(b.concurrency, 1):
         yield ("bench.client_procs", "bench.concurrency"), (
             f"bench.client_procs={b.client_procs} must be in [1, bench.concurrency={b.concurrency}]: each client "
             "process keeps at least one request in flight")
+    if b is not None and b.repeats < 1:
+        yield ("bench.repeats",), f"bench.repeats={b.repeats} must be >= 1"
+    for key in ("bench.slo_ttft_ms", "bench.slo_tpot_ms"):
+        if b is not None and get(cfg, key) is not None and get(cfg, key) <= 0:
+            yield (key,), f"{key}={get(cfg, key)} must be > 0 (or null: no such objective)"
 
 
 @rule()
@@ -155,108 +153,6 @@ def api_key_source(cfg):
 def http_workers_positive(cfg):
     if cfg.server.http_workers < 1:
         yield ("server.http_workers",), f"server.http_workers={cfg.server.http_workers} must be >= 1"
-
-
-# ---- the model -----------------------------------------------------------------------------------
-
-
-@rule(needs=("model.family",))
-def family_supported(cfg):
-    if cfg.model.family not in FAMILIES:
-        yield ("model.family",), (f"model.family={cfg.model.family!r} is not served; llaunch runs "
-                                  f"{' and '.join(FAMILIES)} checkpoints")
-
-
-@rule()
-def gguf_needs_gguf_path(cfg):
-    m = cfg.model
-    if m.load_format == LoadFormat.gguf and not is_gguf(m.path):
-        yield ("model.load_format", "model.path"), (
-            f"model.load_format=gguf needs a .gguf file in model.path, got model.path={m.path}")
-
-
-@rule(live="warn")
-def weights_need_path(cfg):
-    m = cfg.model
-    if not _serves(cfg) or m.load_format == LoadFormat.dummy:
-        return
-    if m.path is None:
-        yield ("model.path",), (
-            f"model.path is required with model.load_format={m.load_format.value}: give "
-            f"model.path=/path/to/checkpoint, or random weights of a known size: {SIZED_PROFILES} with "
-            f"model.load_format=dummy")
-    elif not os.path.exists(m.path):
-        yield ("model.path",), (f"model.path={m.path} does not exist (SmolLM2: run scripts/prepare_models.py; "
-                                "or set LLAUNCH_MODELS_DIR)")
-
-
-@rule(live="warn")
-def tokenizer_exists(cfg):
-    t = cfg.model.tokenizer  # unset: the checkpoint's folder, or none at all for bare dummy weights
-    if cfg.mode.kind != Mode.config_server and t is not None and not os.path.exists(t):
-        yield ("model.tokenizer",), (f"model.tokenizer={t} does not exist (SmolLM2's: run "
-                                     "scripts/prepare_models.py; or set LLAUNCH_MODELS_DIR)")
-
-
-REQUIRED_FIELDS = ("family", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                   "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
-                   "rms_norm_eps", "max_model_len", "eos_token_ids")
-
-
-@rule(live="skip")
-def model_described(cfg):
-    m = cfg.model
-    if not _serves(cfg) or (m.load_format != LoadFormat.dummy and not (m.path and os.path.exists(m.path))):
-        return  # weights_need_path already asks for the checkpoint
-    if unknown := [f"model.{f}" for f in REQUIRED_FIELDS if getattr(m, f) in (None, [])]:
-        source = "the checkpoint does not say" if m.path else "dummy weights need the architecture"
-        yield tuple(unknown), (f"{', '.join(unknown)} unknown ({source}): give model.path=/path/to/checkpoint, "
-                               f"a sized profile ({SIZED_PROFILES}), or set them")
-
-
-@rule()
-def profile_matches_checkpoint(cfg):
-    m = cfg.model
-    ckpt = read_checkpoint(m.path) if m.path else None
-    if ckpt is None:
-        return
-    said = dict(ckpt.arch, family=ckpt.family)
-    for name, value in said.items():
-        ours = getattr(m, name)
-        same = math.isclose(ours, value, rel_tol=1e-6) if isinstance(value, float) and ours is not None \
-            else ours == value
-        if ours is not None and not same:
-            yield (f"model.{name}", "model.path"), (
-                f"model.{name}={ours!r} but model.path={m.path} says {value!r}: the profile describes another "
-                f"checkpoint; use model=qwen2 or model=llama (read everything from the checkpoint) or fix "
-                f"model.{name}")
-
-
-@rule()
-def checkpoint_features_supported(cfg):
-    ckpt = read_checkpoint(cfg.model.path) if cfg.model.path and _serves(cfg) else None
-    if ckpt is not None and ckpt.unsupported:
-        yield ("model.path",), (f"model.path={cfg.model.path} uses {', '.join(ckpt.unsupported)}, which llaunch's "
-                                f"{ckpt.family} model does not implement; serve another checkpoint")
-
-
-@rule()
-def checkpoint_dtype_supported(cfg):
-    m = cfg.model
-    ckpt = read_checkpoint(m.path) if m.path else None
-    if cfg.device == Device.cuda and m.dtype == DType.auto and ckpt is not None and ckpt.dtype:
-        yield ("model.dtype",), (f"model.path={m.path} stores dtype {ckpt.dtype!r}, which llaunch does not run; set "
-                                 "model.dtype=bfloat16 | float16 | float32")
-
-
-@rule(needs=("model.max_model_len", "model.max_position_embeddings"))
-def context_within_model(cfg):
-    m = cfg.model
-    if not 1 <= m.max_model_len <= m.max_position_embeddings:
-        yield ("model.max_model_len", "model.max_position_embeddings"), (
-            f"model.max_model_len={m.max_model_len} is outside 1..model.max_position_embeddings="
-            f"{m.max_position_embeddings}: the model was not trained for longer contexts; lower "
-            f"model.max_model_len or leave it unset")
 
 
 # ---- parallel layout -----------------------------------------------------------------------------

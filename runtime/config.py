@@ -189,7 +189,12 @@ class BenchConfig:
     multi_turn: int = 1  # turns per conversation, each re-sending the history
     client_procs: int = 1  # benchmark client processes (one Python process cannot keep c256 busy)
     ready_timeout_s: float = 900.0  # the job's server: launch until /health answers
-    timeout_s: float = 3600.0  # the benchmark client's whole run
+    timeout_s: float = 3600.0  # the benchmark client's whole run, per repeat
+    # Runs on one server, each on prompts no earlier run sent (its own seed): the report's figure is
+    # the slowest run's output tok/s, with the spread of every figure.
+    repeats: int = 1
+    slo_ttft_ms: Optional[float] = None  # goodput: requests per second that start within this...
+    slo_tpot_ms: Optional[float] = None  # ...and keep each token within this (either alone works)
 
 
 @dataclass(frozen=True)

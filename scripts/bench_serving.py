@@ -213,7 +213,7 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
             ("Total token throughput (tok/s)", result["total_token_throughput"], ".2f")]
     for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
         rows += [(f"{stat.capitalize() if stat != 'p99' else 'P99'} {label} (ms)", result[f"{stat}_{key}_ms"], ".2f")
-                 for stat in ("mean", "median", "p99")]
+                 for stat in ("mean", "median", "p95", "p99")]
     if args.shared_prefix_groups:
         groups = f"{args.shared_prefix_groups} x {args.shared_prefix_len}"
         rows.insert(3, ("Shared-prefix groups x tokens", groups, "s"))
@@ -221,6 +221,8 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
         rows.insert(3, ("Turns per conversation", args.multi_turn, "d"))
     if "prefix_cache_hit_rate" in result:
         rows.append(("Prefix cache hit rate (%)", 100 * result["prefix_cache_hit_rate"], ".2f"))
+    if "goodput" in result:
+        rows.append(("Goodput (req/s within the SLOs)", result["goodput"], ".2f"))
     for label, value, fmt in rows:
         table.add_row(label, format(value, fmt))
     Console().print(table)
@@ -249,6 +251,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="client processes sharing the concurrency (one Python process saturates near 10k events/s)")
     ap.add_argument("--multi-turn", type=int, default=1,
                     help="turns per conversation; each re-sends the history plus --input-len new tokens")
+    ap.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: a request must start within this")
+    ap.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: and keep each token within this")
     args = ap.parse_args(argv)
     if args.concurrency < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         ap.error("--concurrency, --num-prompts, --input-len and --output-len must be >= 1")
@@ -267,7 +271,7 @@ def main(argv: Optional[Sequence[str]] = None, transport: Any = None) -> dict[st
         outputs, duration, cache = run_benchmark_procs(args)
     else:
         outputs, duration, cache = asyncio.run(run_benchmark(args, transport))
-    result = compute_metrics(outputs, duration)
+    result = compute_metrics(outputs, duration, args.slo_ttft_ms, args.slo_tpot_ms)
     if cache is not None:
         result["prefix_cache_queries"], result["prefix_cache_hits"] = cache
         result["prefix_cache_hit_rate"] = cache[1] / cache[0] if cache[0] else 0.0

@@ -121,10 +121,20 @@ class StreamTimer:
 def _stats_ms(name: str, values: Sequence[float]) -> dict[str, float]:
     arr = np.asarray(values, dtype=float) if len(values) else np.zeros(1)  # vLLM: `values or 0`
     return {f"mean_{name}_ms": float(arr.mean() * 1000), f"median_{name}_ms": float(np.median(arr) * 1000),
-            f"std_{name}_ms": float(arr.std() * 1000), f"p99_{name}_ms": float(np.percentile(arr, 99) * 1000)}
+            f"std_{name}_ms": float(arr.std() * 1000), f"p95_{name}_ms": float(np.percentile(arr, 95) * 1000),
+            f"p99_{name}_ms": float(np.percentile(arr, 99) * 1000)}
 
 
-def compute_metrics(outputs: Sequence[RequestOutput], duration: float) -> dict[str, Any]:
+def meets_slo(o: RequestOutput, slo_ttft_ms: Optional[float], slo_tpot_ms: Optional[float]) -> bool:
+    """Did the request succeed within the service-level objectives (vLLM's goodput definition)?"""
+    tpot = (o.latency - o.ttft) / (o.output_tokens - 1) if o.output_tokens > 1 else 0.0
+    return o.success and (slo_ttft_ms is None or o.ttft * 1000 <= slo_ttft_ms) \
+        and (slo_tpot_ms is None or tpot * 1000 <= slo_tpot_ms)
+
+
+def compute_metrics(outputs: Sequence[RequestOutput], duration: float, slo_ttft_ms: Optional[float] = None,
+                    slo_tpot_ms: Optional[float] = None) -> dict[str, Any]:
+    """vLLM's benchmark_serving figures; with an SLO also goodput: requests per second that met it."""
     ok = [o for o in outputs if o.success]
     total_input = sum(o.prompt_len for o in ok)
     total_output = sum(o.output_tokens for o in ok)
@@ -143,4 +153,7 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration: float) -> dict[s
     result.update(_stats_ms("tpot", tpots))
     result.update(_stats_ms("itl", [gap for o in ok for gap in o.itl]))
     result.update(_stats_ms("e2el", [o.latency for o in ok]))
+    if slo_ttft_ms is not None or slo_tpot_ms is not None:
+        good = sum(meets_slo(o, slo_ttft_ms, slo_tpot_ms) for o in outputs)
+        result.update(good_requests=good, goodput=good / duration, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
     return result

@@ -321,3 +321,16 @@ def test_shared_prefix_options_go_together(bench):
         bench.parse_args(["--model", "m", "--shared-prefix-groups", "2"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--model", "m", "--multi-turn", "0"])
+
+
+def test_goodput_counts_requests_within_both_slos(bench):
+    R = bench.RequestOutput
+    outputs = [R(prompt_len=1, success=True, ttft=0.1, latency=0.5, output_tokens=5),  # TPOT 100 ms
+               R(prompt_len=1, success=True, ttft=0.3, latency=0.5, output_tokens=5),  # TTFT over
+               R(prompt_len=1, success=True, ttft=0.1, latency=1.3, output_tokens=5),  # TPOT 300 ms: over
+               R(prompt_len=1, success=False, error="x")]
+    m = bench.compute_metrics(outputs, duration=2.0, slo_ttft_ms=200, slo_tpot_ms=150)
+    assert (m["good_requests"], m["goodput"]) == (1, 0.5)
+    assert bench.compute_metrics(outputs, duration=2.0, slo_ttft_ms=200)["good_requests"] == 2
+    assert "goodput" not in bench.compute_metrics(outputs, duration=2.0)
+    assert bench.compute_metrics(outputs, duration=2.0)["p95_ttft_ms"] == pytest.approx(100 + 0.9 * 200)

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from llaunch.launcher import derive, rules
+from llaunch.launcher import derive, rules, rules_model
 from llaunch.runtime.config import LoadFormat
 
 
@@ -55,7 +55,8 @@ BREAKS = {
                           ["router.stall_timeout_s=-1"], ["server.request_timeout_s=-2"]],
     "request_limits_positive": [["server.max_stop_strings=0"], ["router.max_waiting_requests=0"],
                                 ["server.max_body_bytes=10"]],
-    "bench_clients_fit": [["bench=c1", "bench.client_procs=2"]],
+    "bench_settings_valid": [["bench=c1", "bench.client_procs=2"], ["bench=c1", "bench.repeats=0"],
+                             ["bench=c1", "bench.slo_tpot_ms=0"]],
     "weights_fit_memory": [["model=qwen2-72b", "model.load_format=dummy", "device=cpu"]],  # 271 GiB in float32
     "sampling_defaults_valid": [["model.sampling_defaults={temperature:-1}"], ["model.sampling_defaults={beams:2}"]],
     "api_key_source": [["server.api_key=k", "server.api_key_file=/etc/hostname"],
@@ -129,7 +130,7 @@ def test_gguf_needs_a_gguf_path(resolved):
 
     cfg = resolved()
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, load_format=LoadFormat.gguf))
-    [v] = rules.gguf_needs_gguf_path(cfg)
+    [v] = rules_model.gguf_needs_gguf_path(cfg)
     assert v.keys == ("model.load_format", "model.path") and "model.path=None" in v.message
 
 
