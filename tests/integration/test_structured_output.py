@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
+from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, Field
 
 from transformers import AutoTokenizer
@@ -149,6 +150,7 @@ def test_openai_parse_and_named_tool_choice(server):
     out = api.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL, TIME_TOOL],
                                       tool_choice={"type": "function", "function": {"name": "get_time"}},
                                       temperature=0, max_tokens=60)
+    ChatCompletion.model_validate(out.model_dump())  # the package's own types, validating, accept the shape
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls

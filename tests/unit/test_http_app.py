@@ -400,3 +400,33 @@ def test_model_card_tokenize_and_detokenize(server, tok):
                               ("/tokenize", {"model": "gpt-9", "prompt": "x"}, "model")]:
         status, out = post(path, body)
         assert 400 <= status < 500 and out["error"]["param"] == param, (path, body, out)
+
+
+def _sse(data: bytes) -> list[dict]:
+    return [json.loads(e[len(b"data: "):]) for e in data.split(b"\n\n") if e.startswith(b"data: {")]
+
+
+def test_bodies_validate_against_the_openai_packages_own_types(server):
+    """The client builds its objects without validation; the package's pydantic types, validating, are
+    the oracle for field names, types and required fields of every shape we send."""
+    from openai.types import Completion, Model
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    def post(path: str, body: dict) -> bytes:
+        status, _, data = server.raw("POST", path, json.dumps({"model": MODEL, **body}).encode())
+        assert status == 200, data
+        return data
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
+    ChatCompletion.model_validate_json(post("/v1/chat/completions", chat))
+    for chunk in _sse(post("/v1/chat/completions", {**chat, "n": 2, "stream": True,
+                                                    "stream_options": {"include_usage": True}})):
+        ChatCompletionChunk.model_validate(chunk)
+    Completion.model_validate_json(post("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "logprobs": 2}))
+    chunks = _sse(post("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stream": True,
+                                           "stream_options": {"include_usage": True}}))
+    for chunk in chunks:  # the package types a stream chunk as a Completion, whose finish_reason it requires
+        if all(c["finish_reason"] for c in chunk["choices"]):  # (OpenAI sends null until the last)
+            Completion.model_validate(chunk)
+    assert chunks[-1]["choices"] == [] and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    Model.model_validate_json(server.raw("GET", f"/v1/models/{MODEL}")[2])
