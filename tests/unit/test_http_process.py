@@ -95,7 +95,7 @@ def test_frontend_process_serves_over_zmq_and_drains_on_sigterm(tok, tmp_path):
     port = sock.getsockname()[1]
     graph = ProcessGraph(processes=[spec], http_url=f"http://127.0.0.1:{port}", ipc_dir=str(tmp_path),
                          control=f"{ipc}/control")
-    cfg = RunConfig(model=ModelConfig(path=smollm2_gguf(), max_model_len=128, vocab_size=49152),
+    cfg = RunConfig(model=ModelConfig(name="smollm2-135m", path=smollm2_gguf(), max_model_len=128, vocab_size=49152),
                     run_dir=str(tmp_path), graph=graph)
     (tmp_path / "config.yaml").write_bytes(msgspec.yaml.encode(cfg))
     ctx = zmq.Context()
