@@ -9,12 +9,12 @@ from typing import Optional
 
 from llaunch.launcher import gpus
 from llaunch.launcher.rule_registry import get, rule
-from llaunch.runtime.config import Device, LlaunchConfig, Mode
+from llaunch.launcher.rules_model import SERVING_MODES
+from llaunch.runtime.config import Device, LlaunchConfig
 from llaunch.runtime.models.memory import GiB, RankMemory, rank_memory
 
 _ARCH = ("model.family", "model.hidden_size", "model.intermediate_size", "model.num_hidden_layers",
          "model.num_attention_heads", "model.vocab_size", "model.max_position_embeddings", "router.batch_max_tokens")
-_SERVING = (Mode.normal, Mode.pd_prefill, Mode.pd_decode)
 
 
 def host_memory_bytes() -> int:
@@ -38,7 +38,7 @@ def kv_budget_bytes(cfg: LlaunchConfig, mem: RankMemory, device_bytes: Optional[
 
 def _rank_memory(cfg: LlaunchConfig) -> Optional[RankMemory]:
     """The estimate, or None when the model is not known well enough (other rules say why)."""
-    if cfg.mode.kind not in _SERVING or any(get(cfg, k) is None for k in _ARCH):
+    if cfg.mode.kind not in SERVING_MODES or any(get(cfg, k) is None for k in _ARCH):
         return None
     try:
         return rank_memory(cfg)
@@ -66,15 +66,16 @@ def weights_fit_memory(cfg):
     mem = _rank_memory(cfg)
     if mem is None:
         return
-    if cfg.device == Device.cpu:
-        host, weights = host_memory_bytes(), mem.weights * cfg.parallel.tp * cfg.parallel.dp
+    if cfg.device == Device.cpu:  # every worker rank of this host holds its weights and its KV budget
+        p = cfg.parallel
+        ranks, host = max(1, p.tp * p.dp // max(p.nnodes, 1)), host_memory_bytes()
         kv_key = "cache.max_total_tokens" if cfg.cache.max_total_tokens else "cache.cpu_kv_gib"
-        kv = kv_budget_bytes(cfg, mem, None) or 0
+        weights, kv = mem.weights * ranks, (kv_budget_bytes(cfg, mem, None) or 0) * ranks
         if weights + kv > host:
             yield ("model.dtype", kv_key), (
-                f"weights ({_gib(weights)} with model.dtype={cfg.model.dtype.value}, every replica) and KV "
-                f"({_gib(kv)}, {kv_key}={get(cfg, kv_key)}) need more than this host's {_gib(host)}: take a "
-                "smaller model, or a GPU")
+                f"weights ({_gib(weights)} with model.dtype={cfg.model.dtype.value}, {ranks} worker rank(s) here) "
+                f"and KV ({_gib(kv)}, {kv_key}={get(cfg, kv_key)}) need more than this host's {_gib(host)}: "
+                "take a smaller model, or a GPU")
         return
     device_bytes = gpus.memory_bytes()
     if device_bytes is None:
