@@ -1,150 +1,24 @@
 """The frontend end to end over real HTTP: a real Hypercorn server on a free 127.0.0.1 port, the
-official `openai` client, and a scripted router/detokenizer behind the real EngineClient."""
+official `openai` client, and a scripted router/detokenizer behind the real EngineClient
+(unit/scripted_frontend.py)."""
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
-import threading
-import time
 
 import openai
 import pytest
 
-from llaunch.runtime.http.app import FrontendSettings, create_app
-from llaunch.runtime.http.engine_client import EngineClient
-from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.http.request_limits import RequestLimits
-from llaunch.runtime.http.process import listening_socket, serve_app
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
-from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, MetricsSnapshot, SamplingParams, TextBatch,
-                                          TextDelta)
+from llaunch.runtime.ipc.messages import SamplingParams
 
 from unit.http_support import METRICS_TEXT, MODEL, REPLY, reply_text, smollm2_tokenizer, wait_for
-
-LIMITS = RequestLimits(served_name=MODEL, max_model_len=128, vocab_size=49152)
+from unit.scripted_frontend import LIMITS, Server
 
 
 @pytest.fixture(scope="module")
 def tok() -> PromptTokenizer:
     return smollm2_tokenizer()
-
-
-class ScriptedEngine:
-    """Plays router + detokenizer: each AddRequest is answered with REPLY one token per TextDelta
-    (cut at max_new_tokens), with scripted logprobs. Words in the prompt pick other behaviours:
-    `slow` (50 ms a token, long), `hang` (never answers), `stopword` (the detokenizer finds a stop
-    string), `broken` (the engine fails the request)."""
-
-    def __init__(self, tok: PromptTokenizer):
-        self.tok = tok
-        self.client: EngineClient | None = None
-        self.received: list[tuple[int, object]] = []
-        self.heartbeat = True
-        self.tasks: set[asyncio.Task] = set()
-
-    async def post(self, replica: int, msg) -> None:
-        self.received.append((replica, msg))
-        if isinstance(msg, AddRequest):
-            task = asyncio.ensure_future(self._answer(msg))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-
-    def added(self) -> list[AddRequest]:
-        return [m for _, m in self.received if isinstance(m, AddRequest)]
-
-    def aborted(self) -> list[str]:
-        return [m.request_id for _, m in self.received if isinstance(m, AbortRequest)]
-
-    async def _answer(self, req: AddRequest) -> None:
-        prompt = self.tok.decode(req.prompt_ids)
-        if "hang" in prompt:
-            return
-        reply_ids = self.tok.hf.encode(REPLY * (20 if "slow" in prompt else 1), add_special_tokens=False)
-        ids = reply_ids[:req.sampling.max_new_tokens]
-        s = req.sampling
-        for k, token_id in enumerate(ids):
-            await asyncio.sleep(0.05 if "slow" in prompt else 0.001)
-            if req.request_id in self.aborted():
-                return
-            last = k == len(ids) - 1
-            delta = TextDelta(request_id=req.request_id, text=self.tok.decode([token_id]), token_ids=[token_id],
-                              prompt_tokens=len(req.prompt_ids), completion_tokens=k + 1)
-            if s.logprobs:
-                delta.logprobs = [-0.25 * (k + 1)]
-                delta.top_ids = [[token_id + j for j in range(s.top_logprobs)]]
-                delta.top_logprobs = [[-0.25 * (k + 1) - j for j in range(s.top_logprobs)]]
-            if "stopword" in prompt and k == 2:
-                delta.stopped_by_string = True  # the detokenizer cut the text at a stop string
-                await self.client.on_message(TextBatch(deltas=[delta]))
-                return
-            if "broken" in prompt and k == 1:
-                delta.finish_reason = "error"
-            elif last:
-                delta.finish_reason = "length" if len(reply_ids) > s.max_new_tokens else "stop"
-            await self.client.on_message(TextBatch(deltas=[delta]))
-            if delta.finish_reason:
-                return
-
-    async def beat(self) -> None:
-        while True:
-            if self.heartbeat:
-                await self.client.on_message(MetricsSnapshot(time=time.time(), text=METRICS_TEXT))
-            await asyncio.sleep(0.2)
-
-
-class Server:
-    """The app under Hypercorn in a thread with its own event loop."""
-
-    def __init__(self, tok: PromptTokenizer, api_key: str | None = None, replicas: int = 2):
-        self.engine = ScriptedEngine(tok)
-        sock = listening_socket("127.0.0.1", 0)
-        self.port = sock.getsockname()[1]
-        self.fd = sock.detach()
-        self.settings = FrontendSettings(limits=LIMITS, api_key=api_key, heartbeat_max_age_s=1.0)
-        self.replicas = replicas
-        self.tok = tok
-        self.loop = asyncio.new_event_loop()
-        self.started = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.started.wait(10)
-
-    def _run(self) -> None:
-        self.loop.run_until_complete(self._main())
-
-    async def _main(self) -> None:
-        self.lifecycle = Lifecycle()
-        self.client = EngineClient(0, self.replicas, self.engine.post)
-        self.engine.client = self.client
-        app = create_app(self.settings, self.client, self.tok, self.lifecycle)
-        app.before_serving(self._started)
-        beat = asyncio.ensure_future(self.engine.beat())
-        await serve_app(app, self.fd, self.lifecycle)
-        beat.cancel()
-
-    async def _started(self) -> None:
-        self.started.set()
-
-    def run(self, coro):
-        """Run a coroutine on the server's loop and return its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(5)
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.lifecycle.stop_now)
-            self.thread.join(10)
-
-    def openai(self, api_key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key, max_retries=0, timeout=10)
-
-    def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        conn.request(method, path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        data = resp.read()
-        conn.close()
-        return resp.status, resp.getheader("Content-Type"), data
 
 
 @pytest.fixture(scope="module")
@@ -372,61 +246,3 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(tok):
         assert not srv.thread.is_alive()  # drained: the server stopped by itself
     finally:
         srv.stop()
-
-
-def test_model_card_tokenize_and_detokenize(server, tok):
-    card = server.openai().models.retrieve(MODEL)
-    assert card.id == MODEL and card.max_model_len == LIMITS.max_model_len
-    with pytest.raises(openai.NotFoundError):
-        server.openai().models.retrieve("gpt-9")
-
-    def post(path: str, body: dict):
-        status, _, data = server.raw("POST", path, json.dumps(body).encode())
-        return status, json.loads(data)
-
-    text = "Hello there, tokenizer."
-    status, out = post("/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
-    assert status == 200 and out["tokens"] == tok.hf.encode(text) and out["count"] == len(out["tokens"])
-    assert "".join(out["token_strs"]) == tok.hf.decode(out["tokens"]) and out["max_model_len"] == LIMITS.max_model_len
-    messages = [{"role": "user", "content": text}]
-    status, out = post("/tokenize", {"messages": messages})
-    want = tok.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert status == 200 and out["tokens"] == tok.hf.encode(want, add_special_tokens=False)
-    assert out["token_strs"] is None
-    assert post("/detokenize", {"model": MODEL, "tokens": out["tokens"]}) == (200, {"prompt": want})
-    for path, body, param in [("/detokenize", {"tokens": [10**9]}, "tokens"),
-                              ("/tokenize", {"prompt": "x", "made_up": 1}, "made_up"),
-                              ("/tokenize", {"messages": []}, "messages"),
-                              ("/tokenize", {"model": "gpt-9", "prompt": "x"}, "model")]:
-        status, out = post(path, body)
-        assert 400 <= status < 500 and out["error"]["param"] == param, (path, body, out)
-
-
-def _sse(data: bytes) -> list[dict]:
-    return [json.loads(e[len(b"data: "):]) for e in data.split(b"\n\n") if e.startswith(b"data: {")]
-
-
-def test_bodies_validate_against_the_openai_packages_own_types(server):
-    """The client builds its objects without validation; the package's pydantic types, validating, are
-    the oracle for field names, types and required fields of every shape we send."""
-    from openai.types import Completion, Model
-    from openai.types.chat import ChatCompletion, ChatCompletionChunk
-
-    def post(path: str, body: dict) -> bytes:
-        status, _, data = server.raw("POST", path, json.dumps({"model": MODEL, **body}).encode())
-        assert status == 200, data
-        return data
-
-    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
-    ChatCompletion.model_validate_json(post("/v1/chat/completions", chat))
-    for chunk in _sse(post("/v1/chat/completions", {**chat, "n": 2, "stream": True,
-                                                    "stream_options": {"include_usage": True}})):
-        ChatCompletionChunk.model_validate(chunk)
-    Completion.model_validate_json(post("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "logprobs": 2}))
-    chunks = _sse(post("/v1/completions", {"prompt": "Hi", "max_tokens": 3, "stream": True,
-                                           "stream_options": {"include_usage": True}}))
-    for chunk in chunks:  # the package types a stream chunk as a Completion, whose finish_reason it requires
-        if all(c["finish_reason"] for c in chunk["choices"]):  # (OpenAI sends null until the last)
-            Completion.model_validate(chunk)
-    assert chunks[-1]["choices"] == [] and chunks[-2]["choices"][0]["finish_reason"] == "length"
-    Model.model_validate_json(server.raw("GET", f"/v1/models/{MODEL}")[2])
