@@ -138,3 +138,18 @@ def test_the_readmes_sweep_runs_on_this_machine(tmp_path):
     for job in jobs:
         bench = json.loads((job / "bench.json").read_text())
         assert status_of(job)["status"] == "ok" and bench["completed"] == 8 and bench["failed"] == 0
+
+
+def test_a_sweep_under_submitit_runs_every_job(tmp_path):
+    """hydra/launcher=submitit_local: each job a submitit process (side by side); the Slurm profile
+    (conf/hydra/launcher/slurm.yaml) composes to submitit's SlurmLauncher."""
+    sweep = tmp_path / "sweep"
+    r = llaunch(tmp_path, "-m", "hydra/launcher=submitit_local", *BENCH, *TINY, "router.max_running_requests=4,8",
+                f"hydra.sweep.dir={sweep}", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for job in (sweep / "0", sweep / "1"):
+        assert status_of(job)["status"] == "ok" and json.loads((job / "bench.json").read_text())["completed"] == 3
+    assert (sweep / ".submitit").is_dir()
+    cfg = llaunch(tmp_path, "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "bench=c64", "--cfg", "hydra")
+    launcher = yaml.safe_load(cfg.stdout)["hydra"]["launcher"]
+    assert launcher["_target_"].endswith("submitit_launcher.SlurmLauncher") and launcher["partition"] == "gpu"
