@@ -27,14 +27,15 @@ class OpenRequest:
     decoder: IncrementalDecoder
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the prefix cache served
+    scheduled_time: float = 0.0  # when the router gave it a row
     first_output_time: Optional[float] = None
     last_output_time: Optional[float] = None
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, model_name: str, dp: int = 1):
+    def __init__(self, tokenizer: Any, model_name: str, dp: int = 1, max_model_len: int = 32768):
         self.tokenizer = tokenizer
-        self.metrics = MetricsHub(model_name, dp=dp)
+        self.metrics = MetricsHub(model_name, dp=dp, max_model_len=max_model_len)
         self.requests: dict[str, OpenRequest] = {}
         self.last_snapshot = float("-inf")
         self.finished_since_snapshot = False
@@ -77,6 +78,7 @@ class Detokenizer:
 
     def _advance(self, req: OpenRequest, delta: TokenDelta, now: float) -> Optional[TextDelta]:
         req.cached_tokens = max(req.cached_tokens, delta.cached_tokens)
+        req.scheduled_time = delta.scheduled_time or req.scheduled_time
         pieces: list[str] = []
         used = 0
         for token_id in delta.token_ids:
@@ -92,7 +94,8 @@ class Detokenizer:
         self._record_output(req, used, now)
         if finish is not None:
             del self.requests[delta.request_id]
-            self.metrics.finished(req.opened.arrival_time, now, finish)
+            self.metrics.finished(req.opened.arrival_time, now, finish, req.opened.prompt_len, req.completion_tokens,
+                                  req.first_output_time or 0.0, req.scheduled_time)
             self.finished_since_snapshot = True
             _log_finished(req, delta, finish, now)
         return TextDelta(
@@ -108,7 +111,7 @@ class Detokenizer:
             return
         if req.last_output_time is None:
             req.first_output_time = now
-            self.metrics.first_token(req.opened.arrival_time, now, req.opened.prompt_len)
+            self.metrics.first_token(req.opened.arrival_time, now, req.opened.prompt_len, req.scheduled_time)
         else:
             self.metrics.token_gap(now - req.last_output_time)
         req.last_output_time = now

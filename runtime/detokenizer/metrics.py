@@ -13,9 +13,11 @@ found (vLLM's counters), summed over replicas.
 """
 from __future__ import annotations
 
-from llaunch.runtime.detokenizer.prometheus import Counter, Gauge, Histogram, render
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
 from llaunch.runtime.ipc.messages import RouterStats
 
+disable_created_metrics()  # no `_created` series: vLLM's dashboards do not read them
 PREFIX = "llaunch:"
 
 # vLLM v1 (vllm/v1/metrics/loggers.py) bucket boundaries.
@@ -28,66 +30,112 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 FINISH_REASONS = ("stop", "length", "abort")  # exposed from the start, at zero, as vLLM does
 
 
-class MetricsHub:
-    """Records request events and scheduler stats; `render()` gives the Prometheus text."""
+def token_buckets(max_model_len: int) -> list[int]:
+    """vLLM's 1-2-5 series up to the context: 1, 2, 5, 10, 20, 50, ... ≤ max_model_len."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
-    def __init__(self, model_name: str, dp: int = 1):
+
+class MetricsHub:
+    """Records request events and scheduler stats in a prometheus_client registry of its own;
+    `render()` gives the Prometheus text the frontends serve."""
+
+    def __init__(self, model_name: str, dp: int = 1, max_model_len: int = 32768):
+        self.registry = r = CollectorRegistry()
         self.model = (model_name,)
-        m = ("model_name",)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", TTFT_BUCKETS, m)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS, m)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS, m)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", m)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens",
-                                         "Number of generation tokens processed.", m)
-        self.request_success = Counter(PREFIX + "request_success",
-                                       "Count of successfully processed requests.", m + ("finished_reason",))
-        ranked = m + ("dp_rank",)
-        self.running = Gauge(PREFIX + "num_requests_running",
-                             "Number of requests in model execution batches.", ranked)
-        self.waiting = Gauge(PREFIX + "num_requests_waiting",
-                             "Number of requests waiting to be processed.", ranked)
+        m = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets, labels=m) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.",
+                                        REQUEST_LATENCY_BUCKETS)
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens",
+                                               "Number of prefill tokens processed.", tokens)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Number of generation tokens processed.", tokens)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", m, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.", m,
+                                         registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
+                                       m + ["finished_reason"], registry=r)
+        ranked = m + ["dp_rank"]
+        self.running = Gauge(PREFIX + "num_requests_running", "Number of requests in model execution batches.",
+                             ranked, registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Number of requests waiting to be processed.",
+                             ranked, registry=r)
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                              ranked)
+                              ranked, registry=r)
         self.prefix_usage = Gauge(PREFIX + "prefix_cache_usage_perc",
-                                  "Share of KV-cache slots held by the prompt cache. 1 means 100 percent.", ranked)
+                                  "Share of KV-cache slots held by the prompt cache. 1 means 100 percent.", ranked,
+                                  registry=r)
         self.prefix_queries = Counter(PREFIX + "prefix_cache_queries",
-                                      "Prefix cache queries, in terms of number of queried tokens.", m)
+                                      "Prefix cache queries, in terms of number of queried tokens.", m, registry=r)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits",
-                                   "Prefix cache hits, in terms of number of cached tokens.", m)
+                                   "Prefix cache hits, in terms of number of cached tokens.", m, registry=r)
         self.stalled = Gauge(PREFIX + "engine_stalled",
-                             "1 while the replica's engine is stalled (a step overdue, a worker gone).", ranked)
-        self.stalls = Counter(PREFIX + "engine_stalls", "Stalls the health monitor saw, per replica.", ranked)
-        for h in (self.ttft, self.itl, self.e2e):
-            h.touch(self.model)
-        for c in (self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits):
-            c.inc(self.model, 0)
+                             "1 while the replica's engine is stalled (a step overdue, a worker gone).", ranked,
+                             registry=r)
+        self.stalls = Counter(PREFIX + "engine_stalls", "Stalls the health monitor saw, per replica.", ranked,
+                              registry=r)
+        for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
+                       self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
+                       self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits):
+            family.labels(*self.model)  # every series exists from the start, at zero
         for reason in FINISH_REASONS:
-            self.request_success.inc(self.model + (reason,), 0)
+            self.request_success.labels(*self.model, reason)
         self._stats: dict[int, RouterStats] = {}
         for rank in range(dp):
             self.record_stats(RouterStats(time=0.0, running=0, waiting=0, kv_used=0, kv_total=0, dp_rank=rank))
 
     # ---- request events (times in seconds since the epoch, as the frontend stamps arrival) -------
 
-    def first_token(self, arrival_time: float, now: float, prompt_tokens: int) -> None:
-        """Prefill is done: the prompt counts as processed and the first token's latency is known."""
-        self.ttft.observe(self.model, now - arrival_time)
-        self.prompt_tokens.inc(self.model, prompt_tokens)
+    def first_token(self, arrival_time: float, now: float, prompt_tokens: int,
+                    scheduled_time: float = 0.0) -> None:
+        """Prefill is done: the prompt counts as processed and the first token's latency is known;
+        `scheduled_time` (the router's, when the request got its row) splits it into queue and prefill."""
+        self.ttft.labels(*self.model).observe(now - arrival_time)
+        self.prompt_tokens.labels(*self.model).inc(prompt_tokens)
+        if scheduled_time:
+            self.queue_time.labels(*self.model).observe(max(scheduled_time - arrival_time, 0.0))
+            self.prefill_time.labels(*self.model).observe(max(now - scheduled_time, 0.0))
 
     def token_gap(self, seconds: float) -> None:
         """Time between two outputs of one request (one per decode step, as vLLM counts it)."""
-        self.itl.observe(self.model, seconds)
+        self.itl.labels(*self.model).observe(seconds)
 
     def generated(self, tokens: int) -> None:
-        self.generation_tokens.inc(self.model, tokens)
+        self.generation_tokens.labels(*self.model).inc(tokens)
 
-    def finished(self, arrival_time: float, now: float, reason: str) -> None:
-        self.e2e.observe(self.model, now - arrival_time)
-        self.request_success.inc(self.model + (reason,))
+    def finished(self, arrival_time: float, now: float, reason: str, prompt_tokens: int = 0,
+                 output_tokens: int = 0, first_token_time: float = 0.0, scheduled_time: float = 0.0) -> None:
+        self.e2e.labels(*self.model).observe(now - arrival_time)
+        self.request_success.labels(*self.model, reason).inc()
+        if first_token_time:  # a request that produced tokens: its phases and sizes
+            self.decode_time.labels(*self.model).observe(now - first_token_time)
+            self.request_prompt_tokens.labels(*self.model).observe(prompt_tokens)
+            self.request_generation_tokens.labels(*self.model).observe(output_tokens)
+            if scheduled_time:
+                self.inference_time.labels(*self.model).observe(max(now - scheduled_time, 0.0))
 
     # ---- scheduler state ------------------------------------------------------------------------
 
@@ -95,16 +143,17 @@ class MetricsHub:
         before = self._stats.get(stats.dp_rank)
         self._stats[stats.dp_rank] = stats
         rank = self.model + (str(stats.dp_rank),)
-        self.running.set(rank, stats.running)
-        self.waiting.set(rank, stats.waiting)
+        self.running.labels(*rank).set(stats.running)
+        self.waiting.labels(*rank).set(stats.waiting)
         total = stats.kv_total or 1  # zero before the router's first report
-        self.kv_usage.set(rank, (stats.kv_used - stats.kv_evictable) / total)
-        self.prefix_usage.set(rank, stats.prefix_cache_tokens / total)
+        self.kv_usage.labels(*rank).set((stats.kv_used - stats.kv_evictable) / total)
+        self.prefix_usage.labels(*rank).set(stats.prefix_cache_tokens / total)
         # the router reports totals since its start; the counters add what is new
-        self.prefix_queries.inc(self.model, stats.prefix_cache_queries - (before.prefix_cache_queries if before else 0))
-        self.prefix_hits.inc(self.model, stats.prefix_cache_hits - (before.prefix_cache_hits if before else 0))
-        self.stalled.set(rank, float(stats.stalled))
-        self.stalls.inc(rank, stats.stalls - (before.stalls if before else 0))
+        self.prefix_queries.labels(*self.model).inc(
+            stats.prefix_cache_queries - (before.prefix_cache_queries if before else 0))
+        self.prefix_hits.labels(*self.model).inc(stats.prefix_cache_hits - (before.prefix_cache_hits if before else 0))
+        self.stalled.labels(*rank).set(float(stats.stalled))
+        self.stalls.labels(*rank).inc(stats.stalls - (before.stalls if before else 0))
 
     @property
     def num_running(self) -> int:
@@ -119,6 +168,4 @@ class MetricsHub:
         return sorted(rank for rank, s in self._stats.items() if s.stalled)
 
     def render(self) -> str:
-        return render([self.running, self.waiting, self.kv_usage, self.prefix_usage, self.prefix_queries,
-                       self.prefix_hits, self.stalled, self.stalls, self.prompt_tokens,
-                       self.generation_tokens, self.request_success, self.ttft, self.itl, self.e2e])
+        return generate_latest(self.registry).decode()

@@ -65,7 +65,8 @@ def main() -> None:
     ctx = zmq.Context()
     receiver: Receiver = Receiver(ctx, spec.binds["tokens"], DetokenizerInbound)
     frontends = {i: Sender(ctx, addr) for i, addr in frontend_endpoints(spec).items()}
-    detok = Detokenizer(tokenizer, model_name=cfg.model.name, dp=cfg.parallel.dp)
+    detok = Detokenizer(tokenizer, model_name=cfg.model.name, dp=cfg.parallel.dp,
+                        max_model_len=cfg.model.max_model_len or 32768)
     stop = StopFlag().install()
     report_ready(ctx, cfg, spec, frontends=str(len(frontends)))
     log.info("ready: %s -> %d frontend(s)", spec.binds["tokens"], len(frontends))

@@ -220,6 +220,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_ms: float = 0.0  # pd_prefill: how long sending the KV took
     error: Optional[str] = None  # why, for invalid / overloaded / error / stalled
     cached_tokens: int = 0  # the first token's delta: prompt tokens the prefix cache served
+    scheduled_time: float = 0.0  # the first token's delta: when the request got its row (time.time())
 
 
 class TokenBatch(_Msg):

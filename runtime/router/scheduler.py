@@ -29,6 +29,8 @@ is sampled here, with the request's own seed and penalties. Requests holding KV 
 """
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -226,6 +228,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 req.status = Status.RUNNING
+                req.scheduled_time = time.time()
                 req.row = self._free_rows.pop()
                 self.running[req.row] = req
                 plan.new.append(NewSeq(row=req.row, request_id=req.id, sampling=req.sampling,
@@ -324,7 +327,7 @@ class Scheduler:
             req.output_ids.append(token)
             delta = TokenDelta(request_id=req.id, token_ids=[token])
             if len(req.output_ids) == 1:
-                delta.cached_tokens = req.num_cached
+                delta.cached_tokens, delta.scheduled_time = req.num_cached, req.scheduled_time
             if has_lp:
                 delta.logprobs = [result.logprobs[i]]
                 if result.top_ids and result.top_ids[i]:

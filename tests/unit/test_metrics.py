@@ -300,3 +300,27 @@ def test_serve_loop_over_zmq(tokenizer, tmp_path):
         for r in [detok_rx, *frontends_rx.values()]:
             r.close()
         ctx.term()
+
+
+def test_request_phases_and_sizes(tokenizer):
+    """vLLM's per-request series: queue (arrival → row), prefill (row → first token), decode (first →
+    last token), inference (row → last token), and the prompt and output sizes as histograms."""
+    detok = Detokenizer(tokenizer, model_name="smol", max_model_len=100)
+    ids = tokenizer.encode(" one two three four")
+    detok.handle(open_msg("0-a", 10.0, 30), 10.0)
+    detok.handle(TokenBatch(deltas=[TokenDelta("0-a", ids[0:1], scheduled_time=10.5)]), 11.0)
+    detok.handle(TokenBatch(deltas=[TokenDelta("0-a", ids[1:3], finish_reason="stop")]), 12.5)
+    fams = parse_exposition(detok.metrics.render())
+    m = {"model_name": "smol"}
+    for family, seconds in (("request_queue_time_seconds", 0.5), ("request_prefill_time_seconds", 0.5),
+                            ("request_decode_time_seconds", 1.5), ("request_inference_time_seconds", 2.0)):
+        assert sample(fams, "llaunch:" + family, "_count", **m) == 1
+        assert sample(fams, "llaunch:" + family, "_sum", **m) == pytest.approx(seconds)
+    assert sample(fams, "llaunch:request_prompt_tokens", "_sum", **m) == 30
+    assert sample(fams, "llaunch:request_generation_tokens", "_sum", **m) == 3
+    # vLLM's 1-2-5 buckets up to the context
+    assert sample(fams, "llaunch:request_prompt_tokens", "_bucket", le="20.0", **m) == 0
+    assert sample(fams, "llaunch:request_prompt_tokens", "_bucket", le="50.0", **m) == 1
+    assert [le for (name, labels), _ in fams["llaunch:request_prompt_tokens"]["samples"].items()
+            if name.endswith("_bucket") for k, le in labels if k == "le"] == \
+        ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
