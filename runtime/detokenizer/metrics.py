@@ -97,9 +97,13 @@ class MetricsHub:
                              registry=r)
         self.stalls = Counter(PREFIX + "engine_stalls", "Stalls the health monitor saw, per replica.", ranked,
                               registry=r)
+        # vLLM's series, for its dashboards; always 0 here: admission reserves a request's KV up front
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Cumulative number of preemption from the engine.",
+                                   m, registry=r)
         for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
                        self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
-                       self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits):
+                       self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
+                       self.preemptions):
             family.labels(*self.model)  # every series exists from the start, at zero
         for reason in FINISH_REASONS:
             self.request_success.labels(*self.model, reason)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from quart import Quart, Response, request
 
 from llaunch.runtime.config import RunConfig
@@ -156,12 +157,15 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
         await engine.flush_cache()
         return json_response({"status": "ok"})
 
+    process = CollectorRegistry()
+    ProcessCollector(registry=process)  # this frontend's CPU, memory, fds (vLLM's API server process_*)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         snapshot = engine.metrics
         if snapshot is None:
             return error_response(ApiError(503, "No metrics from the engine yet.", type="service_unavailable",
                                            code="engine_unavailable"))
-        return Response(snapshot.text, content_type=PROMETHEUS_CONTENT_TYPE)
+        return Response(snapshot.text + generate_latest(process).decode(), content_type=PROMETHEUS_CONTENT_TYPE)
 
     return app

@@ -191,7 +191,13 @@ def test_models_health_metrics(server):
     assert [m.id for m in models.data] == [MODEL] and models.data[0].max_model_len == LIMITS.max_model_len
     assert server.raw("GET", "/health")[0] == 200
     status, ctype, data = server.raw("GET", "/metrics")
-    assert status == 200 and ctype.startswith("text/plain; version=0.0.4") and data.decode() == METRICS_TEXT
+    assert status == 200 and ctype.startswith("text/plain; version=0.0.4") and data.decode().startswith(METRICS_TEXT)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    # then this frontend's own process series (vLLM's API server exposes them too)
+    process = {f.name: f for f in text_string_to_metric_families(data.decode()[len(METRICS_TEXT):])}
+    assert process["process_resident_memory_bytes"].samples[0].value > 10 << 20
+    assert process["process_cpu_seconds"].samples[0].value > 0
     server.engine.heartbeat = False
     try:
         wait_for(lambda: server.raw("GET", "/health")[0] == 503, timeout=3)
