@@ -62,6 +62,17 @@ class StageReporter:
     def __call__(self, stage: str) -> None:
         self.sender.send(ProcessStage(name=self.name, stage=stage))
 
+    def fraction(self, stage: str, step: float = 0.1):
+        """A progress callback for `stage`: reports each further `step` of the work done (10%, 20%, ...)."""
+        reported = [0.0]
+
+        def progress(done: float) -> None:
+            if done - reported[0] >= step and done < 1.0:
+                reported[0] = done
+                self(f"{stage} {done:.0%}")
+
+        return progress
+
     def close(self) -> None:
         self.sender.close()
 

@@ -10,7 +10,7 @@ import os
 import zlib
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import Protocol
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -184,9 +184,11 @@ def open_source(cfg: ModelConfig, device: torch.device, num_params: int) -> Tens
     return GgufSource(cfg.path) if fmt == "gguf" else SafetensorsSource(cfg.path)
 
 
-def load_from(model: torch.nn.Module, source: TensorSource) -> None:
-    """Fill every parameter of `model` (a DecoderLM) with its shards from `source`."""
+def load_from(model: torch.nn.Module, source: TensorSource, progress: Optional[Callable[[float], None]] = None) -> None:
+    """Fill every parameter of `model` (a DecoderLM) with its shards from `source`; `progress` gets the
+    share of the parameters' bytes loaded after each one."""
     params = dict(model.named_parameters())
+    total, done = sum(p.numel() for p in params.values()) or 1, 0
     for pname, shards in model.checkpoint_layout().items():
         param = params[pname]
         if any(s.name == "lm_head.weight" for s in shards) and not source.has("lm_head.weight"):
@@ -203,13 +205,16 @@ def load_from(model: torch.nn.Module, source: TensorSource) -> None:
                 param[t.shape[0]:].zero_()
             else:
                 raise ValueError(f"{pname}: shards give {tuple(t.shape)}, parameter is {tuple(param.shape)}")
+        done += param.numel()
+        if progress is not None:
+            progress(done / total)
 
 
-def load_weights(model: torch.nn.Module, cfg: ModelConfig) -> None:
+def load_weights(model: torch.nn.Module, cfg: ModelConfig, progress: Optional[Callable[[float], None]] = None) -> None:
     """Load `model`'s weights as `cfg.load_format` says (dummy | safetensors | gguf | auto)."""
     source = open_source(cfg, model.device, model.arch.num_params)
     try:
-        load_from(model, source)
+        load_from(model, source, progress)
     finally:
         source.close()
 

@@ -141,9 +141,10 @@ def main() -> None:
 
     from llaunch.runtime.models.loader import build_model
 
-    stage(f"loading weights ({cfg.model.load_format.value}, {cfg.model.dtype.value})")
+    loading = f"loading weights ({cfg.model.load_format.value}, {cfg.model.dtype.value})"
+    stage(loading)
     model = build_model(cfg.model, device=device, dtype=dtype, tp_rank=spec.tp_rank, tp_size=cfg.parallel.tp,
-                        process_group=group)
+                        process_group=group, progress=stage.fraction(loading))
     stage("sizing the KV cache")
     num_slots = kv_slots_for(cfg, model, device, group)
     max_rows = cfg.router.max_running_requests

@@ -213,3 +213,12 @@ def test_qwen2_gguf_loads_like_transformers_reads_it(tiny, tmp_path):
     from_gguf = params(build(replace(cfg, path=str(path), load_format=LoadFormat.gguf)))
     from_st = params(build(cfg))
     assert from_gguf.keys() == from_st.keys() and all(torch.equal(from_gguf[n], from_st[n]) for n in from_st)
+
+
+def test_loading_reports_its_progress_by_parameter_bytes(tiny):
+    cfg = model_config_from_folder(tiny["qwen2"])
+    seen: list[float] = []
+    model = build_model(cfg, device=torch.device("cpu"), dtype=torch.float32, progress=seen.append)
+    sizes = [p.numel() for p in dict(model.named_parameters()).values()]
+    assert len(seen) == len(sizes) and seen == sorted(seen) and seen[-1] == 1.0
+    assert seen[0] == pytest.approx(sizes[0] / sum(sizes))
