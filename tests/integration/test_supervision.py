@@ -34,6 +34,8 @@ def alive(pid: int) -> bool:
 def test_killed_worker_tears_down_the_graph(tmp_path_factory, tiny_dirs):
     server = start_server(tmp_path_factory, "kill", overrides(tiny_dirs)).wait_healthy()
     started = server.output()  # piped: a line per start-up stage, before the process says ready
+    [serving] = [line for line in started.splitlines() if "llaunch serving" in line]
+    assert len(serving) > 80 and serving.rstrip().endswith("/logs)")  # whole, not wrapped at 80 columns
     assert 0 <= started.index("worker.0.0: loading weights (safetensors, float32)") \
         < started.index("worker.0.0: sizing the KV cache") < started.index("ready worker.0.0")
     children = server.children()
