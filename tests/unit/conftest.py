@@ -25,3 +25,14 @@ def bench():
 def workload(bench):
     """scripts/bench_workload.py (prompts, stream timing, metrics), as bench_serving imported it."""
     return sys.modules["bench_workload"]
+
+
+@pytest.fixture(scope="module")
+def scripted_server():
+    """The real frontend app on a free port with a scripted engine behind it (unit/scripted_frontend.py)."""
+    from unit.http_support import smollm2_tokenizer
+    from unit.scripted_frontend import Server
+
+    server = Server(smollm2_tokenizer())
+    yield server
+    server.stop()

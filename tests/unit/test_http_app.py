@@ -22,10 +22,8 @@ def tok() -> PromptTokenizer:
 
 
 @pytest.fixture(scope="module")
-def server(tok):
-    srv = Server(tok)
-    yield srv
-    srv.stop()
+def server(scripted_server):
+    return scripted_server
 
 
 def test_completion_non_stream(server, tok):

@@ -10,7 +10,7 @@ import pytest
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 
 from unit.http_support import MODEL, smollm2_tokenizer
-from unit.scripted_frontend import LIMITS, Server
+from unit.scripted_frontend import LIMITS
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +19,8 @@ def tok() -> PromptTokenizer:
 
 
 @pytest.fixture(scope="module")
-def server(tok):
-    srv = Server(tok)
-    yield srv
-    srv.stop()
+def server(scripted_server):
+    return scripted_server
 
 
 def test_model_card_tokenize_and_detokenize(server, tok):
