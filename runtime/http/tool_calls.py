@@ -1,7 +1,6 @@
-"""OpenAI tool calling: the tools go into the prompt (the chat template's own way when it has one, else
-a system message describing them and the call format), the grammar (a structural tag) keeps every
-call valid JSON with the tool's arguments schema and makes `required` / a named choice mean it, and
-the generated text is parsed back into `tool_calls`, whole or as stream deltas.
+"""OpenAI tool calling: the grammar (a structural tag) keeps every call valid JSON with the tool's
+arguments schema and makes `required` / a named choice mean it, and the generated text is parsed back
+into `tool_calls`, whole or as stream deltas. (How the tools reach the prompt: chat_messages.py.)
 
 Two call formats, one per family of templates: `hermes` (Qwen2/2.5 and most chat models:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and `llama3_json` (Llama 3:
