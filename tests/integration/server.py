@@ -18,6 +18,18 @@ REPO = Path(__file__).resolve().parents[2]
 _handed_out: set[int] = set()
 
 
+def metric_samples(url: str, name: str) -> dict[tuple, float]:
+    """A server's `llaunch:<name>` samples from /metrics, parsed as Prometheus text (label order and
+    number format are the client library's business), keyed by their sorted label pairs."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "llaunch:" + name:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
 def free_port() -> int:
     """A port free now and not handed out before in this test run: a port given to one server but not
     yet bound is free to the OS, which may offer it again (a PD deployment once got its master's

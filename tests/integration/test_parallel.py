@@ -23,7 +23,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from integration.conftest import CPU_BASE, start_server
-from integration.server import REPO, LlaunchServer, free_port, port_is_free
+from integration.server import REPO, LlaunchServer, free_port, metric_samples, port_is_free
 from integration.test_supervision import alive
 from llaunch.launcher import supervise
 from llaunch.runtime.http.engine_client import EngineClient
@@ -148,9 +148,9 @@ def test_dp2_serves_16_concurrent_requests_on_both_replicas(tmp_path_factory, ti
         per_replica = [admitted_requests(server.run_dir, d) for d in (0, 1)]
         assert sorted(per_replica[0] + per_replica[1]) == sorted(f"0-{i}" for i in range(16))
         assert len(per_replica[0]) >= 2 and len(per_replica[1]) >= 2, f"unbalanced: {per_replica}"
-        metrics = httpx.get(server.url + "/metrics").text
+        running = metric_samples(server.url, "num_requests_running")
         for d in (0, 1):  # each replica reports its own scheduler gauges
-            assert f'llaunch:num_requests_running{{model_name="tiny-qwen2",dp_rank="{d}"}}' in metrics
+            assert (("dp_rank", str(d)), ("model_name", "tiny-qwen2")) in running, running
 
 
 def test_requests_go_to_the_replica_with_fewest_outstanding_tokens():
@@ -303,9 +303,9 @@ def test_node_0_notices_a_dead_replica_on_another_node(tmp_path_factory, tiny_di
                 break
             time.sleep(0.2)
         assert health.get("stalled_replicas") == [1], health
-        metrics = httpx.get(node0.url + "/metrics").text
-        assert 'llaunch:engine_stalled{model_name="tiny-qwen2",dp_rank="1"} 1' in metrics
-        assert 'llaunch:engine_stalled{model_name="tiny-qwen2",dp_rank="0"} 0' in metrics
+        stalled = metric_samples(node0.url, "engine_stalled")
+        assert stalled == {(("dp_rank", "0"), ("model_name", "tiny-qwen2")): 0.0,
+                           (("dp_rank", "1"), ("model_name", "tiny-qwen2")): 1.0}, stalled
         for prompt in PROMPTS:  # every one is served, on replica 0
             want = oracle.greedy(oracle.tokenizer(prompt)["input_ids"], MAX_NEW)
             assert greedy_ids(node0, "qwen2", prompt) == want
