@@ -24,7 +24,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from llaunch.launcher import (bench_job, cli_help, config_keys, derive, memory_plan, plan, ports, report, rules,
+from llaunch.launcher import (bench_job, cli_help, config_keys, derive, host_checks, memory_plan, plan, ports, report, rules,
                               secrets, store)
 from llaunch.runtime.config import Device, LlaunchConfig, RunConfig
 
@@ -57,6 +57,9 @@ def launch(composed: LlaunchConfig, run_dir: Path) -> int:
     if violations:
         report.print_violations(violations)
         return EXIT_INVALID
+    shm = host_checks.shm_warning(cfg)
+    if shm:
+        report.err.print(f"[yellow]warning[/]: {shm}", markup=True, highlight=False)
     for stale in ports.remove_stale_ipc_dirs():
         report.err.print(f"[dim]removed {stale}: the ipc directory of a launcher that is gone[/]")
     key = secrets.api_key(cfg)

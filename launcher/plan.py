@@ -5,7 +5,8 @@ starting anything and printed by a dry run.
 Endpoint keys are role-local names the runtime looks up:
   worker.{d}.{r}  binds plan;                  connects results, control, dist (torch.distributed init)
   router.{d}      binds requests, results;     connects plan.{r} per tp rank, tokens, control
-  detokenizer     binds tokens;                connects text.{i} per frontend, control
+  detokenizer     binds tokens (and metrics: an http URL, server.metrics_port); connects text.{i} per
+                  frontend, control
   frontend.{i}    binds text;                  connects requests.{d} per replica, control
 pd_decode adds worker.0.{r} kv_transfer (bound: rank r of a prefill instance sends its KV heads
 there); pd frontends dial pd_master (an http URL: frontend.0 registers there), and a decode
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from llaunch.launcher.ports import EndpointAllocator
-from llaunch.runtime.config import Device, KvTransport, LlaunchConfig, Mode, ProcessGraph, ProcessSpec
+from llaunch.runtime.config import Device, KvTransport, LlaunchConfig, Mode, ProcessGraph, ProcessSpec, ZmqMode
 
 # Dialled addresses that no process of this graph binds: the launcher's own control socket,
 # torch.distributed's rendezvous (rank 0's TCPStore), and other instances of a pd deployment.
@@ -25,11 +26,12 @@ EXTERNAL_KEYS = ("control", "dist", "pd_master", "config_server", "kv_transfer")
 
 
 def endpoints_for(cfg: LlaunchConfig) -> EndpointAllocator:
-    """ipc endpoints on one node; with several, tcp ports after the rendezvous ports, same on every node."""
+    """ipc endpoints on one node (or free tcp ports with parallel.zmq_mode=tcp); with several nodes, tcp
+    ports after the rendezvous ports, same on every node."""
     p = cfg.parallel
     if p.nnodes > 1:
         return EndpointAllocator(tcp_base_port=p.master_port + p.dp)
-    return EndpointAllocator()
+    return EndpointAllocator(local_tcp=p.zmq_mode == ZmqMode.tcp)
 
 
 def choose_server_port(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> LlaunchConfig:
@@ -119,7 +121,9 @@ def _serving_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessG
             connects={f"plan.{w.tp_rank}": w.binds["plan"] for w in replica}
             | {"tokens": tokens, "control": controls[0]}))
         workers += replica
-    detokenizer = ProcessSpec(name="detokenizer", role="detokenizer", binds={"tokens": tokens},
+    metrics = {"metrics": _url(cfg.server.metrics_host, cfg.server.metrics_port) + "/metrics"} \
+        if cfg.server.metrics_port is not None else {}  # the hub's own listener, without the API key
+    detokenizer = ProcessSpec(name="detokenizer", role="detokenizer", binds={"tokens": tokens} | metrics,
                               connects={f"text.{i}": addr for i, addr in enumerate(text)} | {"control": controls[0]})
     # a pd node's frontends register with the pd_master
     extra = {"pd_master": _pd_master_address(cfg)} if pd_node else {}

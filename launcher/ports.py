@@ -49,10 +49,14 @@ def remove_stale_ipc_dirs(root: Optional[Path] = None) -> list[str]:
 
 
 class EndpointAllocator:
-    def __init__(self, ipc_dir: Optional[str] = None, tcp_base_port: Optional[int] = None):
+    def __init__(self, ipc_dir: Optional[str] = None, tcp_base_port: Optional[int] = None,
+                 local_tcp: bool = False):
         """ipc mode (default): endpoints live in `ipc_dir` (None: a fresh private directory, made on
         first use). tcp mode (`tcp_base_port` set, for several nodes): `endpoint(name, host)` hands out
-        tcp://host:port with ports counted up from the base in call order, identical on every node."""
+        tcp://host:port with ports counted up from the base in call order, identical on every node.
+        local tcp mode (`local_tcp`, one node without a usable /tmp): every endpoint is a free port,
+        reserved like `free_port`'s."""
+        self._local_tcp = local_tcp
         self._ipc_dir = ipc_dir
         self._owns_ipc_dir = ipc_dir is None
         self._next_port = tcp_base_port
@@ -62,7 +66,7 @@ class EndpointAllocator:
 
     @property
     def tcp(self) -> bool:
-        return self._next_port is not None
+        return self._next_port is not None or self._local_tcp
 
     @property
     def ipc_dir(self) -> str:
@@ -74,6 +78,8 @@ class EndpointAllocator:
 
     def endpoint(self, name: str, host: str = "127.0.0.1") -> str:
         """The address a process binds for `name` (e.g. "router.0.requests")."""
+        if self._local_tcp:
+            return f"tcp://{host}:{self.free_port(host)}"
         if self.tcp:
             port, self._next_port = self._next_port, self._next_port + 1
             return f"tcp://{host}:{port}"

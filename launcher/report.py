@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.tree import Tree
 
+from llaunch.launcher.mps import MpsDaemon
 from llaunch.launcher.rule_registry import Pending, Violation
 from llaunch.runtime.config import ProcessSpec, RunConfig
 
@@ -64,6 +65,8 @@ def graph_tree(cfg: RunConfig) -> Tree:
                 f"{g.http_url}")
     tree.add(f"[dim]run dir[/] {escape(cfg.run_dir)}")
     tree.add(f"[dim]control[/] {escape(g.control)}")
+    if cfg.parallel.cuda_mps:
+        tree.add(f"[dim]cuda mps daemon[/] {escape(str(MpsDaemon(cfg.run_dir).env))} (started first, quit last)")
     multinode = cfg.parallel.nnodes > 1
     for spec in g.processes:
         node = tree.add(_spec_label(spec, multinode))

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import socket
 
-from llaunch.launcher import gpus, memory_plan, rules_model, secrets  # noqa: F401 (they register rules too)
+from llaunch.launcher import gpus, memory_plan, rules_graph, rules_model, secrets  # noqa: F401 (they register rules too)
+from llaunch.launcher import rules_score  # noqa: F401 (registers the score model's rules)
+from llaunch.launcher import rules_server  # noqa: F401 (metric server and TGI API rules)
 # check_all, warnings, pending and RULES are called through this module, which fills the registry
 from llaunch.launcher.rule_registry import RULES, check_all, get, pending, rule, warnings  # noqa: F401
 from llaunch.runtime.config import Device, Mode
@@ -226,6 +228,8 @@ def _bound_ports(cfg) -> dict[str, list[int]]:
     p, m, kind = cfg.parallel, cfg.mode, cfg.mode.kind
     serves_http = kind != Mode.config_server  # a config server binds only mode.config_server_port
     ports = {"server.port": [cfg.server.port] if cfg.server.port and serves_http else []}
+    if cfg.server.metrics_port is not None and _serves(cfg):
+        ports["server.metrics_port"] = [cfg.server.metrics_port]
     if p.master_port is not None and _serves(cfg):
         ports["parallel.master_port"] = [p.master_port + d for d in range(max(p.dp, 1))]
     if kind == Mode.pd_decode and m.kv_transfer_port is not None:
@@ -286,6 +290,16 @@ def pd_instance_is_one_replica(cfg):
 
 
 @rule()
+def prompt_logprobs_not_in_pd(cfg):
+    kind = cfg.mode.kind
+    if cfg.server.return_all_prompt_logprobs and kind in (Mode.pd_prefill, Mode.pd_decode, Mode.pd_master):
+        yield ("server.return_all_prompt_logprobs", "mode.kind"), (
+            f"server.return_all_prompt_logprobs=true with mode.kind={kind.value}: prompt logprobs need the whole "
+            "prompt's logits on one instance, which prefill/decode disaggregation splits; use mode.kind=normal "
+            "or server.return_all_prompt_logprobs=false")
+
+
+@rule()
 def pd_addresses(cfg):
     m = cfg.mode
     if m.kind in (Mode.pd_prefill, Mode.pd_decode, Mode.pd_master) and not m.pd_master_host:
@@ -294,3 +308,20 @@ def pd_addresses(cfg):
     if m.kind == Mode.config_server and not m.config_server_host:
         yield ("mode.config_server_host",), ("mode.kind=config_server needs mode.config_server_host (the "
                                              "address it serves on), e.g. mode.config_server_host=127.0.0.1")
+
+
+@rule()
+def diverse_mode_needs_prompt_cache(cfg):
+    if cfg.router.diverse_mode and not cfg.cache.prompt_cache:
+        yield ("router.diverse_mode", "cache.prompt_cache"), (
+            "router.diverse_mode=true shares a prompt's KV between its samples through the prompt cache, but "
+            "cache.prompt_cache=false: set cache.prompt_cache=true, or router.diverse_mode=false")
+
+
+@rule()
+def token_healing_without_all_prompt_logprobs(cfg):
+    s = cfg.server
+    if s.token_healing and s.return_all_prompt_logprobs:
+        yield ("server.token_healing", "server.return_all_prompt_logprobs"), (
+            "server.token_healing=true backs off every prompt's last token, so the logprobs of every prompt token "
+            "that server.return_all_prompt_logprobs=true returns do not exist: turn one of them off")

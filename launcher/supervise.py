@@ -26,6 +26,7 @@ from pathlib import Path
 import zmq
 from rich.console import Console
 
+from llaunch.launcher.mps import MpsDaemon
 from llaunch.launcher.plan import processes_on
 from llaunch.runtime.config import Mode, ProcessSpec, RunConfig
 from llaunch.runtime.ipc.messages import LauncherInbound, ProcessReady, ProcessStage
@@ -85,6 +86,8 @@ class Graph:
         self.procs: dict[str, subprocess.Popen] = {}
         # this node's share of the graph (all of it on a single node)
         self.specs: dict[str, ProcessSpec] = {p.name: p for p in processes_on(cfg.graph, cfg.parallel.node_rank)}
+        gpu_procs = any(spec.gpus for spec in self.specs.values())
+        self.mps = MpsDaemon(cfg.run_dir) if cfg.parallel.cuda_mps and gpu_procs else None
 
     @property
     def serves_http(self) -> bool:
@@ -92,8 +95,12 @@ class Graph:
 
     def start(self, http_fd: int | None, api_key: str | None = None) -> None:
         order = sorted(self.specs.values(), key=lambda p: START_ORDER.index(p.role))
+        if self.mps is not None:
+            self.mps.start()
         for spec in order:
             env = dict(os.environ, PYTHONUNBUFFERED="1")
+            if self.mps is not None and spec.gpus:
+                env.update(self.mps.env)  # this process's CUDA context goes through the daemon
             pass_fds, argv = (), [sys.executable, "-m", ROLE_MODULES[spec.role], "--config", str(self.config_path),
                                   "--name", spec.name]
             if spec.gpus:
@@ -268,6 +275,8 @@ def run_graph(cfg: RunConfig, api_key: str | None = None) -> int:
         for s, h in old.items():
             signal.signal(s, signal.SIG_IGN)
         graph.kill_all()
+        if graph.mps is not None:
+            graph.mps.stop()
         if http is not None:
             http.close()
         control.close()

@@ -45,6 +45,12 @@ class KvTransport(str, Enum):
     nccl = "nccl"  # GPU to GPU through a NCCL pair group per prefill/decode rank pair (gloo on CPU)
 
 
+class ZmqMode(str, Enum):
+    auto = "auto"  # ipc on one node, tcp across nodes
+    ipc = "ipc"  # unix sockets in a private directory under the temp dir
+    tcp = "tcp"  # loopback TCP ports: hosts without a shared, writable /tmp (LightLLM's zmq_mode=tcp://)
+
+
 class LogLevel(str, Enum):
     DEBUG = "DEBUG"
     INFO = "INFO"
@@ -55,6 +61,12 @@ class LogLevel(str, Enum):
 class OnStall(str, Enum):
     report = "report"  # /health/ready fails and the stall is counted; the server stays up
     exit = "exit"  # the router exits non-zero, so llaunch tears the graph down and a supervisor can restart it
+
+
+class ModelTask(str, Enum):
+    auto = "auto"  # score when config.json's architectures name a classification/reward head, else generate
+    generate = "generate"  # a causal LM: sample tokens
+    score = "score"  # a sequence classification / reward head: prefill only, return its outputs
 
 
 class Mode(str, Enum):
@@ -80,8 +92,11 @@ class ModelConfig:
     # Longest prompt chunk whose prefill, when it runs alone, replays a CUDA graph (buckets of 64
     # tokens): an idle server's time to first token is then the device's, not the host's launches. 0: eager.
     prefill_graph_tokens: int = 1024
+    # Longest context a decode step may hold and still replay a CUDA graph (LightLLM's
+    # graph_max_len_in_batch); a step with a longer row runs eagerly. None: max_model_len.
+    graph_max_len_in_batch: Optional[int] = None
     max_model_len: Optional[int] = None  # context length; default: max_position_embeddings
-    eos_token_ids: Optional[List[int]] = None  # default: config.json / generation_config.json
+    eos_token_ids: Optional[List[int]] = None  # stop tokens (LightLLM's eos_id); default: config.json / generation_config.json
     # What an OpenAI request that does not set temperature, top_p, top_k, min_p or repetition_penalty
     # gets (/generate keeps LightLLM's): generation_config.json's values (as vLLM), then these on top.
     generation_config: bool = True  # false: ignore generation_config.json's sampling values
@@ -101,6 +116,12 @@ class ModelConfig:
     rms_norm_eps: Optional[float] = None  # architecture: RMSNorm epsilon
     tie_word_embeddings: Optional[bool] = None  # architecture: the LM head shares the embedding
     attention_bias: Optional[bool] = None  # q/k/v bias (Qwen2)
+    # LightLLM's use_reward_model: score serves a *ForSequenceClassification checkpoint's head (/classify,
+    # /v1/score, /get_score) instead of generating; auto: from config.json's architectures.
+    task: ModelTask = ModelTask.auto  # auto | generate | score (LightLLM's use_reward_model)
+    num_labels: Optional[int] = None  # architecture: outputs of the score head (task=score); from config.json
+    labels: Optional[List[str]] = None  # task=score: names of the head's outputs; default config.json's id2label
+    pad_token_id: Optional[int] = None  # task=score: trailing pad tokens are not pooled (transformers); config.json's
 
 
 @dataclass(frozen=True)
@@ -113,6 +134,14 @@ class ParallelConfig:
     master_port: Optional[int] = None  # None: allocated
     node_addrs: List[str] = field(default_factory=list)  # nnodes > 1: every node's address, node 0 first
     pad_heads: bool = False  # allow zero heads when attention heads do not split over tp (exact, more work)
+    zmq_mode: ZmqMode = ZmqMode.auto  # transport between the graph's processes: auto, ipc, tcp (LightLLM's zmq_mode)
+    # Run the graph's GPU processes under a CUDA MPS daemon that llaunch starts and stops (LightLLM's enable_mps).
+    cuda_mps: bool = False
+    # Sequence-parallel norms inside tensor parallelism (LightLLM's enable_tpsp_mix_mode): not implemented, refused.
+    tpsp_mix: bool = False
+    # Warn at start when /dev/shm is too small for the collectives of several ranks on this node
+    # (false: LightLLM's disable_shm_warning).
+    shm_warning: bool = True
 
 
 @dataclass(frozen=True)
@@ -141,10 +170,18 @@ class RouterConfig:
     chunked_prefill: bool = True  # long prompts prefill in chunks that share steps with decodes
     chunked_prefill_size: int = 4096  # tokens of one prompt per step
     max_wait_tokens: int = 6  # decode steps to run before new prefills join the batch
+    # dp > 1: send each request to the replica with the fewest prompt tokens still to prefill (then the
+    # least load), so prefills spread evenly over replicas (LightLLM's enable_dp_prefill_balance).
+    dp_prefill_balance: bool = False
     token_ratio: float = 0.0  # KV usage below which new requests are admitted without waiting
     # Requests waiting for admission, per replica: beyond it a new request is refused at once (HTTP 503
     # with Retry-After) instead of queueing for minutes behind the others.
     max_waiting_requests: int = 1024
+    # LightLLM's diverse_mode: samples of one prompt (n, best_of) prefill it once. A request whose prompt
+    # another running request is still prefilling waits until that prompt's KV is computed, then
+    # borrows it from the prompt cache and computes only its last token. Needs cache.prompt_cache;
+    # samples stay apart by their seeds (the request's seed + i, or one drawn each).
+    diverse_mode: bool = False
     # A step not back after this long means the engine is stalled (a worker hung in a kernel, a
     # remote node gone): /health/ready fails and `on_stall` decides what else happens.
     stall_timeout_s: float = 300.0
@@ -174,6 +211,17 @@ class ServerConfig:
     ready_timeout_s: float = 900.0  # launch: how long the graph may take until every process is ready
     # How the model writes tool calls (OpenAI `tools`); None: the one its chat template speaks.
     tool_call_format: Optional[ToolCallFormat] = None
+    # Token healing (LightLLM's token_healing_mode) on /v1/completions and /generate: the prompt's last
+    # token is backed off and the first output token must start with its text, so a prompt ending
+    # mid-word continues the word as the tokenizer would cut it; a request's `token_healing` overrides
+    # it. Chat prompts end with the template's assistant header: never healed.
+    token_healing: bool = False
+    return_all_prompt_logprobs: bool = False  # /generate returns every prompt token's logprob (LightLLM's flag)
+    # POST /generate, /generate_stream (and /) speak text-generation-inference's shapes instead of
+    # LightLLM's, and GET /info answers TGI's info (LightLLM's use_tgi_api).
+    tgi_api: bool = False
+    metrics_port: Optional[int] = None  # /metrics also on this port, without the API key (LightLLM's metric_port); None: API port only
+    metrics_host: str = "127.0.0.1"  # the interface of metrics_port's listener (0.0.0.0: every interface)
 
 
 @dataclass(frozen=True)

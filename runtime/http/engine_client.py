@@ -9,6 +9,9 @@ Data parallelism: each HTTP request goes to the replica with the least load, mea
 this frontend has outstanding there (prompt + max_new_tokens of every unfinished request: the peak
 KV the router's admission reserves for it), ties to the fewest requests, then the lowest index. MetricsSnapshot carries only totals over replicas, so
 the frontend balances on what it knows itself (with several HTTP workers, each balances its own).
+With `prefill_balance` (router.dp_prefill_balance), the first criterion is the prompt tokens each
+replica still has to prefill (a request's until its first token comes back), so long prompts spread
+over the replicas instead of queueing behind each other where the load happens to be lowest.
 """
 from __future__ import annotations
 
@@ -120,20 +123,24 @@ async def admitted(group: RequestGroup) -> None:
 
 
 class _Route:
-    __slots__ = ("group", "choice", "tokens")
+    __slots__ = ("group", "choice", "tokens", "prefill")
 
-    def __init__(self, group: RequestGroup, choice: int, tokens: int):
+    def __init__(self, group: RequestGroup, choice: int, tokens: int, prefill: int):
         self.group = group
         self.choice = choice
         self.tokens = tokens  # what the request adds to its replica's load until it finishes
+        self.prefill = prefill  # prompt tokens its replica still has to prefill (0 from its first token)
 
 
 class EngineClient:
-    def __init__(self, frontend_index: int, num_replicas: int, post: Post, request_timeout_s: Optional[float] = None):
+    def __init__(self, frontend_index: int, num_replicas: int, post: Post, request_timeout_s: Optional[float] = None,
+                 prefill_balance: bool = False):
         self.frontend_index = frontend_index
         self.request_timeout_s = request_timeout_s
+        self.prefill_balance = prefill_balance
         self.outstanding = [0] * num_replicas  # requests of this frontend each replica still runs
         self.outstanding_tokens = [0] * num_replicas  # their prompt + max_new_tokens: the load
+        self.pending_prefill = [0] * num_replicas  # prompt tokens not yet prefilled there
         self._post = post
         self._counter = itertools.count()
         self._routes: dict[str, _Route] = {}
@@ -171,9 +178,10 @@ class EngineClient:
                                  sampling=sampling, arrival_time=now, pd=link)
                 # registered before it is sent: its answer may come back before post returns
                 tokens = len(prompt_ids) + sampling.max_new_tokens
-                self._routes[request_id] = _Route(group, choice, tokens)
+                self._routes[request_id] = _Route(group, choice, tokens, len(prompt_ids))
                 self.outstanding[replica] += 1
                 self.outstanding_tokens[replica] += tokens
+                self.pending_prefill[replica] += len(prompt_ids)
                 await self._post(replica, msg)
                 sent.append(request_id)
         except BaseException:
@@ -197,6 +205,9 @@ class EngineClient:
         """The replica with the least outstanding load, among those not stalled (if any is not)."""
         stalled = set(self.stalled_replicas)
         healthy = [d for d in range(len(self.outstanding)) if d not in stalled] or range(len(self.outstanding))
+        if self.prefill_balance:
+            return min(healthy, key=lambda d: (self.pending_prefill[d], self.outstanding_tokens[d],
+                                               self.outstanding[d], d))
         return min(healthy, key=lambda d: (self.outstanding_tokens[d], self.outstanding[d], d))
 
     async def flush_cache(self) -> None:
@@ -230,6 +241,9 @@ class EngineClient:
         route = self._routes.get(delta.request_id)
         if route is None:
             return  # aborted or already finished: the router may still have had tokens in flight
+        if route.prefill:  # its first answer: the prompt is prefilled
+            self.pending_prefill[route.group.replica] -= route.prefill
+            route.prefill = 0
         if delta.stopped_by_string and delta.finish_reason is None:
             delta.finish_reason = "stop"
         if delta.finish_reason is not None:
@@ -243,6 +257,7 @@ class EngineClient:
         if route is not None:
             self.outstanding[replica] -= 1
             self.outstanding_tokens[replica] -= route.tokens
+            self.pending_prefill[replica] -= route.prefill
 
     async def _abort(self, request_ids: list[str], replica: int) -> None:
         for request_id in request_ids:

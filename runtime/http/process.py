@@ -75,7 +75,8 @@ async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptToken
                        api_key: Optional[str] = None) -> None:
     ctx = zmq.asyncio.Context()
     link = ZmqEngineLink(ctx, spec)
-    engine = EngineClient(spec.index, link.num_replicas, link.post, cfg.server.request_timeout_s)
+    engine = EngineClient(spec.index, link.num_replicas, link.post, cfg.server.request_timeout_s,
+                          prefill_balance=cfg.router.dp_prefill_balance)
     lifecycle = Lifecycle()
     pd_role = {Mode.pd_prefill: "prefill", Mode.pd_decode: "decode"}.get(cfg.mode.kind)
     app = create_app(FrontendSettings.from_run_config(cfg, tokenizer, api_key), engine, tokenizer, lifecycle, pd_role)

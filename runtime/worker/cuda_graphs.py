@@ -107,8 +107,10 @@ class DecodeGraphs:
         host[0], host[1], host[2], host[3] = self.scratch_row, 0, self.scratch_slot, 1
         self.inputs[: 4 * b].copy_(flat)
 
-    def fits(self, num_decode: int) -> bool:
-        return 0 < num_decode <= self.buckets[-1]
+    def fits(self, num_decode: int, longest: int) -> bool:
+        """A decode step replays a graph when a bucket holds its rows and its longest context is within
+        the graphs' (their attention grid is sized for `max_model_len`)."""
+        return 0 < num_decode <= self.buckets[-1] and longest <= self.max_model_len
 
     def run(self, rows: list[int], positions: list[int], slots: list[int], lens: list[int]
             ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -155,7 +155,7 @@ def main() -> None:
     runner = ModelRunner(model, kv, max_rows, device, cuda_graphs=not cfg.model.enforce_eager,
                          prefill_graph_tokens=cfg.model.prefill_graph_tokens,
                          timed=cfg.router.step_trace is not None, eos_ids=tuple(cfg.model.eos_token_ids or ()),
-                         grammar=grammar_compiler(cfg))
+                         grammar=grammar_compiler(cfg), graph_max_len=cfg.model.graph_max_len_in_batch)
     log.info("model loaded: %s %s on %s, %d KV slots", cfg.model.name, dtype, device, num_slots)
     if watch is not None:
         watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up

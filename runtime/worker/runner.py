@@ -16,6 +16,7 @@ from llaunch import kernels
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.worker.prefill_graphs import PrefillGraphs, alone_chunk
+from llaunch.runtime.worker.prompt_logprobs import PromptLogprobRows, PromptPart
 from llaunch.runtime.worker.sampling_state import SamplingState, logprobs_to_host
 from llaunch.runtime.worker.transfer import to_device, to_host_async
 
@@ -32,16 +33,20 @@ class PendingStep:
     launch_s: float = 0.0
     start_event: Optional[torch.cuda.Event] = None  # recorded before the step's first device work
     deferred: Optional[torch.Tensor] = None  # logits whose sampling waits for earlier tokens (sample_deferred)
+    scores: Optional[torch.Tensor] = None  # a score model's head outputs [rows, num_labels], instead of tokens
+    prompt: Optional[PromptPart] = None  # prompt logprobs of the step's chunks that asked
+    prompt_takers: Optional[list[tuple[int, int, str]]] = None  # (index, row, request) of sampled rows that asked
 
 
 class ModelRunner:
     def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device, cuda_graphs: bool = False,
                  prefill_graph_tokens: int = 0, timed: bool = False, eos_ids: tuple[int, ...] = (),
-                 grammar: Optional[Callable] = None):
+                 grammar: Optional[Callable] = None, graph_max_len: Optional[int] = None):
         """`kv` has one row and one slot more than the router uses: scratch space for padding.
         `prefill_graph_tokens`: with CUDA graphs, the longest chunk a lone prefill replays one for.
         `timed` (a step trace is on): on a GPU each step also reports its host and device time.
-        `eos_ids`, `grammar`: what SamplingState needs for min_tokens and structured output."""
+        `eos_ids`, `grammar`: what SamplingState needs for min_tokens and structured output.
+        `graph_max_len`: the longest context a decode graph covers (None: every one the KV rows hold)."""
         self.model = model
         self.kv = kv
         self.device = device
@@ -49,16 +54,21 @@ class ModelRunner:
         self.sampling = SamplingState(max_rows, model.arch.vocab_size, device, eos_ids, grammar)
         self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
         self.seq_len = [0] * max_rows  # tokens in the KV cache per row (host mirror)
+        self.prompt_logprobs = PromptLogprobRows(max_rows)
+        self._prompt_rows: list[tuple[int, int, int]] = []  # this step's (row, start, positions) that asked
         self.graphs = None
         self.prefill_graphs = None  # PrefillGraphs: a prompt's last chunk when it runs alone
         # under a step trace, each step also reports its host and device time (two timed CUDA events)
         self.timed = timed and device.type == "cuda"
-        if cuda_graphs and device.type == "cuda":
+        # a score model (model.task=score) only prefills: its rows' head outputs are the result, no sampling
+        self.scores_only = bool(model.arch.num_labels)
+        if cuda_graphs and device.type == "cuda" and not self.scores_only:
             from llaunch.runtime.worker.cuda_graphs import DecodeGraphs
 
             scratch_slot = kv.num_slots - 1
             kv.req_to_slots[max_rows].fill_(scratch_slot)
-            self.graphs = DecodeGraphs(model, kv, self.last_token, max_rows, kv.req_to_slots.shape[1],
+            graph_len = min(graph_max_len or kv.req_to_slots.shape[1], kv.req_to_slots.shape[1])
+            self.graphs = DecodeGraphs(model, kv, self.last_token, max_rows, graph_len,
                                        scratch_row=max_rows, scratch_slot=scratch_slot)
             self.graphs.capture()
             if prefill_graph_tokens > 0:
@@ -81,6 +91,9 @@ class ModelRunner:
                              prefill_q_lens=t([2]), prefill_prefix_lens=t([1]), logits_index=t([0, 2]),
                              num_decode=1, num_prefill_tokens=2, max_prefill_len=2, max_decode_len=2)
         logits = self.model.forward(batch, self.kv)
+        if self.scores_only:
+            torch.cuda.synchronize()
+            return
         # and sampling's: penalties, then a draw with and without the top-k / top-p search
         f32 = dict(dtype=torch.float32, device=self.device)
         two = lambda value: torch.full((2,), value, **f32)  # noqa: E731
@@ -96,6 +109,7 @@ class ModelRunner:
     def _start_rows(self, plan: StepPlan) -> None:
         self.sampling.set_rows([(new.row, new.sampling, new.prompt_ids) for new in plan.new])
         for new in plan.new:
+            self.prompt_logprobs.start(new)
             cached = len(new.cached_slots)
             if cached:  # the prompt cache's prefix: its first chunk starts at `cached` and reads these
                 self.kv.req_to_slots[new.row, :cached] = self._tensor(new.cached_slots).to(self.kv.req_to_slots.dtype)
@@ -115,6 +129,8 @@ class ModelRunner:
         logits_index = list(range(nd))
         sampled_rows = list(plan.decode_rows)
         offset = nd
+        prompt_index: list[int] = []  # after the sampled rows' logits: prompt positions that asked
+        self._prompt_rows = []
         for chunk in plan.prefill:
             n = len(chunk.token_ids)
             prefill_ids.extend(chunk.token_ids)
@@ -127,6 +143,10 @@ class ModelRunner:
             q_lens.append(n)
             prefix_lens.append(chunk.start)
             self.seq_len[chunk.row] = chunk.start + n
+            asked = self.prompt_logprobs.targets(chunk)
+            if asked:
+                prompt_index.extend(range(offset, offset + asked))
+                self._prompt_rows.append((chunk.row, chunk.start, asked))
             offset += n
             if chunk.sample:
                 logits_index.append(offset - 1)
@@ -148,7 +168,7 @@ class ModelRunner:
             prefill_q_starts=self._tensor(q_starts),
             prefill_q_lens=self._tensor(q_lens),
             prefill_prefix_lens=self._tensor(prefix_lens),
-            logits_index=self._tensor(logits_index),
+            logits_index=self._tensor(logits_index + prompt_index),
             num_decode=nd,
             num_prefill_tokens=len(prefill_ids),
             max_prefill_len=max(q_lens, default=0),
@@ -159,7 +179,8 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], list[int], Optional[torch.Tensor]]:
         """(logits, sampled rows, greedy tokens already recorded as the rows' last tokens, or None)."""
-        if self.graphs is not None and not plan.prefill and self.graphs.fits(len(plan.decode_rows)):
+        longest = max((self.seq_len[r] + 1 for r in plan.decode_rows), default=0)  # contexts after this step
+        if self.graphs is not None and not plan.prefill and self.graphs.fits(len(plan.decode_rows), longest):
             rows = list(plan.decode_rows)
             positions = [self.seq_len[r] for r in rows]
             for r in rows:
@@ -168,7 +189,7 @@ class ModelRunner:
             logits, greedy = self.graphs.run(rows, positions, list(plan.decode_slots), lens)
             return logits, rows, greedy
         chunk = None if self.prefill_graphs is None else alone_chunk(plan, self.prefill_graphs.max_tokens)
-        if chunk is not None:
+        if chunk is not None and not self.prompt_logprobs.asks(chunk.row):  # its graph returns one row of logits
             self.seq_len[chunk.row] = chunk.start + len(chunk.token_ids)
             return self.prefill_graphs.run(chunk), [chunk.row], None
         batch, rows = self.build_batch(plan)
@@ -187,12 +208,19 @@ class ModelRunner:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         self._start_rows(plan)
+        self._prompt_rows = []
         logits, rows, greedy = self._forward(plan)
         pending = PendingStep(plan.step, rows, None, None, None, t0, started, 0.0, start_event)
+        if self._prompt_rows:  # the logits past the sampled rows' are prompt positions
+            pending.prompt = self.prompt_logprobs.compute(logits[len(rows):], self._prompt_rows)
+            logits = logits[:len(rows)]
+        pending.prompt_takers = self.prompt_logprobs.takers(rows)
         if logits is None or not rows:
             pending.rows = []
             return pending
-        if greedy is not None and self.sampling.plain_greedy(rows):
+        if self.scores_only:
+            self._scored(pending, logits)
+        elif greedy is not None and self.sampling.plain_greedy(rows):
             self.sampling.advance(rows)
             self._sampled(pending, logits, greedy)  # the graph's argmax, already each row's last token
         elif self.sampling.needs_history(rows):
@@ -226,15 +254,28 @@ class ModelRunner:
             pending.done.record()
         pending.tokens, pending.logprobs = tokens, logprobs
 
+    def _scored(self, pending: PendingStep, scores: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            scores = to_host_async(scores)
+            pending.done = torch.cuda.Event(enable_timing=self.timed)
+            pending.done.record()
+        pending.scores = scores
+
     def finish(self, pending: PendingStep) -> StepResult:
         if pending.done is not None:
             pending.done.synchronize()
+        if pending.scores is not None:
+            return StepResult(step=pending.step, rows=pending.rows, token_ids=[], scores=pending.scores.tolist(),
+                              forward_s=time.perf_counter() - pending.t0)
+        self.prompt_logprobs.collect(pending.prompt)
         if pending.tokens is None:
             return StepResult(step=pending.step, rows=[], token_ids=[])
         result = StepResult(step=pending.step, rows=pending.rows, token_ids=pending.tokens.tolist())
         self.sampling.accept(pending.rows, result.token_ids)
         if pending.logprobs is not None:
             result.logprobs, result.top_ids, result.top_logprobs = logprobs_to_host(pending.logprobs)
+        if pending.prompt_takers:
+            result.prompt_logprobs = self.prompt_logprobs.take(pending.prompt_takers, len(pending.rows))
         result.forward_s = time.perf_counter() - pending.t0
         if pending.start_event is not None:
             result.started, result.launch_s = pending.started, pending.launch_s

@@ -27,7 +27,7 @@ from integration.server import REPO, LlaunchServer, free_port, metric_samples, p
 from integration.test_supervision import alive
 from llaunch.launcher import supervise
 from llaunch.runtime.http.engine_client import EngineClient
-from llaunch.runtime.ipc.messages import AddRequest, SamplingParams
+from llaunch.runtime.ipc.messages import AddRequest, SamplingParams, TextBatch, TextDelta
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived", "1, 2, 3, 4,"]
 MAX_NEW = 12
@@ -172,6 +172,33 @@ def test_requests_go_to_the_replica_with_fewest_outstanding_tokens():
     # three short requests (20 tokens each) still weigh less than the long one: all go to replica 1
     assert replicas == [0, 1, 1, 1, 0] and load == [200, 60] and after == [20, 60]
     assert [replica for replica, msg in posted if isinstance(msg, AddRequest)] == [0, 1, 1, 1, 0]
+
+
+def test_prefill_balance_spreads_prompts_still_to_prefill():
+    """router.dp_prefill_balance: a request goes where the fewest prompt tokens wait to be prefilled,
+    even where the outstanding load is higher; a request's prompt stops counting at its first token."""
+
+    async def placements(balance: bool) -> list[int]:
+        async def post(replica, msg):
+            pass
+
+        client = EngineClient(0, 2, post, prefill_balance=balance)
+        a = await client.submit([([1] * 100, SamplingParams(max_new_tokens=10))])
+        b = await client.submit([([1] * 10, SamplingParams(max_new_tokens=500))])
+        c = await client.submit([([1] * 100, SamplingParams(max_new_tokens=10))])
+        # a's and c's first tokens: nothing waits for prefill on either replica any more
+        for group in (a, c):
+            await client.on_message(TextBatch(deltas=[TextDelta(request_id=group.request_ids[0], text="x",
+                                                                token_ids=[5])]))
+        d = await client.submit([([1] * 100, SamplingParams(max_new_tokens=10))])
+        return [g.replica for g in (a, b, c, d)], list(client.pending_prefill)
+
+    # by load alone c joins a's replica (110 tokens < 510) and so does d (220 < 510)
+    by_load, pending = asyncio.run(placements(False))
+    assert by_load == [0, 1, 0, 0] and pending == [100, 10]
+    # balanced: c goes where 10 prompt tokens wait, not 100; after the first tokens only b's 10 wait, on 1
+    balanced, pending = asyncio.run(placements(True))
+    assert balanced == [0, 1, 1, 0] and pending == [100, 10]
 
 
 # ---- two nodes on one machine -----------------------------------------------------------------

@@ -62,6 +62,11 @@ BREAKS = {
     "api_key_source": [["server.api_key=k", "server.api_key_file=/etc/hostname"],
                        ["server.api_key_file=/no/such/key"], ["server.api_key_file=/dev/null"]],
     "family_supported": [["model.family=mistral"]],
+    "zmq_mode_fits_nodes": [["parallel=dp2", "parallel.nnodes=2", "parallel.master_port=29000",
+                             "parallel.node_addrs=[10.0.0.1,10.0.0.2]", "parallel.zmq_mode=ipc"]],
+    "cuda_mps_needs_gpus": [["parallel.cuda_mps=true"]],
+    "graph_max_len_in_range": [["model.graph_max_len_in_batch=0"], ["model.graph_max_len_in_batch=100000"]],
+    "tpsp_mix_not_implemented": [["parallel.tpsp_mix=true"]],
     "weights_need_path": [["model.load_format=safetensors"], ["model.load_format=auto", "model.path=/no/such/dir"]],
     "tokenizer_exists": [["model.tokenizer=/no/such/tokenizer"]],
     "model_described": [["model.hidden_size=null"], ["model.eos_token_ids=null"]],
@@ -78,6 +83,10 @@ BREAKS = {
     "pd_instance_is_one_replica": [["mode=pd_decode", "parallel=dp2"], ["mode=pd_prefill", "parallel=dp2"]],
     "pd_addresses": [["mode=pd_decode", "mode.pd_master_host=''"],
                      ["mode=config_server", "mode.config_server_host=null"]],
+    "score_needs_head": [["model.task=score"]],
+    "score_labels_match": [["model.task=score", "model.num_labels=0"],
+                           ["model.task=score", "model.num_labels=2", "model.labels=[good]"]],
+    "score_not_in_pd_modes": [["model.task=score", "model.num_labels=1", "mode=pd_prefill"]],
 }
 
 
@@ -90,7 +99,9 @@ def test_a_valid_config_passes_every_rule(resolved):
 
 def test_every_rule_has_a_break_case():
     tested = set(BREAKS) | {"gguf_needs_gguf_path", "profile_matches_checkpoint", "checkpoint_features_supported",
-                            "checkpoint_dtype_supported", "ports_distinct", "server_port_free"}
+                            "checkpoint_dtype_supported", "ports_distinct", "server_port_free",
+                            "cuda_mps_daemon_installed",  # tests/unit/test_host_switches.py
+                            "generate_needs_lm_head", "score_head_supported"}  # tests/unit/test_score_model.py
     assert {r.name for r in rules.RULES} == tested
 
 
