@@ -12,8 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from llaunch.launcher import gpus
-from llaunch.runtime.config import Device, DType, LlaunchConfig, LoadFormat, Mode, ModelConfig, RouterConfig
-from llaunch.runtime.models.checkpoint import ARCH_FIELDS, CheckpointError, checkpoint_dtype, is_gguf, read_checkpoint
+from llaunch.runtime.config import (Device, DType, LlaunchConfig, LoadFormat, Mode, ModelConfig, ModelTask,
+                                    RouterConfig)
+from llaunch.runtime.models.checkpoint import (ARCH_FIELDS, Checkpoint, CheckpointError, checkpoint_dtype, is_gguf,
+                                               read_checkpoint)
 
 __all__ = ["CheckpointError", "resolve", "resolve_model", "resolve_router", "detect_device"]
 
@@ -77,11 +79,27 @@ def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
             dtype = checkpoint_dtype(ckpt) or DType.auto
     eos = model.eos_token_ids or (ckpt.eos_token_ids if ckpt and ckpt.eos_token_ids else None)
     return replace(
-        model, **arch, name=model.name or hub_id or served_name(path) or family, family=family, path=path, tokenizer=_absolute(model.tokenizer) or path,
+        model, **arch, **score_fields(model, ckpt, arch["num_labels"]), name=model.name or hub_id or served_name(path) or family, family=family, path=path, tokenizer=_absolute(model.tokenizer) or path,
         load_format=load_format, dtype=dtype, eos_token_ids=eos,
         sampling_defaults={**(ckpt.sampling if ckpt and model.generation_config else {}), **model.sampling_defaults},
         max_model_len=model.max_model_len or arch["max_position_embeddings"],
     )
+
+
+def score_fields(model: ModelConfig, ckpt: Checkpoint | None, num_labels: int | None) -> dict:
+    """model.task (auto: score when config.json names a classification/reward head, or a dummy profile
+    sets num_labels) and, for a score model, its label names and pad token."""
+    task = model.task
+    if task == ModelTask.auto:
+        task = ModelTask.score if (ckpt is not None and ckpt.score_head) or (ckpt is None and num_labels) \
+            else ModelTask.generate
+    if task != ModelTask.score:
+        return {"task": task}
+    labels = model.labels or (ckpt.labels if ckpt and ckpt.labels else None)
+    if labels is None and num_labels:
+        labels = [f"LABEL_{i}" for i in range(num_labels)]  # transformers' default id2label
+    pad = model.pad_token_id if model.pad_token_id is not None else (ckpt.pad_token_id if ckpt else None)
+    return {"task": task, "labels": labels, "pad_token_id": pad}
 
 
 def served_name(path: str | None) -> str | None:

@@ -65,6 +65,8 @@ def graph_tree(cfg: RunConfig) -> Tree:
                 f"{g.http_url}")
     tree.add(f"[dim]run dir[/] {escape(cfg.run_dir)}")
     tree.add(f"[dim]control[/] {escape(g.control)}")
+    if getattr(m.task, "value", m.task) == "score":  # model.task=score: no generation routes
+        tree.add(f"[dim]score head[/] {m.num_labels} output(s) {escape(str(m.labels))}: /get_score, /classify, /v1/score")
     if cfg.parallel.cuda_mps:
         tree.add(f"[dim]cuda mps daemon[/] {escape(str(MpsDaemon(cfg.run_dir).env))} (started first, quit last)")
     multinode = cfg.parallel.nnodes > 1

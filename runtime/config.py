@@ -35,6 +35,11 @@ class Device(str, Enum):
     cpu = "cpu"
 
 
+class BenchLengths(str, Enum):
+    fixed = "fixed"  # every request bench.input_len prompt tokens and bench.output_len output tokens
+    sharegpt = "sharegpt"  # ShareGPT-like (log-normal) lengths with those means (scripts/bench_trace.py)
+
+
 class ToolCallFormat(str, Enum):
     hermes = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2/2.5, most chat models)
     llama3_json = "llama3_json"  # {"name": ..., "parameters": {...}} (Llama 3)
@@ -117,8 +122,8 @@ class ModelConfig:
     tie_word_embeddings: Optional[bool] = None  # architecture: the LM head shares the embedding
     attention_bias: Optional[bool] = None  # q/k/v bias (Qwen2)
     # LightLLM's use_reward_model: score serves a *ForSequenceClassification checkpoint's head (/classify,
-    # /v1/score, /get_score) instead of generating; auto: from config.json's architectures.
-    task: ModelTask = ModelTask.auto  # auto | generate | score (LightLLM's use_reward_model)
+    # /v1/score, /get_score) instead of generating.
+    task: ModelTask = ModelTask.auto  # auto: score when config.json's architectures name a classification head
     num_labels: Optional[int] = None  # architecture: outputs of the score head (task=score); from config.json
     labels: Optional[List[str]] = None  # task=score: names of the head's outputs; default config.json's id2label
     pad_token_id: Optional[int] = None  # task=score: trailing pad tokens are not pooled (transformers); config.json's
@@ -243,6 +248,9 @@ class BenchConfig:
     repeats: int = 1
     slo_ttft_ms: Optional[float] = None  # goodput: requests per second that start within this...
     slo_tpot_ms: Optional[float] = None  # ...and keep each token within this (either alone works)
+    slo_percentile: Optional[float] = None  # a run where under this % of requests meet the SLOs has goodput 0
+    trace: Optional[str] = None  # JSONL trace replayed: arrival_s, input_len, output_len per request
+    lengths: BenchLengths = BenchLengths.fixed  # fixed | sharegpt: prompt/output lengths (no trace)
 
 
 @dataclass(frozen=True)

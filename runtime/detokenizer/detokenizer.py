@@ -104,7 +104,7 @@ class Detokenizer:
             top_logprobs=delta.top_logprobs[:used], finish_reason=finish,
             prompt_tokens=req.opened.prompt_len, completion_tokens=req.completion_tokens,
             stopped_by_string=req.decoder.stopped, kv_transfer_ms=delta.kv_transfer_ms, error=delta.error,
-            cached_tokens=delta.cached_tokens)
+            cached_tokens=delta.cached_tokens, prompt_logprobs=delta.prompt_logprobs, scores=delta.scores)
 
     def _record_output(self, req: OpenRequest, tokens: int, now: float) -> None:
         if tokens == 0:

@@ -10,7 +10,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from quart import Quart, Response, request
 
-from llaunch.runtime.config import RunConfig
+from llaunch.runtime.config import Mode, RunConfig
 from llaunch.runtime.http.engine_client import EngineClient, current_pd_link
 from llaunch.runtime.http.errors import ApiError, draining, error_response, json_response, model_not_found
 from llaunch.runtime.http.generate_api import GenerateApi
@@ -21,6 +21,8 @@ from llaunch.runtime.http.openapi import openapi_document
 from llaunch.runtime.http.pd_instance import PrefillServing, link_from_headers
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import RequestLimits
+from llaunch.runtime.http.score_api import GENERATION_PATHS, ScoreApi, ScoreHead, score_model_refusal
+from llaunch.runtime.http.tgi_api import TgiApi, tgi_info
 from llaunch.runtime.http.tokenize_api import TokenizeApi
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,8 @@ class FrontendSettings:
     heartbeat_max_age_s: float = 3.0  # /health fails once the engine's MetricsSnapshot heartbeat is older
     max_body_bytes: int = 16 * 2**20
     request_timeout_s: Optional[float] = None
+    score: Optional[ScoreHead] = None  # a score model (model.task=score): its head; None: a generating model
+    tgi_info: Optional[dict] = None  # server.tgi_api: /generate* speak TGI, GET /info answers this
 
     @staticmethod
     def from_run_config(cfg: RunConfig, tokenizer: PromptTokenizer, api_key: Optional[str] = None) -> "FrontendSettings":
@@ -50,9 +54,13 @@ class FrontendSettings:
                                max_prompts=s.max_prompts_per_request, max_choices=s.max_choices_per_request,
                                max_stop_strings=s.max_stop_strings, max_stop_string_chars=s.max_stop_string_chars,
                                max_chars_per_token=tokenizer.max_token_chars,
-                               sampling_defaults=dict(m.sampling_defaults))
+                               sampling_defaults=dict(m.sampling_defaults),
+                               prompt_logprobs=cfg.mode.kind not in (Mode.pd_prefill, Mode.pd_decode),
+                               all_prompt_logprobs=s.return_all_prompt_logprobs,
+                               token_healing=s.token_healing)
         return FrontendSettings(limits=limits, api_key=api_key, max_body_bytes=s.max_body_bytes,
-                                request_timeout_s=s.request_timeout_s)
+                                request_timeout_s=s.request_timeout_s, score=ScoreHead.of(m),
+                                tgi_info=tgi_info(cfg) if s.tgi_api else None)
 
 
 def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: PromptTokenizer,
@@ -63,7 +71,9 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
     app.config.update(RESPONSE_TIMEOUT=None, MAX_CONTENT_LENGTH=settings.max_body_bytes)
     limits = settings.limits
     openai = OpenAIServing(engine, tokenizer, limits, lifecycle)
-    lightllm = GenerateApi(engine, tokenizer, limits, lifecycle)
+    # /generate and /generate_stream: LightLLM's shapes, or TGI's (server.tgi_api)
+    tgi = settings.tgi_info is not None
+    native = (TgiApi if tgi else GenerateApi)(engine, tokenizer, limits, lifecycle)
     prefill = PrefillServing(engine, tokenizer, limits, lifecycle) if pd_role == "prefill" else None
     created = int(time.time())
 
@@ -82,6 +92,28 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
 
     gatekeeper(app, settings.api_key, lifecycle, _OPEN_PATHS, _DRAIN_EXEMPT)
     json_errors(app, log)
+    scoring = ScoreApi(engine, tokenizer, limits, lifecycle, settings.score)
+
+    if settings.score is not None:
+        @app.before_request
+        async def refuse_generation() -> Optional[Response]:
+            if request.path in GENERATION_PATHS:
+                return error_response(score_model_refusal(request.path))
+            return None
+
+    @app.post("/get_score")
+    async def get_score() -> Response:
+        return await scoring.get_score(await request.get_data())
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify() -> Response:
+        return await scoring.classify(await request.get_data())
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score() -> Response:
+        return await scoring.score(await request.get_data())
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -93,11 +125,20 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
 
     @app.post("/generate")
     async def generate() -> Response:
-        return await serve(lightllm.generate)
+        return await serve(native.generate)
 
     @app.post("/generate_stream")
     async def generate_stream() -> Response:
-        return await serve(lightllm.generate_stream)
+        return await serve(native.generate_stream)
+
+    if tgi:
+        @app.post("/")
+        async def tgi_compat() -> Response:  # where huggingface_hub's InferenceClient posts
+            return await serve(native.compat)
+
+        @app.get("/info")
+        async def info() -> Response:
+            return json_response(settings.tgi_info)
 
     card = {"id": limits.served_name, "object": "model", "created": created, "owned_by": "llaunch",
             "root": limits.served_name, "max_model_len": limits.max_model_len}

@@ -10,6 +10,7 @@ import msgspec
 from llaunch.runtime.http.generate_api import GenerateRequest
 from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 from llaunch.runtime.http.request_limits import RequestLimits
+from llaunch.runtime.http.score_api import ClassifyRequest, GetScoreRequest, ScoreRequest
 from llaunch.runtime.http.tokenize_api import DetokenizeRequest, TokenizeChat, TokenizeCompletion
 
 
@@ -26,7 +27,9 @@ class ErrorBody(msgspec.Struct):
 
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
            "/generate": GenerateRequest, "/generate_stream": GenerateRequest, "/tokenize": (TokenizeCompletion, TokenizeChat),
-           "/detokenize": DetokenizeRequest}
+           "/detokenize": DetokenizeRequest,
+           # a score model's (model.task=score); a generating model answers them with a 400
+           "/get_score": GetScoreRequest, "/classify": ClassifyRequest, "/v1/score": ScoreRequest}
 _GETS = {"/v1/models": "The served model.", "/health": "Ready to serve (as /health/ready).",
          "/health/live": "The process answers.", "/health/ready": "Ready to serve new requests.",
          "/metrics": "Prometheus metrics (text).", "/openapi.json": "This document."}
@@ -55,7 +58,7 @@ def _narrow(schema: dict[str, Any], field: str, **bounds: Any) -> None:
 
 def openapi_document(limits: RequestLimits, api_key: bool) -> dict[str, Any]:
     types = [CompletionRequest, ChatCompletionRequest, GenerateRequest, TokenizeCompletion, TokenizeChat,
-             DetokenizeRequest, ErrorBody]
+             DetokenizeRequest, GetScoreRequest, ClassifyRequest, ScoreRequest, ErrorBody]
     refs, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         _narrow(components[name], "model", enum=[limits.served_name])

@@ -75,6 +75,11 @@ class PromptTokenizer:
         with self._lock:
             return list(self.hf.encode(text, add_special_tokens=False))
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """A text pair as the tokenizer's pair template joins it (vLLM's cross-encoder prompts)."""
+        with self._lock:
+            return list(self.hf(text, text_pair=pair, add_special_tokens=True)["input_ids"])
+
     def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None,
                     add_generation_prompt: bool = True) -> list[int]:
         # The template already writes BOS and role markers; encoding must not add them twice.

@@ -47,7 +47,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     banned_ids: list[int] = []  # never sampled (bad words of one token)
     banned_sequences: list[list[int]] = []  # the last token of each is never sampled after the others
     allowed_ids: list[int] = []  # when set, only these tokens are sampled (LightLLM's allowed_token_ids)
+    heal_ids: list[int] = []  # token healing: when set, the first token is sampled only from these
     constraint: Optional[Constraint] = None
+    prompt_logprobs: int = -1  # -1: none; 0: each prompt token's logprob (and rank); k: plus the top k
 
     @property
     def greedy(self) -> bool:
@@ -60,7 +62,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     @property
     def masked(self) -> bool:
         """Some tokens are excluded at some steps: the sampled token is not the raw argmax."""
-        return bool(self.constraint or self.banned_ids or self.banned_sequences or self.allowed_ids
+        return bool(self.constraint or self.banned_ids or self.banned_sequences or self.allowed_ids or self.heal_ids
                     or self.min_tokens or self.bias_ids or self.min_p > 0.0)
 
 
@@ -164,6 +166,16 @@ WorkerInbound = Union[StepPlan, Shutdown, SendKv, ReceiveKv, CancelKv]
 # ---- worker → router ---------------------------------------------------------------------------
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Logprobs of prompt tokens 1..n-1 (token 0 has no context), each under the model's distribution
+    after the tokens before it; rides on the first output token's StepResult, TokenDelta, TextDelta."""
+
+    logprobs: list[float]
+    ranks: list[int]  # 1: the most likely token
+    top_ids: list[list[int]] = []  # per token, where the request asked for a top k
+    top_logprobs: list[list[float]] = []
+
+
 class WorkerReady(_Msg):
     kv_slots: int  # KV capacity in tokens (smallest over ranks)
     max_running_requests: int
@@ -178,6 +190,8 @@ class StepResult(_Msg):
     logprobs: list[float] = []  # chosen token's logprob per row (empty: nobody asked)
     top_ids: list[list[int]] = []  # per row; an empty list where not asked
     top_logprobs: list[list[float]] = []
+    prompt_logprobs: list[Optional[PromptLogprobs]] = []  # per row: None where not asked (empty: nobody)
+    scores: list[list[float]] = []  # a score model (model.task=score): each row's head outputs, no tokens
     forward_s: float = 0.0  # device time of the step, for the router's stats
     # Set only under router.step_trace (runtime/router/step_trace.py): when the worker began the step
     # (time.monotonic), the host time to enqueue it, and the device time from its first enqueued work
@@ -220,7 +234,9 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_ms: float = 0.0  # pd_prefill: how long sending the KV took
     error: Optional[str] = None  # why, for invalid / overloaded / error / stalled
     cached_tokens: int = 0  # the first token's delta: prompt tokens the prefix cache served
+    scores: list[float] = []  # a score model's head outputs for the prompt (its one, final delta)
     scheduled_time: float = 0.0  # the first token's delta: when the request got its row (time.time())
+    prompt_logprobs: Optional[PromptLogprobs] = None  # the first token's delta, where asked
 
 
 class TokenBatch(_Msg):
@@ -261,6 +277,8 @@ class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_ms: float = 0.0  # pd_prefill: how long sending the KV took
     error: Optional[str] = None  # TokenDelta.error
     cached_tokens: int = 0  # TokenDelta.cached_tokens
+    scores: list[float] = []  # TokenDelta.scores
+    prompt_logprobs: Optional[PromptLogprobs] = None  # TokenDelta.prompt_logprobs
 
 
 class TextBatch(_Msg):

@@ -17,8 +17,10 @@ from llaunch.runtime.config import DType
 ARCH_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
-    "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "attention_bias",
+    "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "num_labels",
 )
+# config.json architectures whose head scores a sequence instead of predicting tokens (model.task=score)
+SCORE_HEADS = ("ForSequenceClassification", "ForRewardModel")
 # Spellings of config.json's dtype (and LightLLM's --data_type) that we can run.
 DTYPE_NAMES = {
     "float16": DType.float16, "fp16": DType.float16, "half": DType.float16,
@@ -41,6 +43,14 @@ class Checkpoint:
     eos_token_ids: list[int] = field(default_factory=list)
     unsupported: list[str] = field(default_factory=list)  # features it uses that llaunch does not run
     sampling: dict[str, float] = field(default_factory=dict)  # generation_config.json's sampling defaults
+    architectures: list[str] = field(default_factory=list)  # config.json's (empty for GGUF)
+    labels: list[str] = field(default_factory=list)  # a score head's output names (id2label, in index order)
+    pad_token_id: Optional[int] = None
+
+    @property
+    def score_head(self) -> Optional[str]:
+        """The architecture whose head scores sequences (Qwen2ForSequenceClassification, ...), or None."""
+        return next((a for a in self.architectures if a.endswith(SCORE_HEADS)), None)
 
 
 # The sampling values of generation_config.json a request inherits when it does not set them (as vLLM's
@@ -114,9 +124,18 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
     unsupported = [f"{key}=true" for key in ("mlp_bias", "use_sliding_window") if c.get(key)]
     sampling = {k: float(generation[k]) for k in SAMPLING_KEYS
                 if generation and isinstance(generation.get(k), (int, float)) and not isinstance(generation[k], bool)}
+    architectures = [a for a in c.get("architectures") or [] if isinstance(a, str)]
+    labels: list[str] = []
+    if any(a.endswith(SCORE_HEADS) for a in architectures):
+        id2label = c.get("id2label") or {}
+        count = c.get("num_labels", len(id2label) or 2)  # transformers' PretrainedConfig default: 2 labels
+        labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count)]
+        arch["num_labels"] = count
+    pad = c.get("pad_token_id")
     return Checkpoint(family=family, arch={k: v for k, v in arch.items() if v is not None},
                       dtype=str(dtype) if dtype is not None else None, eos_token_ids=eos, unsupported=unsupported,
-                      sampling=sampling)
+                      sampling=sampling, architectures=architectures, labels=labels,
+                      pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None)
 
 
 def _from_hf_folder(folder: str) -> Checkpoint:

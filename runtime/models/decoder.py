@@ -88,6 +88,22 @@ class DecoderLayer(nn.Module):
         self.mlp = Mlp(arch, f"{prefix}.mlp", tp, device, dtype)
 
 
+class ScoreHead(nn.Module):
+    """transformers' `score` Linear(hidden, num_labels, bias=False) of *ForSequenceClassification,
+    replicated on every rank (its input, the final norm's output, is whole on each); float32 out."""
+
+    def __init__(self, hidden_size: int, num_labels: int, device, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty((num_labels, hidden_size), device=device, dtype=dtype),
+                                   requires_grad=False)
+
+    def checkpoint_shards(self) -> dict[str, list[Shard]]:
+        return {"weight": [Shard("score.weight", tuple(self.weight.shape))]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight).float()
+
+
 class DecoderLM(nn.Module):
     """Embedding → N × (norm, attention, norm, MLP) with fused residual adds → norm → LM head."""
 
@@ -99,7 +115,9 @@ class DecoderLM(nn.Module):
                                                    device, dtype)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, tp, device, dtype) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm("model.norm", arch.hidden_size, arch.rms_norm_eps, device, dtype)
-        self.lm_head = ParallelLMHead("lm_head", self.embed_tokens, arch.tie_word_embeddings, device, dtype)
+        # a score model's rows go through its score head instead: [N, num_labels] instead of [N, vocab]
+        self.lm_head = ScoreHead(arch.hidden_size, arch.num_labels, device, dtype) if arch.num_labels \
+            else ParallelLMHead("lm_head", self.embed_tokens, arch.tie_word_embeddings, device, dtype)
         cos, sin = rope_cos_sin(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device=device)
         cos, sin = cos.to(dtype), sin.to(dtype)  # transformers rounds its tables to the model dtype too
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -132,7 +150,7 @@ class DecoderLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KvCache) -> torch.Tensor:
-        """→ float32 logits [len(batch.logits_index), vocab]."""
+        """→ float32 logits [len(batch.logits_index), vocab] (a score model: [.., num_labels] scores)."""
         h = self.embed_tokens(batch.input_ids)
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):

@@ -41,6 +41,7 @@ from llaunch.runtime.cache.kv_allocator import KvAllocator
 from llaunch.runtime.ipc.messages import (CancelKv, KvDone, NewSeq, PrefillChunk, ReceiveKv, SendKv, StepPlan,
                                           StepResult, TokenDelta)
 from llaunch.runtime.router.prompt_cache import NoPromptCache, PromptCache
+from llaunch.runtime.router.prompt_sharing import PromptSharing
 from llaunch.runtime.router.request import Request, Status
 
 
@@ -59,6 +60,7 @@ class SchedulerLimits:
     prompt_cache: bool = False  # share prompt prefixes through the radix tree
     pd_role: Optional[str] = None  # "prefill" | "decode" on a pd instance
     max_waiting: int = 2**31  # requests waiting for admission; a new one beyond it is refused (overloaded)
+    diverse_mode: bool = False  # requests of one prompt prefill it once (router.diverse_mode; needs prompt_cache)
 
 
 class Scheduler:
@@ -78,6 +80,7 @@ class Scheduler:
         self.awaiting_kv: deque[Request] = deque()  # decode instance: waiting for slots to receive into
         self.transfers: dict[str, Request] = {}  # request id → request whose KV is being sent / received
         self.kv_commands: list = []  # SendKv / ReceiveKv / CancelKv for the worker, taken by the router
+        self.sharing = PromptSharing(limits.diverse_mode and limits.prompt_cache and limits.pd_role is None, self.cache)
 
     # ---- requests in -----------------------------------------------------------------------
 
@@ -219,6 +222,8 @@ class Scheduler:
             admitted = False
             while self.waiting and budget > 0 and self._free_rows:
                 req = self.waiting[0]
+                if self.sharing.waits(req):
+                    break  # its prompt is being computed: it borrows the KV once that is done (FIFO holds)
                 if not req.kv_ready:  # received KV has its slots (and its cached prefix locked) already
                     self.cache.lend(req)
                 if ((not lim.chunked_prefill and req.prompt_len - req.num_computed > budget)
@@ -235,6 +240,7 @@ class Scheduler:
                                        prompt_ids=req.prompt_ids, cached_slots=req.slots[:req.num_computed]))
                 budget -= self._add_chunk(plan, req, budget, samplers, touched)
                 self.cache.admitted(req)
+                self.sharing.admitted(req)
                 admitted = True
             if admitted:
                 self._steps_since_admit = 0
@@ -317,6 +323,10 @@ class Scheduler:
         condition, free what no step in flight uses any more. One delta per live request."""
         samplers = self._in_flight.popleft()
         touched = self._in_flight_all.popleft()
+        if result.scores:  # a score model: the prompt's head outputs end each request; no token is generated
+            deltas = [self._scored(req, sc) for req, sc in zip(samplers, result.scores) if req.status is Status.RUNNING]
+            self._returned(touched)
+            return deltas
         if len(result.token_ids) != len(samplers):
             raise RuntimeError(f"step {result.step}: {len(result.token_ids)} tokens for {len(samplers)} samplers")
         deltas: list[TokenDelta] = []
@@ -328,11 +338,14 @@ class Scheduler:
             delta = TokenDelta(request_id=req.id, token_ids=[token])
             if len(req.output_ids) == 1:
                 delta.cached_tokens, delta.scheduled_time = req.num_cached, req.scheduled_time
+                self.sharing.computed(req)
             if has_lp:
                 delta.logprobs = [result.logprobs[i]]
                 if result.top_ids and result.top_ids[i]:
                     delta.top_ids = [result.top_ids[i]]
                     delta.top_logprobs = [result.top_logprobs[i]]
+            if result.prompt_logprobs and result.prompt_logprobs[i] is not None:
+                delta.prompt_logprobs = result.prompt_logprobs[i]
             reason = self._stop_reason(req, token)
             if reason is not None and req.pd is not None and self.limits.pd_role == "prefill":
                 self._send_kv(req)  # the decode instance samples the first token itself
@@ -341,11 +354,19 @@ class Scheduler:
                 self._finish(req, reason)
                 delta.finish_reason = reason
             deltas.append(delta)
+        self._returned(touched)
+        return deltas
+
+    def _returned(self, touched: list[Request]) -> None:  # a finished request no step uses is released
         for req in touched:
             req.steps_in_flight -= 1
             if req.status is Status.FINISHED and req.steps_in_flight == 0:
                 self._release(req)
-        return deltas
+
+    def _scored(self, req: Request, scores: list[float]) -> TokenDelta:
+        delta = self._finish(req, "stop")
+        delta.scores, delta.cached_tokens, delta.scheduled_time = scores, req.num_cached, req.scheduled_time
+        return delta
 
     def _stop_reason(self, req: Request, token: int) -> Optional[str]:
         sp = req.sampling
@@ -364,11 +385,13 @@ class Scheduler:
         self.awaiting_kv.clear()
         self.running.clear()
         self.transfers.clear()
+        self.sharing.clear()
         self._in_flight.clear()
         self._in_flight_all.clear()
         return deltas
 
     def _finish(self, req: Request, reason: str) -> TokenDelta:
+        self.sharing.ended(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.by_id.pop(req.id, None)

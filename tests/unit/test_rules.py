@@ -81,12 +81,18 @@ BREAKS = {
     "ports_in_range": [["server.port=70000"], ["parallel.dp=2", "parallel.master_port=65535"],
                        ["mode=pd_decode", "mode.kv_transfer_port=0"]],
     "pd_instance_is_one_replica": [["mode=pd_decode", "parallel=dp2"], ["mode=pd_prefill", "parallel=dp2"]],
+    "prompt_logprobs_not_in_pd": [["server.return_all_prompt_logprobs=true", "mode=pd_prefill"]],
+    "metrics_port_valid": [["server.metrics_port=0"], ["server.metrics_port=70000"],
+                           ["mode=config_server", "mode.config_server_host=127.0.0.1", "server.metrics_port=9100"]],
+    "tgi_api_mode": [["server.tgi_api=true", "mode=pd_prefill"]],
     "pd_addresses": [["mode=pd_decode", "mode.pd_master_host=''"],
                      ["mode=config_server", "mode.config_server_host=null"]],
     "score_needs_head": [["model.task=score"]],
     "score_labels_match": [["model.task=score", "model.num_labels=0"],
                            ["model.task=score", "model.num_labels=2", "model.labels=[good]"]],
     "score_not_in_pd_modes": [["model.task=score", "model.num_labels=1", "mode=pd_prefill"]],
+    "diverse_mode_needs_prompt_cache": [["router.diverse_mode=true", "cache.prompt_cache=false"]],
+    "token_healing_without_all_prompt_logprobs": [["server.token_healing=true", "server.return_all_prompt_logprobs=true"]],
 }
 
 
@@ -101,7 +107,8 @@ def test_every_rule_has_a_break_case():
     tested = set(BREAKS) | {"gguf_needs_gguf_path", "profile_matches_checkpoint", "checkpoint_features_supported",
                             "checkpoint_dtype_supported", "ports_distinct", "server_port_free",
                             "cuda_mps_daemon_installed",  # tests/unit/test_host_switches.py
-                            "generate_needs_lm_head", "score_head_supported"}  # tests/unit/test_score_model.py
+                            "generate_needs_lm_head", "score_head_supported",  # tests/unit/test_score_model.py
+                            "metrics_port_free"}  # tests/integration/test_tgi_api.py
     assert {r.name for r in rules.RULES} == tested
 
 

@@ -1,0 +1,224 @@
+"""The score endpoints of a score model (model.task=score: a *ForSequenceClassification head, LightLLM's
+use_reward_model): LightLLM's POST /get_score, vLLM's POST /classify and POST /v1/score (and /score),
+in their request and response shapes. Each prompt is one prefill whose last token's head outputs come
+back as TextDelta.scores; the generation routes are refused on such a model, and these on a generating one."""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import msgspec
+from quart import Response
+
+from llaunch.runtime.config import ModelConfig
+from llaunch.runtime.http.chat_messages import message_text
+from llaunch.runtime.http.engine_client import EngineClient
+from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response
+from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.http.openai_protocol import ChatMessage, check_model, decode_body
+from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
+from llaunch.runtime.http.request_limits import (RequestLimits, TokenId, check_fan_out, check_prompt_text,
+                                                 max_new_tokens_for)
+from llaunch.runtime.ipc.messages import SamplingParams
+
+SCORE_PATHS = ("/get_score", "/classify", "/v1/classify", "/v1/score", "/score")
+# what a score model cannot serve: every route that samples tokens
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate", "/generate_stream")
+_ONE_PREFILL = SamplingParams(max_new_tokens=1, temperature=0.0)  # the router runs the prompt; no token is sampled
+
+
+@dataclass(frozen=True)
+class ScoreHead:
+    """What the frontend knows of the served score head (the launcher derived it from config.json)."""
+
+    labels: tuple[str, ...]
+    pad_token_id: Optional[int] = None  # transformers pools the last token that is not this one
+
+    @staticmethod
+    def of(model: ModelConfig) -> Optional["ScoreHead"]:
+        if getattr(model.task, "value", model.task) != "score":
+            return None
+        labels = model.labels or [f"LABEL_{i}" for i in range(model.num_labels or 0)]
+        return ScoreHead(labels=tuple(labels), pad_token_id=model.pad_token_id)
+
+    def pooled(self, ids: list[int]) -> list[int]:
+        """The prompt up to the token transformers pools: trailing pad tokens dropped (all pads: the first)."""
+        end = len(ids)
+        while end > 1 and ids[end - 1] == self.pad_token_id:
+            end -= 1
+        return ids[:end]
+
+
+def score_model_refusal(path: str) -> ApiError:
+    return bad_request(f"{path} generates text, but the served model is a score model (model.task=score: a "
+                       f"classification / reward head, no LM head); use {', '.join(SCORE_PATHS[:4])}.",
+                       code="score_model")
+
+
+def _no_head(path: str) -> ApiError:
+    return bad_request(f"{path} needs a score model, but the served model generates (model.task=generate: no "
+                       "classification / reward head); serve a *ForSequenceClassification checkpoint.",
+                       code="not_a_score_model")
+
+
+class GetScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    chat: Union[str, list[ChatMessage]]  # LightLLM: the chat template's text; also messages, templated here
+    multimodal_params: Optional[dict[str, Any]] = None  # LightLLM's; text only here
+
+
+Inputs = Union[str, list[Union[str, TokenId, list[TokenId]]]]  # a text, texts, token ids, lists of token ids
+
+
+class ClassifyRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    input: Inputs
+    model: Optional[str] = None
+    user: Optional[str] = None
+    add_special_tokens: bool = True
+
+
+class ScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+    model: Optional[str] = None
+    user: Optional[str] = None
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def class_probs(scores: list[float]) -> list[float]:
+    """vLLM's classification activation: sigmoid for one output, softmax over several."""
+    if len(scores) == 1:
+        return [_sigmoid(scores[0])]
+    top = max(scores)
+    exps = [math.exp(s - top) for s in scores]
+    return [e / sum(exps) for e in exps]
+
+
+class ScoreApi:
+    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: RequestLimits, lifecycle: Lifecycle,
+                 head: Optional[ScoreHead]):
+        self.engine, self.tokenizer, self.limits, self.lifecycle, self.head = engine, tokenizer, limits, lifecycle, head
+
+    async def _scores(self, path: str, prompts: list[list[int]]) -> list[list[float]]:
+        """Each prompt's head outputs (fp32 logits), in order."""
+        jobs = [(self.head.pooled(p), _ONE_PREFILL) for p in prompts]
+        group = await self.engine.submit(jobs, lifecycle=self.lifecycle)
+        out: list[Optional[list[float]]] = [None] * len(jobs)
+        try:
+            async for i, delta in group:
+                if delta.finish_reason not in (None, "stop", "length"):
+                    raise engine_failed(delta.finish_reason, delta.error)
+                out[i] = delta.scores or out[i]
+        finally:
+            await group.close()
+        if any(s is None for s in out):
+            raise engine_failed("error", f"{path}: the engine returned no scores")
+        return out
+
+    def _check(self, path: str, prompts: list[list[int]], param: str) -> list[list[int]]:
+        check_fan_out(len(prompts), 1, self.limits)
+        for ids in prompts:
+            max_new_tokens_for(ids, 1, param, self.limits)  # non-empty, in the vocabulary, fits the context
+        return prompts
+
+    def _text(self, text: str, param: str, special: bool = True) -> list[int]:
+        check_prompt_text(text, self.limits, param=param)
+        return self.tokenizer.encode(text) if special else self.tokenizer.encode_plain(text)
+
+    # ---- LightLLM -----------------------------------------------------------------------------------
+
+    def _parse_get_score(self, body: bytes) -> list[list[int]]:
+        req = decode_body(body, GetScoreRequest)
+        if req.multimodal_params:
+            raise bad_request("multimodal_params: only text is scored.", param="multimodal_params")
+        if isinstance(req.chat, str):  # LightLLM sends the templated text as is
+            return self._check("/get_score", [self._text(req.chat, "chat", special=False)], "chat")
+        if not req.chat or not self.tokenizer.has_chat_template:
+            raise bad_request("`chat` must be text, or messages for a tokenizer with a chat template.", param="chat")
+        if any(m.tool_calls for m in req.chat):
+            raise bad_request("chat: tool_calls are not scored.", param="chat")
+        messages = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(req.chat)]
+        check_prompt_text("".join(m["content"] for m in messages), self.limits, param="chat")
+        try:
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=False)
+        except Exception as e:  # the template may reject an order of roles
+            raise bad_request(f"The chat template rejected the messages: {e}", param="chat") from None
+        return self._check("/get_score", [ids], "chat")
+
+    def _needs_head(self, path: str) -> None:
+        if self.head is None:
+            raise _no_head(path)
+
+    async def get_score(self, body: bytes) -> Response:
+        self._needs_head("/get_score")
+        prompts = await asyncio.to_thread(self._parse_get_score, body)
+        scores = (await self._scores("/get_score", prompts))[0]
+        return json_response({"score": scores[0] if len(scores) == 1 else scores, "prompt_tokens": len(prompts[0]),
+                              "finish_reason": "stop"})
+
+    # ---- vLLM ---------------------------------------------------------------------------------------
+
+    def _parse_classify(self, body: bytes) -> tuple[ClassifyRequest, list[list[int]]]:
+        req = decode_body(body, ClassifyRequest)
+        check_model(req.model, self.limits)
+        x = req.input
+        if isinstance(x, str):
+            x = [x]
+        if x and all(isinstance(t, int) for t in x):
+            x = [x]  # one prompt of token ids
+        elif any(isinstance(t, int) for t in x):
+            raise bad_request("`input` mixes token ids with texts or id lists.", param="input")
+        if not x:
+            raise bad_request("`input` must not be empty.", param="input")
+        prompts = [self._text(p, "input", req.add_special_tokens) if isinstance(p, str) else list(p) for p in x]
+        return req, self._check("/classify", prompts, "input")
+
+    async def classify(self, body: bytes) -> Response:
+        self._needs_head("/classify")
+        req, prompts = await asyncio.to_thread(self._parse_classify, body)
+        scores = await self._scores("/classify", prompts)
+        data = []
+        for i, s in enumerate(scores):
+            probs = class_probs(s)
+            data.append({"index": i, "label": self.head.labels[max(range(len(probs)), key=probs.__getitem__)],
+                         "probs": probs, "num_classes": len(probs)})
+        return json_response(self._envelope("classify", data, prompts))
+
+    def _parse_score(self, body: bytes) -> list[list[int]]:
+        req = decode_body(body, ScoreRequest)
+        check_model(req.model, self.limits)
+        if len(self.head.labels) != 1:
+            raise bad_request(f"/v1/score needs a model with one output (a cross-encoder or reward head); this one "
+                              f"has {len(self.head.labels)}: use /classify.", param="model")
+        first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+        second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+        if not first or not second:
+            raise bad_request("`text_1` and `text_2` must not be empty.", param="text_1")
+        if len(first) == 1:
+            first = first * len(second)  # one query against every document, as vLLM pairs them
+        if len(first) != len(second):
+            raise bad_request(f"`text_1` has {len(first)} texts and `text_2` {len(second)}: give one text_1, or as "
+                              "many as text_2.", param="text_1")
+        for a, b in zip(first, second):
+            check_prompt_text(a + b, self.limits, param="text_2")
+        return self._check("/v1/score", [self.tokenizer.encode_pair(a, b) for a, b in zip(first, second)], "text_2")
+
+    async def score(self, body: bytes) -> Response:
+        self._needs_head("/v1/score")
+        prompts = await asyncio.to_thread(self._parse_score, body)
+        scores = await self._scores("/v1/score", prompts)
+        data = [{"index": i, "object": "score", "score": class_probs(s)[0]} for i, s in enumerate(scores)]
+        return json_response(self._envelope("score", data, prompts))
+
+    def _envelope(self, kind: str, data: list[dict], prompts: list[list[int]]) -> dict:
+        tokens = sum(len(p) for p in prompts)
+        return {"id": f"{kind}-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": self.limits.served_name, "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                          "prompt_tokens_details": None}}
