@@ -13,7 +13,10 @@ found (vLLM's counters), summed over replicas.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from urllib.parse import urlsplit
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
+                               start_http_server)
 
 from llaunch.runtime.ipc.messages import RouterStats
 
@@ -173,3 +176,10 @@ class MetricsHub:
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
+
+    def serve(self, url: str) -> None:
+        """Also serve these series at `url` (server.metrics_port) from a daemon thread, without the API
+        key: Prometheus scrapes then share neither the API's port nor its auth. A port that cannot be
+        bound raises here, so the detokenizer fails its start."""
+        where = urlsplit(url)
+        start_http_server(where.port, where.hostname, registry=self.registry)

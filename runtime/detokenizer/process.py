@@ -68,6 +68,8 @@ def main() -> None:
     detok = Detokenizer(tokenizer, model_name=cfg.model.name, dp=cfg.parallel.dp,
                         max_model_len=cfg.model.max_model_len or 32768)
     stop = StopFlag().install()
+    if "metrics" in spec.binds:  # server.metrics_port
+        detok.metrics.serve(spec.binds["metrics"])
     report_ready(ctx, cfg, spec, frontends=str(len(frontends)))
     log.info("ready: %s -> %d frontend(s)", spec.binds["tokens"], len(frontends))
     try:

@@ -186,7 +186,7 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
                                            code="engine_stalled"))
         return json_response({"status": "ok", "running": engine.running, "stalled_replicas": stalled})
 
-    schema = openapi_document(limits, api_key=settings.api_key is not None)
+    schema = openapi_document(limits, api_key=settings.api_key is not None, tgi=tgi)
 
     @app.get("/openapi.json")
     async def openapi() -> Response:

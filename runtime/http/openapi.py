@@ -10,6 +10,7 @@ import msgspec
 from llaunch.runtime.http.generate_api import GenerateRequest
 from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 from llaunch.runtime.http.request_limits import RequestLimits
+from llaunch.runtime.http.tgi_api import TgiRequest
 from llaunch.runtime.http.score_api import ClassifyRequest, GetScoreRequest, ScoreRequest
 from llaunch.runtime.http.tokenize_api import DetokenizeRequest, TokenizeChat, TokenizeCompletion
 
@@ -56,24 +57,28 @@ def _narrow(schema: dict[str, Any], field: str, **bounds: Any) -> None:
                 alternative.update(bounds)
 
 
-def openapi_document(limits: RequestLimits, api_key: bool) -> dict[str, Any]:
-    types = [CompletionRequest, ChatCompletionRequest, GenerateRequest, TokenizeCompletion, TokenizeChat,
+def openapi_document(limits: RequestLimits, api_key: bool, tgi: bool = False) -> dict[str, Any]:
+    """`tgi` (server.tgi_api): /generate, /generate_stream and / take TGI's request; GET /info."""
+    native = TgiRequest if tgi else GenerateRequest
+    bodies = {**_BODIES, "/generate": native, "/generate_stream": native, **({"/": native} if tgi else {})}
+    gets = {**_GETS, **({"/info": "text-generation-inference's info."} if tgi else {})}
+    types = [CompletionRequest, ChatCompletionRequest, native, TokenizeCompletion, TokenizeChat,
              DetokenizeRequest, GetScoreRequest, ClassifyRequest, ScoreRequest, ErrorBody]
     refs, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         _narrow(components[name], "model", enum=[limits.served_name])
         for field in ("max_tokens", "max_completion_tokens"):
             _narrow(components[name], field, maximum=limits.max_model_len)
-    _narrow(components["GenerateParameters"], "max_new_tokens", maximum=limits.max_model_len)
+    _narrow(components["TgiParameters" if tgi else "GenerateParameters"], "max_new_tokens", maximum=limits.max_model_len)
     ref = dict(zip(types, refs))
     paths: dict[str, Any] = {}
-    for path, body in _BODIES.items():
+    for path, body in bodies.items():
         streams = ("application/json", "text/event-stream")
-        paths[path] = {"post": {"operationId": path.strip("/").replace("/", "_"),
+        paths[path] = {"post": {"operationId": path.strip("/").replace("/", "_") or "tgi_compat",
                                 "requestBody": {"required": True,
                                                 "content": {"application/json": {"schema": _body_schema(body, ref)}}},
                                 "responses": _responses("The generated text.", streams)}}
-    for path, what in _GETS.items():
+    for path, what in gets.items():
         kind = ("text/plain",) if path == "/metrics" else ("application/json",)
         paths[path] = {"get": {"operationId": path.strip("/").replace("/", "_").replace(".", "_") or "root",
                                "responses": _responses(what, kind)}}
