@@ -228,7 +228,8 @@ def _serving_line(cfg: RunConfig, graph: Graph, ready_s: float) -> str:
         return f"[bold green]llaunch {cfg.mode.kind.value}[/] at {cfg.graph.http_url} {what}"
     if graph.serves_http:
         node = f" (node 0 of {p.nnodes})" if p.nnodes > 1 else ""
-        return f"[bold green]llaunch serving[/] {cfg.model.name} at {cfg.graph.http_url}{node} {what}"
+        metrics = "".join(f", metrics at {s.binds['metrics']}" for s in cfg.graph.processes if "metrics" in s.binds)
+        return f"[bold green]llaunch serving[/] {cfg.model.name} at {cfg.graph.http_url}{node}{metrics} {what}"
     return (f"[bold green]llaunch node {p.node_rank} of {p.nnodes} joined[/]: workers of {cfg.model.name} "
             f"behind node 0's {cfg.graph.http_url} {what}")
 

@@ -140,6 +140,7 @@ def test_metrics_port_serves_without_the_key_the_api_port_needs_it(tgi_server):
     assert samples(r.text, "request_success_total")
     assert httpx.get(tgi_server.url + "/metrics").status_code == 401  # the API port keeps its key
     assert httpx.get(tgi_server.url + "/metrics", headers=auth()).status_code == 200
+    assert f"metrics at {tgi_server.metrics_url}" in tgi_server.output()  # the launcher's serving line
 
 
 def llaunch(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
