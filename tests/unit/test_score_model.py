@@ -71,3 +71,22 @@ def test_score_routes_refuse_a_generating_model(scripted_server):
         r = httpx.post(url + path, json=body)
         assert r.status_code == 400, (path, r.text)
         assert r.json()["error"]["code"] == "not_a_score_model" and "model.task=generate" in r.text
+
+
+def test_a_scored_prompt_finishes_at_its_prefill_and_frees_its_kv():
+    from llaunch.runtime.ipc.messages import StepResult
+    from unit.scheduler_support import make, req
+
+    s = make(batch_max_tokens=16, chunk=8, prompt_cache=True)
+    s.add(req("a", 12, 1))
+    s.add(req("b", 3, 1))
+    p = s.schedule()  # a's first chunk and all of b: only b's last token is pooled this step
+    assert [(c.row, c.sample) for c in p.prefill] == [(0, False), (1, True)]
+    [d] = s.on_result(StepResult(step=p.step, rows=[1], token_ids=[], scores=[[0.5, -1.0]]))
+    assert (d.request_id, d.token_ids, d.scores, d.finish_reason) == ("b", [], [0.5, -1.0], "stop")
+    p = s.schedule()
+    assert [(c.row, c.start, c.sample) for c in p.prefill] == [(0, 8, True)] and p.decode_rows == []
+    [d] = s.on_result(StepResult(step=p.step, rows=[0], token_ids=[], scores=[[2.0, 3.0]]))
+    assert (d.request_id, d.scores) == ("a", [2.0, 3.0])
+    assert s.schedule() is None and s.num_running == 0  # nothing decodes after a score
+    assert s.kv_in_use == 0  # the prompts' KV went to the prompt cache, evictable
