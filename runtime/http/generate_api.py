@@ -12,12 +12,14 @@ from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admit
 from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import decode_body
+from llaunch.runtime.http.prompt_logprobs import lightllm_prompt_logprobs
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import (MAX_TEMPERATURE, ChoiceCount, RequestLimits, Seed, TokenCount,
                                                  TokenId, TopK, TopP, check_fan_out, check_prompt_text,
                                                  check_stop_strings, check_token_id, greedy_temperature,
                                                  max_new_tokens_for)
 from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
+from llaunch.runtime.http.token_healing import PrefixStrip, TokenHealer
 from llaunch.runtime.http.structured_output import constraint_from, one_constraint
 from llaunch.runtime.ipc.messages import SamplingParams, TextDelta
 
@@ -49,6 +51,7 @@ class GenerateParameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     guided_grammar: Optional[str] = None
     guided_json: Union[dict[str, Any], str, None] = None
     allowed_token_ids: Optional[list[TokenId]] = None
+    token_healing: Optional[bool] = None  # back off the prompt's last token (server.token_healing when unset)
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -81,11 +84,11 @@ def _stops(spec: Union[str, list[Any], None], tokenizer: PromptTokenizer, limits
 def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: RequestLimits,
                   stream: bool) -> tuple[list[int], list[SamplingParams]]:
     p = req.parameters
-    n = p.best_of if p.n is None else p.n
-    if n != p.best_of:
-        raise bad_request("Only n == best_of is supported.", param="parameters.n")
-    check_fan_out(1, n, limits, n_param="parameters.best_of")
-    if stream and n != 1:
+    n = p.best_of if p.n is None else p.n  # returned: the n of best_of samples with the highest cumulative logprob
+    if n > p.best_of:
+        raise bad_request(f"n ({n}) must not exceed best_of ({p.best_of}).", param="parameters.n")
+    check_fan_out(1, p.best_of, limits, n_param="parameters.best_of")
+    if stream and p.best_of != 1:
         raise bad_request("The stream API only supports best_of == 1.", param="parameters.best_of")
     greedy = not p.do_sample or greedy_temperature(p.temperature) == 0.0
     if p.top_k == 0:
@@ -110,7 +113,7 @@ def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: Requ
                                          ("guided_json", "json", p.guided_json)) if value is not None]
     constraint = one_constraint(sources, tokenizer.grammar) if sources else None
     jobs = []
-    for i in range(n):
+    for i in range(p.best_of):
         jobs.append(SamplingParams(
             max_new_tokens=max_new, temperature=0.0 if greedy else p.temperature,
             top_p=1.0 if greedy else p.top_p, top_k=-1 if greedy or p.top_k >= limits.vocab_size else p.top_k,
@@ -118,8 +121,12 @@ def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: Requ
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
             ignore_eos=p.ignore_eos, stop=stop, stop_token_ids=stop_ids, skip_special_tokens=p.skip_special_tokens,
             # LightLLM reports each token's logprob in streams and details.
-            logprobs=stream or p.return_details, min_tokens=p.min_new_tokens if p.min_new_tokens > 1 else 0,
-            allowed_ids=list(dict.fromkeys(p.allowed_token_ids or [])), constraint=constraint))
+            # best_of > n ranks the samples by their cumulative logprob
+            logprobs=stream or p.return_details or p.best_of > n,
+            min_tokens=p.min_new_tokens if p.min_new_tokens > 1 else 0,
+            allowed_ids=list(dict.fromkeys(p.allowed_token_ids or [])), constraint=constraint,
+            # server.return_all_prompt_logprobs: LightLLM returns them from /generate (not streamed)
+            prompt_logprobs=0 if limits.all_prompt_logprobs and not stream else -1))
     return prompt_ids, jobs
 
 
@@ -135,15 +142,26 @@ class GenerateApi:
         self.tokenizer = tokenizer
         self.limits = limits
         self.lifecycle = lifecycle
+        self.healer = TokenHealer(tokenizer)
 
-    async def _submit(self, body: bytes, stream: bool) -> tuple[GenerateRequest, int, RequestGroup]:
-        req, prompt_ids, jobs = await asyncio.to_thread(self._parse, body, stream)  # tokenizing: off the loop
-        return req, len(prompt_ids), await self.engine.submit([(prompt_ids, s) for s in jobs], lifecycle=self.lifecycle)
+    async def _submit(self, body: bytes, stream: bool) -> tuple[GenerateRequest, list[int], RequestGroup, str]:
+        """Also the text token healing backed off ("": none), which the output leaves out."""
+        req, prompt_ids, jobs, healed = await asyncio.to_thread(self._parse, body, stream)  # tokenizing: off the loop
+        group = await self.engine.submit([(prompt_ids, s) for s in jobs], lifecycle=self.lifecycle)
+        return req, prompt_ids, group, healed
 
     def _parse(self, body: bytes, stream: bool):
         req = decode_body(body, GenerateRequest)
         prompt_ids, jobs = generate_jobs(req, self.tokenizer, self.limits, stream)
-        return req, prompt_ids, jobs
+        on = req.parameters.token_healing
+        healing = self.healer.heal(prompt_ids) if (self.limits.token_healing if on is None else on) else None
+        if healing is None:
+            return req, prompt_ids, jobs, ""
+        if any(j.prompt_logprobs >= 0 for j in jobs):
+            raise bad_request("token_healing backs off the prompt's last token: its prompt logprobs "
+                              "(server.return_all_prompt_logprobs) are not available.", param="parameters.token_healing")
+        jobs = [msgspec.structs.replace(j, heal_ids=healing.first_ids) for j in jobs]
+        return req, healing.prompt_ids, jobs, healing.prefix
 
     def _token(self, token_id: Optional[int], logprob: Optional[float], count: int, prompt_tokens: int) -> dict:
         return {"id": token_id, "logprob": logprob,
@@ -151,13 +169,17 @@ class GenerateApi:
                 "count_output_tokens": count, "prompt_tokens": prompt_tokens}
 
     async def generate(self, body: bytes) -> Response:
-        req, prompt_tokens, group = await self._submit(body, stream=False)
+        req, prompt_ids, group, healed = await self._submit(body, stream=False)
+        strips = [PrefixStrip(healed) for _ in group.request_ids]
+        prompt_tokens, prompt_logprobs = len(prompt_ids), None
         n = len(group.request_ids)
         texts, counts, finish = [[] for _ in range(n)], [0] * n, [None] * n
         details, cum = [[] for _ in range(n)], [0.0] * n
         try:
             async for i, delta in group:
-                texts[i].append(delta.text)
+                texts[i].append(strips[i](delta.text))
+                if delta.prompt_logprobs is not None and prompt_logprobs is None:
+                    prompt_logprobs = delta.prompt_logprobs
                 for k, token_id in enumerate(delta.token_ids):
                     counts[i] += 1
                     logprob = delta.logprobs[k] if k < len(delta.logprobs) else None
@@ -168,20 +190,29 @@ class GenerateApi:
                 finish[i] = _finish(delta)
         finally:
             await group.close()
+        p = req.parameters
+        if p.n is not None and p.n < n:  # best_of: the n samples of the highest cumulative logprob, best first
+            keep = sorted(range(n), key=lambda i: -cum[i])[:p.n]
+            texts, counts, finish, details = ([values[i] for i in keep] for values in (texts, counts, finish, details))
+            n = p.n
         one = (lambda values: values[0]) if n == 1 else (lambda values: values)  # LightLLM unwraps n == 1
         out = {"generated_text": ["".join(t) for t in texts], "count_output_tokens": one(counts),
                "finish_reason": one(finish), "prompt_tokens": prompt_tokens}
         if req.parameters.return_details:
             out["tokens"] = one(details)
+        if prompt_logprobs is not None:
+            out["prompt_token_ids"] = prompt_ids
+            out["prompt_logprobs"] = lightllm_prompt_logprobs(prompt_ids, prompt_logprobs)
         return json_response(out)
 
     async def generate_stream(self, body: bytes) -> Response:
-        _, prompt_tokens, group = await self._submit(body, stream=True)
+        _, prompt_ids, group, healed = await self._submit(body, stream=True)
         await admitted(group)  # a refused request answers with its status, not a 200 stream
-        return sse_response(TrackedStream(self._events(group, prompt_tokens), group))
+        return sse_response(TrackedStream(self._events(group, len(prompt_ids), PrefixStrip(healed)), group))
 
-    async def _events(self, group: RequestGroup, prompt_tokens: int) -> AsyncIterator[bytes]:
-        count = 0
+    async def _events(self, group: RequestGroup, prompt_tokens: int,
+                      strip: Optional[PrefixStrip] = None) -> AsyncIterator[bytes]:
+        count, strip = 0, strip or PrefixStrip()
         try:
             async for _, delta in group:
                 finish = _finish(delta)
@@ -192,7 +223,7 @@ class GenerateApi:
                     count += token_id is not None
                     logprob = delta.logprobs[k] if k < len(delta.logprobs) else None
                     token = self._token(token_id, logprob, count, prompt_tokens)
-                    token["text"] = delta.text if last else ""
+                    token["text"] = strip(delta.text) if last else ""
                     yield sse_event({"token": token, "generated_text": None, "finished": last and finish is not None,
                                      "finish_reason": finish if last else None, "details": None}, prefix=b"data:")
         except ApiError as e:

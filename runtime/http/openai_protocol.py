@@ -18,6 +18,7 @@ from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import (MAX_LOGIT_BIAS, ChoiceCount, LogitBias, MinTokens, Penalty,
                                                  Probability, RepetitionPenalty, RequestLimits, Seed, Temperature,
                                                  TokenCount, TokenId, TopK, TopLogprobs, TopP, check_fan_out,
+                                                 check_prompt_logprobs,
                                                  check_prompt_text, check_stop_strings, check_token_id,
                                                  greedy_temperature, max_new_tokens_for)
 from llaunch.runtime.http.structured_output import one_constraint, openai_sources
@@ -86,6 +87,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     user: Optional[str] = None  # accepted, unused
     metadata: Optional[dict[str, str]] = None  # accepted, unused
     return_token_ids: Optional[bool] = None  # vLLM's extension: choices carry the generated token ids
+    prompt_logprobs: Optional[TopLogprobs] = None  # vLLM's extension: each prompt token's logprob, plus this many top
 
     @property
     def include_usage(self) -> bool:
@@ -96,8 +98,9 @@ class CompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=
     prompt: Union[str, list[Any]]  # str | list[int] | list[str] | list[list[int]]: checked below
     logprobs: Optional[TopLogprobs] = None
     echo: Optional[bool] = None
-    best_of: Optional[ChoiceCount] = None
+    best_of: Optional[ChoiceCount] = None  # samples per prompt; the n with the highest cumulative logprob return
     suffix: Optional[str] = None
+    token_healing: Optional[bool] = None  # back off the prompt's last token (server.token_healing when unset)
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -243,12 +246,17 @@ def completion_choices(req: CompletionRequest, prompts: list[list[int]], limits:
                        tokenizer: PromptTokenizer) -> list[Choice]:
     if req.suffix:
         raise bad_request("`suffix` is not supported.", param="suffix")
-    if req.best_of is not None and req.best_of != (req.n or 1):
-        raise bad_request("`best_of` must equal `n`.", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("`echo` with `logprobs` needs prompt logprobs, which are not supported.", param="echo")
+    n = 1 if req.n is None else req.n
+    best_of = n if req.best_of is None else req.best_of
+    if best_of < n:
+        raise bad_request(f"`best_of` ({best_of}) must be at least `n` ({n}).", param="best_of")
+    if req.stream and best_of > n:  # the best are known only once every sample has finished (as OpenAI)
+        raise bad_request("`best_of` greater than `n` cannot be streamed.", param="best_of")
     want_logprobs = req.logprobs is not None
-    return _choices(req, prompts, limits, tokenizer, req.max_tokens, "max_tokens", want_logprobs, req.logprobs or 0)
+    echo = req.logprobs if req.echo and want_logprobs else None  # the echoed prompt's tokens carry logprobs
+    # best_of ranks the samples by their logprobs: asked for internally, returned only where asked
+    return _choices(req, prompts, limits, tokenizer, req.max_tokens, "max_tokens", want_logprobs or best_of > n,
+                    req.logprobs or 0, prompt_logprobs_of(req, limits, echo), samples=best_of)
 
 
 def chat_choices(req: ChatCompletionRequest, prompt_ids: list[int], limits: RequestLimits,
@@ -259,12 +267,28 @@ def chat_choices(req: ChatCompletionRequest, prompt_ids: list[int], limits: Requ
     max_tokens, param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
-    return _choices(req, [prompt_ids], limits, tokenizer, max_tokens, param, bool(req.logprobs), top or 0)
+    return _choices(req, [prompt_ids], limits, tokenizer, max_tokens, param, bool(req.logprobs), top or 0,
+                    prompt_logprobs_of(req, limits))
+
+
+def prompt_logprobs_of(req: _GenerationRequest, limits: RequestLimits, echo: Optional[int] = None) -> int:
+    """SamplingParams.prompt_logprobs: the top k that vLLM's `prompt_logprobs` or an echo with
+    `logprobs` asks for (the larger), -1 when neither does."""
+    asked = [k for k in (req.prompt_logprobs, echo) if k is not None]
+    if not asked:
+        return -1
+    param = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
+    if req.stream and req.prompt_logprobs is not None:  # as vLLM: they are not streamed
+        raise bad_request("`prompt_logprobs` is not available with `stream`.", param="prompt_logprobs")
+    check_prompt_logprobs(limits, param)
+    return max(asked)
 
 
 def _choices(req: _GenerationRequest, prompts: list[list[int]], limits: RequestLimits, tokenizer: PromptTokenizer,
-             max_tokens: Optional[int], max_tokens_param: str, logprobs: bool, top_logprobs: int) -> list[Choice]:
-    n = 1 if req.n is None else req.n
+             max_tokens: Optional[int], max_tokens_param: str, logprobs: bool, top_logprobs: int,
+             prompt_logprobs: int = -1, samples: Optional[int] = None) -> list[Choice]:
+    """`samples`: engine requests per prompt (best_of), default n."""
+    n = samples or (1 if req.n is None else req.n)
     check_fan_out(len(prompts), n, limits)
     base = _sampling_fields(req, limits, tokenizer)
     choices = []
@@ -276,7 +300,7 @@ def _choices(req: _GenerationRequest, prompts: list[list[int]], limits: RequestL
         for i in range(n):
             seed = None if req.seed is None else req.seed + i  # distinct samples, reproducible
             sampling = SamplingParams(max_new_tokens=new_tokens, seed=seed, logprobs=logprobs,
-                                      top_logprobs=top_logprobs, **base)
+                                      top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs, **base)
             choices.append(Choice(index=p * n + i, prompt=p, prompt_ids=prompt_ids, sampling=sampling))
     for token_id in base["stop_token_ids"]:
         check_token_id(token_id, limits, "stop_token_ids")

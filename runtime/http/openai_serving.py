@@ -6,21 +6,25 @@ GIL), so a large prompt never holds up the event loop: /health and every other s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import AsyncIterator, Optional
 
+import msgspec
 from quart import Response
 
 from llaunch.runtime.http import openai_responses as shapes
 from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
-from llaunch.runtime.http.errors import ApiError, engine_failed, json_response
+from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice, CompletionRequest, RequestLimits,
                                                   chat_choices, chat_prompt, check_model, completion_choices,
                                                   completion_prompts, decode_body)
+from llaunch.runtime.http.prompt_logprobs import echo_logprobs, echo_text_length, vllm_prompt_logprobs
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.sse import DONE, TrackedStream, sse_event, sse_response
+from llaunch.runtime.http.token_healing import PrefixStrip, TokenHealer
 from llaunch.runtime.http.tool_calls import ToolCallStream, parse_tool_calls, tool_format_of
-from llaunch.runtime.ipc.messages import TextDelta
+from llaunch.runtime.ipc.messages import PromptLogprobs, TextDelta
 
 FINISH_REASONS = ("stop", "length")  # anything else (abort, error) means the engine failed the request
 
@@ -28,22 +32,29 @@ FINISH_REASONS = ("stop", "length")  # anything else (abort, error) means the en
 class ChoiceState:
     """What one choice has produced so far."""
 
-    def __init__(self, prefix: str = ""):
+    def __init__(self, prefix: str = "", healed: str = ""):
         self.prefix = prefix  # echoed prompt, sent before the first text
+        self.strip = PrefixStrip(healed)  # token healing: the backed-off text the output starts with
+        self.cum_logprob = 0.0  # of the sampled tokens: what best_of ranks by
         self.text: list[str] = [prefix]
         self.logprobs: list = []
         self.token_ids: list[int] = []
         self.completion_tokens = 0
         self.cached_tokens = 0  # of its prompt, served by the prefix cache
         self.finish_reason: Optional[str] = None
+        self.prompt_logprobs: Optional[PromptLogprobs] = None  # where asked: with the first token
 
     def add(self, delta: TextDelta) -> str:
         """Record the delta; returns the text to send for it (the echo goes out with the first)."""
-        text, self.prefix = self.prefix + delta.text, ""
-        self.text.append(delta.text)
+        own = self.strip(delta.text)
+        text, self.prefix = self.prefix + own, ""
+        self.text.append(own)
+        self.cum_logprob += sum(delta.logprobs)
         self.token_ids.extend(delta.token_ids)
         self.completion_tokens = delta.completion_tokens or self.completion_tokens + len(delta.token_ids)
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             if delta.finish_reason not in FINISH_REASONS:
                 raise engine_failed(delta.finish_reason, delta.error)
@@ -51,11 +62,33 @@ class ChoiceState:
         return text
 
 
-class CompletionFormat:
+class PromptLogprobsFormat:
+    """vLLM's `prompt_logprobs` (`top` alternatives; None: not asked): on each completions choice,
+    at the top of a chat response."""
+
+    def __init__(self, tokenizer: PromptTokenizer, prompts: list[list[int]], top: Optional[int]):
+        self.tokenizer, self.prompts, self.top = tokenizer, prompts, top
+
+    def of(self, index: int, state: ChoiceState) -> Optional[list]:
+        if state.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self.prompts[index], state.prompt_logprobs, self.top, self.tokenizer)
+
+    def finish_response(self, body: dict, states: list[ChoiceState]) -> None:
+        pass
+
+
+class CompletionFormat(PromptLogprobsFormat):
     kind = "completion"
 
-    def __init__(self, tokenizer: PromptTokenizer, want_logprobs: bool, n: int):
-        self.tracks = [shapes.CompletionLogprobs(tokenizer) for _ in range(n)] if want_logprobs else None
+    def __init__(self, tokenizer: PromptTokenizer, want_logprobs: bool, n: int, prompts: Optional[list[list[int]]] = None,
+                 echo_top: Optional[int] = None, top: Optional[int] = None):
+        """`prompts`: each choice's prompt ids; `echo_top`: an echo with logprobs (its top k), whose
+        prompt tokens lead the logprobs; `top`: vLLM's prompt_logprobs."""
+        super().__init__(tokenizer, prompts or [], top)
+        self.echo_top = echo_top
+        start = [echo_text_length(p, tokenizer) if echo_top is not None else 0 for p in self.prompts] or [0] * n
+        self.tracks = [shapes.CompletionLogprobs(tokenizer, start[i]) for i in range(n)] if want_logprobs else None
 
     def opening(self, n: int) -> list[dict]:
         return []
@@ -64,6 +97,9 @@ class CompletionFormat:
         if self.tracks is None:
             return None
         part = self.tracks[index].of(delta)
+        if self.echo_top is not None and delta.prompt_logprobs is not None:
+            echoed = echo_logprobs(self.prompts[index], delta.prompt_logprobs, self.echo_top, self.tokenizer)
+            part = shapes.merge_completion_logprobs([echoed, part])
         state.logprobs.append(part)
         return part
 
@@ -72,15 +108,20 @@ class CompletionFormat:
 
     def final_choice(self, index: int, state: ChoiceState) -> dict:
         logprobs = shapes.merge_completion_logprobs(state.logprobs) if self.tracks is not None else None
-        return shapes.completion_choice(index, "".join(state.text), logprobs, state.finish_reason)
+        choice = shapes.completion_choice(index, "".join(state.text), logprobs, state.finish_reason)
+        if self.top is not None:
+            choice["prompt_logprobs"] = self.of(index, state)
+        return choice
 
 
-class ChatFormat:
+class ChatFormat(PromptLogprobsFormat):
     kind = "chat"
 
-    def __init__(self, tokenizer: PromptTokenizer, want_logprobs: bool, n: int, tool_format: Optional[str] = None):
-        """`tool_format`: the call format when the request offers tools (its text is parsed for calls)."""
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: PromptTokenizer, want_logprobs: bool, n: int, tool_format: Optional[str] = None,
+                 prompt_ids: Optional[list[int]] = None, top: Optional[int] = None):
+        """`tool_format`: the call format when the request offers tools (its text is parsed for calls);
+        `top`: vLLM's prompt_logprobs, of `prompt_ids`."""
+        super().__init__(tokenizer, [prompt_ids or []] * n, top)
         self.want_logprobs = want_logprobs
         self.tool_format = tool_format
         self.streams = [ToolCallStream(tool_format) for _ in range(n)] if tool_format else None
@@ -120,6 +161,10 @@ class ChatFormat:
             choice["message"]["tool_calls"] = [c.openai() for c in calls]
         return choice
 
+    def finish_response(self, body: dict, states: list[ChoiceState]) -> None:
+        if self.top is not None:  # vLLM's chat response holds them once, beside `choices`
+            body["prompt_logprobs"] = self.of(0, states[0]) if states else None
+
 
 def _usage(choices: list[Choice], states: list[ChoiceState], prompt_tokens: int) -> dict:
     """Usage; a prompt's cached tokens are those of its first choice (the others share its prefill)."""
@@ -128,6 +173,18 @@ def _usage(choices: list[Choice], states: list[ChoiceState], prompt_tokens: int)
         first.setdefault(choice.prompt, state)
     return shapes.usage(prompt_tokens, sum(s.completion_tokens for s in states),
                         sum(s.cached_tokens for s in first.values()))
+
+
+def best_of(req, choices: list[Choice], states: list[ChoiceState]) -> list[int]:
+    """The choices to return: with `best_of` > n, each prompt's n samples of the highest cumulative
+    logprob, best first (vLLM's ranking; usage still counts every sample, as OpenAI's); else all."""
+    n = req.n or 1
+    if getattr(req, "best_of", None) in (None, n):
+        return list(range(len(states)))
+    by_prompt: dict[int, list[int]] = {}
+    for i, choice in enumerate(choices):
+        by_prompt.setdefault(choice.prompt, []).append(i)
+    return [i for p in sorted(by_prompt) for i in sorted(by_prompt[p], key=lambda i: -states[i].cum_logprob)[:n]]
 
 
 def _with_calls(finish_reason: Optional[str], calls: int) -> Optional[str]:
@@ -141,25 +198,42 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.limits = limits
         self.lifecycle = lifecycle
+        self.healer = TokenHealer(tokenizer)
 
     async def completions(self, body: bytes) -> Response:
-        req, prompts, choices, echo = await asyncio.to_thread(self._parse_completion, body)
-        states = [ChoiceState(echo[c.prompt] if echo else "") for c in choices]
-        fmt = CompletionFormat(self.tokenizer, req.logprobs is not None, len(choices))
+        req, prompts, choices, echo, healed = await asyncio.to_thread(self._parse_completion, body)
+        states = [ChoiceState(echo[c.prompt] if echo else "", healed[c.prompt]) for c in choices]
+        echo_top = req.logprobs if req.echo and req.logprobs is not None else None
+        fmt = CompletionFormat(self.tokenizer, req.logprobs is not None, len(choices), [c.prompt_ids for c in choices],
+                               echo_top, req.prompt_logprobs)
         return await self._serve(req, choices, prompts, states, fmt)
 
     def _parse_completion(self, body: bytes):
         req = decode_body(body, CompletionRequest)
         check_model(req.model, self.limits)
         prompts = completion_prompts(req, self.tokenizer, self.limits)
-        choices = completion_choices(req, prompts, self.limits, self.tokenizer)
         echo = [self._echo_text(req, p, ids) for p, ids in enumerate(prompts)] if req.echo else None
-        return req, prompts, choices, echo
+        healings = self._healings(req, prompts)
+        prompts = [h.prompt_ids if h else ids for h, ids in zip(healings, prompts)]
+        choices = completion_choices(req, prompts, self.limits, self.tokenizer)
+        if any(healings):
+            if any(c.sampling.prompt_logprobs >= 0 for c in choices):
+                raise bad_request("`token_healing` backs off the prompt's last token: its prompt logprobs are not "
+                                  "available; turn token_healing off for prompt logprobs.", param="token_healing")
+            choices = [dataclasses.replace(c, sampling=msgspec.structs.replace(
+                c.sampling, heal_ids=healings[c.prompt].first_ids)) if healings[c.prompt] else c for c in choices]
+        return req, prompts, choices, echo, [h.prefix if h else "" for h in healings]
+
+    def _healings(self, req: CompletionRequest, prompts: list[list[int]]) -> list:
+        """Token healing of each prompt (None: served as it is): server.token_healing, or the request's."""
+        on = self.limits.token_healing if req.token_healing is None else req.token_healing
+        return [self.healer.heal(ids) if on else None for ids in prompts]
 
     async def chat(self, body: bytes) -> Response:
         req, prompt_ids, choices = await asyncio.to_thread(self._parse_chat, body)
         states = [ChoiceState() for _ in choices]
-        fmt = ChatFormat(self.tokenizer, bool(req.logprobs), len(choices), tool_format_of(req, self.tokenizer))
+        fmt = ChatFormat(self.tokenizer, bool(req.logprobs), len(choices), tool_format_of(req, self.tokenizer),
+                         prompt_ids, req.prompt_logprobs)
         return await self._serve(req, choices, [prompt_ids], states, fmt)
 
     def _parse_chat(self, body: bytes):
@@ -191,11 +265,15 @@ class OpenAIServing:
                 fmt.logprobs_of(index, delta, states[index])
         finally:
             await group.close()  # aborts what an engine failure or a gone client left running
-        final = [fmt.final_choice(i, s) for i, s in enumerate(states)]
-        if req.return_token_ids:
-            for c, choice, state in zip(final, choices, states):
-                c["token_ids"], c["prompt_token_ids"] = state.token_ids, choice.prompt_ids
-        return json_response(header.whole(final, _usage(choices, states, prompt_tokens)))
+        picked = best_of(req, choices, states)
+        final = [fmt.final_choice(i, states[i]) for i in picked]
+        for k, (c, i) in enumerate(zip(final, picked)):
+            c["index"] = k
+            if req.return_token_ids:
+                c["token_ids"], c["prompt_token_ids"] = states[i].token_ids, choices[i].prompt_ids
+        body = header.whole(final, _usage(choices, states, prompt_tokens))
+        fmt.finish_response(body, states)
+        return json_response(body)
 
     async def _stream(self, group: RequestGroup, header: shapes.ResponseHeader, choices: list[Choice],
                       states: list[ChoiceState], fmt, prompt_tokens: int, include_usage: bool,

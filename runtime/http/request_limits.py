@@ -55,6 +55,9 @@ class RequestLimits:
     # what a request that leaves temperature, top_p, top_k, min_p, repetition_penalty unset gets
     # (model.sampling_defaults, generation_config.json's values included)
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
+    token_healing: bool = False  # server.token_healing: heal completions' prompts unless a request says
+    prompt_logprobs: bool = True  # false under prefill/decode disaggregation: asking for them is a 400
+    all_prompt_logprobs: bool = False  # server.return_all_prompt_logprobs: /generate returns them for every request
 
     @property
     def max_prompt_chars(self) -> int:
@@ -84,6 +87,12 @@ def check_stop_strings(stop: list[str], limits: RequestLimits, param: str) -> li
             raise bad_request(f"`{param}[{i}]` has {len(s)} characters; at most {limits.max_stop_string_chars} "
                               "(server.max_stop_string_chars).", param=f"{param}[{i}]")
     return [s for s in stop if s]  # an empty stop string would end every request at once
+
+
+def check_prompt_logprobs(limits: RequestLimits, param: str) -> None:
+    if not limits.prompt_logprobs:
+        raise bad_request("Prompt logprobs are not served under prefill/decode disaggregation (mode.kind=pd_*).",
+                          param=param)
 
 
 def check_fan_out(prompts: int, n: int, limits: RequestLimits, n_param: str = "n") -> None:

@@ -51,6 +51,9 @@ class NoPromptCache:
     def admitted(self, req: Request) -> None:
         """Count the lookup of a request that was admitted."""
 
+    def share_prompt(self, req: Request) -> None:
+        """Its prompt's KV is computed: cache it now, before the request ends (diverse mode)."""
+
     def release(self, req: Request) -> None:
         """The request ended and no step in flight uses its KV."""
         self.kv.free(req.slots)
@@ -84,8 +87,10 @@ class PromptCache(NoPromptCache):
         return self.kv.alloc(n)
 
     def lend(self, req: Request) -> None:
-        # all but the last prompt token: it must be computed to sample the first output
-        slots, node = self.tree.match(req.prompt_ids[: req.prompt_len - 1])
+        # all but the last prompt token: it must be computed to sample the first output; a request
+        # that asks for prompt logprobs computes its whole prompt (a cached prefix has no logits)
+        shared = 0 if req.sampling.prompt_logprobs >= 0 else req.prompt_len - 1
+        slots, node = self.tree.match(req.prompt_ids[:shared])
         self.tree.lock(node)
         req.prefix_node, req.slots = node, slots
         req.num_cached = req.num_computed = len(slots)
@@ -98,6 +103,22 @@ class PromptCache(NoPromptCache):
     def admitted(self, req: Request) -> None:
         self.queries += req.prompt_len
         self.hits += req.num_cached
+
+    def share_prompt(self, req: Request) -> None:
+        """Insert the running request's prompt (all but its last token, what `lend` matches) and hold
+        it in place of the prefix it borrowed, so requests with the same prompt borrow it now. Skipped
+        where the tree holds more of the prompt than it lent (another request cached it meanwhile): the
+        request's own slots for those tokens stay its own until it ends."""
+        n = req.prompt_len - 1
+        if req.prefix_node is None or n <= req.num_cached:
+            return
+        if len(self.tree.match(req.prompt_ids[:n])[0]) != req.num_cached:
+            return
+        self.tree.insert(req.prompt_ids[:n], req.slots[:n])
+        _, node = self.tree.match(req.prompt_ids[:n])
+        self.tree.lock(node)
+        self.tree.unlock(req.prefix_node)
+        req.prefix_node, req.num_cached = node, n
 
     def release(self, req: Request) -> None:
         """Insert what the request computed and unlock its prefix. Slots of tokens the tree holds

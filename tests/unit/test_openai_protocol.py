@@ -148,7 +148,8 @@ BAD_COMPLETIONS = [
     (b'{"model": "smollm2-135m", "prompt": "x", "top_k": 99999999999999999999}', 400, "top_k"),
     (b'{"model": "smollm2-135m", "prompt": [123456789012345678901234567890]}', 400, "prompt"),
     (b'{"model": "smollm2-135m", "prompt": "x", "max_tokens": 99999999999999999999}', 400, "max_tokens"),
-    (b'{"model": "smollm2-135m", "prompt": "x", "prompt_logprobs": 1}', 400, "prompt_logprobs"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "prompt_logprobs": 21}', 400, "prompt_logprobs"),
+    (b'{"model": "smollm2-135m", "prompt": "x", "prompt_logprobs": 1, "stream": true}', 400, "prompt_logprobs"),
     (b'{"model": "smollm2-135m", "prompt": "x", "stream_options": {"made_up": true}}', 400,
      "stream_options.made_up"),
     (json.dumps({"model": "smollm2-135m", "prompt": "x", "stop": ["s"] * 33}).encode(), 400, "stop"),
@@ -209,6 +210,19 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(tok
     monkeypatch.setattr(tok.hf, "encode", lambda *a, **kw: pytest.fail("tokenized a prompt that cannot fit"))
     e = _reject(lambda b: completion(tok, prompt="x" * (LIMITS.max_prompt_chars + 1)), b"")
     assert e.code == "context_length_exceeded" and str(LIMITS.max_model_len) in e.message
+
+
+def test_prompt_logprobs_reach_the_engine_or_are_refused_under_pd(tok):
+    assert completion(tok, prompt="a b c")[0].sampling.prompt_logprobs == -1
+    assert completion(tok, prompt="a b c", echo=True, logprobs=2)[0].sampling.prompt_logprobs == 2
+    assert completion(tok, prompt="a b c", echo=True, logprobs=1, prompt_logprobs=3)[0].sampling.prompt_logprobs == 3
+    assert chat(tok, prompt_logprobs=0)[0].sampling.prompt_logprobs == 0
+    pd = dataclasses.replace(LIMITS, prompt_logprobs=False)
+    for body, param in (({"prompt": "x", "echo": True, "logprobs": 0}, "echo"), ({"prompt": "x", "prompt_logprobs": 0},
+                                                                                "prompt_logprobs")):
+        req = decode_body(json.dumps(body).encode(), CompletionRequest)
+        e = _reject(lambda _: completion_choices(req, completion_prompts(req, tok, pd), pd, tok), b"")
+        assert (e.status, e.param) == (400, param)
 
 
 def test_tiny_temperatures_sample_greedily(tok):
