@@ -49,7 +49,7 @@ class EagerDecodeGraphs:
     def __init__(self, runner):
         self.runner = runner
 
-    def fits(self, n: int) -> bool:
+    def fits(self, n: int, longest: int) -> bool:
         return n > 0
 
     def run(self, rows, positions, slots, lens):
