@@ -1,7 +1,7 @@
 """One request's token exclusions in the worker, as its row of a step's token bitmask (32 tokens a
 32-bit word, a set bit allowed, xgrammar's layout): its grammar's next tokens, only `allowed_ids`,
-never `banned_ids`, not the last token of a `banned_sequences` entry whose other tokens end the
-output, no eos or stop token before `min_tokens`.
+never `banned_ids`, a first token among `heal_ids` (token healing), not the last token of a
+`banned_sequences` entry whose other tokens end the output, no eos or stop token before `min_tokens`.
 
 A grammar or a banned sequence depends on the tokens sampled so far (`needs_history`): the worker
 fills such a row only once the step before it has been read back (`accept`)."""
@@ -49,6 +49,7 @@ class RowConstraint:
         self.banned = sp.banned_ids
         self.sequences = [s for s in sp.banned_sequences if s]
         self.allowed = sp.allowed_ids
+        self.heal = sp.heal_ids  # token healing: the first token's only choices
         self.min_tokens = sp.min_tokens
         self.stop_ids = stop_ids
         self._grammar = grammar
@@ -87,6 +88,8 @@ class RowConstraint:
         row = bitmask[i].numpy().view(np.uint32)
         if self.allowed:
             only_bits(row, self.allowed)
+        if self.heal and generated == 0:
+            only_bits(row, self.heal)
         if self.banned:
             clear_bits(row, self.banned)
         for seq in self.sequences:

@@ -49,6 +49,7 @@ def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
         prompt_cache=cfg.cache.prompt_cache,
         pd_role=PD_ROLES.get(cfg.mode.kind),
         max_waiting=r.max_waiting_requests,
+        diverse_mode=r.diverse_mode,
     )
 
 

@@ -85,7 +85,8 @@ class SamplingState:
         self.min_p[row] = sp.min_p if not sp.greedy else 0.0  # min_p keeps the most likely token: moot when greedy
         self.bias[row] = ((to_device(sp.bias_ids, torch.int64, self.device),
                            to_device(sp.bias_values, torch.float32, self.device)) if sp.bias_ids else None)
-        excludes = sp.constraint or sp.banned_ids or sp.banned_sequences or sp.allowed_ids or sp.min_tokens
+        excludes = (sp.constraint or sp.banned_ids or sp.banned_sequences or sp.allowed_ids or sp.heal_ids
+                    or sp.min_tokens)
         if not excludes:
             self.rows[row] = None
             return
