@@ -69,7 +69,7 @@ def _comments(cls: type) -> dict[str, str]:
             above.append(trailing.get(number, ""))
             continue
         name = stripped.split(":", 1)[0]
-        if ":" in stripped and name.isidentifier() and not stripped.startswith(("def ", "class ", "return")):
+        if ":" in stripped and name.isidentifier() and not stripped.startswith(("def ", "class ", "return ")):
             docs[name] = " ".join(above + ([trailing[number]] if number in trailing else []))
         above = []
     return docs

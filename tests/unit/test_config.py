@@ -268,3 +268,12 @@ def test_rank_memory_is_the_published_parameters_over_tp(compose_config, profile
     assert mem.weights == -(-PUBLISHED_PARAMS[profile] // tp) * itemsize
     kv_heads = max(1, m.num_key_value_heads // tp)
     assert mem.kv_per_token == 2 * m.num_hidden_layers * kv_heads * m.head_dim * itemsize
+
+
+def test_every_key_has_its_help_text():
+    """--help documents a key by its schema comment: a key named return_* once lost it to the parser."""
+    from llaunch.launcher.config_keys import all_keys
+
+    keys = {k.name: k.doc for k in all_keys()}
+    assert keys["server.return_all_prompt_logprobs"].startswith("/generate returns every prompt token")
+    assert [name for name, doc in keys.items() if not doc] == []
