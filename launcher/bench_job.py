@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from llaunch.launcher import gpus, secrets
+from llaunch.launcher import gpus, secrets, tune_objective
 from llaunch.launcher.bench_server import JobFailed, ServerProcess, die_with_parent, tail, wait_port_free
-from llaunch.runtime.config import BenchConfig, Device, LlaunchConfig, RunConfig
+from llaunch.runtime.config import BenchConfig, BenchLengths, Device, LlaunchConfig, RunConfig
 from llaunch.launcher.store import REPO_ROOT
 from llaunch.launcher.sweep_progress import SweepProgress, output_root
 
@@ -94,7 +94,10 @@ def bench_command(bench: BenchConfig, cfg: RunConfig, result_file: Path, seed: i
             "shared-prefix-len": bench.shared_prefix_len or None,
             "multi-turn": bench.multi_turn if bench.multi_turn != 1 else None,
             "client-procs": bench.client_procs if bench.client_procs != 1 else None,
-            "seed": seed or None, "slo-ttft-ms": bench.slo_ttft_ms, "slo-tpot-ms": bench.slo_tpot_ms}
+            "seed": seed or None, "slo-ttft-ms": bench.slo_ttft_ms, "slo-tpot-ms": bench.slo_tpot_ms,
+            "trace": Path(bench.trace).expanduser().resolve() if bench.trace else None,
+            "lengths": bench.lengths.value if bench.lengths != BenchLengths.fixed else None,
+            "max-model-len": cfg.model.max_model_len if bench.lengths != BenchLengths.fixed else None}
     return [sys.executable, str(BENCH_SCRIPT), *(f"--{k}={v}" for k, v in args.items() if v is not None)]
 
 
@@ -104,7 +107,7 @@ API_KEY_VARIABLE = "LLAUNCH_API_KEY"  # bench_serving.py reads the key from it (
 # every repeat's figures kept in bench.json's "runs" (the report's spread)
 RUN_FIGURES = ("output_throughput", "request_throughput", "median_ttft_ms", "p95_ttft_ms", "p99_ttft_ms",
                "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p95_itl_ms", "median_e2el_ms", "p99_e2el_ms",
-               "failed", "goodput", "prefix_cache_hit_rate")
+               "failed", "completed", "goodput", "good_requests", "prefix_cache_hit_rate")
 SEED_STRIDE = 1000  # repeat k runs seed k * SEED_STRIDE: its prompts and warm-up differ from every other run's
 
 
@@ -170,6 +173,9 @@ def run(job: BenchJob, cfg: LlaunchConfig, progress: SweepProgress) -> dict:
         finally:
             server.check_alive("during the benchmark")  # a crash explains a failed benchmark best
         status.update(status="ok", output_throughput=result["output_throughput"], p99_ttft_ms=result["p99_ttft_ms"])
+        status["objective"], note = tune_objective.objective(cfg.bench, result)
+        if note:
+            status["objective_note"] = note
         stage_done("benchmarked")
     except JobFailed as e:
         status["reason"] = str(e)
@@ -203,8 +209,16 @@ def write_status(job_dir: Path, status: dict) -> None:
     (job_dir / "status.json").write_text(json.dumps(status, indent=2) + "\n")
 
 
-def run_from_hydra(dict_cfg, hydra_cfg) -> None:
-    """The `llaunch` task function's branch for a config with a bench profile; raises BenchJobFailed."""
+def tuning(hydra_cfg) -> bool:
+    """Is this job a trial of a tuning sweep (hydra/sweeper=tune)? Its score goes back to Optuna."""
+    from omegaconf import OmegaConf
+
+    return "llaunch_tune" in str(OmegaConf.select(hydra_cfg, "sweeper._target_", default=""))
+
+
+def run_from_hydra(dict_cfg, hydra_cfg) -> Optional[float]:
+    """The `llaunch` task function's branch for a config with a bench profile. A trial of a tuning sweep
+    returns its score (0.0 when it failed: the study goes on); any other failed job raises BenchJobFailed."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -222,5 +236,8 @@ def run_from_hydra(dict_cfg, hydra_cfg) -> None:
         progress.finish_job(progress.start_job(job.num, job.overrides, STAGES), status)
     else:
         status = run(job, cfg, progress)
+    if tuning(hydra_cfg):
+        return float(status.get("objective", 0.0)) if status["status"] == "ok" else 0.0
     if status["status"] != "ok":
         raise BenchJobFailed(str(output_root(hydra_cfg)))
+    return None

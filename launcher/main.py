@@ -30,6 +30,12 @@ from llaunch.runtime.config import Device, LlaunchConfig, RunConfig
 
 EXIT_INVALID = 2
 store.register()  # before Hydra composes: the profiles name these schemas and the models_dir resolver
+try:  # hydra/sweeper=tune (conf/hydra/sweeper/tune.yaml): builds on the Optuna sweeper plugin
+    from llaunch.launcher import tune_sweeper
+except ImportError:
+    tune_sweeper = None
+else:
+    tune_sweeper.register()
 _job_started = False  # Hydra exits 1 on composition errors, before the job; we make those exit 2
 
 
@@ -89,15 +95,15 @@ def launch(composed: LlaunchConfig, run_dir: Path) -> int:
 
 
 @hydra.main(version_base="1.3", config_path=str(store.CONF_DIR), config_name="config")
-def _hydra_app(dict_cfg: DictConfig) -> None:
+def _hydra_app(dict_cfg: DictConfig) -> Optional[float]:
     global _job_started
     _job_started = True
     from hydra.core.hydra_config import HydraConfig
 
     if dict_cfg.bench is not None and not dict_cfg.dry_run:
-        # Hydra marks a job failed when it raises, runs the sweep's other jobs, then re-raises in main()
-        bench_job.run_from_hydra(dict_cfg, HydraConfig.get())
-        return
+        # Hydra marks a job failed when it raises, runs the sweep's other jobs, then re-raises in main();
+        # a tuning trial returns its score to the Optuna sweeper instead (launcher/tune_sweeper.py)
+        return bench_job.run_from_hydra(dict_cfg, HydraConfig.get())
     unknown = unknown_override_keys(HydraConfig.get().overrides.task)
     if unknown:  # `+key=value` gets past composition, then fails against the frozen schema
         report.print_error("invalid configuration", "\n".join(config_keys.unknown_key_message(k) for k in unknown))
@@ -116,7 +122,7 @@ def unknown_override_keys(overrides) -> list[str]:
     """Keys of `key=value` overrides that the schema does not have (group choices and hydra.* aside)."""
     keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
     return [k for k in keys if not k.startswith("hydra.") and "@" not in k and "/" not in k
-            and k not in store.GROUPS and config_keys.unknown(k)]
+            and k not in (*store.GROUPS, "tuned") and config_keys.unknown(k)]
 
 
 def _composition_error(e: Exception) -> str:

@@ -20,7 +20,8 @@ from typing import Optional, Sequence
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table as RichTable
+
+from llaunch.launcher.report_table import Table, to_markdown, to_rich
 
 # (bench.json key, column, format); bench_serving writes vLLM's keys. Goodput only where a job had SLOs.
 METRICS = (("request_throughput", "req/s", ".3f"), ("output_throughput", "output tok/s", ".1f"),
@@ -42,13 +43,6 @@ class JobResult:
     reason: str
     metrics: dict[str, float]  # the headline run's (bench.repeats > 1: the slowest)
     spread: dict[str, tuple[float, float]] = field(default_factory=dict)  # min and max over the repeats
-
-
-@dataclass(frozen=True)
-class Table:
-    header: list[str]
-    rows: list[list[str]]
-    numeric_from: int  # columns from here on are figures (right-aligned)
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, str]:
@@ -136,21 +130,6 @@ def compare_table(before: Sequence[JobResult], after: Sequence[JobResult]) -> tu
         rows.append(list(key_of(job)) + [_ratio(r) for r in ratios])
     unmatched += [f"only in before: {' '.join(f'{k}={v}' for k, v in zip(keys, key))}" for key in base]
     return Table(keys + [label for _, label, _ in columns], rows, len(keys)), unmatched
-
-
-def to_markdown(table: Table) -> str:
-    align = ["---" if i < table.numeric_from else "---:" for i in range(len(table.header))]
-    lines = [table.header, align, *table.rows]
-    return "\n".join("| " + " | ".join(cell.replace("|", "\\|") for cell in line) + " |" for line in lines) + "\n"
-
-
-def to_rich(table: Table, title: str) -> RichTable:
-    out = RichTable(title=escape(title))
-    for i, name in enumerate(table.header):
-        out.add_column(escape(name), justify="left" if i < table.numeric_from else "right")
-    for row in table.rows:
-        out.add_row(*map(escape, row))
-    return out
 
 
 def _as_number(value: str) -> Optional[float]:
@@ -275,6 +254,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     console = Console()
     if not console.is_terminal:  # piped: wide enough that no column name is cropped
         console = Console(width=1000)
+    if len(args.sweeps) == 1 and (args.sweeps[0] / "study.db").exists():  # a tuning sweep (hydra/sweeper=tune)
+        from llaunch.launcher import tune_report
+
+        return tune_report.report_dir(args.sweeps[0], console)
     if len(args.sweeps) == 1:
         return report(args.sweeps[0], args.out or args.sweeps[0], console, args.x)
     return compare(args.sweeps[0], args.sweeps[1], args.out or args.sweeps[1], console)

@@ -132,6 +132,21 @@ def bench_settings_valid(cfg):
     for key in ("bench.slo_ttft_ms", "bench.slo_tpot_ms"):
         if b is not None and get(cfg, key) is not None and get(cfg, key) <= 0:
             yield (key,), f"{key}={get(cfg, key)} must be > 0 (or null: no such objective)"
+    yield from _bench_workload_valid(b)
+
+
+def _bench_workload_valid(b):
+    """A trace or ShareGPT lengths (scripts/bench_trace.py) and the SLO percentile."""
+    if b is None:
+        return
+    if b.slo_percentile is not None and not 0 < b.slo_percentile <= 100:
+        yield ("bench.slo_percentile",), f"bench.slo_percentile={b.slo_percentile} must be in (0, 100]"
+    if b.trace is not None and not os.path.isfile(os.path.expanduser(b.trace)):
+        yield ("bench.trace",), f"bench.trace={b.trace}: no such file (a JSONL trace, scripts/bench_trace.py)"
+    if (b.trace is not None or b.lengths.value != "fixed") and (b.multi_turn > 1 or b.shared_prefix_groups):
+        yield ("bench.trace", "bench.lengths", "bench.multi_turn", "bench.shared_prefix_groups"), (
+            "a trace or bench.lengths=sharegpt is a single-turn workload: leave bench.multi_turn=1 and "
+            "bench.shared_prefix_groups=0")
 
 
 @rule()

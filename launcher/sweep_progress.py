@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 class SweepShape:
     size: Optional[int]  # jobs in the sweep; None: unknown
     keys: tuple[str, ...] = ()  # the swept override keys
+    tuning: bool = False  # a tuning sweep: each job's line shows its score and the best so far
 
 
 def sweep_shape(sweep_overrides: list[str]) -> SweepShape:
@@ -65,12 +66,13 @@ class _Job:
 class SweepProgress:
     _shared: Optional["SweepProgress"] = None
 
-    def __init__(self, shape: SweepShape, console: Optional[Console] = None):
+    def __init__(self, shape: SweepShape, console: Optional[Console] = None, done: int = 0):
         self.console = console or Console(stderr=True)
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), console=self.console)
-        self.sweep = self.progress.add_task("[bold]sweep[/]", total=shape.size)
-        self.shape, self.done, self.failed = shape, 0, 0
+        self.sweep = self.progress.add_task("[bold]sweep[/]", total=shape.size, completed=done)
+        self.shape, self.done, self.failed = shape, done, 0  # done: a resumed study's earlier trials
+        self.best: Optional[tuple[float, str]] = None  # a tuning sweep's best score and its job
         self._jobs: dict[TaskID, _Job] = {}
         atexit.register(self.progress.stop)
 
@@ -105,14 +107,25 @@ class SweepProgress:
         self.done += 1
         if status["status"] == "ok":
             self.console.print(f"[green]✓[/] {label}: {status['output_throughput']:.1f} output tok/s, "
-                               f"TTFT p99 {status['p99_ttft_ms']:.1f} ms")
+                               f"TTFT p99 {status['p99_ttft_ms']:.1f} ms{self._score(status, label)}")
         else:
             self.failed += 1
             lines = status["reason"].splitlines() or ["failed"]  # the full reason is in status.json
             last = f"\n    … {escape(lines[-1].strip())}" if len(lines) > 1 else ""
             self.console.print(f"[red]✗[/] {label}: {escape(lines[0])}{last}")
+        if self.shape.tuning and status["status"] != "ok":
+            self.console.print("    score 0")
         self.progress.advance(self.sweep)
         if self.shape.size is not None and self.done >= self.shape.size:
             self.progress.stop()
             failed = f"[red]{self.failed} failed[/]" if self.failed else "none failed"
             self.console.print(f"[bold]sweep done[/]: {self.done} job{'s' * (self.done != 1)}, {failed}")
+
+    def _score(self, status: dict, label: str) -> str:
+        if not self.shape.tuning:
+            return ""
+        score = float(status.get("objective", 0.0))
+        if self.best is None or score > self.best[0]:
+            self.best = (score, label.split(" ", 2)[1])
+        note = f" ({escape(status['objective_note'])})" if status.get("objective_note") else ""
+        return f"\n    score [bold]{score:.3f}[/] req/s{note}; best so far {self.best[0]:.3f} (job {self.best[1]})"

