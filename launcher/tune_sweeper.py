@@ -73,10 +73,14 @@ class Tuner(Sweeper):
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        if self.impl.storage is None:
+        own_storage = self.impl.storage is None  # this sweep's alone: no other worker runs its trials
+        if own_storage:
             self.impl.storage = f"sqlite:///{sweep_dir / 'study.db'}"
         study = optuna.create_study(study_name=self.impl.study_name, storage=self.impl.storage,
                                     directions=self.impl._get_directions(), load_if_exists=True)
+        if own_storage:
+            for number in fail_interrupted(study):
+                log.warning(f"trial {number} was cut short by an interruption: marked failed, a new trial replaces it")
         finished = sum(t.state.is_finished() for t in study.trials)
         self.impl.n_trials = max(0, self.total - finished)
         self.impl.job_idx = len(study.trials)  # job directory k is trial k (one worker: numbers are consecutive)
@@ -89,6 +93,16 @@ class Tuner(Sweeper):
             self.impl.sweep(arguments)
         study = optuna.load_study(study_name=study.study_name, storage=self.impl.storage)
         tune_report.write(study, sweep_dir, Path(self.tuned_dir) if self.tuned_dir else sweep_dir)
+
+
+def fail_interrupted(study) -> list[int]:
+    """Mark the trials still RUNNING (the sweep that ran them was killed) failed; their numbers."""
+    from optuna.trial import TrialState
+
+    stale = [t for t in study.trials if t.state == TrialState.RUNNING]
+    for t in stale:
+        study._storage.set_trial_state(t._trial_id, TrialState.FAIL)  # optuna 2.10 has no public call for it
+    return [t.number for t in stale]
 
 
 def _is_search_space(override: str) -> bool:

@@ -14,7 +14,7 @@ import yaml
 from openai import OpenAI
 
 from integration.server import LlaunchServer
-from integration.test_sweep import TINY, llaunch, status_of
+from integration.test_sweep import TINY, llaunch, status_of, sweep_report
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -81,13 +81,17 @@ def test_a_study_scores_broken_trials_0_and_writes_a_profile_that_serves(study, 
 
 
 def test_a_rerun_continues_the_study_from_its_sqlite_file(study, tmp_path):
+    """Resumed under hydra/launcher=submitit_local: each trial a submitit job (a Slurm job with
+    hydra/launcher=slurm), its score returned to the sweeper."""
     sweep = tmp_path / "sweep"
     shutil.copytree(study / "sweep", sweep)
     before = [(t.number, t.params, t.value) for t in trials_of(sweep)]
     statuses = {n: (sweep / str(n) / "status.json").read_text() for n in range(6)}
     # n_trials is the study's total: the same command with a larger total runs only the missing trials
-    r = llaunch(tmp_path, *TUNE, "hydra.sweeper.n_trials=8", f"hydra.sweep.dir={sweep}", timeout=600)
+    r = llaunch(tmp_path, *TUNE, "hydra/launcher=submitit_local", "hydra.sweeper.n_trials=8",
+                f"hydra.sweep.dir={sweep}", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (sweep / ".submitit").is_dir()
     after = trials_of(sweep)
     assert [(t.number, t.params, t.value) for t in after[:6]] == before and len(after) == 8
     assert {n: (sweep / str(n) / "status.json").read_text() for n in range(6)} == statuses  # none re-run
@@ -99,3 +103,7 @@ def test_a_rerun_continues_the_study_from_its_sqlite_file(study, tmp_path):
     r = llaunch(tmp_path, *TUNE, "hydra.sweeper.n_trials=8", f"hydra.sweep.dir={sweep}", timeout=300)
     assert r.returncode == 0 and len(trials_of(sweep)) == 8, r.stderr[-3000:]
     assert "best: trial" in r.stderr
+    (sweep / "tune.md").unlink()
+    rep = sweep_report(str(sweep))  # llaunch-report on a tuning sweep: the study's report
+    assert rep.returncode == 0 and "study smoke" in rep.stdout, rep.stderr
+    assert len([line for line in (sweep / "tune.md").read_text().splitlines() if line.startswith("| ")]) == 2 + 8

@@ -65,3 +65,16 @@ def test_trace_and_percentile_settings_are_checked(compose_config, tmp_path):
         f"bench.trace={tmp_path}/none.jsonl: no such file (a JSONL trace, scripts/bench_trace.py)"]
     assert violated("bench.slo_percentile=0") == ["bench.slo_percentile=0.0 must be in (0, 100]"]
     assert "single-turn" in violated("bench.lengths=sharegpt", "bench.multi_turn=2")[0]
+
+
+def test_a_resumed_study_fails_the_trials_an_interruption_cut_short(tmp_path):
+    import optuna
+
+    from llaunch.launcher import tune_sweeper
+
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}", direction="maximize")
+    study.tell(study.ask(), 1.0)
+    study.ask()  # its sweep was killed while the trial ran
+    assert tune_sweeper.fail_interrupted(study) == [1]
+    reloaded = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    assert [t.state.name for t in reloaded.trials] == ["COMPLETE", "FAIL"] and reloaded.best_value == 1.0
