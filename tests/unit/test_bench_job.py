@@ -14,7 +14,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from rich.console import Console
 
 from llaunch.launcher import bench_job, bench_server
-from llaunch.runtime.config import BenchConfig, ModelConfig, ProcessGraph, RunConfig, ServerConfig
+from llaunch.runtime.config import BenchConfig, BenchLengths, ModelConfig, ProcessGraph, RunConfig, ServerConfig
 from llaunch.launcher.sweep_progress import SweepProgress, SweepShape, sweep_shape
 
 
@@ -92,3 +92,14 @@ def test_progress_prints_one_line_per_job_and_the_sweep_total():
     assert "job 0 bench.concurrency=1: 123.5 output tok/s, TTFT p99 6.8 ms" in text
     assert "job 1 bench.concurrency=2: the server exited (exit code 1)" in text
     assert "sweep done: 2 jobs, 1 failed" in text and "bench=c1" not in text  # only what the sweep varies
+
+
+def test_bench_command_carries_the_trace_and_the_length_distribution(bench, tmp_path, monkeypatch):
+    cfg = RunConfig(model=ModelConfig(name="tiny", vocab_size=49152, max_model_len=2048),
+                    graph=ProcessGraph(processes=[], http_url="http://127.0.0.1:4321", ipc_dir="", control=""))
+    monkeypatch.chdir(tmp_path)  # a relative trace is the sweep's working directory's
+    traced = bench.parse_args(bench_job.bench_command(BenchConfig(trace="t.jsonl"), cfg, tmp_path / "b.json")[2:])
+    assert (traced.trace, traced.lengths, traced.max_model_len) == (str(tmp_path / "t.jsonl"), "fixed", None)
+    drawn = BenchConfig(lengths=BenchLengths.sharegpt)
+    args = bench.parse_args(bench_job.bench_command(drawn, cfg, tmp_path / "b.json")[2:])
+    assert (args.trace, args.lengths, args.max_model_len) == (None, "sharegpt", 2048)
