@@ -78,3 +78,19 @@ def test_a_resumed_study_fails_the_trials_an_interruption_cut_short(tmp_path):
     assert tune_sweeper.fail_interrupted(study) == [1]
     reloaded = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
     assert [t.state.name for t in reloaded.trials] == ["COMPLETE", "FAIL"] and reloaded.best_value == 1.0
+
+
+def test_the_tune_sweeper_and_its_ready_search_space_compose():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "llaunch.launcher.main", "hydra/sweeper=tune",
+                          "+hydra/sweeper/params=router", "bench=tune_smoke", "--cfg", "hydra"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    sweeper = yaml.safe_load(out.stdout)["hydra"]["sweeper"]
+    assert sweeper["_target_"] == "hydra_plugins.llaunch_tune.TuneSweeper" and sweeper["direction"] == "maximize"
+    assert sweeper["sampler"]["_target_"] == "optuna.samplers.TPESampler" and sweeper["n_jobs"] == 1
+    assert sweeper["params"]["router.max_running_requests"] == "int(interval(16, 1024))"
+    assert set(sweeper["params"]) == {"router.max_running_requests", "router.chunked_prefill_size",
+                                      "router.batch_max_tokens"}
