@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from llaunch.launcher import gpus
-from llaunch.runtime.config import (Device, DType, LlaunchConfig, LoadFormat, Mode, ModelConfig, ModelTask,
+from llaunch.runtime.config import (Device, DType, LlaunchConfig, LoadFormat, Mode, ModelConfig, ModelTask, ScoreHead,
                                     RouterConfig)
 from llaunch.runtime.models.checkpoint import (ARCH_FIELDS, Checkpoint, CheckpointError, checkpoint_dtype, is_gguf,
                                                read_checkpoint)
@@ -99,7 +99,8 @@ def score_fields(model: ModelConfig, ckpt: Checkpoint | None, num_labels: int | 
     if labels is None and num_labels:
         labels = [f"LABEL_{i}" for i in range(num_labels)]  # transformers' default id2label
     pad = model.pad_token_id if model.pad_token_id is not None else (ckpt.pad_token_id if ckpt else None)
-    return {"task": task, "labels": labels, "pad_token_id": pad}
+    head = model.score_head or (ScoreHead.mlp if ckpt is not None and ckpt.score_mlp else ScoreHead.linear)
+    return {"task": task, "labels": labels, "pad_token_id": pad, "score_head": head}
 
 
 def served_name(path: str | None) -> str | None:

@@ -66,7 +66,9 @@ def graph_tree(cfg: RunConfig) -> Tree:
     tree.add(f"[dim]run dir[/] {escape(cfg.run_dir)}")
     tree.add(f"[dim]control[/] {escape(g.control)}")
     if getattr(m.task, "value", m.task) == "score":  # model.task=score: no generation routes
-        tree.add(f"[dim]score head[/] {m.num_labels} output(s) {escape(str(m.labels))}: /get_score, /classify, /v1/score")
+        form = m.score_head.value if m.score_head is not None else "linear"
+        tree.add(f"[dim]score head[/] {form}, {m.num_labels} output(s) {escape(str(m.labels))}: "
+                 "/get_score, /classify, /v1/score")
     if cfg.parallel.cuda_mps:
         tree.add(f"[dim]cuda mps daemon[/] {escape(str(MpsDaemon(cfg.run_dir).env))} (started first, quit last)")
     multinode = cfg.parallel.nnodes > 1

@@ -7,6 +7,9 @@ from llaunch.launcher.rules_model import serves
 from llaunch.runtime.config import LoadFormat, Mode, ModelTask
 from llaunch.runtime.models.checkpoint import read_checkpoint
 
+# remote-code heads implemented here (runtime/models/decoder.py RewardHead); Qwen2ForProcessRewardModel
+# pools every step's token, not one score per sequence: not served
+SERVED_HEADS = ("Qwen2ForRewardModel",)
 PD_MODES = (Mode.pd_prefill, Mode.pd_decode, Mode.pd_master)
 
 
@@ -44,10 +47,10 @@ def generate_needs_lm_head(cfg):
 def score_head_supported(cfg):
     ckpt = _checkpoint(cfg)
     head = ckpt.score_head if ckpt is not None and cfg.model.task == ModelTask.score else None
-    if head and not head.endswith("ForSequenceClassification"):
+    if head and head not in SERVED_HEADS and not head.endswith("ForSequenceClassification"):
         yield ("model.task", "model.path"), (
-            f"model.path={cfg.model.path} is a {head}, whose head is remote code (trust_remote_code) that "
-            "llaunch does not run; serve a *ForSequenceClassification checkpoint (Qwen2, Llama)")
+            f"model.path={cfg.model.path} is a {head}, whose head llaunch does not implement (it serves "
+            f"*ForSequenceClassification and {', '.join(SERVED_HEADS)}); serve one of those")
 
 
 @rule()

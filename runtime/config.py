@@ -74,6 +74,11 @@ class ModelTask(str, Enum):
     score = "score"  # a sequence classification / reward head: prefill only, return its outputs
 
 
+class ScoreHead(str, Enum):
+    linear = "linear"  # *ForSequenceClassification: `score` Linear(hidden, num_labels), no bias
+    mlp = "mlp"  # Qwen2ForRewardModel (Qwen2.5-Math-RM): `score` Linear(h, h) + ReLU + Linear(h, num_labels), biased
+
+
 class Mode(str, Enum):
     normal = "normal"
     pd_prefill = "pd_prefill"
@@ -126,6 +131,7 @@ class ModelConfig:
     task: ModelTask = ModelTask.auto  # auto: score when config.json's architectures name a classification head
     num_labels: Optional[int] = None  # architecture: outputs of the score head (task=score); from config.json
     labels: Optional[List[str]] = None  # task=score: names of the head's outputs; default config.json's id2label
+    score_head: Optional[ScoreHead] = None  # task=score: the head's form; None: from config.json's architectures
     pad_token_id: Optional[int] = None  # task=score: trailing pad tokens are not pooled (transformers); config.json's
 
 

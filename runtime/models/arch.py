@@ -38,6 +38,7 @@ class ModelArch:
     attention_bias: bool  # bias on q/k/v (and on o for Llama, as transformers' LlamaAttention does)
     rope_scaling: Optional[dict[str, Any]] = None
     num_labels: Optional[int] = None  # a score head of this many outputs in place of the LM head (model.task=score)
+    score_mlp: bool = False  # the score head is Linear + ReLU + Linear with biases (Qwen2ForRewardModel)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -58,7 +59,8 @@ class ModelArch:
             attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads) + (h if self.o_proj_bias else 0)
         layer = attn + 3 * h * self.intermediate_size + 2 * h
         heads = 1 if self.tie_word_embeddings or self.num_labels else 2
-        return self.num_hidden_layers * layer + heads * self.vocab_size * h + h + (self.num_labels or 0) * h
+        score = (self.num_labels or 0) * h + ((h * h + h + self.num_labels) if self.score_mlp else 0)
+        return self.num_hidden_layers * layer + heads * self.vocab_size * h + h + score
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig) -> "ModelArch":
@@ -69,8 +71,9 @@ class ModelArch:
             raise ValueError(f"model config is not resolved: {', '.join('model.' + m for m in missing)} "
                              "unset (the launcher fills them from config.json or a sized profile)")
         score = getattr(cfg.task, "value", cfg.task) == "score"
+        mlp = score and getattr(cfg.score_head, "value", cfg.score_head) == "mlp"
         return cls._with_defaults(cfg.family, cfg.rope_scaling, {f: getattr(cfg, f) for f in _ARCH_FIELDS},
-                                  cfg.num_labels if score else None)
+                                  cfg.num_labels if score else None, mlp)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> "ModelArch":
@@ -81,7 +84,8 @@ class ModelArch:
         if missing:
             raise ValueError(f"the checkpoint does not give {', '.join(missing)}")
         return cls._with_defaults(ckpt.family, ckpt.arch.get("rope_scaling"),
-                                  {f: ckpt.arch.get(f) for f in _ARCH_FIELDS}, ckpt.arch.get("num_labels"))
+                                  {f: ckpt.arch.get(f) for f in _ARCH_FIELDS}, ckpt.arch.get("num_labels"),
+                                  ckpt.score_mlp)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> "ModelArch":
@@ -90,14 +94,16 @@ class ModelArch:
 
     @classmethod
     def _with_defaults(cls, family: Optional[str], rope_scaling: Optional[dict[str, Any]],
-                       fields: dict[str, Any], num_labels: Optional[int] = None) -> "ModelArch":
+                       fields: dict[str, Any], num_labels: Optional[int] = None,
+                       score_mlp: bool = False) -> "ModelArch":
         defaults = {"num_key_value_heads": fields["num_attention_heads"],
                     "head_dim": fields["hidden_size"] // fields["num_attention_heads"],
                     "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
                     "attention_bias": family == "qwen2"}
         fields.update({k: v for k, v in defaults.items() if fields[k] is None})
         fields["rope_theta"], fields["rms_norm_eps"] = float(fields["rope_theta"]), float(fields["rms_norm_eps"])
-        return cls(family=family, rope_scaling=rope_scaling or None, num_labels=num_labels, **fields)
+        return cls(family=family, rope_scaling=rope_scaling or None, num_labels=num_labels,
+                   score_mlp=bool(num_labels) and score_mlp, **fields)
 
     def model_config_fields(self) -> dict[str, Any]:
         """The ModelConfig fields this architecture fills (`dataclasses.replace(cfg, **fields)`)."""

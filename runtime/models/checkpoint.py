@@ -20,7 +20,8 @@ ARCH_FIELDS = (
     "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "num_labels",
 )
 # config.json architectures whose head scores a sequence instead of predicting tokens (model.task=score)
-SCORE_HEADS = ("ForSequenceClassification", "ForRewardModel")
+SCORE_HEADS = ("ForSequenceClassification", "RewardModel")  # RewardModel: also *ForProcessRewardModel (refused)
+REWARD_HEADS = ("ForRewardModel",)  # a two-layer MLP head (Qwen2.5-Math-RM's remote code), one output
 # Spellings of config.json's dtype (and LightLLM's --data_type) that we can run.
 DTYPE_NAMES = {
     "float16": DType.float16, "fp16": DType.float16, "half": DType.float16,
@@ -51,6 +52,11 @@ class Checkpoint:
     def score_head(self) -> Optional[str]:
         """The architecture whose head scores sequences (Qwen2ForSequenceClassification, ...), or None."""
         return next((a for a in self.architectures if a.endswith(SCORE_HEADS)), None)
+
+    @property
+    def score_mlp(self) -> bool:
+        """The score head is Qwen2ForRewardModel's MLP rather than a Linear."""
+        return bool(self.score_head and self.score_head.endswith(REWARD_HEADS))
 
 
 # The sampling values of generation_config.json a request inherits when it does not set them (as vLLM's
@@ -129,6 +135,8 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
     if any(a.endswith(SCORE_HEADS) for a in architectures):
         id2label = c.get("id2label") or {}
         count = c.get("num_labels", len(id2label) or 2)  # transformers' PretrainedConfig default: 2 labels
+        if any(a.endswith(REWARD_HEADS) for a in architectures):
+            count, id2label = 1, {}  # one reward whatever id2label says (vLLM sets num_labels=1 too)
         labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count)]
         arch["num_labels"] = count
     pad = c.get("pad_token_id")

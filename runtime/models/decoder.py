@@ -104,6 +104,29 @@ class ScoreHead(nn.Module):
         return torch.nn.functional.linear(x, self.weight).float()
 
 
+class RewardHead(nn.Module):
+    """Qwen2ForRewardModel's `score`: Linear(h, h) + ReLU + Linear(h, num_labels), both with bias
+    (Qwen2.5-Math-RM's remote code, as vLLM and LightLLM serve it), replicated on every rank; float32 out."""
+
+    def __init__(self, hidden_size: int, num_labels: int, device, dtype):
+        super().__init__()
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+        self.up_weight, self.up_bias = param(hidden_size, hidden_size), param(hidden_size)
+        self.down_weight, self.down_bias = param(num_labels, hidden_size), param(num_labels)
+
+    def checkpoint_shards(self) -> dict[str, list[Shard]]:
+        names = {"up_weight": "score.0.weight", "up_bias": "score.0.bias",
+                 "down_weight": "score.2.weight", "down_bias": "score.2.bias"}
+        return {local: [Shard(name, tuple(getattr(self, local).shape))] for local, name in names.items()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F = torch.nn.functional
+        return F.linear(F.relu(F.linear(x, self.up_weight, self.up_bias)), self.down_weight, self.down_bias).float()
+
+
 class DecoderLM(nn.Module):
     """Embedding → N × (norm, attention, norm, MLP) with fused residual adds → norm → LM head."""
 
@@ -116,8 +139,11 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i, tp, device, dtype) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm("model.norm", arch.hidden_size, arch.rms_norm_eps, device, dtype)
         # a score model's rows go through its score head instead: [N, num_labels] instead of [N, vocab]
-        self.lm_head = ScoreHead(arch.hidden_size, arch.num_labels, device, dtype) if arch.num_labels \
-            else ParallelLMHead("lm_head", self.embed_tokens, arch.tie_word_embeddings, device, dtype)
+        if arch.num_labels:
+            head = RewardHead if arch.score_mlp else ScoreHead
+            self.lm_head = head(arch.hidden_size, arch.num_labels, device, dtype)
+        else:
+            self.lm_head = ParallelLMHead("lm_head", self.embed_tokens, arch.tie_word_embeddings, device, dtype)
         cos, sin = rope_cos_sin(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device=device)
         cos, sin = cos.to(dtype), sin.to(dtype)  # transformers rounds its tables to the model dtype too
         self.register_buffer("rope_cos", cos, persistent=False)

@@ -155,3 +155,55 @@ def test_classifier_labels_and_logits_equal_transformers(classifier):
     assert r.json()["score"] == pytest.approx(oracle.chat(CHAT), abs=ATOL)
     r = post(server, "/v1/score", {"text_1": "a", "text_2": "b"})
     assert r.status_code == 400 and "/classify" in r.json()["error"]["message"]
+
+
+def write_reward_model(path: Path, seed: int) -> tuple[Path, "torch.nn.Module", "torch.nn.Module"]:
+    """A Qwen2ForRewardModel folder as Qwen2.5-Math-RM publishes it (its head is remote code, so the
+    file is written by hand): transformers' Qwen2Model weights under `model.` plus `score.0` / `score.2`,
+    the Linear + ReLU + Linear head. Returns the folder and the modules, the oracle."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2Model
+
+    config = Qwen2Config(**{**TINY_DIMS, **FAMILY_DIMS["qwen2"]}, architectures=["Qwen2ForRewardModel"])
+    torch.manual_seed(seed)
+    body = Qwen2Model(config).float().eval()
+    h = config.hidden_size
+    head = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 1)).float().eval()
+    with torch.no_grad():
+        head[2].weight.mul_(20)
+        for name, p in body.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    tensors = {f"model.{k}": v.contiguous() for k, v in body.state_dict().items()}
+    tensors |= {f"score.{k}": v.contiguous() for k, v in head.state_dict().items()}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir() / name).is_file():
+            shutil.copy(tokenizer_dir() / name, path / name)
+    return path, body, head
+
+
+def test_qwen2_reward_model_head_under_tp2_equals_its_oracle(tmp_path_factory):
+    """Qwen2ForRewardModel (Qwen2.5-Math-RM's MLP head, one reward per sequence, pooled at the last
+    token), served with the head replicated over two tensor-parallel ranks."""
+    from transformers import AutoTokenizer
+
+    path, body, head = write_reward_model(tmp_path_factory.mktemp("qwen2-rm"), seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    @torch.no_grad()
+    def reward(ids: list[int]) -> float:
+        return head(body(torch.tensor([ids])).last_hidden_state[0, -1]).item()
+
+    with start_server(tmp_path_factory, "qwen2-rm", ["model=qwen2", f"model.path={path}", "parallel=tp2"]) as server:
+        r = post(server, "/classify", {"input": TEXTS})
+        assert r.status_code == 200, r.text
+        for d, text in zip(r.json()["data"], TEXTS):
+            assert d["num_classes"] == 1
+            assert d["probs"][0] == pytest.approx(sigmoid(reward(tokenizer.encode(text))), abs=ATOL)
+        text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=False)
+        r = post(server, "/get_score", {"chat": CHAT})
+        assert r.status_code == 200, r.text
+        assert r.json()["score"] == pytest.approx(reward(tokenizer.encode(text, add_special_tokens=False)), abs=ATOL)

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from llaunch.launcher import derive, rules
-from llaunch.runtime.config import Device, ModelConfig, ModelTask
+from llaunch.runtime.config import Device, ModelConfig, ModelTask, ScoreHead
 
 
 def write_config(path, family: str, architecture: str, **overrides):
@@ -57,8 +57,12 @@ def test_rules_refuse_a_head_the_task_cannot_use(tmp_path, violations):
     lm = write_config(tmp_path / "lm", "llama", "LlamaForCausalLM")
     assert "has no score head" in violations(lm, "model.task=score")["score_needs_head"]
 
-    remote = write_config(tmp_path / "rm", "qwen2", "Qwen2ForRewardModel", num_labels=1)
-    assert "trust_remote_code" in violations(remote)["score_head_supported"]
+    reward = write_config(tmp_path / "rm", "qwen2", "Qwen2ForRewardModel")  # id2label of 2: still one reward
+    assert "score_head_supported" not in violations(reward)
+    m = derive.resolve_model(ModelConfig(path=str(reward)), Device.cpu)
+    assert (m.task, m.num_labels, m.score_head) == (ModelTask.score, 1, ScoreHead.mlp)
+    process = write_config(tmp_path / "prm", "qwen2", "Qwen2ForProcessRewardModel", num_labels=2)
+    assert "Qwen2ForRewardModel" in violations(process)["score_head_supported"]
 
     pd = violations(cls, "mode=pd_decode")
     assert "mode.kind=pd_decode" in pd["score_not_in_pd_modes"]
