@@ -50,7 +50,7 @@ class TgiParameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop: list[str] = []
     seed: Optional[Seed] = None
     details: bool = False
-    decoder_input_details: bool = False  # refused when true: prompt logprobs are not served here
+    decoder_input_details: bool = False  # details.prefill: each prompt token with its logprob (not streamed)
     return_full_text: Optional[bool] = None
     truncate: Optional[TokenCount] = None  # keep the prompt's last `truncate` tokens
     top_n_tokens: Optional[TopNTokens] = None
@@ -99,8 +99,7 @@ def _error_body(e: ApiError) -> dict:
 
 
 def _refuse_unimplemented(p: TgiParameters) -> None:
-    refused = {"decoder_input_details": (p.decoder_input_details, "prompt token logprobs are not served by the TGI API"),
-               "watermark": (p.watermark, "watermarking is not implemented"),
+    refused = {"watermark": (p.watermark, "watermarking is not implemented"),
                "best_of": (p.best_of not in (None, 1), "best_of > 1 is not implemented"),
                "typical_p": (p.typical_p is not None, "typical sampling is not implemented"),
                "adapter_id": (p.adapter_id is not None, "LoRA adapters are not served")}
@@ -124,6 +123,9 @@ def tgi_jobs(req: TgiRequest, tokenizer: PromptTokenizer, limits: RequestLimits,
     """(prompt ids, engine jobs, seed reported in details) for a TGI request."""
     p = req.parameters
     _refuse_unimplemented(p)
+    if p.decoder_input_details and stream:  # TGI's own rule
+        raise bad_request("`parameters.decoder_input_details` is not supported when streaming tokens.",
+                          param="parameters.decoder_input_details")
     check_prompt_text(req.inputs, limits, param="inputs")
     prompt_ids = tokenizer.encode(req.inputs)
     if p.truncate is not None:
@@ -140,6 +142,8 @@ def tgi_jobs(req: TgiRequest, tokenizer: PromptTokenizer, limits: RequestLimits,
     prompt_ids, jobs = generate_jobs(GenerateRequest(inputs=prompt_ids, parameters=params), tokenizer, limits, stream)
     if p.top_n_tokens:
         jobs = [msgspec.structs.replace(j, logprobs=True, top_logprobs=p.top_n_tokens) for j in jobs]
+    if p.decoder_input_details and p.details:
+        jobs = [msgspec.structs.replace(j, prompt_logprobs=0) for j in jobs]
     return prompt_ids, jobs, seed
 
 
@@ -169,10 +173,15 @@ class TgiApi:
     async def _submit(self, body: bytes, stream: Optional[bool]):
         req, prompt_ids, jobs, seed = await asyncio.to_thread(self._parse, body, stream)  # tokenizing: off the loop
         group = await self.engine.submit([(prompt_ids, s) for s in jobs], lifecycle=self.lifecycle)
-        return req, len(prompt_ids), seed, group
+        return req, prompt_ids, seed, group
 
     def _token(self, token_id: int, logprob: Optional[float], text: str) -> dict:
         return {"id": token_id, "text": text, "logprob": logprob, "special": token_id in self.tokenizer.special_ids}
+
+    def _prefill(self, prompt_ids: list[int], logprobs: list[float]) -> list[dict]:
+        """TGI's details.prefill: every prompt token, the first without a logprob (it has no context)."""
+        return [{"id": t, "text": self.tokenizer.token_text(t), "logprob": None if i == 0 else logprobs[i - 1]}
+                for i, t in enumerate(prompt_ids)]
 
     def _top(self, delta: TextDelta, k: int) -> list[dict]:
         if k >= len(delta.top_ids):
@@ -182,32 +191,35 @@ class TgiApi:
     async def compat(self, body: bytes) -> Response:
         """POST /: TGI's compat route: `stream` picks the stream; otherwise a list of one generation."""
         try:
-            req, prompt_tokens, seed, group = await self._submit(body, None)
+            req, prompt_ids, seed, group = await self._submit(body, None)
             if req.stream:
-                return await self._stream(req, prompt_tokens, seed, group)
-            return json_response([await self._generation(req, seed, group)])
+                return await self._stream(req, len(prompt_ids), seed, group)
+            return json_response([await self._generation(req, prompt_ids, seed, group)])
         except ApiError as e:
             return tgi_error_response(e)
 
     async def generate(self, body: bytes) -> Response:
         try:
-            req, _, seed, group = await self._submit(body, False)
-            return json_response(await self._generation(req, seed, group))
+            req, prompt_ids, seed, group = await self._submit(body, False)
+            return json_response(await self._generation(req, prompt_ids, seed, group))
         except ApiError as e:
             return tgi_error_response(e)
 
     async def generate_stream(self, body: bytes) -> Response:
         try:
-            req, prompt_tokens, seed, group = await self._submit(body, True)
-            return await self._stream(req, prompt_tokens, seed, group)
+            req, prompt_ids, seed, group = await self._submit(body, True)
+            return await self._stream(req, len(prompt_ids), seed, group)
         except ApiError as e:
             return tgi_error_response(e)
 
-    async def _generation(self, req: TgiRequest, seed: Optional[int], group: RequestGroup) -> dict:
+    async def _generation(self, req: TgiRequest, prompt_ids: list[int], seed: Optional[int],
+                          group: RequestGroup) -> dict:
         p = req.parameters
-        texts, tokens, top, finish = [], [], [], None
+        texts, tokens, top, finish, prefill = [], [], [], None, []
         try:
             async for _, delta in group:
+                if delta.prompt_logprobs is not None:
+                    prefill = self._prefill(prompt_ids, delta.prompt_logprobs.logprobs)
                 texts.append(delta.text)
                 for k, token_id in enumerate(delta.token_ids):
                     logprob = delta.logprobs[k] if k < len(delta.logprobs) else None
@@ -219,7 +231,7 @@ class TgiApi:
             await group.close()
         out: dict[str, Any] = {"generated_text": (req.inputs if p.return_full_text else "") + "".join(texts)}
         if p.details:
-            out["details"] = {"finish_reason": finish, "generated_tokens": len(tokens), "seed": seed, "prefill": [],
+            out["details"] = {"finish_reason": finish, "generated_tokens": len(tokens), "seed": seed, "prefill": prefill,
                               "tokens": tokens, **({"top_tokens": top} if p.top_n_tokens else {})}
         return out
 

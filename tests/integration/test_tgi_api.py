@@ -112,13 +112,31 @@ def test_generate_routes_and_info_have_tgi_shapes(tgi_server, oracles):
 def test_unimplemented_or_unknown_fields_are_400_naming_them(tgi_server):
     with pytest.raises(ValidationError, match="watermark"):
         hf(tgi_server).text_generation(PROMPTS[0], max_new_tokens=4, watermark=True)
-    for parameters, field in [({"decoder_input_details": True, "details": True}, "decoder_input_details"),
-                              ({"typical_p": 0.5}, "typical_p"), ({"best_of": 2}, "best_of"),
+    for parameters, field in [({"typical_p": 0.5}, "typical_p"), ({"best_of": 2}, "best_of"),
                               ({"max_new_tokens": 2, "nonsense": 1}, "nonsense"),
                               ({"grammar": {"type": "lark", "value": "x"}}, "grammar")]:
         r = httpx.post(tgi_server.url + "/generate", json={"inputs": "hi", "parameters": parameters}, headers=auth())
         assert r.status_code == 400, parameters
         assert field in r.json()["error"] and r.json()["error_type"] == "validation"
+    r = httpx.post(tgi_server.url + "/generate_stream", headers=auth(),
+                   json={"inputs": "hi", "parameters": {"decoder_input_details": True, "details": True}})
+    assert r.status_code == 400 and "decoder_input_details" in r.json()["error"]  # not streamed (TGI's rule)
+
+
+def test_decoder_input_details_are_the_prompt_logprobs(tgi_server, oracles):
+    """details.prefill: each prompt token with its log-probability under the tokens before it."""
+    import torch
+
+    oracle = oracles("qwen2")
+    prompt = PROMPTS[1]
+    ids = oracle.tokenizer(prompt)["input_ids"]
+    out = hf(tgi_server).text_generation(prompt, max_new_tokens=2, details=True, decoder_input_details=True)
+    prefill = out.details.prefill
+    assert [t.id for t in prefill] == ids and prefill[0].logprob is None
+    with torch.no_grad():
+        logits = oracle.model(torch.tensor([ids])).logits[0].float()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    assert [t.logprob for t in prefill[1:]] == pytest.approx(want, abs=1e-3)
 
 
 # ---- server.metrics_port --------------------------------------------------------------------------
