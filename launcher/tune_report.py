@@ -60,7 +60,7 @@ def profile_yaml(trial: Trial, study_name: str, n_trials: int, tuned_dir: Path) 
     parser = OverridesParser.create()
     for key, value in {**trial.fixed, **trial.params}.items():
         name = _key(key)
-        if key.startswith("~") or name.split(".")[0].split("/")[0] in NOT_SERVING:
+        if key.startswith("~") or name.split(".")[0].split("/")[0] in NOT_SERVING or name.startswith("llaunch_"):
             continue
         if name in store.GROUPS or "/" in name:
             groups.append(f"  - override /{name}: {value}")

@@ -23,6 +23,7 @@ from hydra_plugins.hydra_optuna_sweeper.config import Direction, OptunaSweeperCo
 from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
+INTERRUPTED = "llaunch_interrupted"  # a trial's user attribute: cut short by an interruption, replaced
 
 
 @dataclass
@@ -81,14 +82,18 @@ class Tuner(Sweeper):
         if own_storage:
             for number in fail_interrupted(study):
                 log.warning(f"trial {number} was cut short by an interruption: marked failed, a new trial replaces it")
-        finished = sum(t.state.is_finished() for t in study.trials)
+        finished = sum(t.state.is_finished() and not t.user_attrs.get(INTERRUPTED) for t in study.trials)
         self.impl.n_trials = max(0, self.total - finished)
         self.impl.job_idx = len(study.trials)  # job directory k is trial k (one worker: numbers are consecutive)
         if finished:
             log.info(f"study {study.study_name}: {finished} trial(s) done, {self.impl.n_trials} to go")
         keys = tuple(a.split("=", 1)[0] for a in [*self.impl._parse_sweeper_params_config(), *arguments]
                      if _is_search_space(a))
-        SweepProgress._shared = SweepProgress(SweepShape(self.total, keys, tuning=True), done=finished)
+        progress = SweepProgress._shared = SweepProgress(SweepShape(self.total, keys, tuning=True), done=finished)
+        scored = [t for t in study.trials if t.value is not None]
+        if scored:  # a resumed study: its best so far
+            best = max(scored, key=lambda t: t.value)
+            progress.best = (best.value, str(best.number))
         if self.impl.n_trials:
             self.impl.sweep(arguments)
         study = optuna.load_study(study_name=study.study_name, storage=self.impl.storage)
@@ -100,8 +105,9 @@ def fail_interrupted(study) -> list[int]:
     from optuna.trial import TrialState
 
     stale = [t for t in study.trials if t.state == TrialState.RUNNING]
-    for t in stale:
-        study._storage.set_trial_state(t._trial_id, TrialState.FAIL)  # optuna 2.10 has no public call for it
+    for t in stale:  # optuna 2.10 has no public call for either
+        study._storage.set_trial_user_attr(t._trial_id, INTERRUPTED, True)  # not counted in n_trials
+        study._storage.set_trial_state(t._trial_id, TrialState.FAIL)
     return [t.number for t in stale]
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import matplotlib.image
@@ -107,3 +110,24 @@ def test_a_rerun_continues_the_study_from_its_sqlite_file(study, tmp_path):
     rep = sweep_report(str(sweep))  # llaunch-report on a tuning sweep: the study's report
     assert rep.returncode == 0 and "study smoke" in rep.stdout, rep.stderr
     assert len([line for line in (sweep / "tune.md").read_text().splitlines() if line.startswith("| ")]) == 2 + 8
+
+
+def test_a_study_killed_mid_trial_resumes_and_replaces_the_cut_trial(tmp_path):
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "-m", "llaunch.launcher.main", *TUNE, "hydra.sweeper.n_trials=3",
+               f"hydra.sweep.dir={sweep}"]
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while not (sweep / "1").is_dir() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        first.kill()  # during trial 1: no chance to tell the study anything
+        first.wait()
+    assert (sweep / "0" / "status.json").exists(), (tmp_path / "first.log").read_text()[-3000:]
+    assert [t.state.name for t in trials_of(sweep)] == ["COMPLETE", "RUNNING"]
+    r = llaunch(tmp_path, *TUNE, "hydra.sweeper.n_trials=3", f"hydra.sweep.dir={sweep}", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    trials = trials_of(sweep)
+    assert [t.state.name for t in trials] == ["COMPLETE", "FAIL", "COMPLETE", "COMPLETE"]
+    assert "trial 1 was cut short" in r.stdout + r.stderr
+    assert all((sweep / str(n) / "status.json").exists() for n in (0, 2, 3))

@@ -78,6 +78,7 @@ def test_a_resumed_study_fails_the_trials_an_interruption_cut_short(tmp_path):
     assert tune_sweeper.fail_interrupted(study) == [1]
     reloaded = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
     assert [t.state.name for t in reloaded.trials] == ["COMPLETE", "FAIL"] and reloaded.best_value == 1.0
+    assert reloaded.trials[1].user_attrs == {tune_sweeper.INTERRUPTED: True}  # replaced, not counted
 
 
 def test_the_tune_sweeper_and_its_ready_search_space_compose():
