@@ -210,8 +210,16 @@ def write(study, sweep_dir: Path, tuned_dir: Path, console: Optional[Console] = 
     return profile
 
 
+def quiet_optuna_imports() -> None:
+    """optuna 2.10 on SQLAlchemy 1.4 warns about 2.0 (pinned below 2): nothing a user can act on."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Deprecated API features detected")
+
+
 def report_dir(sweep_dir: Path, console: Console) -> int:
     """`llaunch-report` on a tuning sweep: the study in <sweep dir>/study.db, reported again."""
+    quiet_optuna_imports()
     import optuna
 
     storage = f"sqlite:///{sweep_dir.resolve() / 'study.db'}"

@@ -55,6 +55,9 @@ class Tuner(Sweeper):
 
     def __init__(self, sampler, direction, storage, study_name, n_trials, n_jobs, max_failure_rate, search_space,
                  custom_search_space, params, tuned_dir: Optional[str] = None) -> None:
+        from llaunch.launcher import tune_report
+
+        tune_report.quiet_optuna_imports()  # the Optuna sweeper imports optuna
         from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
 
         self.impl = OptunaSweeperImpl(sampler, direction, storage, study_name, n_trials, n_jobs, max_failure_rate,
