@@ -54,7 +54,8 @@ class Detokenizer:
     def _open(self, msg: RequestOpened, now: float) -> dict[int, TextBatch]:
         if msg.request_id in self.requests:
             log.warning("request %s opened twice; starting it over", msg.request_id)
-        decoder = IncrementalDecoder(self.tokenizer, msg.sampling.skip_special_tokens, msg.sampling.stop)
+        decoder = IncrementalDecoder(self.tokenizer, msg.sampling.skip_special_tokens, msg.sampling.stop,
+                                     msg.sampling.heal_text)
         self.requests[msg.request_id] = OpenRequest(msg, decoder)
         return {}
 

@@ -18,10 +18,29 @@ from llaunch.runtime.detokenizer.stop_strings import StopStringMatcher
 _CONTEXT = 4  # tokens decoded before the held ones at the end: the text they add is what was held
 
 
+class PrefixStrip:
+    """Leaves a known prefix (token healing's backed-off text) out of a text, piece by piece."""
+
+    def __init__(self, prefix: str = ""):
+        self.rest = prefix
+
+    def __call__(self, text: str) -> str:
+        if not self.rest or not text:
+            return text
+        if not text.startswith(self.rest[:len(text)]) and self.rest.startswith(" "):
+            self.rest = self.rest.lstrip(" ")  # SentencePiece: the output's first space is not decoded
+        n = min(len(self.rest), len(text))
+        self.rest = self.rest[n:]
+        return text[n:]
+
+
 class IncrementalDecoder:
     """Token ids in, text out; stops at the first stop string (see StopStringMatcher)."""
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: Sequence[str] = (),
+                 heal_text: str = ""):
+        """`heal_text`: token healing's backed-off text, which the first tokens repeat: left out before
+        the stop strings see the text, so they match only what the client gets."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
@@ -29,6 +48,7 @@ class IncrementalDecoder:
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._settled = 0  # the text of ids[:settled] has been handed to the stop matcher
         self.matcher = StopStringMatcher(stop)
+        self.strip = PrefixStrip(heal_text)
 
     @property
     def stopped(self) -> bool:
@@ -41,11 +61,11 @@ class IncrementalDecoder:
         if piece is None:
             return ""
         self._settled = len(self.ids)
-        return self.matcher.feed(piece)
+        return self.matcher.feed(self.strip(piece))
 
     def flush(self) -> str:
         """The request is over: release incomplete characters and held-back stop prefixes."""
-        text = self.matcher.feed(self._held_text())
+        text = self.matcher.feed(self.strip(self._held_text()))
         return text if self.stopped else text + self.matcher.flush()
 
     def _held_text(self) -> str:

@@ -19,7 +19,7 @@ from llaunch.runtime.http.request_limits import (MAX_TEMPERATURE, ChoiceCount, R
                                                  check_stop_strings, check_token_id, greedy_temperature,
                                                  max_new_tokens_for)
 from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
-from llaunch.runtime.http.token_healing import PrefixStrip, TokenHealer
+from llaunch.runtime.http.token_healing import TokenHealer
 from llaunch.runtime.http.structured_output import constraint_from, one_constraint
 from llaunch.runtime.ipc.messages import SamplingParams, TextDelta
 
@@ -144,11 +144,10 @@ class GenerateApi:
         self.lifecycle = lifecycle
         self.healer = TokenHealer(tokenizer)
 
-    async def _submit(self, body: bytes, stream: bool) -> tuple[GenerateRequest, list[int], RequestGroup, str]:
-        """Also the text token healing backed off ("": none), which the output leaves out."""
-        req, prompt_ids, jobs, healed = await asyncio.to_thread(self._parse, body, stream)  # tokenizing: off the loop
+    async def _submit(self, body: bytes, stream: bool) -> tuple[GenerateRequest, list[int], RequestGroup]:
+        req, prompt_ids, jobs = await asyncio.to_thread(self._parse, body, stream)  # tokenizing: off the loop
         group = await self.engine.submit([(prompt_ids, s) for s in jobs], lifecycle=self.lifecycle)
-        return req, prompt_ids, group, healed
+        return req, prompt_ids, group
 
     def _parse(self, body: bytes, stream: bool):
         req = decode_body(body, GenerateRequest)
@@ -156,12 +155,13 @@ class GenerateApi:
         on = req.parameters.token_healing
         healing = self.healer.heal(prompt_ids) if (self.limits.token_healing if on is None else on) else None
         if healing is None:
-            return req, prompt_ids, jobs, ""
+            return req, prompt_ids, jobs
         if any(j.prompt_logprobs >= 0 for j in jobs):
             raise bad_request("token_healing backs off the prompt's last token: its prompt logprobs "
                               "(server.return_all_prompt_logprobs) are not available.", param="parameters.token_healing")
-        jobs = [msgspec.structs.replace(j, heal_ids=healing.first_ids) for j in jobs]
-        return req, healing.prompt_ids, jobs, healing.prefix
+        # the detokenizer leaves the backed-off text out of the output
+        jobs = [msgspec.structs.replace(j, heal_ids=healing.first_ids, heal_text=healing.prefix) for j in jobs]
+        return req, healing.prompt_ids, jobs
 
     def _token(self, token_id: Optional[int], logprob: Optional[float], count: int, prompt_tokens: int) -> dict:
         return {"id": token_id, "logprob": logprob,
@@ -169,15 +169,14 @@ class GenerateApi:
                 "count_output_tokens": count, "prompt_tokens": prompt_tokens}
 
     async def generate(self, body: bytes) -> Response:
-        req, prompt_ids, group, healed = await self._submit(body, stream=False)
-        strips = [PrefixStrip(healed) for _ in group.request_ids]
+        req, prompt_ids, group = await self._submit(body, stream=False)
         prompt_tokens, prompt_logprobs = len(prompt_ids), None
         n = len(group.request_ids)
         texts, counts, finish = [[] for _ in range(n)], [0] * n, [None] * n
         details, cum = [[] for _ in range(n)], [0.0] * n
         try:
             async for i, delta in group:
-                texts[i].append(strips[i](delta.text))
+                texts[i].append(delta.text)
                 if delta.prompt_logprobs is not None and prompt_logprobs is None:
                     prompt_logprobs = delta.prompt_logprobs
                 for k, token_id in enumerate(delta.token_ids):
@@ -206,13 +205,12 @@ class GenerateApi:
         return json_response(out)
 
     async def generate_stream(self, body: bytes) -> Response:
-        _, prompt_ids, group, healed = await self._submit(body, stream=True)
+        _, prompt_ids, group = await self._submit(body, stream=True)
         await admitted(group)  # a refused request answers with its status, not a 200 stream
-        return sse_response(TrackedStream(self._events(group, len(prompt_ids), PrefixStrip(healed)), group))
+        return sse_response(TrackedStream(self._events(group, len(prompt_ids)), group))
 
-    async def _events(self, group: RequestGroup, prompt_tokens: int,
-                      strip: Optional[PrefixStrip] = None) -> AsyncIterator[bytes]:
-        count, strip = 0, strip or PrefixStrip()
+    async def _events(self, group: RequestGroup, prompt_tokens: int) -> AsyncIterator[bytes]:
+        count = 0
         try:
             async for _, delta in group:
                 finish = _finish(delta)
@@ -223,7 +221,7 @@ class GenerateApi:
                     count += token_id is not None
                     logprob = delta.logprobs[k] if k < len(delta.logprobs) else None
                     token = self._token(token_id, logprob, count, prompt_tokens)
-                    token["text"] = strip(delta.text) if last else ""
+                    token["text"] = delta.text if last else ""
                     yield sse_event({"token": token, "generated_text": None, "finished": last and finish is not None,
                                      "finish_reason": finish if last else None, "details": None}, prefix=b"data:")
         except ApiError as e:

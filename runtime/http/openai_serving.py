@@ -22,7 +22,7 @@ from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice,
 from llaunch.runtime.http.prompt_logprobs import echo_logprobs, echo_text_length, vllm_prompt_logprobs
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.sse import DONE, TrackedStream, sse_event, sse_response
-from llaunch.runtime.http.token_healing import PrefixStrip, TokenHealer
+from llaunch.runtime.http.token_healing import TokenHealer
 from llaunch.runtime.http.tool_calls import ToolCallStream, parse_tool_calls, tool_format_of
 from llaunch.runtime.ipc.messages import PromptLogprobs, TextDelta
 
@@ -32,9 +32,8 @@ FINISH_REASONS = ("stop", "length")  # anything else (abort, error) means the en
 class ChoiceState:
     """What one choice has produced so far."""
 
-    def __init__(self, prefix: str = "", healed: str = ""):
+    def __init__(self, prefix: str = ""):
         self.prefix = prefix  # echoed prompt, sent before the first text
-        self.strip = PrefixStrip(healed)  # token healing: the backed-off text the output starts with
         self.cum_logprob = 0.0  # of the sampled tokens: what best_of ranks by
         self.text: list[str] = [prefix]
         self.logprobs: list = []
@@ -46,9 +45,8 @@ class ChoiceState:
 
     def add(self, delta: TextDelta) -> str:
         """Record the delta; returns the text to send for it (the echo goes out with the first)."""
-        own = self.strip(delta.text)
-        text, self.prefix = self.prefix + own, ""
-        self.text.append(own)
+        text, self.prefix = self.prefix + delta.text, ""
+        self.text.append(delta.text)
         self.cum_logprob += sum(delta.logprobs)
         self.token_ids.extend(delta.token_ids)
         self.completion_tokens = delta.completion_tokens or self.completion_tokens + len(delta.token_ids)
@@ -201,8 +199,8 @@ class OpenAIServing:
         self.healer = TokenHealer(tokenizer)
 
     async def completions(self, body: bytes) -> Response:
-        req, prompts, choices, echo, healed = await asyncio.to_thread(self._parse_completion, body)
-        states = [ChoiceState(echo[c.prompt] if echo else "", healed[c.prompt]) for c in choices]
+        req, prompts, choices, echo = await asyncio.to_thread(self._parse_completion, body)
+        states = [ChoiceState(echo[c.prompt] if echo else "") for c in choices]
         echo_top = req.logprobs if req.echo and req.logprobs is not None else None
         fmt = CompletionFormat(self.tokenizer, req.logprobs is not None, len(choices), [c.prompt_ids for c in choices],
                                echo_top, req.prompt_logprobs)
@@ -221,8 +219,8 @@ class OpenAIServing:
                 raise bad_request("`token_healing` backs off the prompt's last token: its prompt logprobs are not "
                                   "available; turn token_healing off for prompt logprobs.", param="token_healing")
             choices = [dataclasses.replace(c, sampling=msgspec.structs.replace(
-                c.sampling, heal_ids=healings[c.prompt].first_ids)) if healings[c.prompt] else c for c in choices]
-        return req, prompts, choices, echo, [h.prefix if h else "" for h in healings]
+                c.sampling, heal_ids=healings[c.prompt].first_ids, heal_text=healings[c.prompt].prefix)) if healings[c.prompt] else c for c in choices]
+        return req, prompts, choices, echo
 
     def _healings(self, req: CompletionRequest, prompts: list[list[int]]) -> list:
         """Token healing of each prompt (None: served as it is): server.token_healing, or the request's."""

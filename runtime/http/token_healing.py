@@ -64,19 +64,3 @@ class TokenHealer:
         if not prefix:
             return None
         return Healing(prompt_ids[:-1], prefix, self.starting_with(raw))
-
-
-class PrefixStrip:
-    """Leaves the healed prefix out of a choice's text, delta by delta."""
-
-    def __init__(self, prefix: str = ""):
-        self.rest = prefix
-
-    def __call__(self, text: str) -> str:
-        if not self.rest or not text:
-            return text
-        if not text.startswith(self.rest[:len(text)]) and self.rest.startswith(" "):
-            self.rest = self.rest.lstrip(" ")  # SentencePiece: the output's first space is not decoded
-        n = min(len(self.rest), len(text))
-        self.rest = self.rest[n:]
-        return text[n:]

@@ -48,6 +48,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     banned_sequences: list[list[int]] = []  # the last token of each is never sampled after the others
     allowed_ids: list[int] = []  # when set, only these tokens are sampled (LightLLM's allowed_token_ids)
     heal_ids: list[int] = []  # token healing: when set, the first token is sampled only from these
+    heal_text: str = ""  # token healing: the backed-off text, which the detokenizer leaves out of the output
     constraint: Optional[Constraint] = None
     prompt_logprobs: int = -1  # -1: none; 0: each prompt token's logprob (and rank); k: plus the top k
 

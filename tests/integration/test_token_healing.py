@@ -12,13 +12,15 @@ tokenizer, float32 on CPU), against transformers on the same weights:
 """
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from openai import OpenAI
 
 from integration.conftest import CPU_BASE
 from integration.server import LlaunchServer
-from integration.test_prompt_cache import metrics, wait_for
+from integration.test_prompt_cache import idle, metrics, wait_for
 
 MODEL = "tiny-qwen2"
 PROMPT = "The capital of Fra"  # SmolLM2's tokenizer ends it on " Fra"; "France" is one token " France"
@@ -115,11 +117,27 @@ def test_best_of_returns_the_samples_of_highest_cumulative_logprob(servers, orac
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
 
 
+def settled(server, quiet_s: float = 2.0, timeout_s: float = 60.0) -> dict[str, float]:
+    """The metrics once the server is idle and its cache counters have not moved for `quiet_s`: the
+    router's stats reach /metrics a heartbeat (0.5 s) late, so an idle reading alone may predate the
+    last requests of an earlier test."""
+    deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        m = metrics(server)
+        key = (m["prefix_cache_queries_total"], m["prefix_cache_hits_total"], idle(m))
+        if key != last:
+            last, since = key, time.monotonic()
+        elif idle(m) and time.monotonic() - since >= quiet_s:
+            return m
+        time.sleep(0.1)
+    raise AssertionError(f"the metrics did not settle: {last}")
+
+
 def test_diverse_mode_prefills_a_prompt_once_for_all_its_samples(servers):
     prompt = list(range(1000, 1024))  # no earlier request shares any of it
     seen = {}
     for name in ("diverse", "healing"):
-        before = metrics(servers[name])
+        before = settled(servers[name])
         out = complete(servers[name], prompt, n=4, max_tokens=MAX, temperature=1.0, seed=5,
                        extra_body={"token_healing": False})
         queries = before["prefix_cache_queries_total"] + 4 * len(prompt)

@@ -12,7 +12,8 @@ import torch
 from llaunch.runtime.constrained.row_state import RowConstraint
 from llaunch.runtime.http.errors import ApiError
 from llaunch.runtime.http.openai_protocol import CompletionRequest, completion_choices, completion_prompts, decode_body
-from llaunch.runtime.http.token_healing import PrefixStrip, TokenHealer
+from llaunch.runtime.detokenizer.incremental import IncrementalDecoder, PrefixStrip
+from llaunch.runtime.http.token_healing import TokenHealer
 from llaunch.runtime.ipc.messages import SamplingParams
 from unit.test_openai_protocol import LIMITS, tok  # noqa: F401 (the fixture)
 
@@ -52,6 +53,21 @@ def test_the_text_leaves_the_backed_off_prefix_out():
     assert [strip(t) for t in (" F", "rance", " is")] == ["", "nce", " is"]
     assert PrefixStrip(" Fra")("France") == "nce"  # a decoder that drops the output's first space
     assert PrefixStrip("")("abc") == "abc"
+
+
+def test_stop_strings_see_only_the_text_the_client_gets(tok):  # noqa: F811
+    """The detokenizer strips the backed-off text before matching stop strings: a stop string inside
+    it does not end the output, one in the output does."""
+    healing = TokenHealer(tok).heal(tok.encode("The capital of Fra"))
+    out_ids = tok.encode("The capital of France is Paris. France")[len(healing.prompt_ids):]
+
+    def run(stop):
+        decoder = IncrementalDecoder(tok.hf, stop=stop, heal_text=healing.prefix)
+        text = "".join(decoder.push(t) for t in out_ids)
+        return text + decoder.flush(), decoder.stopped
+
+    assert run([]) == ("nce is Paris. France", False)
+    assert run(["Fra"]) == ("nce is Paris. ", True)  # the first "Fra" is the prompt's, not the output's
 
 
 def _completion(tok, **body):  # noqa: F811
