@@ -12,6 +12,8 @@ from llaunch.runtime.models.heads import HeadLayout
 GiB = 1 << 30
 DTYPE_BYTES = {DType.float32: 4, DType.bfloat16: 2, DType.float16: 2}
 GRAPH_POOL_BYTES = 2 * GiB  # CUDA graph pools and the allocator's slack, measured on an H200
+# prompt positions one step computes logprobs for (runtime/router/scheduler.py chunks asking prompts)
+PROMPT_LOGPROB_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -27,9 +29,9 @@ class RankMemory:
 
 def activation_bytes(cfg: LlaunchConfig, arch: ModelArch) -> int:
     """Hidden states and MLP intermediates of batch_max_tokens tokens, the float32 logits and sampling
-    buffers of the largest batch, and the graph pools."""
+    buffers of the largest batch and of a step's prompt-logprob positions, and the graph pools."""
     per_token = (6 * arch.hidden_size + 3 * arch.intermediate_size // cfg.parallel.tp) * 4
-    logits = max(cfg.router.max_running_requests, 1) * arch.vocab_size * 4 * 4
+    logits = (max(cfg.router.max_running_requests, 1) + PROMPT_LOGPROB_TOKENS) * arch.vocab_size * 4 * 4
     graphs = GRAPH_POOL_BYTES if cfg.device != Device.cpu else 0
     return (cfg.router.batch_max_tokens or 0) * per_token + logits + graphs
 

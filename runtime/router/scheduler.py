@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from llaunch.runtime.cache.kv_allocator import KvAllocator
+from llaunch.runtime.models.memory import PROMPT_LOGPROB_TOKENS
 from llaunch.runtime.ipc.messages import (CancelKv, NewSeq, PrefillChunk, StepPlan,
                                           StepResult, TokenDelta)
 from llaunch.runtime.router.pd_transfers import PdTransfers
@@ -56,6 +57,9 @@ class SchedulerLimits:
     pd_role: Optional[str] = None  # "prefill" | "decode" on a pd instance
     max_waiting: int = 2**31  # requests waiting for admission; a new one beyond it is refused (overloaded)
     diverse_mode: bool = False  # requests of one prompt prefill it once (router.diverse_mode; needs prompt_cache)
+    # prompt positions whose logprobs one step computes: each is a vocabulary-wide float32 row, so
+    # requests that ask prefill in chunks of at most this many (the memory plan counts them)
+    prompt_logprob_tokens: int = PROMPT_LOGPROB_TOKENS
 
 
 class Scheduler(PdTransfers):
@@ -69,6 +73,7 @@ class Scheduler(PdTransfers):
         self._free_rows = list(range(limits.max_running - 1, -1, -1))
         self._release_rows: list[int] = []
         self._step = 0
+        self._logprob_room = limits.prompt_logprob_tokens  # this step's, reset by schedule()
         self._steps_since_admit = 0
         self._in_flight: deque[list[Request]] = deque()  # per step out: its requests, in sample order
         self._in_flight_all: deque[list[Request]] = deque()  # per step out: every request it touches
@@ -142,6 +147,7 @@ class Scheduler(PdTransfers):
         self._release_rows = []
         samplers: list[Request] = []
         touched: list[Request] = []
+        self._logprob_room = lim.prompt_logprob_tokens
 
         decoding = [r for r in self.running.values() if r.status is Status.RUNNING and self._decodes(r)]
         for req in decoding:
@@ -156,7 +162,7 @@ class Scheduler(PdTransfers):
         budget -= len(decoding)
 
         for req in list(self.running.values()):
-            if req.status is Status.RUNNING and req.prefilling and budget > 0:
+            if req.status is Status.RUNNING and req.prefilling and budget > 0 and self._chunk_room(req):
                 budget -= self._add_chunk(plan, req, budget, samplers, touched)
 
         if decoding:
@@ -165,7 +171,7 @@ class Scheduler(PdTransfers):
             admitted = False
             while self.waiting and budget > 0 and self._free_rows:
                 req = self.waiting[0]
-                if self.sharing.waits(req):
+                if self.sharing.waits(req) or not self._chunk_room(req):
                     break  # its prompt is being computed: it borrows the KV once that is done (FIFO holds)
                 if not req.kv_ready:  # received KV has its slots (and its cached prefix locked) already
                     self.cache.lend(req)
@@ -211,6 +217,9 @@ class Scheduler(PdTransfers):
         n = req.prompt_len - req.num_computed
         if lim.chunked_prefill:
             n = min(n, budget, lim.chunked_prefill_size)
+        if req.sampling.prompt_logprobs >= 0:  # chunked whatever router.chunked_prefill says
+            n = min(n, self._logprob_room)
+            self._logprob_room -= n
         start = req.num_computed
         slots = self.cache.alloc(n)
         req.slots.extend(slots)
@@ -223,6 +232,10 @@ class Scheduler(PdTransfers):
             req.num_planned += 1
             samplers.append(req)
         return n
+
+    def _chunk_room(self, req: Request) -> bool:
+        """Whether a chunk of `req` fits this step's prompt-logprob positions (others always do)."""
+        return req.sampling.prompt_logprobs < 0 or self._logprob_room > 0
 
     def _may_admit(self, decoding: bool) -> bool:
         if not decoding or self._steps_since_admit >= self.limits.max_wait_tokens:

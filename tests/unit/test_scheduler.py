@@ -265,3 +265,20 @@ def test_a_request_accepted_at_the_kv_limit_is_admitted(depth):
     s = make(kv_slots=10, batch_max_tokens=64, depth=depth)
     rejected = s.add(req("a", 5, 6))
     assert rejected is not None or s.schedule() is not None
+
+
+def test_prompt_logprob_positions_per_step_are_capped():
+    """A request asking for prompt logprobs prefills at most `prompt_logprob_tokens` positions a step
+    (each is a vocabulary-wide float32 row), even without chunked prefill; others are not held back."""
+    from dataclasses import replace
+
+    sched = make(kv_slots=256, batch_max_tokens=64, chunked=False, max_model_len=128)
+    sched.limits = replace(sched.limits, prompt_logprob_tokens=8)
+    sched.add(req("asks", 20, 2, prompt_logprobs=0))
+    sched.add(req("plain", 20, 2))
+    sizes = []
+    for _ in range(4):
+        plan = sched.schedule()
+        sizes.append({c.row: len(c.token_ids) for c in plan.prefill})
+        answer(sched, plan)
+    assert sizes == [{0: 8, 1: 20}, {0: 8}, {0: 4}, {}]  # rows: "asks" 0, "plain" 1
