@@ -340,3 +340,17 @@ def token_healing_without_all_prompt_logprobs(cfg):
         yield ("server.token_healing", "server.return_all_prompt_logprobs"), (
             "server.token_healing=true backs off every prompt's last token, so the logprobs of every prompt token "
             "that server.return_all_prompt_logprobs=true returns do not exist: turn one of them off")
+
+
+@rule()
+def request_features_not_in_pd(cfg):
+    """Features that change how the prompt is prefilled, which the prefill instance would not do."""
+    kind = cfg.mode.kind
+    if kind not in (Mode.pd_prefill, Mode.pd_decode, Mode.pd_master):
+        return
+    for key, on, why in (("server.token_healing", cfg.server.token_healing, "backs off the prompt's last token"),
+                         ("router.diverse_mode", cfg.router.diverse_mode, "shares a prompt's prefill between samples")):
+        if on:
+            yield (key, "mode.kind"), (
+                f"{key}=true with mode.kind={kind.value}: it {why}, and the prefill instance computes the prompt "
+                f"as sent; use mode.kind=normal or {key}=false")

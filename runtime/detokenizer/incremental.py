@@ -29,6 +29,9 @@ class PrefixStrip:
             return text
         if not text.startswith(self.rest[:len(text)]) and self.rest.startswith(" "):
             self.rest = self.rest.lstrip(" ")  # SentencePiece: the output's first space is not decoded
+        if not text.startswith(self.rest[:len(text)]):  # not the healed word (a stop token instead): keep it all
+            self.rest = ""
+            return text
         n = min(len(self.rest), len(text))
         self.rest = self.rest[n:]
         return text[n:]

@@ -56,6 +56,7 @@ class FrontendSettings:
                                max_chars_per_token=tokenizer.max_token_chars,
                                sampling_defaults=dict(m.sampling_defaults),
                                prompt_logprobs=cfg.mode.kind not in (Mode.pd_prefill, Mode.pd_decode),
+                               token_healing_served=cfg.mode.kind not in (Mode.pd_prefill, Mode.pd_decode),
                                all_prompt_logprobs=s.return_all_prompt_logprobs,
                                token_healing=s.token_healing)
         return FrontendSettings(limits=limits, api_key=api_key, max_body_bytes=s.max_body_bytes,

@@ -19,7 +19,7 @@ from llaunch.runtime.http.request_limits import (MAX_TEMPERATURE, ChoiceCount, R
                                                  check_stop_strings, check_token_id, greedy_temperature,
                                                  max_new_tokens_for)
 from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
-from llaunch.runtime.http.token_healing import TokenHealer
+from llaunch.runtime.http.token_healing import TokenHealer, healed, healing_of
 from llaunch.runtime.http.structured_output import constraint_from, one_constraint
 from llaunch.runtime.ipc.messages import SamplingParams, TextDelta
 
@@ -152,16 +152,11 @@ class GenerateApi:
     def _parse(self, body: bytes, stream: bool):
         req = decode_body(body, GenerateRequest)
         prompt_ids, jobs = generate_jobs(req, self.tokenizer, self.limits, stream)
-        on = req.parameters.token_healing
-        healing = self.healer.heal(prompt_ids) if (self.limits.token_healing if on is None else on) else None
+        healing = healing_of(self.healer, prompt_ids, req.parameters.token_healing, self.limits, jobs,
+                             "parameters.token_healing")
         if healing is None:
             return req, prompt_ids, jobs
-        if any(j.prompt_logprobs >= 0 for j in jobs):
-            raise bad_request("token_healing backs off the prompt's last token: its prompt logprobs "
-                              "(server.return_all_prompt_logprobs) are not available.", param="parameters.token_healing")
-        # the detokenizer leaves the backed-off text out of the output
-        jobs = [msgspec.structs.replace(j, heal_ids=healing.first_ids, heal_text=healing.prefix) for j in jobs]
-        return req, healing.prompt_ids, jobs
+        return req, healing.prompt_ids, [healed(j, healing) for j in jobs]
 
     def _token(self, token_id: Optional[int], logprob: Optional[float], count: int, prompt_tokens: int) -> dict:
         return {"id": token_id, "logprob": logprob,

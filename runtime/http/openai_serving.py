@@ -9,12 +9,11 @@ import asyncio
 import dataclasses
 from typing import AsyncIterator, Optional
 
-import msgspec
 from quart import Response
 
 from llaunch.runtime.http import openai_responses as shapes
 from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
-from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response
+from llaunch.runtime.http.errors import ApiError, engine_failed, json_response
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice, CompletionRequest, RequestLimits,
                                                   chat_choices, chat_prompt, check_model, completion_choices,
@@ -22,7 +21,7 @@ from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice,
 from llaunch.runtime.http.prompt_logprobs import echo_logprobs, echo_text_length, vllm_prompt_logprobs
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.sse import DONE, TrackedStream, sse_event, sse_response
-from llaunch.runtime.http.token_healing import TokenHealer
+from llaunch.runtime.http.token_healing import TokenHealer, healed, healing_of
 from llaunch.runtime.http.tool_calls import ToolCallStream, parse_tool_calls, tool_format_of
 from llaunch.runtime.ipc.messages import PromptLogprobs, TextDelta
 
@@ -211,21 +210,15 @@ class OpenAIServing:
         check_model(req.model, self.limits)
         prompts = completion_prompts(req, self.tokenizer, self.limits)
         echo = [self._echo_text(req, p, ids) for p, ids in enumerate(prompts)] if req.echo else None
-        healings = self._healings(req, prompts)
-        prompts = [h.prompt_ids if h else ids for h, ids in zip(healings, prompts)]
         choices = completion_choices(req, prompts, self.limits, self.tokenizer)
-        if any(healings):
-            if any(c.sampling.prompt_logprobs >= 0 for c in choices):
-                raise bad_request("`token_healing` backs off the prompt's last token: its prompt logprobs are not "
-                                  "available; turn token_healing off for prompt logprobs.", param="token_healing")
-            choices = [dataclasses.replace(c, sampling=msgspec.structs.replace(
-                c.sampling, heal_ids=healings[c.prompt].first_ids, heal_text=healings[c.prompt].prefix)) if healings[c.prompt] else c for c in choices]
+        healings = [healing_of(self.healer, ids, req.token_healing, self.limits,
+                               [c.sampling for c in choices if c.prompt == p], "token_healing")
+                    for p, ids in enumerate(prompts)]
+        if any(healings):  # the backed-off prompt is what runs
+            prompts = [h.prompt_ids if h else ids for h, ids in zip(healings, prompts)]
+            choices = [dataclasses.replace(c, prompt_ids=prompts[c.prompt], sampling=healed(c.sampling, healings[c.prompt]))
+                       for c in choices]
         return req, prompts, choices, echo
-
-    def _healings(self, req: CompletionRequest, prompts: list[list[int]]) -> list:
-        """Token healing of each prompt (None: served as it is): server.token_healing, or the request's."""
-        on = self.limits.token_healing if req.token_healing is None else req.token_healing
-        return [self.healer.heal(ids) if on else None for ids in prompts]
 
     async def chat(self, body: bytes) -> Response:
         req, prompt_ids, choices = await asyncio.to_thread(self._parse_chat, body)

@@ -57,6 +57,7 @@ class RequestLimits:
     sampling_defaults: Mapping[str, float] = field(default_factory=dict)
     token_healing: bool = False  # server.token_healing: heal completions' prompts unless a request says
     prompt_logprobs: bool = True  # false under prefill/decode disaggregation: asking for them is a 400
+    token_healing_served: bool = True  # false under prefill/decode disaggregation (the prefill side would not heal)
     all_prompt_logprobs: bool = False  # server.return_all_prompt_logprobs: /generate returns them for every request
 
     @property

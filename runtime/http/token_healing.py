@@ -15,7 +15,12 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
+import msgspec
+
+from llaunch.runtime.http.errors import bad_request
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
+from llaunch.runtime.http.request_limits import RequestLimits
+from llaunch.runtime.ipc.messages import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -64,3 +69,33 @@ class TokenHealer:
         if not prefix:
             return None
         return Healing(prompt_ids[:-1], prefix, self.starting_with(raw))
+
+
+def healing_of(healer: TokenHealer, prompt_ids: list[int], asked: Optional[bool], limits: RequestLimits,
+               samplings: list[SamplingParams], param: str) -> Optional[Healing]:
+    """The healing of one prompt, or None: `asked` is the request's switch (None: server.token_healing).
+    A request that asks for it where it cannot hold gets a 400; the server's default leaves such
+    requests unhealed (a grammar or an allowed-token list constrains the whole text, the backed-off
+    prefix included, and prompt logprobs need the prompt's last token)."""
+    on = limits.token_healing if asked is None else asked
+    if not on:
+        return None
+    why = ("is not served on a prefill/decode instance" if not limits.token_healing_served else
+           "backs off the prompt's last token, whose prompt logprobs are then not available"
+           if any(s.prompt_logprobs >= 0 for s in samplings) else
+           "cannot combine with structured output or allowed_token_ids (they constrain the backed-off text too)"
+           if any(s.constraint or s.allowed_ids for s in samplings) else None)
+    if why is None:
+        healing = healer.heal(prompt_ids)
+        return healing if healing is None else Healing(healing.prompt_ids, healing.prefix,
+                                                       [i for i in healing.first_ids if i < limits.vocab_size])
+    if asked:
+        raise bad_request(f"`{param}` {why}.", param=param)
+    return None
+
+
+def healed(sampling: SamplingParams, healing: Optional[Healing]) -> SamplingParams:
+    """The engine request of a healed prompt: its first token restricted, its text left out."""
+    if healing is None:
+        return sampling
+    return msgspec.structs.replace(sampling, heal_ids=healing.first_ids, heal_text=healing.prefix)

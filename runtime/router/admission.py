@@ -51,6 +51,8 @@ def refusal(msg: AddRequest, limits: AdmissionLimits) -> Optional[str]:
         return "the seed does not fit 64 bits"
     if not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
         return f"top_logprobs={s.top_logprobs} is outside [0, {MAX_TOP_LOGPROBS}]"
+    if not -1 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        return f"prompt_logprobs={s.prompt_logprobs} is outside [-1, {MAX_TOP_LOGPROBS}]"
     if len(s.stop_token_ids) > limits.max_stop_strings or any(not 0 <= t < limits.vocab_size for t in s.stop_token_ids):
         return f"more than {limits.max_stop_strings} stop token ids, or one outside the vocabulary"
     if len(s.stop) > limits.max_stop_strings or any(len(x) > limits.max_stop_string_chars for x in s.stop):
@@ -67,9 +69,9 @@ def _exclusions_refusal(s, limits: AdmissionLimits) -> Optional[str]:
         return f"min_tokens={s.min_tokens} is outside [0, max_new_tokens]"
     if len(s.bias_ids) != len(s.bias_values) or any(not _within(v, -100.0, 100.0) for v in s.bias_values):
         return "logit_bias needs one value in [-100, 100] per token"
-    groups = (s.bias_ids, s.banned_ids, s.allowed_ids, *s.banned_sequences)
+    groups = (s.bias_ids, s.banned_ids, s.allowed_ids, s.heal_ids, *s.banned_sequences)
     if sum(len(g) for g in groups) > MAX_EXCLUSION_IDS:
-        return f"more than {MAX_EXCLUSION_IDS} biased, banned or allowed token ids"
+        return f"more than {MAX_EXCLUSION_IDS} biased, banned, allowed or healing token ids"
     if any(not 0 <= t < limits.vocab_size for g in groups for t in g):
         return f"a biased, banned or allowed token id is outside the vocabulary [0, {limits.vocab_size})"
     if s.constraint is not None and (s.constraint.kind not in KINDS or len(s.constraint.spec) > MAX_SPEC_CHARS):

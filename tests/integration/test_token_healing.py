@@ -94,6 +94,18 @@ def test_chat_refuses_token_healing(servers):
     assert r.status_code == 400 and r.json()["error"]["param"] == "token_healing"
 
 
+def test_structured_output_is_not_healed(servers):
+    """A grammar constrains the whole text, the backed-off prefix too: asking for both is a 400, and
+    the server's default leaves a constrained request unhealed (its output follows the grammar)."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "response_format": {"type": "json_object"}}
+    r = httpx.post(servers["healing"].url + "/v1/completions", json=body | {"token_healing": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "token_healing", r.text
+    r = httpx.post(servers["healing"].url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].lstrip().startswith("{")
+
+
 def test_best_of_returns_the_samples_of_highest_cumulative_logprob(servers, oracles):
     oracle = oracles("qwen2")
     ids = oracle.tokenizer.encode("Once upon a time")

@@ -67,6 +67,8 @@ BREAKS = {
     "cuda_mps_needs_gpus": [["parallel.cuda_mps=true"]],
     "graph_max_len_in_range": [["model.graph_max_len_in_batch=0"], ["model.graph_max_len_in_batch=100000"]],
     "tpsp_mix_not_implemented": [["parallel.tpsp_mix=true"]],
+    "request_features_not_in_pd": [["mode=pd_decode", "server.token_healing=true"],
+                                   ["mode=pd_prefill", "router.diverse_mode=true"]],
     "weights_need_path": [["model.load_format=safetensors"], ["model.load_format=auto", "model.path=/no/such/dir"]],
     "tokenizer_exists": [["model.tokenizer=/no/such/tokenizer"]],
     "model_described": [["model.hidden_size=null"], ["model.eos_token_ids=null"]],

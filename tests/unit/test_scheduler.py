@@ -282,3 +282,20 @@ def test_prompt_logprob_positions_per_step_are_capped():
         sizes.append({c.row: len(c.token_ids) for c in plan.prefill})
         answer(sched, plan)
     assert sizes == [{0: 8, 1: 20}, {0: 8}, {0: 4}, {}]  # rows: "asks" 0, "plain" 1
+
+
+def test_admission_refuses_crafted_healing_and_prompt_logprob_fields():
+    """What a frontend would never send still cannot reach a worker (an id past the vocabulary would
+    index past a row's bitmask there)."""
+    from llaunch.runtime.ipc.messages import AddRequest, SamplingParams
+    from llaunch.runtime.router.admission import AdmissionLimits, refusal
+
+    limits = AdmissionLimits(vocab_size=100, max_model_len=64, max_stop_strings=4, max_stop_string_chars=16)
+
+    def why(**sp):
+        return refusal(AddRequest(request_id="r", frontend=0, prompt_ids=[1, 2], arrival_time=0.0,
+                                  sampling=SamplingParams(max_new_tokens=4, **sp)), limits)
+
+    assert why(heal_ids=[3, 99], prompt_logprobs=20) is None
+    assert "outside the vocabulary" in why(heal_ids=[3, 100])
+    assert "prompt_logprobs" in why(prompt_logprobs=21) and "prompt_logprobs" in why(prompt_logprobs=-2)

@@ -53,6 +53,8 @@ def test_the_text_leaves_the_backed_off_prefix_out():
     assert [strip(t) for t in (" F", "rance", " is")] == ["", "nce", " is"]
     assert PrefixStrip(" Fra")("France") == "nce"  # a decoder that drops the output's first space
     assert PrefixStrip("")("abc") == "abc"
+    other = PrefixStrip(" Fra")  # output that does not start with the prefix is not cut
+    assert [other(t) for t in ("</s>", " Fra")] == ["</s>", " Fra"]
 
 
 def test_stop_strings_see_only_the_text_the_client_gets(tok):  # noqa: F811
