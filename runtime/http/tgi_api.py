@@ -140,10 +140,12 @@ def tgi_jobs(req: TgiRequest, tokenizer: PromptTokenizer, limits: RequestLimits,
         repetition_penalty=p.repetition_penalty or 1.0, frequency_penalty=p.frequency_penalty or 0.0,
         stop_sequences=list(p.stop) or None, seed=seed, return_details=p.details, **_grammar(p.grammar))
     prompt_ids, jobs = generate_jobs(GenerateRequest(inputs=prompt_ids, parameters=params), tokenizer, limits, stream)
-    if p.top_n_tokens:
-        jobs = [msgspec.structs.replace(j, logprobs=True, top_logprobs=p.top_n_tokens) for j in jobs]
-    if p.decoder_input_details and p.details:
-        jobs = [msgspec.structs.replace(j, prompt_logprobs=0) for j in jobs]
+    # what TGI returns decides what the engine computes (server.return_all_prompt_logprobs is /generate's
+    # LightLLM shape: not this API's)
+    top = p.top_n_tokens if p.top_n_tokens and (p.details or stream) else 0
+    jobs = [msgspec.structs.replace(j, logprobs=j.logprobs or bool(top), top_logprobs=top,
+                                    prompt_logprobs=0 if p.decoder_input_details and p.details else -1)
+            for j in jobs]
     return prompt_ids, jobs, seed
 
 
