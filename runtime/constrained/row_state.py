@@ -62,6 +62,12 @@ class RowConstraint:
     def needs_history(self) -> bool:
         return self._grammar is not None or bool(self.sequences)
 
+    @property
+    def spent(self) -> bool:
+        """Nothing is left to exclude: only a first-token healing or min_tokens held, and both are past."""
+        return (self._grammar is None and not (self.banned or self.sequences or self.allowed)
+                and self.generated >= max(self.min_tokens, 1 if self.heal else 0))
+
     def _matcher_now(self):
         if self._matcher is None and self._grammar is not None:
             import xgrammar as xgr

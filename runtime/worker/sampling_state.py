@@ -125,6 +125,8 @@ class SamplingState:
         for r, token in zip(rows, tokens):
             if self.rows[r] is not None:
                 self.rows[r].accept(token)
+                if self.rows[r].spent:  # the row samples as a plain one again (the decode graph's argmax)
+                    self.rows[r] = None
 
     def _exclude(self, logits: torch.Tensor, rows: list[int], bitmask: Optional[torch.Tensor]) -> torch.Tensor:
         """logit_bias, the bitmask and min_p, on a copy (logprobs report the model's own distribution)."""

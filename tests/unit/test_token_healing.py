@@ -48,6 +48,23 @@ def test_the_first_token_only_is_restricted():
     assert (mask == -1).all()
 
 
+def test_a_healed_row_samples_as_a_plain_one_after_its_first_token():
+    """Healing costs one masked step: then the row is plain greedy again (the decode graph's argmax)."""
+    from llaunch.runtime.worker.sampling_state import SamplingState
+
+    state = SamplingState(2, 64, torch.device("cpu"), eos_ids=(0,))
+    state.set_rows([(0, SamplingParams(max_new_tokens=4, temperature=0.0, heal_ids=[3, 40]), [1, 2]),
+                    (1, SamplingParams(max_new_tokens=4, temperature=0.0, min_tokens=2), [1, 2])])
+    assert not state.plain_greedy([0]) and state.bitmask([0]) is not None
+    logits = torch.zeros(2, 64)
+    logits[:, 5] = 1.0  # the argmax, which healing excludes on the first token
+    tokens = state.sample(logits, [0, 1], state.bitmask([0, 1])).tolist()
+    assert tokens[0] in (3, 40)
+    state.accept([0, 1], tokens)
+    assert state.plain_greedy([0]) and state.bitmask([0]) is None
+    assert not state.plain_greedy([1])  # min_tokens=2 still holds eos back for one more token
+
+
 def test_the_text_leaves_the_backed_off_prefix_out():
     strip = PrefixStrip(" Fra")
     assert [strip(t) for t in (" F", "rance", " is")] == ["", "nce", " is"]
