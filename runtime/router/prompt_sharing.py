@@ -17,11 +17,13 @@ class PromptSharing:
         self._computing: dict[tuple[int, ...], Request] = {}  # prompt → the request computing it
 
     def waits(self, req: Request) -> bool:
-        """Is the request's prompt being computed by another (hold it: it will borrow the KV)?"""
-        return self.on and tuple(req.prompt_ids) in self._computing
+        """Is the request's prompt being computed by another (hold it: it will borrow the KV)? A request
+        asking for prompt logprobs computes its prompt itself (they are not cached), so it never waits."""
+        return (self.on and bool(self._computing) and req.sampling.prompt_logprobs < 0
+                and tuple(req.prompt_ids) in self._computing)
 
     def admitted(self, req: Request) -> None:
-        if self.on and req.num_cached < req.prompt_len - 1:  # it computes the prompt
+        if self.on and req.num_cached < req.prompt_len - 1 and req.sampling.prompt_logprobs < 0:  # it computes it
             self._computing[tuple(req.prompt_ids)] = req
 
     def computed(self, req: Request) -> None:

@@ -169,10 +169,14 @@ class Scheduler(PdTransfers):
             self._steps_since_admit += 1
         if self._may_admit(bool(decoding)):
             admitted = False
-            while self.waiting and budget > 0 and self._free_rows:
-                req = self.waiting[0]
-                if self.sharing.waits(req) or not self._chunk_room(req):
-                    break  # its prompt is being computed: it borrows the KV once that is done (FIFO holds)
+            held = 0  # waiting requests at the front that diverse mode holds: the others go past them
+            while len(self.waiting) > held and budget > 0 and self._free_rows:
+                req = self.waiting[held]
+                if self.sharing.waits(req):  # its prompt is being computed: it borrows the KV once that is done
+                    held += 1
+                    continue
+                if not self._chunk_room(req):
+                    break
                 if not req.kv_ready:  # received KV has its slots (and its cached prefix locked) already
                     self.cache.lend(req)
                 if ((not lim.chunked_prefill and req.prompt_len - req.num_computed > budget)
@@ -180,7 +184,7 @@ class Scheduler(PdTransfers):
                     if not req.kv_ready:
                         self.cache.take_back(req)
                     break
-                self.waiting.popleft()
+                del self.waiting[held]
                 req.status = Status.RUNNING
                 req.scheduled_time = time.time()
                 req.row = self._free_rows.pop()

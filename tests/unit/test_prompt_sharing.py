@@ -68,3 +68,19 @@ def test_groups_of_samples_pipelined_keep_every_slot_accounted(depth):
     assert {rid: len(t) for rid, t in out.items()} == {f"{g}.{i}": 2 + i for g in range(5) for i in range(3)}
     assert_slots_accounted(s)
     assert s.cache.hits >= 5 * 2 * (len(PROMPT) + 4)  # each group's two later samples borrowed its prompt
+
+
+def test_held_samples_do_not_hold_back_other_prompts():
+    """A sample waiting for its prompt is passed over: a request of another prompt behind it starts."""
+    s = diverse()
+    s.add(req_ids("a", PROMPT, 3))
+    s.add(req_ids("b", PROMPT, 3))
+    s.add(req_ids("other", list(range(30, 36)), 3))
+    p = s.schedule()
+    assert [n.request_id for n in p.new] == ["a", "other"]  # b waits for a's prompt
+    answer(s, p)
+    p = s.schedule()
+    assert [n.request_id for n in p.new] == ["b"] and p.new[0].cached_slots == list(range(9))
+    answer(s, p)
+    run_to_end(s)
+    assert_slots_accounted(s)
