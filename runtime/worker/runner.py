@@ -57,6 +57,7 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobRows(max_rows)
         self._prompt_rows: list[tuple[int, int, int]] = []  # this step's (row, start, positions) that asked
         self.graphs = None
+        self._graph_len_bound = False  # model.graph_max_len_in_batch below the KV rows' length
         self.prefill_graphs = None  # PrefillGraphs: a prompt's last chunk when it runs alone
         # under a step trace, each step also reports its host and device time (two timed CUDA events)
         self.timed = timed and device.type == "cuda"
@@ -68,6 +69,7 @@ class ModelRunner:
             scratch_slot = kv.num_slots - 1
             kv.req_to_slots[max_rows].fill_(scratch_slot)
             graph_len = min(graph_max_len or kv.req_to_slots.shape[1], kv.req_to_slots.shape[1])
+            self._graph_len_bound = graph_len < kv.req_to_slots.shape[1]  # else every context fits
             self.graphs = DecodeGraphs(model, kv, self.last_token, max_rows, graph_len,
                                        scratch_row=max_rows, scratch_slot=scratch_slot)
             self.graphs.capture()
@@ -179,7 +181,8 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], list[int], Optional[torch.Tensor]]:
         """(logits, sampled rows, greedy tokens already recorded as the rows' last tokens, or None)."""
-        longest = max((self.seq_len[r] + 1 for r in plan.decode_rows), default=0)  # contexts after this step
+        longest = (max((self.seq_len[r] + 1 for r in plan.decode_rows), default=0)  # contexts after this step
+                   if self.graphs is not None and self._graph_len_bound else 0)
         if self.graphs is not None and not plan.prefill and self.graphs.fits(len(plan.decode_rows), longest):
             rows = list(plan.decode_rows)
             positions = [self.seq_len[r] for r in rows]
