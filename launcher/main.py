@@ -128,6 +128,8 @@ def unknown_override_keys(overrides) -> list[str]:
 def _composition_error(e: Exception) -> str:
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else None
     text = str(e) or type(e).__name__
+    if tune_sweeper is None and "tune_schema" in f"{text}\n{cause}":
+        return "hydra/sweeper=tune needs the tuning extra (Optuna): pip install 'llaunch[tune]'"
     full_key = re.search(r"full_key: (\S+)", f"{text}\n{cause}")
     if full_key and config_keys.unknown(full_key.group(1)):  # Hydra's hint (`+key=...`) would not help
         return config_keys.unknown_key_message(full_key.group(1))
