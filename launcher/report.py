@@ -8,7 +8,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.tree import Tree
 
-from llaunch.launcher.mps import MpsDaemon
 from llaunch.launcher.rule_registry import Pending, Violation
 from llaunch.runtime.config import ProcessSpec, RunConfig
 
@@ -70,7 +69,8 @@ def graph_tree(cfg: RunConfig) -> Tree:
         tree.add(f"[dim]score head[/] {form}, {m.num_labels} output(s) {escape(str(m.labels))}: "
                  "/get_score, /classify, /v1/score")
     if cfg.parallel.cuda_mps:
-        tree.add(f"[dim]cuda mps daemon[/] {escape(str(MpsDaemon(cfg.run_dir).env))} (started first, quit last)")
+        tree.add("[dim]cuda mps daemon[/] nvidia-cuda-mps-control -d, its pipe in a private directory under the "
+                 "temp dir (started first, quit last)")
     multinode = cfg.parallel.nnodes > 1
     for spec in g.processes:
         node = tree.add(_spec_label(spec, multinode))

@@ -26,7 +26,7 @@ from pathlib import Path
 import zmq
 from rich.console import Console
 
-from llaunch.launcher.mps import MpsDaemon
+from llaunch.launcher.mps import MpsDaemon, MpsError
 from llaunch.launcher.plan import processes_on
 from llaunch.runtime.config import Mode, ProcessSpec, RunConfig
 from llaunch.runtime.ipc.messages import LauncherInbound, ProcessReady, ProcessStage
@@ -87,7 +87,7 @@ class Graph:
         # this node's share of the graph (all of it on a single node)
         self.specs: dict[str, ProcessSpec] = {p.name: p for p in processes_on(cfg.graph, cfg.parallel.node_rank)}
         gpu_procs = any(spec.gpus for spec in self.specs.values())
-        self.mps = MpsDaemon(cfg.run_dir) if cfg.parallel.cuda_mps and gpu_procs else None
+        self.mps = MpsDaemon() if cfg.parallel.cuda_mps and gpu_procs else None
 
     @property
     def serves_http(self) -> bool:
@@ -269,7 +269,7 @@ def run_graph(cfg: RunConfig, api_key: str | None = None) -> int:
             code = 130
     except ProcessDied as died:
         code = _report_death(graph, died)
-    except TimeoutError as e:
+    except (TimeoutError, MpsError) as e:
         console.print(f"[red]{e}[/]")
         code = 1
     finally:

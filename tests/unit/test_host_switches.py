@@ -33,17 +33,28 @@ def fake_control(tmp_path, monkeypatch):
     return record
 
 
-def test_mps_daemon_starts_in_the_run_dir_and_quits(fake_control, tmp_path):
-    daemon = mps.MpsDaemon(str(tmp_path / "run"))
+def test_mps_daemon_starts_in_a_private_directory_and_quits(fake_control):
+    daemon = mps.MpsDaemon()
     daemon.start()
+    pipe, log = daemon.env["CUDA_MPS_PIPE_DIRECTORY"], daemon.env["CUDA_MPS_LOG_DIRECTORY"]
+    assert os.path.isdir(pipe) and os.path.isdir(log) and len(pipe) < 80  # a unix socket's path lives there
+    base = daemon.base
     daemon.stop()
     daemon.stop()  # once only
-    pipe, log = tmp_path / "run" / "mps" / "pipe", tmp_path / "run" / "mps" / "log"
-    assert pipe.is_dir() and log.is_dir()
+    assert not os.path.exists(base)
     assert fake_control.read_text().splitlines() == [
         f"args=-d pipe={pipe} log={log} stdin=",  # -d: fork the control daemon
         f"args= pipe={pipe} log={log} stdin=quit",  # quit on its control pipe
     ]
+
+
+def test_a_daemon_that_fails_to_start_is_a_named_error(fake_control, tmp_path):
+    binary = tmp_path / "bin" / mps.CONTROL
+    binary.write_text("#!/bin/sh\necho 'MPS not supported' >&2\nexit 1\n")
+    daemon = mps.MpsDaemon()
+    with pytest.raises(mps.MpsError, match="nvidia-cuda-mps-control -d failed"):
+        daemon.start()
+    assert daemon.base is None
 
 
 def test_supervised_gpu_processes_get_the_daemon_environment(fake_control, tmp_path):
@@ -71,7 +82,8 @@ def test_supervised_gpu_processes_get_the_daemon_environment(fake_control, tmp_p
     finally:
         supervise.subprocess.Popen = real
     assert fake_control.read_text().startswith("args=-d ")
-    assert seen["worker.0.0"]["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps" / "pipe")
+    assert seen["worker.0.0"]["CUDA_MPS_PIPE_DIRECTORY"] == graph.mps.env["CUDA_MPS_PIPE_DIRECTORY"]
+    graph.mps.stop()
     assert "CUDA_MPS_PIPE_DIRECTORY" not in seen["router.0"]  # no CUDA context there
 
 
