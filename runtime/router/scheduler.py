@@ -126,8 +126,6 @@ class Scheduler(PdTransfers):
     def has_work(self) -> bool:
         return bool(self.waiting or self.num_running)
 
-    # ---- prefill/decode disaggregation ---------------------------------------------------------
-
     @property
     def steps_in_flight(self) -> int:
         return len(self._in_flight)
