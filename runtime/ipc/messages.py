@@ -162,7 +162,14 @@ class CancelKv(_Msg):
     request_id: str
 
 
-WorkerInbound = Union[StepPlan, Shutdown, SendKv, ReceiveKv, CancelKv]
+class PrepareConstraints(_Msg):
+    """Compile these constraints now (the router holds their requests until every rank reports them
+    ready, so no step waits for a grammar)."""
+
+    constraints: list[Constraint]
+
+
+WorkerInbound = Union[StepPlan, Shutdown, SendKv, ReceiveKv, CancelKv, PrepareConstraints]
 
 # ---- worker → router ---------------------------------------------------------------------------
 
@@ -210,7 +217,14 @@ class KvDone(_Msg):
     seconds: float = 0.0  # from the command to the last page acknowledged / written
 
 
-RouterResults = Union[WorkerReady, StepResult, KvDone]
+class ConstraintsReady(_Msg):
+    """One rank compiled these constraints (PrepareConstraints); `errors[i]` is None or why the i-th failed."""
+
+    constraints: list[Constraint]
+    errors: list[Optional[str]]
+
+
+RouterResults = Union[WorkerReady, StepResult, KvDone, ConstraintsReady]
 
 # ---- router → detokenizer ----------------------------------------------------------------------
 

@@ -17,11 +17,12 @@ import zmq
 
 from llaunch.runtime import bootstrap
 from llaunch.runtime.config import Mode, OnStall, RunConfig
-from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, KvDone, RequestOpened, RouterInbound,
-                                          RouterResults, RouterStats, Shutdown, StepResult, TokenBatch,
-                                          TokenDelta, WorkerReady)
+from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, ConstraintsReady, FlushCache, KvDone,
+                                          PrepareConstraints, RequestOpened, RouterInbound, RouterResults,
+                                          RouterStats, Shutdown, StepResult, TokenBatch, TokenDelta, WorkerReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender
 from llaunch.runtime.router.admission import AdmissionLimits, refusal
+from llaunch.runtime.router.grammar_gate import GrammarGate
 from llaunch.runtime.router.health import EXIT_STALLED, EngineHealth, WorkerWatch
 from llaunch.runtime.router.request import Request
 from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
@@ -78,6 +79,7 @@ class Router:
         self.trace = StepTrace.for_replica(cfg.router.step_trace, self.dp_rank)
         self.admission = admission_limits(cfg)
         self._sent: deque[tuple[int, float]] = deque()  # steps out: (step, time sent)
+        self.gate = GrammarGate(len(self.workers))  # requests whose grammar the workers still compile
 
     def wait_for_workers(self) -> None:
         msg = self.results.recv()
@@ -104,19 +106,39 @@ class Router:
             elif self.health.stalled:
                 rejected = TokenDelta(request_id=msg.request_id, token_ids=[], finish_reason="stalled",
                                       error=f"replica {self.dp_rank} is stalled: {self.health.gone or 'a step is overdue'}")
+            elif len(self.gate) and len(self.gate) + len(sched.waiting) >= sched.limits.max_waiting:
+                rejected = sched.overloaded(msg.request_id)
             else:
-                rejected = sched.add(Request(msg, sampling))
+                req = Request(msg, sampling)
+                rejected = None if self.gate.hold(req) else sched.add(req)
+                self.prepare_constraints()
             if rejected is not None:
                 if rejected.finish_reason == "error":
                     log.warning("request %s refused: %s", msg.request_id, rejected.error)
                 self.detokenizer.send(TokenBatch(deltas=[rejected]))
         elif isinstance(msg, AbortRequest):
-            delta = sched.abort(msg.request_id)
+            held = self.gate.abort(msg.request_id)
+            delta = (TokenDelta(request_id=held.id, token_ids=[], finish_reason="abort") if held is not None
+                     else sched.abort(msg.request_id))
             if delta is not None:
                 self.detokenizer.send(TokenBatch(deltas=[delta]))
         elif isinstance(msg, FlushCache):
             log.info("prompt cache flushed: %d KV slots freed", sched.cache.flush())
             self.maybe_send_stats(force=True)
+
+    def prepare_constraints(self) -> None:
+        if self.gate.to_prepare:
+            for w in self.workers:  # every rank masks its own copy of the logits
+                w.send(PrepareConstraints(constraints=self.gate.to_prepare))
+            self.gate.to_prepare = []
+
+    def on_constraints_ready(self, msg: ConstraintsReady) -> None:
+        released, failed = self.gate.on_ready(msg)
+        deltas = [d for d in (self.scheduler.add(r) for r in released) if d is not None]
+        deltas += [TokenDelta(request_id=r.id, token_ids=[], finish_reason="invalid",
+                              error=f"the constraint does not compile: {error}") for r, error in failed]
+        if deltas:
+            self.detokenizer.send(TokenBatch(deltas=deltas))
 
     def drain_inbound(self, block_ms: int) -> None:
         msg = self.requests.recv(timeout_ms=block_ms)
@@ -128,7 +150,7 @@ class Router:
         now = time.time()
         if force or now - self._last_stats >= STATS_PERIOD_S:
             s = self.scheduler
-            self.detokenizer.send(RouterStats(time=now, running=s.num_running, waiting=len(s.waiting),
+            self.detokenizer.send(RouterStats(time=now, running=s.num_running, waiting=len(s.waiting) + len(self.gate),
                                               kv_used=s.kv.num_used, kv_total=s.kv.num_slots,
                                               dp_rank=self.dp_rank, kv_evictable=s.cache.evictable,
                                               prefix_cache_tokens=s.cache.tokens,
@@ -167,9 +189,12 @@ class Router:
         """KvDone while no step is out (collect() handles those that come between steps)."""
         msg = self.results.recv(timeout_ms=block_ms)
         while msg is not None:
-            if not isinstance(msg, KvDone):
-                raise RuntimeError(f"expected KvDone from the worker, got {type(msg).__name__}")
-            self.on_kv_done(msg)
+            if isinstance(msg, ConstraintsReady):
+                self.on_constraints_ready(msg)
+            elif isinstance(msg, KvDone):
+                self.on_kv_done(msg)
+            else:
+                raise RuntimeError(f"expected KvDone or ConstraintsReady from the worker, got {type(msg).__name__}")
             msg = self.results.recv_nowait()
 
     def fill_pipeline(self) -> None:
@@ -192,6 +217,9 @@ class Router:
             result = self.results.recv(timeout_ms=20)
             if isinstance(result, KvDone):
                 self.on_kv_done(result)
+                continue
+            if isinstance(result, ConstraintsReady):
+                self.on_constraints_ready(result)
                 continue
             if result is not None:
                 break
@@ -219,6 +247,8 @@ class Router:
                 os._exit(EXIT_STALLED)
             if self.health.gone is not None:
                 deltas = self.scheduler.fail_all("stalled", f"replica {self.dp_rank}: {self.health.gone}")
+                deltas += [TokenDelta(request_id=r.id, token_ids=[], finish_reason="stalled",
+                                      error=f"replica {self.dp_rank}: {self.health.gone}") for r in self.gate.take_all()]
                 self._sent.clear()
                 if deltas:
                     self.detokenizer.send(TokenBatch(deltas=deltas))
@@ -233,9 +263,10 @@ class Router:
                 self.maybe_send_stats()
                 continue
             idle = not sched.has_work() and not sched.steps_in_flight
-            self.drain_inbound(block_ms=int(STATS_PERIOD_S * 1000) if idle and not sched.transfers else 0)
+            waits = sched.transfers or len(self.gate)  # for worker reports that no step result brings
+            self.drain_inbound(block_ms=int(STATS_PERIOD_S * 1000) if idle and not waits else 0)
             self.send_kv_commands()
-            if sched.transfers and not sched.steps_in_flight:
+            if waits and not sched.steps_in_flight:
                 self.poll_transfers(block_ms=2 if idle else 0)
                 self.send_kv_commands()
             self.fill_pipeline()

@@ -92,15 +92,18 @@ class Scheduler(PdTransfers):
             return TokenDelta(request_id=req.id, token_ids=[], finish_reason="error",
                               error=f"it needs {req.peak_tokens} KV slots; the cache holds {self.limits.kv_slots}")
         if len(self.waiting) + len(self.awaiting_kv) >= self.limits.max_waiting:
-            return TokenDelta(request_id=req.id, token_ids=[], finish_reason="overloaded",
-                              error=f"{self.limits.max_waiting} requests are already waiting "
-                                    "(router.max_waiting_requests); retry later")
+            return self.overloaded(req.id)
         if req.pd is not None and self.limits.pd_role == "decode":
             self.awaiting_kv.append(req)
         else:
             self.waiting.append(req)
         self.by_id[req.id] = req
         return None
+
+    def overloaded(self, request_id: str) -> TokenDelta:
+        return TokenDelta(request_id=request_id, token_ids=[], finish_reason="overloaded",
+                          error=f"{self.limits.max_waiting} requests are already waiting "
+                                "(router.max_waiting_requests); retry later")
 
     def abort(self, request_id: str) -> Optional[TokenDelta]:
         """End a request now; its KV is freed (or cached) at once, or when the steps in flight that use

@@ -22,10 +22,11 @@ import zmq
 from llaunch.runtime.config import Mode, RunConfig
 from llaunch.kernels import settings as kernel_settings
 from llaunch.runtime import bootstrap
-from llaunch.runtime.ipc.messages import (CancelKv, ReceiveKv, SendKv, Shutdown, StepPlan, WorkerInbound,
-                                          WorkerReady)
+from llaunch.runtime.ipc.messages import (CancelKv, PrepareConstraints, ReceiveKv, SendKv, Shutdown, StepPlan,
+                                          WorkerInbound, WorkerReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender, SocketMonitor
 from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
+from llaunch.runtime.worker.constraint_prep import ConstraintPrep
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
 
@@ -152,10 +153,11 @@ def main() -> None:
     kv = model.make_kv_cache(num_slots + 1, max_rows + 1, cfg.model.max_model_len)
     if device.type == "cuda":
         stage("capturing CUDA graphs and compiling kernels" if not cfg.model.enforce_eager else "compiling kernels")
+    grammars = grammar_compiler(cfg)  # one compiler: the router's prepares fill the cache the steps read
     runner = ModelRunner(model, kv, max_rows, device, cuda_graphs=not cfg.model.enforce_eager,
                          prefill_graph_tokens=cfg.model.prefill_graph_tokens,
                          timed=cfg.router.step_trace is not None, eos_ids=tuple(cfg.model.eos_token_ids or ()),
-                         grammar=grammar_compiler(cfg), graph_max_len=cfg.model.graph_max_len_in_batch)
+                         grammar=grammars, graph_max_len=cfg.model.graph_max_len_in_batch)
     log.info("model loaded: %s %s on %s, %d KV slots", cfg.model.name, dtype, device, num_slots)
     if watch is not None:
         watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up
@@ -178,7 +180,7 @@ def main() -> None:
                  else "sending")
     try:
         serve(runner, plans, results if spec.tp_rank == 0 else None, overlap=device.type == "cuda", link=link,
-              kv_results=results)
+              kv_results=results, prep=ConstraintPrep(grammars))
     except KvTransportStuck as e:
         # Closing the link or CUDA's teardown can block behind the stuck kernel: leave now; the
         # launcher sees the worker die and takes the instance down, the pd_master marks it unhealthy.
@@ -212,11 +214,13 @@ def log_admitted(plan: StepPlan) -> None:
 
 
 def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Optional[KvLink] = None,
-          kv_results=None) -> None:
+          kv_results=None, prep: Optional[ConstraintPrep] = None) -> None:
     """Run plans in order. With `overlap`, step N+1 is launched before step N's tokens are read,
     so the device is busy while the host prepares the next step. With a KV `link`, transfer
-    commands start between steps and their ends are reported as they come."""
+    commands start between steps and their ends are reported as they come; with `prep`, grammars the
+    router asks for compile meanwhile and each rank reports them (`kv_results`: every rank's sender)."""
     pending = None
+    prep = prep or ConstraintPrep(None)
 
     def send(step):
         result = runner.finish(step)
@@ -224,7 +228,13 @@ def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Op
             results.send(result)
 
     while True:
-        if link is not None and link.busy:
+        if prep.pending:
+            ready = prep.poll()
+            if ready is not None:
+                kv_results.send(ready)
+        if prep.pending and pending is None:  # a compile's end must be reported while nothing runs
+            msg = plans.recv(timeout_ms=1)
+        elif link is not None and link.busy:
             for done in link.poll():
                 kv_results.send(done)
             msg = plans.recv(timeout_ms=1) if pending is None else plans.recv_nowait()
@@ -236,6 +246,11 @@ def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Op
             link.check()  # before the message can put work on a GPU that a stuck transfer blocks
         if isinstance(msg, (SendKv, ReceiveKv, CancelKv)):
             link.start(msg)  # a send waits on the device for the steps launched so far
+            continue
+        if isinstance(msg, PrepareConstraints):
+            failed = prep.start(msg)
+            if failed is not None:
+                kv_results.send(failed)
             continue
         if msg is None:
             if pending is None:
