@@ -71,7 +71,8 @@ HOSTILE = [
     # thousands of long stop strings would slow every token of every request (detokenizer)
     (json.dumps({"model": MODEL, "prompt": "x", "stop": ["stop" * 200] * 2000}), "stop"),
     # a field llaunch does not implement is refused, not ignored
-    ('{"model": "tiny-qwen2", "prompt": "x", "prompt_logprobs": 1}', "prompt_logprobs"),
+    ('{"model": "tiny-qwen2", "prompt": "x", "suffix": "y"}', "suffix"),
+    ('{"model": "tiny-qwen2", "prompt": "x", "prompt_logprobs": 21}', "prompt_logprobs"),  # at most 20
     # nesting deep enough to overflow a recursive decoder
     ('{"model": "tiny-qwen2", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", None),
 ]
