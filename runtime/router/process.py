@@ -110,7 +110,8 @@ class Router:
                 rejected = sched.overloaded(msg.request_id)
             else:
                 req = Request(msg, sampling)
-                rejected = None if self.gate.hold(req) else sched.add(req)
+                # a PD request's KV transfer is paced by the other instance: it is not held back here
+                rejected = None if msg.pd is None and self.gate.hold(req) else sched.add(req)
                 self.prepare_constraints()
             if rejected is not None:
                 if rejected.finish_reason == "error":
