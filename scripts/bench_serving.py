@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import functools
+import itertools
 import json
 import math
 import os
@@ -64,6 +66,8 @@ async def send_request(client: "httpx.AsyncClient", args: argparse.Namespace, pr
                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     if args.multi_turn > 1:
         payload["return_token_ids"] = True  # the next turn's history holds the answer's tokens
+    if args.response_format is not None:
+        payload["response_format"] = fresh_schema(args) if args.fresh_schemas else args.response_format
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timer = StreamTimer(len(prompt), time.perf_counter())
     try:
@@ -76,6 +80,18 @@ async def send_request(client: "httpx.AsyncClient", args: argparse.Namespace, pr
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         return timer.finish(error=f"{type(e).__name__}: {e}")
     return timer.finish()
+
+
+_schema_serial = itertools.count()
+
+
+def fresh_schema(args: argparse.Namespace) -> dict[str, Any]:
+    """--response-format with one more (optional) property whose name no earlier request used: the
+    server has never compiled this schema (a cold compile on the request's path)."""
+    rf = copy.deepcopy(args.response_format)
+    schema = rf["json_schema"]["schema"]
+    schema.setdefault("properties", {})[f"x{args.seed}_{os.getpid()}_{next(_schema_serial)}"] = {"type": "integer"}
+    return rf
 
 
 async def run_conversation(send, turns: list[list[int]]) -> list[RequestOutput]:
@@ -282,6 +298,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--trace", default=None, help="JSONL trace to replay (scripts/bench_trace.py describes it)")
     ap.add_argument("--lengths", choices=("fixed", "sharegpt"), default="fixed",
                     help="fixed: every request --input-len/--output-len; sharegpt: drawn around those means")
+    ap.add_argument("--response-format", default=None,
+                    help="structured output: an OpenAI response_format object (JSON, or @FILE) sent with every request")
+    ap.add_argument("--fresh-schemas", action="store_true",
+                    help="give every request's json_schema a property no earlier request had (cold compiles)")
     ap.add_argument("--max-model-len", type=int, default=None, help="sharegpt lengths are cut to fit this")
     args = ap.parse_args(argv)
     if args.concurrency < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
@@ -294,6 +314,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error("--shared-prefix-groups and --shared-prefix-len go together (both > 0)")
     if (args.trace or args.lengths != "fixed") and (args.multi_turn > 1 or args.shared_prefix_groups):
         ap.error("--trace and --lengths sharegpt are single-turn workloads: no --multi-turn or --shared-prefix-*")
+    if args.response_format is not None:
+        text = args.response_format
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                text = f.read()
+        args.response_format = json.loads(text)
+    if args.fresh_schemas and (args.response_format or {}).get("type") != "json_schema":
+        ap.error("--fresh-schemas needs a --response-format of type json_schema")
     return args
 
 

@@ -12,7 +12,9 @@
 #   stash     keep the half this call carries in /tmp/stash for the next call on the same machine
 #   install   the wheelhouse into /tmp/site, llaunch editable
 #   tests     TRITON_INTERPRET=0 pytest -m gpu tests/kernels tests/gpu (SmolLM2 from the two halves)
-#   cases     one server (SERVE), launch -> /health timed, then CASES (default: single c64 c256), each
+#   cases     one server (SERVE), launch -> /health timed, then CASES (default: single c64 c256; also long,
+#             c64json: c64 with a JSON schema on every request, schema_warm / schema_cold: TTFT with a
+#             compiled / never-seen schema), each
 #             REPEATS times (default 3) on prompts no earlier run sent (a seed per case and run), with
 #             the prefix-cache hit rate; the summary's headline is the minimum over the repeats
 #   baseline  transformers' generate on the same model shape (../shared/bench/hf_baseline.py)
@@ -75,18 +77,17 @@ if has tests; then
 fi
 
 # the seed of run R of a case: far apart, so no two runs share a prompt (each run also uses seed+1..3)
-case_seed() { case $1 in single) echo 1000 ;; c64) echo 2000 ;; c256) echo 3000 ;; long) echo 4000 ;; esac; }
-run_case() {  # name prompts input output concurrency timeout
-  local name=$1 r
-  for r in $(seq 1 "$REPEATS"); do
-    stamp "bench $name, run $r of $REPEATS"
-    $PY -c "import time; print(time.monotonic())" > "$OUT/window-$name-$r.txt"
-    timeout "$6" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model "$MODEL" \
-      --num-prompts "$2" --input-len "$3" --output-len "$4" --concurrency "$5" --warmup 2 --vocab-size 151000 \
-      --seed $(( $(case_seed "$name") + 100 * r )) --client-procs $(( $5 >= 64 ? ${CLIENT_PROCS:-4} : 1 )) \
-      --result-file "$OUT/bench-$name-$r.json" 2>&1 | grep -E "Output token throughput|P99 TTFT|Median TTFT|Median TPOT|hit rate|Failed"
-    $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$name-$r.txt"
-  done
+case_seed() { case $1 in single) echo 1000 ;; c64) echo 2000 ;; c256) echo 3000 ;; long) echo 4000 ;;
+  c64json) echo 5000 ;; schema_warm) echo 6000 ;; schema_cold) echo 7000 ;; esac; }
+run_case() {  # name run prompts input output concurrency timeout [bench options]
+  local name=$1 r=$2
+  stamp "bench $name, run $r of $REPEATS"
+  $PY -c "import time; print(time.monotonic())" > "$OUT/window-$name-$r.txt"
+  timeout "$7" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model "$MODEL" \
+    --num-prompts "$3" --input-len "$4" --output-len "$5" --concurrency "$6" --warmup 2 --vocab-size 151000 \
+    --seed $(( $(case_seed "$name") + 100 * r )) --client-procs $(( $6 >= 64 ? ${CLIENT_PROCS:-4} : 1 )) \
+    --result-file "$OUT/bench-$name-$r.json" "${@:8}" 2>&1 | grep -E "Output token throughput|P99 TTFT|Median TTFT|Median TPOT|hit rate|Failed"
+  $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$name-$r.txt"
 }
 
 if has cases; then
@@ -99,13 +100,20 @@ if has cases; then
     $PY -c "import time, sys; print(f'launch -> /health 200: {time.time() - float(sys.argv[1]):.1f}s')" "$start" \
       | tee "$OUT/startup.txt"
     MODEL=$(curl -s localhost:8000/v1/models | $PY -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
-    for c in $CASES; do
-      case $c in
-        single) run_case single 5 512 256 1 120 ;;
-        c64) run_case c64 512 1024 256 64 200 ;;
-        c256) run_case c256 1024 1024 256 256 300 ;;
-        long) run_case long 64 8192 512 16 400 ;;
-      esac
+    # runs interleave (run 1 of every case, then run 2, ...): a drifting machine shows in every case alike
+    for r in $(seq 1 "$REPEATS"); do
+      for c in $CASES; do
+        case $c in
+          single) run_case single $r 5 512 256 1 120 ;;
+          c64) run_case c64 $r 512 1024 256 64 200 ;;
+          c64json) run_case c64json $r 512 1024 256 64 200 --response-format @scripts/bench_schema.json ;;
+          c256) run_case c256 $r 1024 1024 256 256 300 ;;
+          long) run_case long $r 64 8192 512 16 400 ;;
+          # time to first token with a schema the server has compiled before / never seen (one stream)
+          schema_warm) run_case schema_warm $r 16 512 16 1 120 --response-format @scripts/bench_schema.json ;;
+          schema_cold) run_case schema_cold $r 16 512 16 1 120 --response-format @scripts/bench_schema.json --fresh-schemas ;;
+        esac
+      done
     done
   else
     status=1; tail -30 "$OUT/llaunch.log"; for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -15 "$f"; done
@@ -125,12 +133,13 @@ runs = {}
 for path in sorted(glob.glob(os.path.join(out, "bench-*.json"))):
     name = os.path.basename(path)[len("bench-"):-len(".json")].rsplit("-", 1)[0]
     runs.setdefault(name, []).append(json.load(open(path)))
-print(f"{'case':8} {'runs':>4} {'out tok/s min':>14} {'max':>9} {'TTFT p99 ms max':>16} {'TPOT med ms':>12} {'hit rate':>9} {'failed':>7}")
+print(f"{'case':12} {'runs':>4} {'out tok/s min':>14} {'max':>9} {'TTFT med ms':>12} {'TTFT p99 ms max':>16} {'TPOT med ms':>12} {'hit rate':>9} {'failed':>7}")
 for name, rs in runs.items():
     tput = [r["output_throughput"] for r in rs]
     hits = [r.get("prefix_cache_hit_rate") for r in rs]
     hit = "n/a" if None in hits else f"{100 * max(hits):.2f}%"
-    print(f"{name:8} {len(rs):>4} {min(tput):>14.1f} {max(tput):>9.1f} {max(r['p99_ttft_ms'] for r in rs):>16.0f} "
+    print(f"{name:12} {len(rs):>4} {min(tput):>14.1f} {max(tput):>9.1f} {max(r['median_ttft_ms'] for r in rs):>12.1f} "
+          f"{max(r['p99_ttft_ms'] for r in rs):>16.0f} "
           f"{max(r['median_tpot_ms'] for r in rs):>12.2f} {hit:>9} {sum(r['failed'] for r in rs):>7}")
 PYEOF
 fi

@@ -334,3 +334,17 @@ def test_goodput_counts_requests_within_both_slos(bench):
     assert bench.compute_metrics(outputs, duration=2.0, slo_ttft_ms=200)["good_requests"] == 2
     assert "goodput" not in bench.compute_metrics(outputs, duration=2.0)
     assert bench.compute_metrics(outputs, duration=2.0)["p95_ttft_ms"] == pytest.approx(100 + 0.9 * 200)
+
+
+def test_response_format_from_a_file_and_fresh_schemas_never_repeat(bench):
+    import pathlib
+
+    path = pathlib.Path(bench.__file__).parent / "bench_schema.json"
+    args = bench.parse_args(["--model", "m", "--response-format", f"@{path}", "--fresh-schemas"])
+    assert args.response_format["type"] == "json_schema"
+    schemas = [bench.fresh_schema(args)["json_schema"]["schema"] for _ in range(3)]
+    names = [set(s["properties"]) for s in schemas]
+    assert len({frozenset(n) for n in names}) == 3  # each request's schema is one the server has not seen
+    assert all(n >= set(args.response_format["json_schema"]["schema"]["properties"]) for n in names)
+    with pytest.raises(SystemExit):  # fresh schemas need a json_schema to vary
+        bench.parse_args(["--model", "m", "--response-format", '{"type": "json_object"}', "--fresh-schemas"])
