@@ -29,6 +29,15 @@ class DType(str, Enum):
     float16 = "float16"
 
 
+class WeightQuantization(str, Enum):
+    fp8 = "fp8"  # e4m3 weights, one scale per output channel; activations quantized per token (W8A8)
+
+
+class KvDType(str, Enum):
+    auto = "auto"  # the model's dtype (model.dtype)
+    fp8_e4m3 = "fp8_e4m3"  # float8_e4m3fn with one scale per layer for K and one for V: half of bf16's bytes
+
+
 class Device(str, Enum):
     auto = "auto"
     cuda = "cuda"
@@ -133,6 +142,9 @@ class ModelConfig:
     labels: Optional[List[str]] = None  # task=score: names of the head's outputs; default config.json's id2label
     score_head: Optional[ScoreHead] = None  # task=score: the head's form; None: from config.json's architectures
     pad_token_id: Optional[int] = None  # task=score: trailing pad tokens are not pooled (transformers); config.json's
+    # fp8: quantize a bf16/fp32 checkpoint's decoder linear weights to e4m3 at load (as vLLM's --quantization
+    # fp8). None: as the checkpoint is (an fp8 checkpoint's quantization_config is always honoured).
+    quantization: Optional[WeightQuantization] = None  # fp8 | None
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,13 @@ class CacheConfig:
     max_total_tokens: Optional[int] = None  # KV slots; None: sized from memory
     cpu_kv_gib: float = 1.0  # KV budget on CPU when max_total_tokens is unset
     prompt_cache: bool = True  # reuse the KV of shared prompt prefixes (a radix tree of finished requests)
+    kv_dtype: KvDType = KvDType.auto  # auto: the model's dtype; fp8_e4m3: 1 byte per element (2x the tokens of bf16)
+    # fp8_e4m3: a JSON file of per-layer scales {"k_scale": [...], "v_scale": [...]} (written by kv_calibration);
+    # None: every scale 1.0 (K and V values beyond ±448 saturate).
+    kv_scales: Optional[str] = None
+    # A JSON file the workers write at exit: per-layer K/V absmax / 448 over every token they served (load it
+    # with kv_scales). Serve a calibration set with it set, then stop the server.
+    kv_calibration: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,15 @@ from functools import lru_cache
 from typing import Any, Optional
 
 from llaunch.runtime.config import DType
+from llaunch.runtime.models.vision_config import multimodal_fields
+from llaunch.runtime.models.quant_scheme import WeightQuant, checkpoint_weight_quant
 
 # The architecture fields, in ModelConfig's (and config.json's) names.
 ARCH_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
     "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "num_labels",
+    "mrope_section", "vision",
 )
 # config.json architectures whose head scores a sequence instead of predicting tokens (model.task=score)
 SCORE_HEADS = ("ForSequenceClassification", "RewardModel")  # RewardModel: also *ForProcessRewardModel (refused)
@@ -47,6 +50,7 @@ class Checkpoint:
     architectures: list[str] = field(default_factory=list)  # config.json's (empty for GGUF)
     labels: list[str] = field(default_factory=list)  # a score head's output names (id2label, in index order)
     pad_token_id: Optional[int] = None
+    weight_quant: Optional[WeightQuant] = None  # config.json's quantization_config, parsed; None: not quantized
 
     @property
     def score_head(self) -> Optional[str]:
@@ -99,13 +103,18 @@ def _read_json(path: str) -> dict:
 def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = None) -> Checkpoint:
     """A config.json dict (transformers 4.x `rope_theta`/`rope_scaling`/`torch_dtype` or 5.x
     `rope_parameters`/`dtype`), with generation_config.json's dict when there is one."""
-    c = c.get("text_config", c)  # multimodal wrappers keep the language model's config inside
+    weight_quant = checkpoint_weight_quant(c)
+    top, c = c, c.get("text_config", c)  # multimodal wrappers keep the language model's config inside
     family = c.get("model_type")
+    vision = multimodal_fields(top)  # Qwen2-VL: its vision tower and image token ids (runtime/models/vision_config.py)
+    if vision is not None:
+        family = top["model_type"]
     rope_parameters = c.get("rope_parameters") or {}  # transformers 5 folds rope_theta/scaling in here
     rope_scaling = c.get("rope_scaling")
     if rope_scaling is None:
         rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+    mrope_section = (rope_scaling or rope_parameters).get("mrope_section") if vision is not None else None
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default", "mrope"):
         rope_scaling = None  # plain RoPE
     heads = c.get("num_attention_heads")
     arch = {
@@ -120,13 +129,15 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
         "rope_theta": c.get("rope_theta", rope_parameters.get("rope_theta")),
         "rope_scaling": rope_scaling or None,
         "rms_norm_eps": c.get("rms_norm_eps"),
-        "tie_word_embeddings": c.get("tie_word_embeddings", False),  # Llama/Qwen2 config default
-        "attention_bias": True if family == "qwen2" else c.get("attention_bias", False),
+        "tie_word_embeddings": c.get("tie_word_embeddings", top.get("tie_word_embeddings", False)),  # Llama/Qwen2 default
+        "attention_bias": True if family in ("qwen2", "qwen2_vl") else c.get("attention_bias", False),
+        "mrope_section": list(mrope_section) if mrope_section else None,
+        "vision": vision,
     }
     eos = _eos_list(c.get("eos_token_id"))
     if generation:  # generate() stops at these too: take the union
         eos += [t for t in _eos_list(generation.get("eos_token_id")) if t not in eos]
-    dtype = c.get("torch_dtype", c.get("dtype"))
+    dtype = c.get("torch_dtype", c.get("dtype", top.get("torch_dtype", top.get("dtype"))))
     unsupported = [f"{key}=true" for key in ("mlp_bias", "use_sliding_window") if c.get(key)]
     sampling = {k: float(generation[k]) for k in SAMPLING_KEYS
                 if generation and isinstance(generation.get(k), (int, float)) and not isinstance(generation[k], bool)}
@@ -143,7 +154,8 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
     return Checkpoint(family=family, arch={k: v for k, v in arch.items() if v is not None},
                       dtype=str(dtype) if dtype is not None else None, eos_token_ids=eos, unsupported=unsupported,
                       sampling=sampling, architectures=architectures, labels=labels,
-                      pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None)
+                      pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
+                      weight_quant=weight_quant)
 
 
 def _from_hf_folder(folder: str) -> Checkpoint:

@@ -95,6 +95,10 @@ BREAKS = {
     "score_not_in_pd_modes": [["model.task=score", "model.num_labels=1", "mode=pd_prefill"]],
     "diverse_mode_needs_prompt_cache": [["router.diverse_mode=true", "cache.prompt_cache=false"]],
     "token_healing_without_all_prompt_logprobs": [["server.token_healing=true", "server.return_all_prompt_logprobs=true"]],
+    "kv_scales_need_fp8": [["cache.kv_scales=/etc/hostname"],
+                           ["cache.kv_dtype=fp8_e4m3", "cache.kv_scales=/etc/hostname", "cache.kv_calibration=/x.json"]],
+    "kv_scales_file_exists": [["cache.kv_dtype=fp8_e4m3", "cache.kv_scales=/no/such/scales.json"]],
+    "fp8_kv_not_in_pd": [["mode=pd_decode", "cache.kv_dtype=fp8_e4m3"]],
 }
 
 
@@ -110,7 +114,8 @@ def test_every_rule_has_a_break_case():
                             "checkpoint_dtype_supported", "ports_distinct", "server_port_free",
                             "cuda_mps_daemon_installed",  # tests/unit/test_host_switches.py
                             "generate_needs_lm_head", "score_head_supported",  # tests/unit/test_score_model.py
-                            "metrics_port_free"}  # tests/integration/test_tgi_api.py
+                            "metrics_port_free",  # tests/integration/test_tgi_api.py
+                            "checkpoint_quantization_supported"}  # tests/unit/test_quant_rules.py
     assert {r.name for r in rules.RULES} == tested
 
 
