@@ -237,7 +237,9 @@ class ModelRunner:
     def sample_deferred(self, pending: PendingStep) -> None:
         """A deferred step's sampling, now that its rows have accepted every earlier token."""
         logits, pending.deferred = pending.deferred, None
+        t0 = time.perf_counter()
         self._sample(pending, logits)
+        pending.launch_s += time.perf_counter() - t0  # the trace's host time includes the masks' fill
 
     def _sample(self, pending: PendingStep, logits: torch.Tensor) -> None:
         rows = pending.rows
