@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from llaunch.kernels import reference, settings
+from llaunch.kernels import fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
                    "silu_mul", "sampling", "greedy")
@@ -96,7 +96,16 @@ def _one_row(x) -> bool:
     return settings.current.triton_gemv and _use_triton(x) and x.dim() == 2 and x.shape[0] == 1
 
 
+def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None):
+    """An fp8 layer (kernels/fp8.py): cuBLASLt's scaled GEMM on a GPU, its roundings in torch elsewhere."""
+    if x.is_cuda and not settings.current.reference:
+        return fp8.scaled_mm_linear(x, weight, bias)
+    return fp8.reference_linear(x, weight, bias)
+
+
 def linear(x, weight, bias=None):
+    if isinstance(weight, fp8.Fp8Weight):
+        return fp8_linear(x, weight, bias)
     if _one_row(x):
         return triton_ops().gemv(x, weight, bias)
     return reference.linear(x, weight, bias)
@@ -114,6 +123,8 @@ def lm_head_linear(x, weight):
 
 
 def gated_linear(x, weight):
+    if isinstance(weight, fp8.Fp8Weight):
+        return silu_mul(fp8_linear(x, weight))
     if _one_row(x):
         return triton_ops().gemv(x, weight, gated=True)
     return silu_mul(reference.linear(x, weight))

@@ -5,11 +5,13 @@ from typing import Callable, Optional
 
 import torch
 
-from llaunch.runtime.config import ModelConfig
+from llaunch.runtime.config import ModelConfig, WeightQuantization
 from llaunch.runtime.models.arch import ModelArch
+from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.decoder import DecoderLM
+from llaunch.runtime.models.fp8_linear import load_scales, quantize_linears, use_checkpoint_fp8
 from llaunch.runtime.models.layers import TpGroup
-from llaunch.runtime.models.weights import load_weights
+from llaunch.runtime.models.weights import load_from, open_source, resolve_load_format
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
@@ -20,5 +22,27 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp_r
     arch = ModelArch.from_model_config(cfg)
     max_positions = max(arch.max_position_embeddings, cfg.max_model_len or 0)
     model = DecoderLM(arch, TpGroup(tp_rank, tp_size, process_group), torch.device(device), dtype, max_positions)
-    load_weights(model, cfg, progress)
+    load_model_weights(model, cfg, progress)
     return model.eval()
+
+
+def load_model_weights(model: DecoderLM, cfg: ModelConfig, progress: Optional[Callable[[float], None]] = None) -> None:
+    """Weights per cfg.load_format; an fp8 checkpoint (quantization_config) fills fp8 layers with its
+    scales, and model.quantization=fp8 quantizes a float checkpoint's linears after loading."""
+    quant = None
+    if cfg.path and resolve_load_format(cfg) == "safetensors":
+        ckpt = read_checkpoint(cfg.path)
+        quant = ckpt.weight_quant if ckpt is not None else None
+    if quant is not None and not quant.served:  # the launcher refuses these first (checkpoint_quantization_supported)
+        raise ValueError(f"{cfg.path}: {quant.method} quantization is not implemented ({'; '.join(quant.problems)})")
+    source = open_source(cfg, model.device, model.arch.num_params)
+    try:
+        if quant is not None:
+            use_checkpoint_fp8(model, quant, source)
+        load_from(model, source, progress)
+        if quant is not None:
+            load_scales(model, source)
+    finally:
+        source.close()
+    if cfg.quantization == WeightQuantization.fp8 and quant is None:
+        quantize_linears(model)

@@ -77,6 +77,12 @@ class SafetensorsSource:
         _check_shape(shard.name, tensor.get_shape(), shard.full_shape)
         return _slice(tensor, shard)
 
+    def read_whole(self, name: str) -> torch.Tensor:
+        """A whole tensor of any shape (0-d included): the small scales of an fp8 checkpoint."""
+        if name not in self._where:
+            raise KeyError(f"checkpoint has no tensor {name}")
+        return self._where[name].get_tensor(name)
+
     def close(self) -> None:
         self._files.close()
 

@@ -1,0 +1,85 @@
+"""fp8 (e4m3) linear layers: weights stored as float8_e4m3fn with one float32 scale per output
+channel, activations quantized per token at run time (or with a checkpoint's static per-tensor scale,
+or not at all: weight-only).
+
+GPU: torch._scaled_mm (cuBLASLt fp8 GEMM) with row-wise scales, activations [M, K] row-major and
+weights [N, K] row-major given as their column-major transpose. CPU: the reference, which performs
+the same roundings (activations to e4m3 and back, weights times scales) in the model's dtype, so CPU
+tests check the GPU path's numerics (up to the GEMM's accumulation order).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row keeps a finite scale (vLLM's floor)
+DYNAMIC, STATIC, NONE = "dynamic", "static", "none"  # activation modes (runtime/models/quant_scheme.py)
+
+
+class Fp8Weight(NamedTuple):
+    """What an fp8 linear layer hands the `linear` op in place of a weight tensor."""
+
+    weight: torch.Tensor  # [N, K] float8_e4m3fn
+    scale: torch.Tensor  # [N] float32: row n of the real weight is weight[n] * scale[n]
+    activations: str = DYNAMIC  # dynamic (per token) | static (input_scale) | none (weight-only)
+    input_scale: Optional[torch.Tensor] = None  # static: [] float32
+    scale_ub: Optional[float] = None  # dynamic: a token's absmax is clipped to this (FBGEMM's activation_scale_ub)
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to e4m3, saturating at ±448 (a plain cast would make NaN of larger values)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def token_scales(x: torch.Tensor, scale_ub: Optional[float] = None) -> torch.Tensor:
+    """One float32 scale per row of x [M, K]: its absmax / 448 → [M, 1]."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    if scale_ub is not None:
+        amax = amax.clamp(max=scale_ub)
+    return (amax / FP8_MAX).clamp(min=MIN_SCALE)
+
+
+def quantize_activations(x: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (e4m3 [M, K], float32 scales [M, 1]) as `w`'s activation mode says."""
+    if w.activations == STATIC:
+        scale = w.input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    else:
+        scale = token_scales(x, w.scale_ub)
+    return to_fp8(x, scale), scale
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] → (e4m3 [N, K], float32 scale per output channel [N])."""
+    scale = (weight.abs().amax(dim=1).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    return to_fp8(weight, scale[:, None]), scale
+
+
+def dequantize_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    return (w.weight.float() * w.scale[:, None]).to(dtype)
+
+
+def reference_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The roundings of the GPU path in plain torch: activations to e4m3 and back, dequantized weights."""
+    if w.activations != NONE:
+        flat = x.reshape(-1, x.shape[-1])
+        q, scale = quantize_activations(flat, w)
+        x = (q.float() * scale).to(x.dtype).reshape(x.shape)
+    return F.linear(x, dequantize_weight(w, x.dtype), bias)
+
+
+def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """cuBLASLt's fp8 GEMM with a scale per token (scale_a [M, 1]) and per channel (scale_b [1, N]).
+    Weight-only checkpoints (activations none) dequantize the weight and run the model dtype's GEMM."""
+    if w.activations == NONE:
+        return F.linear(x, dequantize_weight(w, x.dtype), bias)
+    flat = x.reshape(-1, x.shape[-1])
+    q, scale = quantize_activations(flat, w)
+    # row-wise scaling wants bfloat16 out; b is the weight's transpose, a column-major [K, N] view
+    y = torch._scaled_mm(q, w.weight.t(), scale_a=scale.contiguous(), scale_b=w.scale.view(1, -1),
+                         out_dtype=torch.bfloat16)
+    y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
