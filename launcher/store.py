@@ -15,7 +15,7 @@ from llaunch.runtime import config as schema
 
 REPO_ROOT = Path(llaunch.launcher.__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
-GROUPS = ("model", "parallel", "cache", "mode", "router", "server", "kernels", "bench")
+GROUPS = ("model", "parallel", "cache", "mode", "router", "server", "kernels", "visual", "spec", "bench")
 
 _SCHEMAS = {
     "llaunch_schema": schema.LlaunchConfig,
@@ -26,6 +26,8 @@ _SCHEMAS = {
     "router_schema": schema.RouterConfig,
     "server_schema": schema.ServerConfig,
     "kernels_schema": schema.KernelSettings,
+    "visual_schema": schema.VisualConfig,
+    "spec_schema": schema.SpecConfig,
     "bench_schema": schema.BenchConfig,
 }
 

@@ -142,6 +142,8 @@ class ModelConfig:
     labels: Optional[List[str]] = None  # task=score: names of the head's outputs; default config.json's id2label
     score_head: Optional[ScoreHead] = None  # task=score: the head's form; None: from config.json's architectures
     pad_token_id: Optional[int] = None  # task=score: trailing pad tokens are not pooled (transformers); config.json's
+    mrope_section: Optional[List[int]] = None  # architecture: Qwen2-VL's M-RoPE runs of rotary frequencies (t, h, w)
+    vision: Optional[Dict[str, Any]] = None  # architecture: Qwen2-VL's vision tower and image token ids (config.json)
     # fp8: quantize a bf16/fp32 checkpoint's decoder linear weights to e4m3 at load (as vLLM's --quantization
     # fp8). None: as the checkpoint is (an fp8 checkpoint's quantization_config is always honoured).
     quantization: Optional[WeightQuantization] = None  # fp8 | None
@@ -173,6 +175,7 @@ class CacheConfig:
     max_total_tokens: Optional[int] = None  # KV slots; None: sized from memory
     cpu_kv_gib: float = 1.0  # KV budget on CPU when max_total_tokens is unset
     prompt_cache: bool = True  # reuse the KV of shared prompt prefixes (a radix tree of finished requests)
+    cpu_tokens: int = 0  # host-memory KV tier under the prompt cache, token slots per replica (evicted KV is kept there); 0: off
     kv_dtype: KvDType = KvDType.auto  # auto: the model's dtype; fp8_e4m3: 1 byte per element (2x the tokens of bf16)
     # fp8_e4m3: a JSON file of per-layer scales {"k_scale": [...], "v_scale": [...]} (written by kv_calibration);
     # None: every scale 1.0 (K and V values beyond ±448 saturate).
@@ -180,6 +183,19 @@ class CacheConfig:
     # A JSON file the workers write at exit: per-layer K/V absmax / 448 over every token they served (load it
     # with kv_scales). Serve a calibration set with it set, then stop the server.
     kv_calibration: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class VisualConfig:
+    """Images of multimodal models (Qwen2-VL): what a request may send, and the embed cache."""
+
+    max_images_per_request: int = 8  # image_url parts per chat request; more: 400
+    max_image_bytes: int = 20 * 2**20  # encoded bytes of one image (after base64 decoding); more: 400
+    max_image_pixels: int = 4096 * 4096  # width x height of one decoded image; more: 400
+    # image_url file:// URLs (and plain paths) are read only under this folder; None: refused (400).
+    allowed_local_media_path: Optional[str] = None
+    # Embeddings of recent images, keyed by a hash of their pixels (LRU): a repeated image is not encoded again.
+    embed_cache_mib: int = 512
 
 
 @dataclass(frozen=True)
@@ -278,6 +294,22 @@ class BenchConfig:
     lengths: BenchLengths = BenchLengths.fixed  # fixed | sharegpt: prompt/output lengths (no trace)
 
 
+class SpecMethod(str, Enum):
+    none = "none"
+    ngram = "ngram"  # proposals looked up in the prompt and output (runtime/router/spec_decode.py)
+    draft = "draft"  # a small draft model (not built yet: refused by rule spec_method_available)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: SpecMethod = SpecMethod.none  # speculative decoding: none | ngram | draft (greedy output is unchanged)
+    num_tokens: int = 4  # k: tokens proposed per row and step, verified in one k+1-token step
+    ngram_min: int = 1  # shortest prompt+output suffix looked up for a proposal
+    ngram_max: int = 3  # longest suffix tried first
+    max_batch: int = 16  # decode rows above which a step does not speculate (to be measured on the GPU)
+    draft_model_path: Optional[str] = None  # spec.method=draft: the draft checkpoint (same tokenizer)
+
+
 @dataclass(frozen=True)
 class LlaunchConfig:
     """The composed Hydra config (conf/config.yaml)."""
@@ -289,6 +321,8 @@ class LlaunchConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     kernels: KernelSettings = field(default_factory=KernelSettings)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    visual: VisualConfig = field(default_factory=VisualConfig)
     bench: Optional[BenchConfig] = None
     device: Device = Device.auto  # auto: cuda when a GPU is visible, else cpu
     dry_run: bool = False  # validate and print the process graph; start nothing

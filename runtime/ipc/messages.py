@@ -78,6 +78,16 @@ class PdLink(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     decode_kv: Optional[str] = None
 
 
+class ImageRef(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """An image of a prompt (runtime/http/images.py): its tokens are prompt[offset : offset + tokens],
+    each the id vocab_size + its content hash's low bits (so the prompt cache keys on the image)."""
+
+    hash: str  # sha256 of the image's pixel values: the embed cache's key
+    offset: int
+    grid: list[int]  # (t, h, w) in patches, before the 2x2 merge
+    pixels: bytes = b""  # float32 pixel values [t*h*w, C*T*P*P] (the image processor's)
+
+
 class AddRequest(_Msg):
     request_id: str  # unique across frontends: "<frontend index>-<counter>"
     frontend: int  # which frontend worker gets the text back
@@ -85,6 +95,7 @@ class AddRequest(_Msg):
     sampling: SamplingParams
     arrival_time: float  # time.time() at the frontend, for TTFT / e2e latency
     pd: Optional[PdLink] = None  # set on pd_prefill / pd_decode instances for the master's requests
+    images: list[ImageRef] = []  # multimodal models: the prompt's images
 
 
 class AbortRequest(_Msg):
@@ -108,6 +119,7 @@ class NewSeq(_Msg):
     sampling: SamplingParams
     prompt_ids: list[int]  # for repetition/presence penalties over the prompt
     cached_slots: list[int] = []  # KV slots of prompt tokens [0, len) reused from the prompt cache
+    images: list[ImageRef] = []  # AddRequest.images
 
 
 class PrefillChunk(_Msg):
@@ -116,6 +128,24 @@ class PrefillChunk(_Msg):
     start: int  # position of token_ids[0]; tokens [0, start) are already in the KV cache
     slots: list[int]  # KV cache slots for these tokens, one each
     sample: bool  # last chunk of the prompt: sample the first output token
+
+
+class KvMove(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """Host KV tier (cache.cpu_tokens): copy K and V of every layer, gpu_slots[i] ↔ host_slots[i]."""
+
+    to_host: bool  # True: demote (GPU pool → host pool); False: promote (host → GPU)
+    gpu_slots: list[int]
+    host_slots: list[int]
+
+
+class VerifyChunk(_Msg):
+    """Speculative decoding: a decode row feeds its last token and a proposal (token_ids[1:]); every
+    position is sampled, and the worker keeps the longest agreeing prefix plus one token of its own."""
+
+    row: int
+    token_ids: list[int]  # the row's last sampled token, then the proposed tokens
+    start: int  # position of token_ids[0]
+    slots: list[int]  # one KV slot per token; the router frees those of rejected tokens
 
 
 class StepPlan(_Msg):
@@ -127,6 +157,8 @@ class StepPlan(_Msg):
     decode_slots: list[int] = []  # one new slot per decode row
     prefill: list[PrefillChunk] = []
     release_rows: list[int] = []  # requests that ended: forget their row state (before this step)
+    verify: list[VerifyChunk] = []  # speculative decoding: rows verifying a proposal (runtime/router/spec_decode.py)
+    kv_moves: list[KvMove] = []  # host-tier copies, applied in order before this step's forward
 
 
 class Shutdown(_Msg):
@@ -207,6 +239,7 @@ class StepResult(_Msg):
     started: float = 0.0
     launch_s: float = 0.0
     device_s: float = 0.0
+    verified: list[list[int]] = []  # per StepPlan.verify chunk: its accepted proposal tokens, then one sampled
 
 
 class KvDone(_Msg):
@@ -269,8 +302,16 @@ class RouterStats(_Msg):
     prefix_cache_tokens: int = 0  # of kv_used: slots the prompt cache holds
     prefix_cache_queries: int = 0  # since start: prompt tokens looked up in the prompt cache
     prefix_cache_hits: int = 0  # since start: of those, tokens found cached
+    host_cache_hits: int = 0  # since start: of those, tokens found in the host KV tier (cache.cpu_tokens)
+    host_cache_tokens: int = 0  # host-tier slots the prompt cache holds now
+    host_cache_slots: int = 0  # the host tier's size (0: none)
+    kv_promoted: int = 0  # since start: tokens copied host → GPU
+    kv_demoted: int = 0  # since start: tokens copied GPU → host
     stalled: bool = False  # a step is overdue or a worker is gone (runtime/router/health.py)
     stalls: int = 0  # since start
+    spec_proposed: int = 0  # since start: tokens speculative decoding proposed for verification
+    spec_accepted: int = 0  # of those, tokens the model agreed with
+    spec_verify_rows: int = 0  # since start: row-steps that verified a proposal
 
 
 DetokenizerInbound = Union[RequestOpened, TokenBatch, RouterStats]

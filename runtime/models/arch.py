@@ -12,13 +12,13 @@ from typing import Any, Optional
 from llaunch.runtime.config import ModelConfig
 from llaunch.runtime.models.checkpoint import Checkpoint, parse_hf_config
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "qwen2_vl")
 
 _REQUIRED = ("family", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
              "max_position_embeddings")
 _ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
-                "rms_norm_eps", "tie_word_embeddings", "attention_bias")
+                "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mrope_section")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class ModelArch:
     rope_scaling: Optional[dict[str, Any]] = None
     num_labels: Optional[int] = None  # a score head of this many outputs in place of the LM head (model.task=score)
     score_mlp: bool = False  # the score head is Linear + ReLU + Linear with biases (Qwen2ForRewardModel)
+    mrope_section: Optional[list[int]] = None  # qwen2_vl: M-RoPE's frequency runs (runtime/models/mrope.py)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -99,7 +100,7 @@ class ModelArch:
         defaults = {"num_key_value_heads": fields["num_attention_heads"],
                     "head_dim": fields["hidden_size"] // fields["num_attention_heads"],
                     "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                    "attention_bias": family == "qwen2"}
+                    "attention_bias": family in ("qwen2", "qwen2_vl")}
         fields.update({k: v for k, v in defaults.items() if fields[k] is None})
         fields["rope_theta"], fields["rms_norm_eps"] = float(fields["rope_theta"]), float(fields["rms_norm_eps"])
         return cls(family=family, rope_scaling=rope_scaling or None, num_labels=num_labels,

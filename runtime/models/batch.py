@@ -4,6 +4,7 @@ per decoding sequence, the rest are prefill chunks back to back."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -27,6 +28,11 @@ class ForwardBatch:
     max_prefill_len: int = 0  # host-side hints for kernels' grids (avoid a device sync)
     max_decode_len: int = 0
     every_token: bool = False  # logits_index is 0..T-1 (a decode-only step): no gather before the LM head
+    # multimodal (runtime/worker/image_rows.py): M-RoPE positions [3, T] when a chunk holds image tokens,
+    # and the image embeddings [N, hidden] that replace the tokens at image_index [N]
+    mrope_positions: Optional[torch.Tensor] = None
+    image_index: Optional[torch.Tensor] = None
+    image_embeds: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,8 @@ is stored into its slot first. Only the rows in `logits_index` go through the fi
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -13,6 +15,7 @@ from llaunch.kernels import decode_attention, gated_linear, prefill_attention, q
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.models.heads import HeadLayout
+from llaunch.runtime.models.mrope import mrope_tables
 from llaunch.runtime.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear,
                                            Shard, TpGroup, VocabParallelEmbedding)
 
@@ -177,14 +180,23 @@ class DecoderLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KvCache) -> torch.Tensor:
         """→ float32 logits [len(batch.logits_index), vocab] (a score model: [.., num_labels] scores)."""
-        h = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rope_cos, self.rope_sin
+        if batch.image_index is None:
+            h = self.embed_tokens(batch.input_ids)
+        else:  # image tokens' ids are vocab_size + a hash: embed a real id, then put the image there
+            ids = batch.input_ids
+            h = self.embed_tokens(torch.where(ids < self.arch.vocab_size, ids, torch.zeros_like(ids)))
+            h[batch.image_index] = batch.image_embeds.to(h.dtype)
+        if batch.mrope_positions is not None:  # per-token tables, indexed by the token's place in the step
+            cos, sin = mrope_tables(cos, sin, batch.mrope_positions, self.arch.mrope_section)
+            batch = dataclasses.replace(batch, positions=torch.arange(h.shape[0], device=h.device))
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
             if residual is None:
                 x, residual = layer.input_layernorm(h), h
             else:
                 x, residual = layer.input_layernorm(h, residual)
-            h = layer.self_attn(x, batch, k_cache, v_cache, kv.req_to_slots, self.rope_cos, self.rope_sin)
+            h = layer.self_attn(x, batch, k_cache, v_cache, kv.req_to_slots, cos, sin)
             x, residual = layer.post_attention_layernorm(h, residual)
             h = layer.mlp(x)
         rows = batch.logits_index

@@ -33,7 +33,8 @@ def refusal(msg: AddRequest, limits: AdmissionLimits) -> Optional[str]:
     s, prompt = msg.sampling, msg.prompt_ids
     if not prompt:
         return "the prompt is empty"
-    if any(not 0 <= t < limits.vocab_size for t in prompt):
+    # an image's tokens are vocab_size + its hash (runtime/http/images.py)
+    if any(t < 0 for t in prompt) or (not msg.images and any(t >= limits.vocab_size for t in prompt)):
         return f"a prompt token id is outside the vocabulary [0, {limits.vocab_size})"
     if not 1 <= s.max_new_tokens <= INT32_MAX or len(prompt) + s.max_new_tokens > limits.max_model_len:
         return (f"{len(prompt)} prompt tokens + max_new_tokens {s.max_new_tokens} do not fit the context of "

@@ -36,9 +36,10 @@ from llaunch.runtime.models.memory import PROMPT_LOGPROB_TOKENS
 from llaunch.runtime.ipc.messages import (CancelKv, NewSeq, PrefillChunk, StepPlan,
                                           StepResult, TokenDelta)
 from llaunch.runtime.router.pd_transfers import PdTransfers
-from llaunch.runtime.router.prompt_cache import NoPromptCache, PromptCache
+from llaunch.runtime.router.tiered_cache import prompt_cache_for
 from llaunch.runtime.router.prompt_sharing import PromptSharing
 from llaunch.runtime.router.request import Request, Status
+from llaunch.runtime.router.spec_decode import SpecDecoding
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,15 @@ class SchedulerLimits:
     # prompt positions whose logprobs one step computes: each is a vocabulary-wide float32 row, so
     # requests that ask prefill in chunks of at most this many (the memory plan counts them)
     prompt_logprob_tokens: int = PROMPT_LOGPROB_TOKENS
+    spec: Optional[object] = None  # runtime.config.SpecConfig: speculative decoding (None: off)
+    host_kv_tokens: int = 0  # slots of the host KV tier below the prompt cache (cache.cpu_tokens; 0: none)
 
 
 class Scheduler(PdTransfers):
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
         self.kv = KvAllocator(limits.kv_slots)
-        self.cache = PromptCache(self.kv) if limits.prompt_cache else NoPromptCache(self.kv)
+        self.cache = prompt_cache_for(self.kv, limits.prompt_cache, limits.host_kv_tokens)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # row → request, finished ones until their steps return
         self.by_id: dict[str, Request] = {}
@@ -80,6 +83,7 @@ class Scheduler(PdTransfers):
         self.awaiting_kv: deque[Request] = deque()  # decode instance: waiting for slots to receive into
         self.transfers: dict[str, Request] = {}  # request id → request whose KV is being sent / received
         self.kv_commands: list = []  # SendKv / ReceiveKv / CancelKv for the worker, taken by the router
+        self.spec = SpecDecoding(limits.spec)
         self.sharing = PromptSharing(limits.diverse_mode and limits.prompt_cache and limits.pd_role is None, self.cache)
 
     # ---- requests in -----------------------------------------------------------------------
@@ -151,6 +155,7 @@ class Scheduler(PdTransfers):
         self._logprob_room = lim.prompt_logprob_tokens
 
         decoding = [r for r in self.running.values() if r.status is Status.RUNNING and self._decodes(r)]
+        decoding, proposals = self.spec.split(self, decoding)
         for req in decoding:
             slot = self.cache.alloc(1)[0]
             req.slots.append(slot)
@@ -161,14 +166,17 @@ class Scheduler(PdTransfers):
         samplers += decoding
         touched += decoding
         budget -= len(decoding)
+        verifying = self.spec.plan(self, plan, proposals)
+        touched += verifying
+        budget -= sum(len(v.token_ids) for v in plan.verify)
 
         for req in list(self.running.values()):
             if req.status is Status.RUNNING and req.prefilling and budget > 0 and self._chunk_room(req):
                 budget -= self._add_chunk(plan, req, budget, samplers, touched)
 
-        if decoding:
+        if decoding or verifying:
             self._steps_since_admit += 1
-        if self._may_admit(bool(decoding)):
+        if self._may_admit(bool(decoding or verifying)):
             admitted = False
             held = 0  # waiting requests at the front that diverse mode holds: the others go past them
             while len(self.waiting) > held and budget > 0 and self._free_rows:
@@ -191,7 +199,8 @@ class Scheduler(PdTransfers):
                 req.row = self._free_rows.pop()
                 self.running[req.row] = req
                 plan.new.append(NewSeq(row=req.row, request_id=req.id, sampling=req.sampling,
-                                       prompt_ids=req.prompt_ids, cached_slots=req.slots[:req.num_computed]))
+                                       prompt_ids=req.prompt_ids, cached_slots=req.slots[:req.num_computed],
+                                       images=req.images))
                 budget -= self._add_chunk(plan, req, budget, samplers, touched)
                 self.cache.admitted(req)
                 self.sharing.admitted(req)
@@ -202,6 +211,7 @@ class Scheduler(PdTransfers):
         if not touched:  # nothing to compute: releases ride along with the next real step
             self._release_rows = plan.release_rows + self._release_rows
             return None
+        plan.kv_moves = self.cache.take_moves()  # before the forward, which may reuse slots they free
         for req in touched:
             req.steps_in_flight += 1
         self._in_flight.append(samplers)
@@ -315,6 +325,7 @@ class Scheduler(PdTransfers):
                 self._finish(req, reason)
                 delta.finish_reason = reason
             deltas.append(delta)
+        deltas += self.spec.verified(self, result)
         self._returned(touched)
         return deltas
 

@@ -27,6 +27,8 @@ from llaunch.runtime.ipc.messages import (CancelKv, PrepareConstraints, ReceiveK
 from llaunch.runtime.ipc.sockets import Receiver, Sender, SocketMonitor
 from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
 from llaunch.runtime.worker.constraint_prep import ConstraintPrep
+from llaunch.runtime.worker.image_rows import ImageRows, build_tower
+from llaunch.runtime.worker.host_kv import HostKvPool
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
 
@@ -146,18 +148,25 @@ def main() -> None:
     stage(loading)
     model = build_model(cfg.model, device=device, dtype=dtype, tp_rank=spec.tp_rank, tp_size=cfg.parallel.tp,
                         process_group=group, progress=stage.fraction(loading))
+    images = None
+    if cfg.model.vision:  # the vision tower before sizing the KV cache, so the sizing sees its memory
+        images = ImageRows(build_tower(cfg.model, device, dtype), cfg.visual.embed_cache_mib * 2**20)
     stage("sizing the KV cache")
     num_slots = kv_slots_for(cfg, model, device, group)
     max_rows = cfg.router.max_running_requests
     # one extra row and slot: scratch space that padded CUDA-graph rows read and write
     kv = model.make_kv_cache(num_slots + 1, max_rows + 1, cfg.model.max_model_len)
+    host_kv = None  # the host KV tier's pool (cache.cpu_tokens), made by the kv_host process
+    if cfg.cache.cpu_tokens > 0:
+        stage("mapping the host KV pool")
+        host_kv = HostKvPool(kv, spec.connects["kv_host"], cfg.cache.cpu_tokens, device, cfg.server.ready_timeout_s)
     if device.type == "cuda":
         stage("capturing CUDA graphs and compiling kernels" if not cfg.model.enforce_eager else "compiling kernels")
     grammars = grammar_compiler(cfg)  # one compiler: the router's prepares fill the cache the steps read
     runner = ModelRunner(model, kv, max_rows, device, cuda_graphs=not cfg.model.enforce_eager,
                          prefill_graph_tokens=cfg.model.prefill_graph_tokens,
                          timed=cfg.router.step_trace is not None, eos_ids=tuple(cfg.model.eos_token_ids or ()),
-                         grammar=grammars, graph_max_len=cfg.model.graph_max_len_in_batch)
+                         grammar=grammars, graph_max_len=cfg.model.graph_max_len_in_batch, images=images)
     log.info("model loaded: %s %s on %s, %d KV slots", cfg.model.name, dtype, device, num_slots)
     if watch is not None:
         watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up
@@ -180,7 +189,7 @@ def main() -> None:
                  else "sending")
     try:
         serve(runner, plans, results if spec.tp_rank == 0 else None, overlap=device.type == "cuda", link=link,
-              kv_results=results, prep=ConstraintPrep(grammars))
+              kv_results=results, prep=ConstraintPrep(grammars), host_kv=host_kv)
     except KvTransportStuck as e:
         # Closing the link or CUDA's teardown can block behind the stuck kernel: leave now; the
         # launcher sees the worker die and takes the instance down, the pd_master marks it unhealthy.
@@ -214,7 +223,7 @@ def log_admitted(plan: StepPlan) -> None:
 
 
 def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Optional[KvLink] = None,
-          kv_results=None, prep: Optional[ConstraintPrep] = None) -> None:
+          kv_results=None, prep: Optional[ConstraintPrep] = None, host_kv: Optional[HostKvPool] = None) -> None:
     """Run plans in order. With `overlap`, step N+1 is launched before step N's tokens are read,
     so the device is busy while the host prepares the next step. With a KV `link`, transfer
     commands start between steps and their ends are reported as they come; with `prep`, grammars the
@@ -265,6 +274,8 @@ def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Op
             break
         if results is not None:
             log_admitted(msg)
+        if host_kv is not None:  # host-tier copies first: the forward may read or reuse their slots
+            host_kv.apply(msg.kv_moves)
         step = runner.launch(msg)
         if step.deferred is not None:  # its masks need the tokens of the step before: read them first
             if pending is not None:

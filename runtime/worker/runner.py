@@ -18,6 +18,7 @@ from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.worker.prefill_graphs import PrefillGraphs, alone_chunk
 from llaunch.runtime.worker.prompt_logprobs import PromptLogprobRows, PromptPart
 from llaunch.runtime.worker.sampling_state import SamplingState, logprobs_to_host
+from llaunch.runtime.worker.spec_verify import PendingVerify, Verifier
 from llaunch.runtime.worker.transfer import to_device, to_host_async
 
 
@@ -36,12 +37,13 @@ class PendingStep:
     scores: Optional[torch.Tensor] = None  # a score model's head outputs [rows, num_labels], instead of tokens
     prompt: Optional[PromptPart] = None  # prompt logprobs of the step's chunks that asked
     prompt_takers: Optional[list[tuple[int, int, str]]] = None  # (index, row, request) of sampled rows that asked
+    verify: Optional[PendingVerify] = None  # speculative decoding: the verify chunks' verdicts
 
 
 class ModelRunner:
     def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device, cuda_graphs: bool = False,
                  prefill_graph_tokens: int = 0, timed: bool = False, eos_ids: tuple[int, ...] = (),
-                 grammar: Optional[Callable] = None, graph_max_len: Optional[int] = None):
+                 grammar: Optional[Callable] = None, graph_max_len: Optional[int] = None, images=None):
         """`kv` has one row and one slot more than the router uses: scratch space for padding.
         `prefill_graph_tokens`: with CUDA graphs, the longest chunk a lone prefill replays one for.
         `timed` (a step trace is on): on a GPU each step also reports its host and device time.
@@ -49,11 +51,13 @@ class ModelRunner:
         `graph_max_len`: the longest context a decode graph covers (None: every one the KV rows hold)."""
         self.model = model
         self.kv = kv
+        self.images = images  # ImageRows (runtime/worker/image_rows.py) of a multimodal model, else None
         self.device = device
         self.max_rows = max_rows
         self.sampling = SamplingState(max_rows, model.arch.vocab_size, device, eos_ids, grammar)
         self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
         self.seq_len = [0] * max_rows  # tokens in the KV cache per row (host mirror)
+        self.verifier = Verifier(self.sampling, self.last_token, device)
         self.prompt_logprobs = PromptLogprobRows(max_rows)
         self._prompt_rows: list[tuple[int, int, int]] = []  # this step's (row, start, positions) that asked
         self.graphs = None
@@ -109,8 +113,12 @@ class ModelRunner:
         return to_device(values, dtype, self.device)
 
     def _start_rows(self, plan: StepPlan) -> None:
-        self.sampling.set_rows([(new.row, new.sampling, new.prompt_ids) for new in plan.new])
+        vocab = self.model.arch.vocab_size  # an image's tokens (vocab + hash) take no part in penalties
+        self.sampling.set_rows([(new.row, new.sampling, [t for t in new.prompt_ids if t < vocab] if new.images
+                                 else new.prompt_ids) for new in plan.new])
         for new in plan.new:
+            if self.images is not None:
+                self.images.start(new)
             self.prompt_logprobs.start(new)
             cached = len(new.cached_slots)
             if cached:  # the prompt cache's prefix: its first chunk starts at `cached` and reads these
@@ -153,6 +161,20 @@ class ModelRunner:
             if chunk.sample:
                 logits_index.append(offset - 1)
                 sampled_rows.append(chunk.row)
+        verify_index = []  # every position of a verify chunk is sampled; their logits come last
+        for chunk in plan.verify:
+            n = len(chunk.token_ids)
+            prefill_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, chunk.start + n))
+            table_rows.extend([chunk.row] * n)
+            table_pos.extend(range(chunk.start, chunk.start + n))
+            table_slots.extend(chunk.slots)
+            p_rows.append(chunk.row)
+            q_starts.append(offset)
+            q_lens.append(n)
+            prefix_lens.append(chunk.start)
+            verify_index.extend(range(offset, offset + n))
+            offset += n
 
         slots_t = self._tensor(table_slots)
         self.kv.req_to_slots[self._tensor(table_rows), self._tensor(table_pos)] = slots_t.to(self.kv.req_to_slots.dtype)
@@ -170,28 +192,35 @@ class ModelRunner:
             prefill_q_starts=self._tensor(q_starts),
             prefill_q_lens=self._tensor(q_lens),
             prefill_prefix_lens=self._tensor(prefix_lens),
-            logits_index=self._tensor(logits_index + prompt_index),
+            logits_index=self._tensor(logits_index + prompt_index + verify_index),
             num_decode=nd,
             num_prefill_tokens=len(prefill_ids),
             max_prefill_len=max(q_lens, default=0),
             max_decode_len=max(decode_lens, default=0),
-            every_token=not plan.prefill,  # logits_index is range(nd)
+            every_token=not plan.prefill and not plan.verify,  # logits_index is range(nd)
         )
+        if self.images is not None:
+            batch = self.images.decorate(batch, plan)
         return batch, sampled_rows
 
     def _forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], list[int], Optional[torch.Tensor]]:
         """(logits, sampled rows, greedy tokens already recorded as the rows' last tokens, or None)."""
         longest = (max((self.seq_len[r] + 1 for r in plan.decode_rows), default=0)  # contexts after this step
                    if self.graphs is not None and self._graph_len_bound else 0)
-        if self.graphs is not None and not plan.prefill and self.graphs.fits(len(plan.decode_rows), longest):
+        if self.graphs is not None and not plan.prefill and not plan.verify and self.graphs.fits(len(plan.decode_rows), longest):
             rows = list(plan.decode_rows)
             positions = [self.seq_len[r] for r in rows]
             for r in rows:
                 self.seq_len[r] += 1
             lens = [p + 1 for p in positions]
+            if self.images is not None:  # M-RoPE: a decode token's position is shifted by its images
+                positions = [p + self.images.delta(r) for p, r in zip(positions, rows)]
             logits, greedy = self.graphs.run(rows, positions, list(plan.decode_slots), lens)
             return logits, rows, greedy
-        chunk = None if self.prefill_graphs is None else alone_chunk(plan, self.prefill_graphs.max_tokens)
+        chunk = (None if self.prefill_graphs is None or plan.verify
+                 else alone_chunk(plan, self.prefill_graphs.max_tokens))
+        if chunk is not None and self.images is not None and self.images.has(chunk.row):
+            chunk = None  # its positions are M-RoPE's and it holds image embeddings: the eager path
         if chunk is not None and not self.prompt_logprobs.asks(chunk.row):  # its graph returns one row of logits
             self.seq_len[chunk.row] = chunk.start + len(chunk.token_ids)
             return self.prefill_graphs.run(chunk), [chunk.row], None
@@ -214,6 +243,10 @@ class ModelRunner:
         self._prompt_rows = []
         logits, rows, greedy = self._forward(plan)
         pending = PendingStep(plan.step, rows, None, None, None, t0, started, 0.0, start_event)
+        if plan.verify:  # their logits are the last ones
+            nv = sum(len(c.token_ids) for c in plan.verify)
+            pending.verify = self.verifier.launch(logits[-nv:], plan.verify)
+            logits = logits[:-nv]
         if self._prompt_rows:  # the logits past the sampled rows' are prompt positions
             pending.prompt = self.prompt_logprobs.compute(logits[len(rows):], self._prompt_rows)
             logits = logits[:len(rows)]
@@ -273,9 +306,10 @@ class ModelRunner:
             return StepResult(step=pending.step, rows=pending.rows, token_ids=[], scores=pending.scores.tolist(),
                               forward_s=time.perf_counter() - pending.t0)
         self.prompt_logprobs.collect(pending.prompt)
+        verified = [] if pending.verify is None else self.verifier.collect(pending.verify, self.seq_len)
         if pending.tokens is None:
-            return StepResult(step=pending.step, rows=[], token_ids=[])
-        result = StepResult(step=pending.step, rows=pending.rows, token_ids=pending.tokens.tolist())
+            return StepResult(step=pending.step, rows=[], token_ids=[], verified=verified)
+        result = StepResult(step=pending.step, rows=pending.rows, token_ids=pending.tokens.tolist(), verified=verified)
         self.sampling.accept(pending.rows, result.token_ids)
         if pending.logprobs is not None:
             result.logprobs, result.top_ids, result.top_logprobs = logprobs_to_host(pending.logprobs)

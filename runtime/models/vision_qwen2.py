@@ -1,0 +1,142 @@
+"""Qwen2-VL's vision tower: patch embedding → N × (LayerNorm, attention with 2-D rotary, LayerNorm, MLP)
+→ patch merger (2×2 patches → one language-model token). Images attend within themselves (one segment
+per frame), bidirectionally. Replicated on every rank (it is small next to the language model).
+
+Parameter names are the checkpoint's under `visual.` (transformers' Qwen2VisionTransformerPretrainedModel),
+so `checkpoint_layout` is a plain name map and runtime/models/weights.py loads it like the decoder.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llaunch.runtime.models.layers import Shard
+
+
+@dataclass(frozen=True)
+class VisionArch:
+    depth: int
+    embed_dim: int
+    hidden_size: int  # the language model's width: the merger's output
+    num_heads: int
+    mlp_ratio: float
+    patch_size: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+    in_channels: int = 3
+    hidden_act: str = "quick_gelu"
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_dict(cls, v: dict[str, Any]) -> "VisionArch":
+        rope = v.get("rope_parameters") or {}
+        return cls(depth=v["depth"], embed_dim=v["embed_dim"], hidden_size=v["hidden_size"], num_heads=v["num_heads"],
+                   mlp_ratio=float(v.get("mlp_ratio", 4)), patch_size=v.get("patch_size", 14),
+                   spatial_merge_size=v.get("spatial_merge_size", 2),
+                   temporal_patch_size=v.get("temporal_patch_size", 2), in_channels=v.get("in_channels", 3),
+                   hidden_act=v.get("hidden_act", "quick_gelu"),
+                   rope_theta=float(v.get("rope_theta", rope.get("rope_theta", 10000.0))))
+
+    @property
+    def num_params(self) -> int:
+        e, m = self.embed_dim, int(self.embed_dim * self.mlp_ratio)
+        block = 4 * e * e + 4 * e + 2 * e * m + m + e + 4 * e
+        merged = e * self.spatial_merge_size ** 2
+        return (self.depth * block + e * self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+                + 2 * e + merged * merged + merged + merged * self.hidden_size + self.hidden_size)
+
+
+_ACTS = {"quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "gelu": F.gelu, "silu": F.silu,
+         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, a: VisionArch, device, dtype):
+        super().__init__()
+        e, kw = a.embed_dim, dict(device=device, dtype=dtype)
+        self.num_heads = a.num_heads
+        self.act = _ACTS[a.hidden_act]
+        self.norm1, self.norm2 = nn.LayerNorm(e, eps=1e-6, **kw), nn.LayerNorm(e, eps=1e-6, **kw)
+        self.attn = nn.Module()
+        self.attn.qkv, self.attn.proj = nn.Linear(e, 3 * e, **kw), nn.Linear(e, e, **kw)
+        self.mlp = nn.Module()
+        self.mlp.fc1, self.mlp.fc2 = nn.Linear(e, int(e * a.mlp_ratio), **kw), nn.Linear(int(e * a.mlp_ratio), e, **kw)
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.attn.qkv(x).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # float32, as transformers' apply_rotary_pos_emb_vision
+        q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
+        k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
+        outs = []
+        for qs, ks, vs in zip(*(t.split(lengths) for t in (q, k, v))):  # one segment per frame
+            outs.append(F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1),
+                                                       vs.transpose(0, 1)).transpose(0, 1))
+        return self.attn.proj(torch.cat(outs).reshape(n, -1))
+
+    def forward(self, x, cos, sin, lengths):
+        x = x + self.attention(self.norm1(x), cos, sin, lengths)
+        return x + self.mlp.fc2(self.act(self.mlp.fc1(self.norm2(x))))
+
+
+class Qwen2VisionTower(nn.Module):
+    """pixel_values [patches, C·T·P·P] (the image processor's) and grid_thw [(t, h, w)] per image →
+    embeddings [Σ t·h·w / merge², hidden_size], images back to back."""
+
+    def __init__(self, a: VisionArch, device, dtype):
+        super().__init__()
+        self.arch, self.device, self.dtype = a, torch.device(device), dtype
+        kw = dict(device=device, dtype=dtype)
+        e, merged = a.embed_dim, a.embed_dim * a.spatial_merge_size ** 2
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(a.in_channels, e, kernel_size=(a.temporal_patch_size, a.patch_size,
+                                          a.patch_size), stride=(a.temporal_patch_size, a.patch_size, a.patch_size),
+                                          bias=False, **kw)
+        self.blocks = nn.ModuleList(VisionBlock(a, device, dtype) for _ in range(a.depth))
+        self.merger = nn.Module()
+        self.merger.ln_q = nn.LayerNorm(e, eps=1e-6, **kw)
+        self.merger.mlp = nn.Sequential(nn.Linear(merged, merged, **kw), nn.GELU(), nn.Linear(merged, a.hidden_size, **kw))
+        head_dim = e // a.num_heads
+        spatial = head_dim // 2
+        inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=device) / spatial))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def checkpoint_layout(self) -> dict[str, list[Shard]]:
+        return {name: [Shard(f"visual.{name}", tuple(p.shape))] for name, p in self.named_parameters()}
+
+    def _rotary(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        m, pos = self.arch.spatial_merge_size, []
+        for t, h, w in grids:  # (h, w) of each patch, laid out block-major over the m×m merge blocks
+            hh, ww = torch.meshgrid(torch.arange(h, device=self.device), torch.arange(w, device=self.device),
+                                    indexing="ij")
+            block = (h // m, m, w // m, m)
+            hw = torch.stack([hh.reshape(block).transpose(1, 2).flatten(), ww.reshape(block).transpose(1, 2).flatten()], -1)
+            pos.append(hw.repeat(t, 1))
+        freqs = torch.cat(pos).float()[..., None] * self.inv_freq  # [N, 2, head_dim / 4]
+        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+        freqs = torch.cat([freqs, freqs], dim=-1)
+        return freqs.cos(), freqs.sin()
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        a = self.arch
+        x = pixel_values.to(self.device, self.dtype).view(-1, a.in_channels, a.temporal_patch_size, a.patch_size,
+                                                          a.patch_size)
+        x = self.patch_embed.proj(x).view(-1, a.embed_dim)
+        cos, sin = self._rotary(grids)
+        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        for block in self.blocks:
+            x = block(x, cos, sin, lengths)
+        merged = a.embed_dim * a.spatial_merge_size ** 2
+        return self.merger.mlp(self.merger.ln_q(x).view(-1, merged))

@@ -1,0 +1,117 @@
+"""The worker's side of images (Qwen2-VL): the vision tower and its embed cache, each row's M-RoPE
+positions and image spans, and what a step's ForwardBatch needs of them.
+
+The vision tower runs in the worker, at the step that admits the request (an in-worker encoder: the
+visual server process of issue #26 is not built yet); every tensor-parallel rank encodes the same
+images, so ranks stay identical without communication.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llaunch.runtime.config import ModelConfig
+from llaunch.runtime.ipc.messages import ImageRef, NewSeq, StepPlan
+from llaunch.runtime.models.batch import ForwardBatch
+from llaunch.runtime.models.mrope import rope_index
+from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
+from llaunch.runtime.models.weights import load_from, open_source
+from llaunch.runtime.visual.embed_cache import EmbedCache
+
+
+@dataclass
+class RowImages:
+    positions: torch.Tensor  # [3, prompt_len] M-RoPE positions of the prompt (host)
+    delta: int  # a token at sequence index i >= prompt_len has position i + delta
+    spans: list[tuple[int, torch.Tensor]]  # (offset in the prompt, embeddings [tokens, hidden]) per image
+
+
+def build_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen2VisionTower:
+    arch = VisionArch.from_dict(cfg.vision)
+    tower = Qwen2VisionTower(arch, device, dtype)
+    source = open_source(cfg, device, arch.num_params)
+    try:
+        load_from(tower, source)
+    finally:
+        source.close()
+    return tower.eval()
+
+
+class ImageRows:
+    def __init__(self, tower: Qwen2VisionTower, cache_bytes: int):
+        self.tower = tower
+        self.merge = tower.arch.spatial_merge_size
+        self.cache = EmbedCache(cache_bytes)
+        self.rows: dict[int, RowImages] = {}
+        self.encoded_images = 0
+
+    def embeddings(self, images: list[ImageRef]) -> list[torch.Tensor]:
+        """Each image's embeddings: from the cache, or encoded (the misses of one request in one batch)."""
+        found = {im.hash: self.cache.get(im.hash) for im in images}
+        missing = list({im.hash: im for im in images if found[im.hash] is None}.values())
+        if missing:
+            a = self.tower.arch
+            width = a.in_channels * a.temporal_patch_size * a.patch_size ** 2
+            pixels = torch.cat([torch.from_numpy(np.frombuffer(im.pixels, dtype=np.float32).reshape(-1, width).copy())
+                                for im in missing])
+            out = self.tower(pixels, [tuple(im.grid) for im in missing])
+            sizes = [im.grid[0] * im.grid[1] * im.grid[2] // self.merge ** 2 for im in missing]
+            for im, emb in zip(missing, out.split(sizes)):
+                found[im.hash] = emb
+                self.cache.put(im.hash, emb)
+            self.encoded_images += len(missing)
+        return [found[im.hash] for im in images]
+
+    def start(self, new: NewSeq) -> None:
+        if not new.images:
+            self.rows.pop(new.row, None)
+            return
+        positions, delta = rope_index(len(new.prompt_ids), [(im.offset, tuple(im.grid)) for im in new.images],
+                                      self.merge)
+        embeds = self.embeddings(new.images)
+        self.rows[new.row] = RowImages(positions, delta, [(im.offset, e) for im, e in zip(new.images, embeds)])
+
+    def has(self, row: int) -> bool:
+        return row in self.rows
+
+    def delta(self, row: int) -> int:
+        r = self.rows.get(row)
+        return 0 if r is None else r.delta
+
+    def decorate(self, batch: ForwardBatch, plan: StepPlan) -> ForwardBatch:
+        """Shift decode positions by their rows' deltas; give chunks of image rows their 3-D positions
+        and image embeddings."""
+        if not self.rows:
+            return batch
+        nd = len(plan.decode_rows)
+        positions = batch.positions.clone()
+        for i, r in enumerate(plan.decode_rows):
+            if r in self.rows:
+                positions[i] += self.rows[r].delta
+        mrope, index, embeds, offset = None, [], [], nd
+        for chunk in plan.prefill:
+            n, r = len(chunk.token_ids), self.rows.get(chunk.row)
+            if r is not None:
+                if mrope is None:
+                    mrope = positions.expand(3, -1).clone()
+                mrope[:, offset:offset + n] = r.positions[:, chunk.start:chunk.start + n].to(mrope.device)
+                for start, e in r.spans:  # the part of each image inside this chunk
+                    a, b = max(start, chunk.start), min(start + e.shape[0], chunk.start + n)
+                    if a < b:
+                        index.extend(range(offset + a - chunk.start, offset + b - chunk.start))
+                        embeds.append(e[a - start:b - start])
+            offset += n
+        for chunk in getattr(plan, "verify", ()):  # speculative tokens after a prompt with images: shifted
+            n, r = len(chunk.token_ids), self.rows.get(chunk.row)
+            if r is not None:
+                positions[offset:offset + n] += r.delta
+                if mrope is not None:
+                    mrope[:, offset:offset + n] += r.delta
+            offset += n
+        batch.positions, batch.mrope_positions = positions, mrope
+        if index:
+            batch.image_index = torch.tensor(index, dtype=torch.int64, device=positions.device)
+            batch.image_embeds = torch.cat(embeds)
+        return batch
