@@ -7,16 +7,23 @@ import json
 from typing import Any, Optional
 
 from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.http.images import IMAGE_PLACEHOLDER, image_url_of
 from llaunch.runtime.http.tool_calls import call_text, openai_tools
 
 
-def message_text(m, i: int) -> str:
+def message_text(m, i: int, image_urls: Optional[list] = None) -> str:
+    """The message's text; a multimodal model's image_url parts become Qwen2-VL's image placeholder and
+    their (url, param) go to `image_urls`."""
     if m.content is None or isinstance(m.content, str):
         if m.content is None and not m.tool_calls and m.role != "assistant":
             raise bad_request(f"messages[{i}] has no content.", param=f"messages[{i}].content")
         return m.content or ""
     parts = []
-    for part in m.content:
+    for j, part in enumerate(m.content):
+        if part.type == "image_url" and image_urls is not None:
+            image_urls.append((image_url_of(part, f"messages[{i}].content[{j}]"), f"messages[{i}].content[{j}]"))
+            parts.append(IMAGE_PLACEHOLDER)
+            continue
         if part.type != "text" or part.text is None:
             raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type!r}.",
                               param=f"messages[{i}].content")
@@ -24,12 +31,13 @@ def message_text(m, i: int) -> str:
     return "".join(parts)
 
 
-def chat_messages(req, fmt: str, template_has_tools: bool) -> tuple[list[dict], Optional[list[dict]]]:
+def chat_messages(req, fmt: str, template_has_tools: bool,
+                  image_urls: Optional[list] = None) -> tuple[list[dict], Optional[list[dict]]]:
     """(messages, tools) for the chat template. A template without tools gets them described in a
     system message, earlier calls written out in the call format and tool results as tool turns."""
     messages, tools = [], openai_tools(req) or None
     for i, m in enumerate(req.messages):
-        out: dict[str, Any] = {"role": m.role, "content": message_text(m, i)}
+        out: dict[str, Any] = {"role": m.role, "content": message_text(m, i, image_urls)}
         if m.tool_calls:
             calls = [(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls]
             if template_has_tools:

@@ -156,7 +156,7 @@ class EngineClient:
         return math.inf if self._last_heartbeat is None else time.monotonic() - self._last_heartbeat
 
     async def submit(self, jobs: list[tuple[list[int], SamplingParams]], pd: Optional[PdLink] = None,
-                     lifecycle: Optional[Lifecycle] = None) -> RequestGroup:
+                     lifecycle: Optional[Lifecycle] = None, images: Optional[list] = None) -> RequestGroup:
         """`pd` (default: `current_pd_link`): the pd_master's transfer link of this HTTP request on a pd
         instance; choice c's engine request gets `<id>.<c>`. With a `lifecycle`, the HTTP request
         counts as in flight from here until the group's `close`. A failure part-way (a message that
@@ -175,7 +175,7 @@ class EngineClient:
             for choice, (request_id, (prompt_ids, sampling)) in enumerate(zip(ids, jobs)):
                 link = None if pd is None else PdLink(id=f"{pd.id}.{choice}", decode_kv=pd.decode_kv)
                 msg = AddRequest(request_id=request_id, frontend=self.frontend_index, prompt_ids=prompt_ids,
-                                 sampling=sampling, arrival_time=now, pd=link)
+                                 sampling=sampling, arrival_time=now, pd=link, images=images or [])
                 # registered before it is sent: its answer may come back before post returns
                 tokens = len(prompt_ids) + sampling.max_new_tokens
                 self._routes[request_id] = _Route(group, choice, tokens, len(prompt_ids))

@@ -125,3 +125,17 @@ def image_url_of(part, param: str) -> Optional[str]:
         raise bad_request(f"image_url.detail={part.image_url.detail!r} is not supported (auto, high).",
                           param=f"{param}.image_url.detail")
     return part.image_url.url
+
+
+def chat_images(inputs: Optional[ImageInputs], req, prompt_ids: list[int], urls: Optional[list]
+                ) -> tuple[list[int], list[ImageRef]]:
+    """A chat request's prompt with its images spliced in (unchanged without images)."""
+    if not urls:
+        return prompt_ids, []
+    if len(urls) > inputs.visual.max_images_per_request:
+        raise bad_request(f"{len(urls)} images: more than visual.max_images_per_request="
+                          f"{inputs.visual.max_images_per_request}.", param="messages")
+    if req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported with images.", param="prompt_logprobs")
+    images = [inputs.process(inputs.read(url, param), param) for url, param in urls]
+    return inputs.splice(prompt_ids, images)

@@ -103,9 +103,15 @@ class CompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=
     token_healing: Optional[bool] = None  # back off the prompt's last token (server.token_healing when unset)
 
 
+class ImageUrl(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    detail: Optional[str] = None  # auto | high (the model's own resolution); low is refused
+
+
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: Optional[str] = None
+    image_url: Optional[ImageUrl] = None  # type image_url: multimodal models (runtime/http/images.py)
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
@@ -213,7 +219,9 @@ def _is_token_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: PromptTokenizer, limits: RequestLimits) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: PromptTokenizer, limits: RequestLimits,
+                image_urls: Optional[list] = None) -> list[int]:
+    """`image_urls`: a multimodal model's list, which gets each image_url part's (url, param)."""
     if not req.messages:
         raise bad_request("`messages` must not be empty.", param="messages")
     if not tokenizer.has_chat_template:
@@ -222,7 +230,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: PromptTokenizer, limits: 
         if m.role not in ("system", "developer", "user", "assistant", "tool"):
             raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, developer, user, "
                               "assistant, tool.", param=f"messages[{i}].role")
-    messages, tools = chat_messages(req, tokenizer.tool_format, tokenizer.template_has_tools)
+    messages, tools = chat_messages(req, tokenizer.tool_format, tokenizer.template_has_tools, image_urls)
     check_prompt_text("".join(m["content"] for m in messages), limits, param="messages")
     try:
         return tokenizer.encode_chat(messages, tools)

@@ -12,6 +12,7 @@ from typing import AsyncIterator, Optional
 from quart import Response
 
 from llaunch.runtime.http import openai_responses as shapes
+from llaunch.runtime.http.images import chat_images
 from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
 from llaunch.runtime.http.errors import ApiError, engine_failed, json_response
 from llaunch.runtime.http.lifecycle import Lifecycle
@@ -190,12 +191,14 @@ def _with_calls(finish_reason: Optional[str], calls: int) -> Optional[str]:
 
 
 class OpenAIServing:
-    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: RequestLimits, lifecycle: Lifecycle):
+    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: RequestLimits, lifecycle: Lifecycle,
+                 images=None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.lifecycle = lifecycle
         self.healer = TokenHealer(tokenizer)
+        self.images = images  # ImageInputs of a multimodal model (runtime/http/images.py), else None
 
     async def completions(self, body: bytes) -> Response:
         req, prompts, choices, echo = await asyncio.to_thread(self._parse_completion, body)
@@ -221,17 +224,25 @@ class OpenAIServing:
         return req, prompts, choices, echo
 
     async def chat(self, body: bytes) -> Response:
-        req, prompt_ids, choices = await asyncio.to_thread(self._parse_chat, body)
+        req, prompt_ids, choices, images = await asyncio.to_thread(self._parse_chat, body)
         states = [ChoiceState() for _ in choices]
         fmt = ChatFormat(self.tokenizer, bool(req.logprobs), len(choices), tool_format_of(req, self.tokenizer),
                          prompt_ids, req.prompt_logprobs)
-        return await self._serve(req, choices, [prompt_ids], states, fmt)
+        return await self._serve(req, choices, [prompt_ids], states, fmt, images)
 
     def _parse_chat(self, body: bytes):
         req = decode_body(body, ChatCompletionRequest)
         check_model(req.model, self.limits)
-        prompt_ids = chat_prompt(req, self.tokenizer, self.limits)
-        return req, prompt_ids, chat_choices(req, prompt_ids, self.limits, self.tokenizer)
+        urls = None if self.images is None else []
+        prompt_ids = chat_prompt(req, self.tokenizer, self.limits, urls)
+        prompt_ids, images = chat_images(self.images, req, prompt_ids, urls)
+        if not images:
+            return req, prompt_ids, chat_choices(req, prompt_ids, self.limits, self.tokenizer), images
+        # an image's tokens (vocab + hash) are checked as the placeholder they stand for, then put back
+        checked = [t if t < self.limits.vocab_size else self.images.image_token_id for t in prompt_ids]
+        choices = [dataclasses.replace(c, prompt_ids=prompt_ids)
+                   for c in chat_choices(req, checked, self.limits, self.tokenizer)]
+        return req, prompt_ids, choices, images
 
     def _echo_text(self, req: CompletionRequest, p: int, ids: list[int]) -> str:
         if isinstance(req.prompt, str):
@@ -241,10 +252,11 @@ class OpenAIServing:
         return self.tokenizer.decode(ids)
 
     async def _serve(self, req, choices: list[Choice], prompts: list[list[int]], states: list[ChoiceState],
-                     fmt) -> Response:
+                     fmt, images=()) -> Response:
         header = shapes.ResponseHeader(fmt.kind, self.limits.served_name)
         prompt_tokens = sum(len(p) for p in prompts)
-        group = await self.engine.submit([(c.prompt_ids, c.sampling) for c in choices], lifecycle=self.lifecycle)
+        group = await self.engine.submit([(c.prompt_ids, c.sampling) for c in choices], lifecycle=self.lifecycle,
+                                         images=list(images))
         if req.stream:
             await admitted(group)  # a refused request answers with its status, not a 200 stream
             events = self._stream(group, header, choices, states, fmt, prompt_tokens, req.include_usage,
