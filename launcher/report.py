@@ -68,6 +68,10 @@ def graph_tree(cfg: RunConfig) -> Tree:
         form = m.score_head.value if m.score_head is not None else "linear"
         tree.add(f"[dim]score head[/] {form}, {m.num_labels} output(s) {escape(str(m.labels))}: "
                  "/get_score, /classify, /v1/score")
+    spec = getattr(cfg, "spec", None)
+    if spec is not None and spec.method.value != "none":  # runtime/router/spec_decode.py
+        tree.add(f"[dim]speculative decoding[/] {spec.method.value}: {spec.num_tokens} proposed tokens per row and "
+                 f"step (suffixes of {spec.ngram_max}..{spec.ngram_min} tokens), off above {spec.max_batch} decode rows")
     if cfg.parallel.cuda_mps:
         tree.add("[dim]cuda mps daemon[/] nvidia-cuda-mps-control -d, its pipe in a private directory under the "
                  "temp dir (started first, quit last)")

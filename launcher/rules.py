@@ -14,6 +14,7 @@ import socket
 
 from llaunch.launcher import gpus, memory_plan, rules_graph, rules_model, secrets  # noqa: F401 (they register rules too)
 from llaunch.launcher import rules_score  # noqa: F401 (registers the score model's rules)
+from llaunch.launcher import rules_spec  # noqa: F401 (speculative decoding's rules)
 from llaunch.launcher import rules_server  # noqa: F401 (metric server and TGI API rules)
 from llaunch.launcher import rules_quant  # noqa: F401 (quantized checkpoints, fp8 KV cache)
 # check_all, warnings, pending and RULES are called through this module, which fills the registry

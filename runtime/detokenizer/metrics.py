@@ -100,13 +100,19 @@ class MetricsHub:
                              registry=r)
         self.stalls = Counter(PREFIX + "engine_stalls", "Stalls the health monitor saw, per replica.", ranked,
                               registry=r)
+        # speculative decoding (vLLM's series): proposals verified, their tokens, and those accepted
+        self.spec_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Proposals verified (one per row and step).",
+                                   m, registry=r)
+        self.spec_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Tokens proposed.", m, registry=r)
+        self.spec_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Proposed tokens accepted.", m,
+                                     registry=r)
         # vLLM's series, for its dashboards; always 0 here: admission reserves a request's KV up front
         self.preemptions = Counter(PREFIX + "num_preemptions", "Cumulative number of preemption from the engine.",
                                    m, registry=r)
         for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
                        self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
                        self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
-                       self.preemptions):
+                       self.preemptions, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
             family.labels(*self.model)  # every series exists from the start, at zero
         for reason in FINISH_REASONS:
             self.request_success.labels(*self.model, reason)
@@ -161,6 +167,9 @@ class MetricsHub:
         self.prefix_hits.labels(*self.model).inc(stats.prefix_cache_hits - (before.prefix_cache_hits if before else 0))
         self.stalled.labels(*rank).set(float(stats.stalled))
         self.stalls.labels(*rank).inc(stats.stalls - (before.stalls if before else 0))
+        for counter, field in ((self.spec_drafts, "spec_verify_rows"), (self.spec_draft_tokens, "spec_proposed"),
+                               (self.spec_accepted, "spec_accepted")):
+            counter.labels(*self.model).inc(getattr(stats, field) - (getattr(before, field) if before else 0))
 
     @property
     def num_running(self) -> int:

@@ -51,6 +51,7 @@ def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
         pd_role=PD_ROLES.get(cfg.mode.kind),
         max_waiting=r.max_waiting_requests,
         diverse_mode=r.diverse_mode,
+        spec=cfg.spec,
     )
 
 
@@ -157,7 +158,8 @@ class Router:
                                               prefix_cache_tokens=s.cache.tokens,
                                               prefix_cache_queries=s.cache.queries,
                                               prefix_cache_hits=s.cache.hits, stalled=self.health.stalled,
-                                              stalls=self.health.stalls))
+                                              stalls=self.health.stalls, spec_proposed=s.spec.proposed,
+                                              spec_accepted=s.spec.accepted, spec_verify_rows=s.spec.verify_rows))
             self._last_stats = now
 
     def send_kv_commands(self) -> None:

@@ -1,0 +1,164 @@
+"""Speculative decoding, the router's half: proposals and their verdicts (spec.method=ngram).
+
+The router owns each request's token history, so it proposes: the longest suffix of the prompt +
+output (spec.ngram_max down to spec.ngram_min tokens) that occurred before is looked up, and the up
+to spec.num_tokens tokens that followed its latest earlier occurrence are the proposal. A proposing
+row is planned as a VerifyChunk (its last token + the proposal, k+1 query tokens over its cached KV:
+the chunked-prefill path); the worker samples all k+1 positions, keeps the longest prefix the target
+agrees with plus one token of its own (runtime/worker/spec_verify.py), and the router frees the KV
+slots of the rejected tail. A proposing row needs its last token, so it is planned only when no step
+of it is in flight (it forgoes pipelining; rows that cannot speculate keep it).
+
+Speculation is off for a step whose decode batch exceeds spec.max_batch (verifying k+1 tokens per row
+then costs more than it saves), and for rows whose tokens are not drawn from the model's plain
+distribution (penalties, exclusions, logprobs, prompt logprobs): they decode one token a step.
+KV stays exact: a step speculates only while every live request could reach its peak at once, so
+growth faster than one token a step can never make an allocation fail."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from llaunch.runtime.ipc.messages import SamplingParams, StepPlan, StepResult, VerifyChunk
+from llaunch.runtime.router.request import Request, Status
+
+if TYPE_CHECKING:
+    from llaunch.runtime.config import SpecConfig
+    from llaunch.runtime.router.scheduler import Scheduler
+
+
+def propose(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """The up to `k` tokens that followed the latest earlier occurrence of the longest suffix of
+    `tokens` (ngram_max down to ngram_min tokens long); [] when none occurred."""
+    n_tok = len(tokens)
+    if k <= 0 or n_tok < ngram_min + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(ngram_max, n_tok - 1), ngram_min - 1, -1):
+        suffix = arr[n_tok - n:]
+        # windows starting at 0 .. n_tok-n-1 (the suffix itself excluded)
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:n_tok - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k]
+    return []
+
+
+def speculates(sp: SamplingParams, produced: int) -> bool:
+    """Are this request's next tokens drawn from the model's plain distribution (what verification
+    samples)? Token healing's exclusions end with the first token, min_tokens' once that many are out."""
+    if sp.penalized or sp.logprobs or sp.prompt_logprobs >= 0:
+        return False
+    if (sp.constraint or sp.banned_ids or sp.banned_sequences or sp.allowed_ids or sp.bias_ids
+            or sp.min_p > 0.0):
+        return False
+    return produced >= max(sp.min_tokens, 1 if sp.heal_ids else 0)
+
+
+@dataclass
+class _Verifying:
+    req: Request
+    proposed: int  # tokens proposed (the chunk holds one more: the row's last token)
+
+
+class SpecDecoding:
+    """Per scheduler: which decode rows verify proposals this step, and the verdicts' bookkeeping."""
+
+    def __init__(self, cfg: Optional["SpecConfig"]):
+        self.cfg = cfg
+        self.enabled = cfg is not None and getattr(cfg.method, "value", cfg.method) == "ngram"
+        self._out: dict[int, list[_Verifying]] = {}  # step → its verify rows, in plan order
+        self.proposed = 0  # since start: tokens proposed to verification
+        self.accepted = 0  # of those, tokens the target agreed with
+        self.verify_rows = 0  # row-steps that verified a proposal
+
+    def split(self, sched: "Scheduler", decoding: list[Request]) -> tuple[list[Request], dict[int, list[int]]]:
+        """(rows that decode one token as usual, {row: proposal} for rows that verify one). Rows that
+        speculate and have a step in flight sit this step out (their last token is not known yet)."""
+        if not self.enabled or len(decoding) > self.cfg.max_batch:
+            return decoding, {}
+        plain: list[Request] = []
+        proposals: dict[int, list[int]] = {}
+        lim = sched.limits
+        for req in decoding:
+            if not speculates(req.sampling, len(req.output_ids)):
+                plain.append(req)
+                continue
+            if req.steps_in_flight:
+                continue
+            room = min(self.cfg.num_tokens, req.max_new_tokens - len(req.output_ids) - 1,
+                       lim.max_model_len - req.num_tokens - 1)
+            proposal = propose(req.prompt_ids + req.output_ids, room, self.cfg.ngram_min, self.cfg.ngram_max)
+            if proposal:
+                proposals[req.row] = proposal
+            else:
+                plain.append(req)
+        if proposals and not self._peaks_fit(sched, sum(len(p) for p in proposals.values())):
+            plain += [sched.running[row] for row in proposals]  # under KV pressure: no speculation
+            proposals = {}
+        return plain, proposals
+
+    def _peaks_fit(self, sched: "Scheduler", extra: int) -> bool:
+        """Could every live request hold its peak KV at once (after `extra` proposal slots)? Then no
+        order of growth can exhaust the cache."""
+        margin = sched.limits.pipeline_depth - 1
+        live = [r for r in sched.running.values() if r.status in (Status.RUNNING, Status.TRANSFER)]
+        peaks = sum(r.peak_tokens - r.num_cached + margin for r in live)
+        lingering = sum(len(r.slots) - r.num_cached for r in sched.running.values() if r.status is Status.FINISHED)
+        waiting_kv = sum(len(r.slots) - r.num_cached for r in sched._holding(None))
+        return peaks + lingering + waiting_kv + sched.cache.locked + extra <= sched.limits.kv_slots
+
+    def plan(self, sched: "Scheduler", plan: StepPlan, proposals: dict[int, list[int]]) -> list[Request]:
+        """Add the verify chunks to `plan`; their requests (to count as touched by the step)."""
+        rows: list[_Verifying] = []
+        for row, proposal in proposals.items():
+            req = sched.running[row]
+            n = len(proposal) + 1
+            slots = sched.cache.alloc(n)
+            plan.verify.append(VerifyChunk(row=row, token_ids=[req.output_ids[-1]] + proposal,
+                                           start=req.num_computed, slots=slots))
+            req.slots.extend(slots)
+            req.num_computed += n
+            req.num_planned += n
+            rows.append(_Verifying(req, len(proposal)))
+        if rows:
+            self._out[plan.step] = rows
+        return [v.req for v in rows]
+
+    def verified(self, sched: "Scheduler", result: StepResult) -> list:
+        """The verdicts of a step's verify rows: free the rejected tail's KV, then append the tokens
+        one at a time (a stop condition mid-proposal drops the rest). Returns the TokenDeltas."""
+        from llaunch.runtime.ipc.messages import TokenDelta
+
+        rows = self._out.pop(result.step, [])
+        if len(rows) != len(result.verified):
+            raise RuntimeError(f"step {result.step}: {len(result.verified)} verdicts for {len(rows)} verify rows")
+        deltas = []
+        for v, tokens in zip(rows, result.verified):
+            req = v.req
+            accepted = len(tokens) - 1
+            self.proposed += v.proposed
+            self.accepted += accepted
+            self.verify_rows += 1
+            if req.status is not Status.RUNNING:
+                continue  # ended while the step was out: its slots go back when it is released
+            rejected = v.proposed - accepted
+            if rejected:
+                sched.kv.free(req.slots[-rejected:])
+                del req.slots[-rejected:]
+                req.num_computed -= rejected
+                req.num_planned -= rejected
+            delta = TokenDelta(request_id=req.id, token_ids=[])
+            for token in tokens:
+                req.output_ids.append(token)
+                delta.token_ids.append(token)
+                reason = sched._stop_reason(req, token)
+                if reason is not None:
+                    sched._finish(req, reason)
+                    delta.finish_reason = reason
+                    break
+            deltas.append(delta)
+        return deltas

@@ -1,0 +1,129 @@
+"""Speculative decoding, the worker's half: a VerifyChunk's k+1 positions ran as one chunk over the
+row's cached KV; sampling them decides how much of the proposal the model keeps.
+
+Greedy: the proposal's longest prefix equal to the argmax at each position, then the argmax after it
+(token-identical to decoding one token at a time). Sampled: rejection sampling with a point-mass
+draft (an n-gram proposal): proposed token d is accepted with probability p(d) under the target's
+filtered distribution (temperature, top-k, top-p, as kernels.sample draws), and at the first rejection
+a token is drawn from p with d removed (renormalised); if all are accepted, one more is drawn from the
+last position. Each output token is then distributed exactly as the target's. Noise is a hash of the
+row's seed and token offset (kernels' counter-based noise), so every tp rank draws the same tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from llaunch.kernels.reference import _uniform_noise
+from llaunch.runtime.ipc.messages import VerifyChunk
+from llaunch.runtime.worker.sampling_state import SamplingState
+from llaunch.runtime.worker.transfer import to_device, to_host_async
+
+ACCEPT_SALT = 0x2545F491  # the acceptance draws' noise stream, apart from the token draws'
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                   top_k: torch.Tensor) -> torch.Tensor:
+    """[n, V] float32: the distribution kernels.sample draws from (temperature, then top-k and top-p
+    over the sorted probabilities, the most likely token always kept), renormalised. The settings
+    are 0-d or [n, 1]."""
+    vocab = logits.shape[-1]
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    keep = (rank < k) & ((sorted_p.cumsum(-1) - sorted_p) < top_p)
+    keep[:, 0] = True
+    kept = torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(~keep, 0.0))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _outcome(draft: torch.Tensor, accepted: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """[B, n] tokens: per row the first `accepted` proposed ones, then own[accepted], then -1 padding.
+    draft [B, n-1], accepted [B], own [B, n]."""
+    b, n = own.shape
+    idx = torch.arange(n, device=own.device)[None, :]
+    padded = torch.cat([draft, draft.new_full((b, 1), -1)], dim=1)
+    mine = own.gather(1, accepted[:, None]).expand(b, n)
+    acc = accepted[:, None]
+    return torch.where(idx < acc, padded, torch.where(idx == acc, mine, torch.full_like(own, -1)))
+
+
+def verify_greedy(logits: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """logits [m+1, V] at the row's last token and each proposed token; draft [m] → [m+1] (-1 padded)."""
+    best = torch.argmax(logits, dim=-1)
+    accepted = torch.cumprod((best[:-1] == draft).long(), 0).sum()
+    return _outcome(draft[None], accepted[None], best[None])[0]
+
+
+def verify_sampled(logits: torch.Tensor, draft: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                   top_k: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Rejection sampling of proposals draft [B, m] against logits [B, m+1, V]; per row settings,
+    seed and noise offset [B] (position j draws at offset + j). → [B, m+1] tokens, -1 padded."""
+    b, n, vocab = logits.shape
+    m = n - 1
+    per_pos = lambda x: x.reshape(b, 1).expand(b, n).reshape(b * n, 1)  # noqa: E731
+    probs = filtered_probs(logits.reshape(b * n, vocab), per_pos(temperature), per_pos(top_p),
+                           per_pos(top_k)).reshape(b, n, vocab)
+    offsets = (offset.reshape(b, 1) + torch.arange(n, device=logits.device)).reshape(-1)
+    seeds = per_pos(seed).reshape(-1)
+    u = _uniform_noise(seeds ^ ACCEPT_SALT, offsets, 1).reshape(b, n)
+    accept = u[:, :m] < probs[:, :m].gather(2, draft[..., None])[..., 0]
+    accepted = torch.cumprod(accept.long(), 1).sum(1)
+    residual = probs.clone()
+    residual[:, :m].scatter_(2, draft[..., None], 0.0)  # p − q with q a point mass at the proposed token, clipped at 0
+    race = residual.double() / -torch.log(_uniform_noise(seeds, offsets, vocab).reshape(b, n, vocab))
+    return _outcome(draft, accepted, torch.argmax(race, dim=-1))  # the exponential race draws from `residual`
+
+
+@dataclass
+class PendingVerify:
+    chunks: list[VerifyChunk]
+    tokens: torch.Tensor  # [chunks, k+1] int64, -1 padded (on the host once `done` fires)
+    done: Optional[torch.cuda.Event]
+
+
+class Verifier:
+    def __init__(self, sampling: SamplingState, last_token: torch.Tensor, device: torch.device):
+        self.sampling, self.last_token, self.device = sampling, last_token, device
+
+    def launch(self, logits: torch.Tensor, chunks: list[VerifyChunk]) -> PendingVerify:
+        """Enqueue the verdicts of `chunks` (their logits in plan order); each row's last token is its
+        last kept one, on the device."""
+        s = self.sampling
+        width = max(len(c.token_ids) for c in chunks)
+        out = torch.full((len(chunks), width), -1, dtype=torch.int64, device=self.device)
+        offset = 0
+        for i, chunk in enumerate(chunks):
+            n, row = len(chunk.token_ids), chunk.row
+            block = logits[offset:offset + n]
+            offset += n
+            draft = to_device(chunk.token_ids[1:], torch.int64, self.device)
+            if s.greedy[row]:
+                tokens = verify_greedy(block, draft)
+            else:
+                one = slice(row, row + 1)
+                tokens = verify_sampled(block[None], draft[None], s.temperature[one], s.top_p[one], s.top_k[one],
+                                        s.seed[one], to_device([s.generated[row]], torch.int64, self.device))[0]
+            out[i, :n] = tokens
+            kept = (tokens >= 0).sum()
+            self.last_token[row:row + 1] = tokens.gather(0, (kept - 1)[None])
+        done = None
+        if self.device.type == "cuda":
+            out = to_host_async(out)
+            done = torch.cuda.Event()
+            done.record()
+        return PendingVerify(chunks, out, done)
+
+    def collect(self, pending: PendingVerify, seq_len: list[int]) -> list[list[int]]:
+        """Each chunk's kept tokens; the rows' lengths and noise counters follow them."""
+        if pending.done is not None:
+            pending.done.synchronize()
+        verdicts = []
+        for chunk, row_tokens in zip(pending.chunks, pending.tokens.tolist()):
+            kept = [t for t in row_tokens if t >= 0]
+            seq_len[chunk.row] = chunk.start + len(kept)  # the last kept token's KV is computed next step
+            self.sampling.generated[chunk.row] += len(kept)
+            verdicts.append(kept)
+        return verdicts

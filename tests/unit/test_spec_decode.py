@@ -1,0 +1,161 @@
+"""Speculative decoding in one process: the n-gram proposer, the router's scheduler and the worker's
+runner on a tiny random Qwen2 (greedy output token-identical with and without speculation, KV exact),
+and rejection sampling keeping the target's distribution."""
+from collections import deque
+
+import pytest
+import torch
+
+from fixtures.tiny_models import model_config_from_folder, write_tiny_checkpoint
+from llaunch.runtime.config import SpecConfig, SpecMethod
+from llaunch.runtime.ipc.messages import AddRequest, SamplingParams
+from llaunch.runtime.models.loader import build_model
+from llaunch.runtime.router.request import Request, Status
+from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
+from llaunch.runtime.router.spec_decode import propose
+from llaunch.runtime.worker.runner import ModelRunner
+from llaunch.runtime.worker.spec_verify import filtered_probs, verify_greedy, verify_sampled
+
+ROWS, SLOTS, MAX_LEN = 16, 2048, 160
+EOS = 2
+
+
+def test_proposal_is_what_followed_the_latest_longest_match():
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 0, 6, 7]
+    assert propose(tokens, 3, 1, 3) == [3, 4, 0]  # "6 7" last seen before the end at index 6
+    assert propose(tokens, 1, 1, 3) == [3]
+    assert propose([1, 2, 3, 4], 4, 1, 3) == []  # nothing repeats
+    assert propose([9, 4, 4, 4], 4, 1, 3) == [4]  # "4 4" seen at 1..2, then 4
+    assert propose([1, 2, 9, 1, 2], 2, 2, 2) == [9, 1]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request, tmp_path_factory):
+    folder = write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{request.param}-spec"), request.param)
+    return build_model(model_config_from_folder(folder), device=torch.device("cpu"), dtype=torch.float32)
+
+
+def serve(model, requests: list[tuple[list[int], SamplingParams]], spec: bool, kv_slots: int = SLOTS):
+    """Run the requests through a Scheduler (pipeline depth 2, as the router) and a ModelRunner:
+    ({request index: (tokens, finish reason)}, scheduler)."""
+    cfg = SpecConfig(method=SpecMethod.ngram, num_tokens=4, max_batch=16) if spec else None
+    sched = Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=256, chunked_prefill=True,
+                                      chunked_prefill_size=256, max_wait_tokens=1, token_ratio=0.0,
+                                      max_model_len=MAX_LEN, eos_ids=(EOS,), pipeline_depth=2, spec=cfg))
+    runner = ModelRunner(model, model.make_kv_cache(kv_slots + 1, ROWS + 1, MAX_LEN), ROWS, torch.device("cpu"))
+    for i, (prompt, sp) in enumerate(requests):
+        assert sched.add(Request(AddRequest(str(i), 0, prompt, sp, 0.0), sp)) is None
+    out = {i: ([], None) for i in range(len(requests))}
+    pending = deque()
+    while sched.has_work() or pending:
+        while len(pending) < 2:
+            plan = sched.schedule()
+            if plan is None:
+                break
+            pending.append(runner.launch(plan))
+        for delta in sched.on_result(runner.finish(pending.popleft())):
+            tokens, _ = out[int(delta.request_id)]
+            out[int(delta.request_id)] = (tokens + delta.token_ids, delta.finish_reason)
+    assert sched.kv.num_used == 0  # every slot back, rejected proposals included
+    return out, sched
+
+
+PROMPT = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41, 42]  # repetitive: proposals from the prompt
+
+
+def greedy_requests(n: int, stops: dict[int, list[int]] = {}) -> list:
+    return [(PROMPT[i % 5:] + [60 + i], SamplingParams(max_new_tokens=[40, 23, 17, 31][i % 4], temperature=0.0,
+                                                       stop_token_ids=stops.get(i, [])))
+            for i in range(n)]
+
+
+def cut_at(tokens: list[int], stop: int) -> tuple[list[int], str]:
+    return (tokens[:tokens.index(stop) + 1], "stop") if stop in tokens else (tokens, "length")
+
+
+def test_greedy_output_is_token_identical_with_speculation(model):
+    """16 requests at once; max_tokens (40, 23, 17, 31) and stop tokens land mid-proposal."""
+    n = 16
+    plain, _ = serve(model, greedy_requests(n), spec=False)
+    stops = {i: [plain[i][0][-3]] for i in range(1, n, 2)}  # odd requests stop at their last-but-two token's first use
+    want = {i: cut_at(plain[i][0], stops[i][0]) if i in stops else plain[i] for i in range(n)}
+    fast, sched = serve(model, greedy_requests(n, stops), spec=True)
+    assert fast == want
+    assert sched.spec.accepted > 0 and sched.spec.verify_rows > 0  # it did speculate, and it paid off
+    assert sched.spec.accepted <= sched.spec.proposed
+
+
+def _rows(kv_slots: int, max_batch: int):
+    limits = SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=256, chunked_prefill=True,
+                             chunked_prefill_size=256, max_wait_tokens=1, token_ratio=0.0, max_model_len=MAX_LEN,
+                             eos_ids=(EOS,), spec=SpecConfig(method=SpecMethod.ngram, max_batch=max_batch))
+    sched = Scheduler(limits)
+    reqs = [Request(AddRequest(str(i), 0, p, sp, 0.0), sp) for i, (p, sp) in enumerate(greedy_requests(4))]
+    for row, r in enumerate(reqs):
+        r.output_ids = [40]  # "41" follows in every prompt: a proposal exists
+        r.row, sched.running[row] = row, r
+        r.status, r.num_computed = Status.RUNNING, r.prompt_len
+    return sched, reqs
+
+
+def test_speculation_is_off_above_max_batch():
+    sched, reqs = _rows(SLOTS, max_batch=3)
+    assert sched.spec.split(sched, reqs) == (reqs, {})  # 4 rows > max_batch 3: no row verifies
+    plain, proposals = sched.spec.split(sched, reqs[:3])
+    assert plain == [] and sorted(proposals) == [0, 1, 2] and proposals[0][0] == 41
+
+
+def test_no_speculation_unless_every_peak_fits():
+    """Admission's KV estimate assumes a row grows one token a step: a row may speculate only while
+    every live request could hold its peak at once, the proposals' slots included."""
+    sched, reqs = _rows(SLOTS, max_batch=16)
+    need = sum(r.peak_tokens for r in reqs) + sum(len(p) for p in sched.spec.split(sched, reqs)[1].values())
+    sched, reqs = _rows(need - 1, max_batch=16)
+    assert sched.spec.split(sched, reqs)[1] == {}
+    sched, reqs = _rows(need, max_batch=16)
+    assert len(sched.spec.split(sched, reqs)[1]) == 4
+
+
+# ---- rejection sampling --------------------------------------------------------------------------
+
+def _draws(logits, draft, n, **params):
+    """`n` verdicts on one proposal, each with its own seed: [n, len(draft) + 1] tokens, -1 padded."""
+    full = lambda v, dt=torch.float32: torch.full((n,), v, dtype=dt)  # noqa: E731
+    return verify_sampled(logits.expand(n, *logits.shape), torch.tensor(draft).expand(n, len(draft)),
+                          full(params.get("temperature", 1.0)), full(params.get("top_p", 1.0)),
+                          full(params.get("top_k", -1), torch.int64), torch.arange(n) * 7919 + 13,
+                          torch.zeros(n, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("params", [dict(), dict(temperature=0.7, top_k=4), dict(top_p=0.8)], ids=str)
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 8, generator=gen) * 1.5
+    draft = [int(torch.argsort(logits[0])[-2]), int(torch.argsort(logits[1])[-1])]  # a likely and a best guess
+    target = filtered_probs(logits, torch.tensor(params.get("temperature", 1.0)), torch.tensor(params.get("top_p", 1.0)),
+                            torch.tensor(params.get("top_k", -1)))
+    n = 20000
+    draws = _draws(logits, draft, n, **params)
+    first = torch.bincount(draws[:, 0], minlength=8).double() / n
+    assert 0.5 * (first - target[0]).abs().sum() < 0.02  # TV distance; its sampling noise is ~0.006
+    after = draws[draws[:, 0] == draft[0], 1]  # the second token, where the first proposal was kept
+    second = torch.bincount(after, minlength=8).double() / len(after)
+    assert len(after) > 2000 and 0.5 * (second - target[1]).abs().sum() < 0.04
+    assert (draws[:, 2] >= 0).any()  # both kept: a bonus token drawn from the last position
+    # and that distribution is the one decoding without speculation draws from (kernels.sample)
+    from llaunch.kernels import reference
+
+    full = lambda v, dt=torch.float32: torch.full((n,), v, dtype=dt)  # noqa: E731
+    plain = reference.sample(logits[0].expand(n, 8), full(params.get("temperature", 1.0)), full(params.get("top_p", 1.0)),
+                             full(params.get("top_k", -1), torch.int64), torch.arange(n) * 31 + 5,
+                             torch.zeros(n, dtype=torch.int64))
+    assert 0.5 * (torch.bincount(plain, minlength=8).double() / n - first).abs().sum() < 0.03
+
+
+def test_greedy_verdict_is_the_agreeing_prefix_and_one_more():
+    logits = torch.full((4, 6), -1.0)
+    for pos, best in enumerate([3, 1, 4, 5]):
+        logits[pos, best] = 1.0
+    assert verify_greedy(logits, torch.tensor([3, 1, 2])).tolist() == [3, 1, 4, -1]
+    assert verify_greedy(logits, torch.tensor([0, 1, 4])).tolist() == [3, -1, -1, -1]
+    assert verify_greedy(logits, torch.tensor([3, 1, 4])).tolist() == [3, 1, 4, 5]
