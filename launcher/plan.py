@@ -13,11 +13,14 @@ there); pd frontends dial pd_master (an http URL: frontend.0 registers there), a
 instance's name every rank's kv_transfer (comma-separated, rank order);
 pd_master runs one process binding http (clients) and register (instances), both http:// URLs;
 config_server runs one registry process binding http.
+cache.cpu_tokens > 0 adds kv_host.{node}: binds pool.{d}.{r} (a shared-memory file path per worker of
+its node, the host KV tier); each worker connects kv_host to its own.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from llaunch.launcher.ports import EndpointAllocator
+from llaunch.runtime.cache.host_pool import pool_path
 from llaunch.runtime.config import Device, KvTransport, LlaunchConfig, Mode, ProcessGraph, ProcessSpec, ZmqMode
 
 # Dialled addresses that no process of this graph binds: the launcher's own control socket,
@@ -130,8 +133,24 @@ def _serving_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessG
     if cfg.mode.kind == Mode.pd_decode:  # advertised to the master with the registration: rank r's is r-th
         extra["kv_transfer"] = ",".join(w.binds["kv_transfer"] for w in workers)
     frontends = _frontends(cfg, text, [r.binds["requests"] for r in routers], extra | {"control": controls[0]})
-    return ProcessGraph(processes=[*frontends, *routers, detokenizer, *workers], http_url=_http_url(cfg),
+    hosts = _kv_hosts(cfg, workers, controls[0])
+    return ProcessGraph(processes=[*hosts, *frontends, *routers, detokenizer, *workers], http_url=_http_url(cfg),
                         ipc_dir=_ipc_dir(endpoints), control=controls[p.node_rank], dist_init=dist_init)
+
+
+def _kv_hosts(cfg: LlaunchConfig, workers: list[ProcessSpec], instance: str) -> list[ProcessSpec]:
+    """cache.cpu_tokens > 0: one kv_host process per node owns the host KV tier's shared memory, a
+    file per worker of its node (runtime/cache/host_pool.py); each worker maps its own."""
+    if cfg.cache.cpu_tokens <= 0:
+        return []
+    hosts: dict[int, ProcessSpec] = {}
+    for w in workers:
+        host = hosts.setdefault(w.node, ProcessSpec(name=f"kv_host.{w.node}", role="kv_host", node=w.node,
+                                                    connects={"control": w.connects["control"]}))
+        path = pool_path(instance, w.dp_rank, w.tp_rank)
+        host.binds[f"pool.{w.dp_rank}.{w.tp_rank}"] = path
+        w.connects["kv_host"] = path
+    return list(hosts.values())
 
 
 def _url(host: str, port: int) -> str:

@@ -336,6 +336,21 @@ def diverse_mode_needs_prompt_cache(cfg):
 
 
 @rule()
+def host_kv_tier_supported(cfg):
+    c = cfg.cache
+    if c.cpu_tokens < 0:
+        yield ("cache.cpu_tokens",), f"cache.cpu_tokens={c.cpu_tokens}: give token slots >= 0 (0: no host KV tier)"
+    if c.cpu_tokens > 0 and not c.prompt_cache:
+        yield ("cache.cpu_tokens", "cache.prompt_cache"), (
+            f"cache.cpu_tokens={c.cpu_tokens} keeps the prompt cache's evicted KV in host memory, but "
+            "cache.prompt_cache=false: set cache.prompt_cache=true, or cache.cpu_tokens=0")
+    if c.cpu_tokens > 0 and cfg.mode.kind != Mode.normal:
+        yield ("cache.cpu_tokens", "mode.kind"), (
+            f"cache.cpu_tokens={c.cpu_tokens} with mode.kind={cfg.mode.kind.value}: the host KV tier serves "
+            "mode.kind=normal only; set cache.cpu_tokens=0")
+
+
+@rule()
 def token_healing_without_all_prompt_logprobs(cfg):
     s = cfg.server
     if s.token_healing and s.return_all_prompt_logprobs:

@@ -28,6 +28,7 @@ from rich.console import Console
 
 from llaunch.launcher.mps import MpsDaemon, MpsError
 from llaunch.launcher.plan import processes_on
+from llaunch.runtime.cache.host_pool import remove_pool
 from llaunch.runtime.config import Mode, ProcessSpec, RunConfig
 from llaunch.runtime.ipc.messages import LauncherInbound, ProcessReady, ProcessStage
 from llaunch.runtime.ipc.sockets import Receiver
@@ -39,10 +40,11 @@ ROLE_MODULES = {
     "frontend": "llaunch.runtime.http.process",
     "config_server": "llaunch.runtime.pd_master.config_server",
     "pd_master": "llaunch.runtime.pd_master.process",  # binds its own HTTP ports (no inherited fd)
+    "kv_host": "llaunch.runtime.cache.host_pool_process",  # owns the host KV tier's shared memory
 }
 KEY_ROLES = ("frontend", "pd_master")  # the processes that check the API key
 # each depends on the ones before; config_server and pd_master run alone in their graphs
-START_ORDER = ["worker", "router", "detokenizer", "frontend", "config_server", "pd_master"]
+START_ORDER = ["kv_host", "worker", "router", "detokenizer", "frontend", "config_server", "pd_master"]
 # A worker's exit status when a tp peer went away (runtime/worker/process.py EXIT_PEER_GONE): it
 # died because another did, so it is not the one to blame.
 PEER_GONE_EXIT = 3
@@ -161,6 +163,10 @@ class Graph:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        for spec in self.specs.values():  # a kv_host killed hard leaves its shared memory behind
+            if spec.role == "kv_host":
+                for path in spec.binds.values():
+                    remove_pool(path)
 
 
 class _Stop(Exception):

@@ -22,7 +22,9 @@ Prompt-cache workloads (the prompts are still random token ids):
                    (prompts and the server's outputs, from `return_token_ids`) plus --input-len new
                    tokens, after the previous answer is back; --num-prompts counts conversations
 When the server exposes `<prefix>:prefix_cache_{queries,hits}_total` (llaunch, vLLM), the hit rate
-over the measured run is reported too.
+over the measured run is reported too; when it exposes `<prefix>:spec_decode_*` (speculative
+decoding), the proposals, acceptance rate and tokens per verify step. --copy-prompts: each prompt is a
+random text of --input-len/2 tokens twice (the model continues by copying: n-gram speculation's case).
 
 Traffic-shaped workloads (scripts/bench_trace.py; single-turn, no shared prefix):
   --trace FILE.jsonl   replay a recorded trace: its arrival times (--request-rate is ignored), prompt
@@ -55,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_workload import (CacheCounts, RequestOutput, StreamTimer, arrival_offsets,  # noqa: E402
                             compute_metrics, conversation_turns, prefix_cache_counts, random_prompts)
 from bench_trace import prompts_of_lengths, read_trace, sharegpt_lengths, trace_workload  # noqa: E402
+from bench_spec import copy_prompts, fetch_spec_counts, spec_result, spec_rows  # noqa: E402
 
 # ---- the client ----------------------------------------------------------------------------------
 
@@ -146,6 +149,9 @@ def build_workload(args: argparse.Namespace) -> tuple[list, list[float], Optiona
             offsets = arrival_offsets(args.num_prompts, args.request_rate, args.seed)
         prompts = prompts_of_lengths(in_lens, args.vocab_size, args.seed)
         return [[p] for p in prompts], offsets, out_lens
+    if args.copy_prompts:  # a text seen twice, continued by copying it: n-gram speculation's best case
+        prompts = copy_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
+        return [[p] for p in prompts], arrival_offsets(args.num_prompts, args.request_rate, args.seed), None
     conversations = conversation_turns(args.num_prompts, args.input_len, args.vocab_size, args.seed,
                                        args.shared_prefix_groups, args.shared_prefix_len, args.multi_turn)
     return conversations, arrival_offsets(args.num_prompts, args.request_rate, args.seed), None
@@ -169,12 +175,14 @@ async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tupl
         if any(not o.success for o in warm):
             print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)
         cache_before = await fetch_prefix_cache_counts(client, args)
+        args.spec_before = await fetch_spec_counts(client, args.api_key)
         start = time.perf_counter()
         outputs = [o for conversation in await run_arrivals(capped, conversations, offsets, out_lens)
                    for o in conversation]
         duration = time.perf_counter() - start
+        args.spec_after = await fetch_spec_counts(client, args.api_key)
         cache_after = await fetch_prefix_cache_counts(client, args) if cache_before is not None else None
-        cache = None if cache_after is None else (cache_after[0] - cache_before[0], cache_after[1] - cache_before[1])
+        cache = None if cache_after is None else tuple(a - b for a, b in zip(cache_after, cache_before))
         return outputs, duration, cache
 
 
@@ -218,7 +226,7 @@ def run_benchmark_procs(args: argparse.Namespace) -> tuple[list[RequestOutput], 
             before = await fetch_prefix_cache_counts(client, args)
             outputs, duration = await asyncio.get_running_loop().run_in_executor(None, measured)
             after = await fetch_prefix_cache_counts(client, args) if before is not None else None
-            return outputs, duration, None if after is None else (after[0] - before[0], after[1] - before[1])
+            return outputs, duration, None if after is None else tuple(a - b for a, b in zip(after, before))
 
     def measured():
         start_at = time.time() + 1.0  # every process is up and waiting by then
@@ -263,6 +271,12 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
         rows.insert(3, ("Turns per conversation", args.multi_turn, "d"))
     if "prefix_cache_hit_rate" in result:
         rows.append(("Prefix cache hit rate (%)", 100 * result["prefix_cache_hit_rate"], ".2f"))
+    if "host_cache_hits" in result:
+        queries = result["prefix_cache_queries"] or 1
+        rows += [("GPU-tier hits (% of prompt tokens)", 100 * result["gpu_cache_hits"] / queries, ".2f"),
+                 ("host-tier hits (% of prompt tokens)", 100 * result["host_cache_hits"] / queries, ".2f"),
+                 ("KV tokens promoted / demoted", f"{result['kv_promoted_tokens']:.0f} / {result['kv_demoted_tokens']:.0f}", "s")]
+    rows += spec_rows(result)  # the server's speculative decoding, where it reports it
     if "goodput" in result:
         rows.append(("Goodput (req/s within the SLOs)", result["goodput"], ".2f"))
     for label, value, fmt in rows:
@@ -302,6 +316,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="structured output: an OpenAI response_format object (JSON, or @FILE) sent with every request")
     ap.add_argument("--fresh-schemas", action="store_true",
                     help="give every request's json_schema a property no earlier request had (cold compiles)")
+    ap.add_argument("--copy-prompts", action="store_true",
+                    help="each prompt is a random text of input-len/2 tokens twice: the model continues by copying it")
     ap.add_argument("--max-model-len", type=int, default=None, help="sharegpt lengths are cut to fit this")
     args = ap.parse_args(argv)
     if args.concurrency < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
@@ -332,9 +348,13 @@ def main(argv: Optional[Sequence[str]] = None, transport: Any = None) -> dict[st
     else:
         outputs, duration, cache = asyncio.run(run_benchmark(args, transport))
     result = compute_metrics(outputs, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+    result.update(spec_result(getattr(args, "spec_before", None), getattr(args, "spec_after", None)))
     if cache is not None:
-        result["prefix_cache_queries"], result["prefix_cache_hits"] = cache
+        result["prefix_cache_queries"], result["prefix_cache_hits"] = cache[:2]
         result["prefix_cache_hit_rate"] = cache[1] / cache[0] if cache[0] else 0.0
+        if len(cache) > 2:  # a host KV tier: hits per tier, tokens moved between them
+            result["host_cache_hits"], result["kv_promoted_tokens"], result["kv_demoted_tokens"] = cache[2:]
+            result["gpu_cache_hits"] = cache[1] - cache[2]
     print_table(result, args)
     errors = [o.error for o in outputs if not o.success]
     if errors:

@@ -38,7 +38,10 @@ def conversation_turns(num: int, input_len: int, vocab_size: int, seed: int, gro
     return [[first] + later[i * (turns - 1) : (i + 1) * (turns - 1)] for i, first in enumerate(firsts)]
 
 
-CacheCounts = Optional[tuple[float, float]]  # the server's prefix-cache (queries, hits), if it reports them
+# the server's prefix-cache (queries, hits), if it reports them, then with a host KV tier (llaunch's
+# cache.cpu_tokens) its (host hits, tokens promoted, tokens demoted)
+CacheCounts = Optional[tuple[float, ...]]
+HOST_TIER_SERIES = ("prefix_cache_host_hits", "kv_promoted_tokens", "kv_demoted_tokens")
 
 
 def prefix_cache_counts(metrics_text: str) -> CacheCounts:
@@ -48,7 +51,13 @@ def prefix_cache_counts(metrics_text: str) -> CacheCounts:
     for kind, value in re.findall(r"^\w+:prefix_cache_(queries|hits)_total(?:\{[^}]*\})? (\S+)$", metrics_text, re.M):
         found[kind] += float(value)
         seen.add(kind)
-    return (found["queries"], found["hits"]) if seen == {"queries", "hits"} else None
+    if seen != {"queries", "hits"}:
+        return None
+    host = {name: 0.0 for name in HOST_TIER_SERIES}
+    for name, value in re.findall(r"^\w+:(%s)_total(?:\{[^}]*\})? (\S+)$" % "|".join(HOST_TIER_SERIES), metrics_text, re.M):
+        host[name] += float(value)
+    tiered = re.search(r"^\w+:prefix_cache_host_hits_total", metrics_text, re.M) is not None
+    return (found["queries"], found["hits"]) + (tuple(host.values()) if tiered else ())
 
 
 def arrival_offsets(num: int, request_rate: float, seed: int) -> list[float]:

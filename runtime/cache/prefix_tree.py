@@ -17,7 +17,7 @@ from llaunch.runtime.cache.kv_allocator import KvAllocator
 
 
 class Node:
-    __slots__ = ("tokens", "slots", "children", "parent", "refs", "last_used", "id")
+    __slots__ = ("tokens", "slots", "children", "parent", "refs", "last_used", "id", "on_host")
 
     def __init__(self, tokens: list[int], slots: list[int], parent: Optional["Node"], node_id: int):
         self.tokens = tokens  # the edge from the parent: these token ids ...
@@ -27,6 +27,7 @@ class Node:
         self.refs = 0  # requests whose reused prefix runs through this node
         self.last_used = 0  # logical clock of the last match/insert through it
         self.id = node_id  # tie-break for equal clocks, so eviction order is deterministic
+        self.on_host = False  # its slots are host-tier slots (runtime/cache/host_tier.py), not GPU ones
 
     def __repr__(self) -> str:
         return f"Node({self.tokens}, slots={self.slots}, refs={self.refs})"
@@ -98,7 +99,7 @@ class PrefixTree:
     def _split(self, child: Node, n: int) -> Node:
         """Cut child's edge after n tokens; the new upper node inherits its references."""
         upper = Node(child.tokens[:n], child.slots[:n], child.parent, next(self._ids))
-        upper.refs, upper.last_used = child.refs, child.last_used
+        upper.refs, upper.last_used, upper.on_host = child.refs, child.last_used, child.on_host
         child.parent.children[upper.tokens[0]] = upper
         child.tokens, child.slots, child.parent = child.tokens[n:], child.slots[n:], upper
         upper.children[child.tokens[0]] = child

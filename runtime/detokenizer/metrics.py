@@ -95,6 +95,16 @@ class MetricsHub:
                                       "Prefix cache queries, in terms of number of queried tokens.", m, registry=r)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits",
                                    "Prefix cache hits, in terms of number of cached tokens.", m, registry=r)
+        # the host KV tier (cache.cpu_tokens): GPU-tier hits are prefix_cache_hits less these
+        self.host_hits = Counter(PREFIX + "prefix_cache_host_hits",
+                                 "Prefix cache hits found in the host KV tier, in tokens.", m, registry=r)
+        self.promoted = Counter(PREFIX + "kv_promoted_tokens", "Tokens of KV copied from the host tier to the GPU.",
+                                m, registry=r)
+        self.demoted = Counter(PREFIX + "kv_demoted_tokens", "Tokens of KV copied from the GPU to the host tier.",
+                               m, registry=r)
+        self.host_usage = Gauge(PREFIX + "host_kv_cache_usage_perc",
+                                "Share of the host KV tier's slots the prompt cache holds. 1 means 100 percent.",
+                                ranked, registry=r)
         self.stalled = Gauge(PREFIX + "engine_stalled",
                              "1 while the replica's engine is stalled (a step overdue, a worker gone).", ranked,
                              registry=r)
@@ -165,6 +175,10 @@ class MetricsHub:
         self.prefix_queries.labels(*self.model).inc(
             stats.prefix_cache_queries - (before.prefix_cache_queries if before else 0))
         self.prefix_hits.labels(*self.model).inc(stats.prefix_cache_hits - (before.prefix_cache_hits if before else 0))
+        self.host_hits.labels(*self.model).inc(stats.host_cache_hits - (before.host_cache_hits if before else 0))
+        self.promoted.labels(*self.model).inc(stats.kv_promoted - (before.kv_promoted if before else 0))
+        self.demoted.labels(*self.model).inc(stats.kv_demoted - (before.kv_demoted if before else 0))
+        self.host_usage.labels(*rank).set(stats.host_cache_tokens / (stats.host_cache_slots or 1))
         self.stalled.labels(*rank).set(float(stats.stalled))
         self.stalls.labels(*rank).inc(stats.stalls - (before.stalls if before else 0))
         for counter, field in ((self.spec_drafts, "spec_verify_rows"), (self.spec_draft_tokens, "spec_proposed"),

@@ -27,6 +27,7 @@ from llaunch.runtime.router.health import EXIT_STALLED, EngineHealth, WorkerWatc
 from llaunch.runtime.router.request import Request
 from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
 from llaunch.runtime.router.step_trace import StepTrace
+from llaunch.runtime.router.tiered_cache import host_tier_stats
 
 log = logging.getLogger("llaunch.router")
 STATS_PERIOD_S = 0.25
@@ -48,6 +49,7 @@ def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
         eos_ids=tuple(cfg.model.eos_token_ids or ()),
         pipeline_depth=PIPELINE_DEPTH,
         prompt_cache=cfg.cache.prompt_cache,
+        host_kv_tokens=cfg.cache.cpu_tokens,
         pd_role=PD_ROLES.get(cfg.mode.kind),
         max_waiting=r.max_waiting_requests,
         diverse_mode=r.diverse_mode,
@@ -158,6 +160,7 @@ class Router:
                                               prefix_cache_tokens=s.cache.tokens,
                                               prefix_cache_queries=s.cache.queries,
                                               prefix_cache_hits=s.cache.hits, stalled=self.health.stalled,
+                                              **host_tier_stats(s.cache),
                                               stalls=self.health.stalls, spec_proposed=s.spec.proposed,
                                               spec_accepted=s.spec.accepted, spec_verify_rows=s.spec.verify_rows))
             self._last_stats = now

@@ -61,6 +61,10 @@ class NoPromptCache:
     def flush(self) -> int:
         return 0
 
+    def take_moves(self) -> list:
+        """Host-tier copies for the next plan (runtime/router/tiered_cache.py): none without one."""
+        return []
+
 
 class PromptCache(NoPromptCache):
     def __init__(self, kv: KvAllocator):

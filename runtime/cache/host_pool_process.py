@@ -1,0 +1,45 @@
+"""The kv_host process: owns the host KV tier's shared memory for the workers of its node (one file
+per worker, runtime/cache/host_pool.py) for the whole run, and removes it at exit. Workers map their
+file; a worker restarted within the run maps the same one. It does nothing else, so it stays up as
+long as the graph does (the launcher tears the graph down if it dies, and removes the files)."""
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from llaunch.runtime.bootstrap import report_ready, start
+from llaunch.runtime.cache.host_pool import create_pool, pool_bytes, remove_pool
+from llaunch.runtime.detokenizer.process import StopFlag
+
+log = logging.getLogger(__name__)
+
+
+def pool_paths(spec) -> list[str]:
+    return [path for key, path in sorted(spec.binds.items()) if key.startswith("pool.")]
+
+
+def main() -> None:
+    cfg, spec = start()
+    size = pool_bytes(cfg)
+    paths = pool_paths(spec)
+    stop = StopFlag().install()
+    try:
+        for path in paths:
+            create_pool(path, size)
+        ctx = zmq.Context()
+        report_ready(ctx, cfg, spec, pools=len(paths), slots=cfg.cache.cpu_tokens, gib=f"{size * len(paths) / 2**30:.2f}")
+        log.info("host KV tier: %d pool(s) of %d slots, %.2f GiB each", len(paths), cfg.cache.cpu_tokens, size / 2**30)
+        while not stop.requested:
+            time.sleep(0.2)
+        ctx.term()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for path in paths:
+            remove_pool(path)
+
+
+if __name__ == "__main__":
+    main()

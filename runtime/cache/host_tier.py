@@ -1,0 +1,208 @@
+"""The host KV tier (cache.cpu_tokens): a second level of the prompt cache in host memory, below the
+GPU radix tree (the seed's enable_cpu_cache). When the tree must free GPU slots, its least recently
+used unreferenced nodes are demoted to host slots instead of dropped; a later prompt whose prefix
+runs into host-resident nodes gets them promoted back to fresh GPU slots. The host pool, when full,
+drops its own least recently used leaves: LRU across both tiers.
+
+Every node lives in exactly one tier (`Node.on_host`), and GPU nodes are closed upwards: a host
+node's descendants are host nodes too, so a match is a GPU prefix followed by a host continuation.
+The copies are the workers' job: the tree records them in order (`moves`, each (to_host, gpu slots,
+host slots)); the workers apply them in that order before the step's forward, so a slot freed by one
+move and reused by a later one of the same plan is read before it is written. Pure logic: token ids
+and slot ids, no tensors.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+from llaunch.runtime.cache.kv_allocator import KvAllocator
+from llaunch.runtime.cache.prefix_tree import Node, PrefixTree, _common_len
+
+Move = tuple[bool, list[int], list[int]]  # (to_host, gpu slots, host slots), slot i → slot i
+
+
+class TieredPrefixTree(PrefixTree):
+    """`num_tokens` / `num_locked` / `num_evictable` count GPU slots only, as the scheduler expects."""
+
+    def __init__(self, allocator: KvAllocator, host: KvAllocator):
+        super().__init__(allocator)
+        self.host = host
+        self.host_tokens = 0  # host slots the tree holds
+        self.moves: list[Move] = []  # copies for the workers, taken with each step's plan
+        self.host_path: list[Node] = []  # set by match: host nodes continuing the matched GPU prefix
+        self.adopted: set[int] = set()  # set by insert: caller's slots that replaced host copies
+        self.demoted = self.promoted = self.dropped = 0  # tokens since start
+        self._pinned: set[int] = set()  # ids of host nodes being promoted: never dropped meanwhile
+        self._dropping = False  # flush: evicted GPU nodes are dropped, not demoted
+
+    # ---- lookup -----------------------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int]) -> tuple[list[int], Node]:
+        """The GPU slots of the longest cached prefix that lives on the GPU and the node it ends at;
+        the host-resident nodes that continue it are left in `host_path` (to promote)."""
+        node, at, slots, i = self.root, self.root, [], 0
+        now = next(self._clock)
+        self.host_path = []
+        while i < len(tokens):
+            child = at.children.get(tokens[i])
+            if child is None:
+                break
+            n = _common_len(child.tokens, tokens, i)
+            if n < len(child.tokens):
+                child = self._split(child, n)
+            child.last_used = now
+            if child.on_host:
+                self.host_path.append(child)
+            else:
+                slots.extend(child.slots)
+                node = child
+            at, i = child, i + n
+        return slots, node
+
+    def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
+        """PrefixTree.insert; a host node on the way is replaced by the caller's GPU slots for the
+        same tokens (it computed them again): those slots are the tree's now, listed in `adopted`."""
+        if len(tokens) != len(slots):
+            raise ValueError(f"{len(tokens)} tokens but {len(slots)} slots")
+        self.adopted = set()
+        node, i = self.root, 0
+        now = next(self._clock)
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                leaf = Node(list(tokens[i:]), list(slots[i:]), node, next(self._ids))
+                leaf.last_used = now
+                node.children[tokens[i]] = leaf
+                self.num_tokens += len(leaf.tokens)
+                return i
+            n = _common_len(child.tokens, tokens, i)
+            if n < len(child.tokens):
+                child = self._split(child, n)
+            child.last_used = now
+            if child.on_host:
+                self.host.free(child.slots)
+                self.host_tokens -= n
+                child.slots, child.on_host = list(slots[i : i + n]), False
+                self.num_tokens += n
+                self.adopted.update(child.slots)
+            node, i = child, i + n
+        return i
+
+    # ---- promotion --------------------------------------------------------------------------------
+
+    def pin(self, nodes: list[Node]) -> None:
+        self._pinned = {n.id for n in nodes}
+
+    def unpin(self) -> None:
+        self._pinned = set()
+
+    def promote(self, node: Node) -> None:
+        """Move a host node whose parent is on the GPU to fresh GPU slots (evicting, i.e. demoting,
+        unreferenced GPU nodes if the free list runs short: the caller checked that enough are)."""
+        n = len(node.slots)
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.evict(short)
+        gpu = self.allocator.alloc(n)
+        self.moves.append((False, gpu, node.slots))
+        self.host.free(node.slots)
+        node.slots, node.on_host = gpu, False
+        self.host_tokens -= n
+        self.num_tokens += n
+        self.promoted += n
+
+    # ---- eviction ---------------------------------------------------------------------------------
+
+    def _gpu_evictable(self, node: Node) -> bool:
+        return not node.on_host and node.refs == 0 and all(c.on_host for c in node.children.values())
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` GPU slots, least recently used unreferenced nodes with no GPU
+        child first, demoting each to the host tier (or dropping it where the host tier cannot take
+        it). Returns the GPU slots freed."""
+        heap = [(n.last_used, n.id, n) for n in self.nodes() if self._gpu_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            freed += len(node.slots)
+            self.num_tokens -= len(node.slots)
+            parent = node.parent
+            self._demote_or_drop(node)
+            if parent is not self.root and self._gpu_evictable(parent):
+                heapq.heappush(heap, (parent.last_used, parent.id, parent))
+        return freed
+
+    def _demote_or_drop(self, node: Node) -> None:
+        n = len(node.slots)
+        room = self.host.num_free
+        if room < n and not self._dropping:
+            room += self._drop_host(n - room)
+        if room < n or self._dropping:  # the host tier cannot take it: gone, with the host nodes under it
+            self.allocator.free(node.slots)
+            self.dropped += n
+            self._remove(node)
+            return
+        host = self.host.alloc(n)
+        self.moves.append((True, node.slots, host))
+        self.allocator.free(node.slots)
+        node.slots, node.on_host = host, True
+        self.host_tokens += n
+        self.demoted += n
+
+    def _drop_host(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` host slots, least recently used host leaves first."""
+        heap = [(n.last_used, n.id, n) for n in self.nodes()
+                if n.on_host and not n.children and n.id not in self._pinned]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            freed += len(leaf.slots)
+            self.dropped += len(leaf.slots)
+            parent = leaf.parent
+            self._remove(leaf)
+            if parent.on_host and not parent.children and parent.id not in self._pinned:
+                heapq.heappush(heap, (parent.last_used, parent.id, parent))
+        return freed
+
+    def _remove(self, node: Node) -> None:
+        """Detach a node whose own slots the caller freed; the host nodes below it go too."""
+        del node.parent.children[node.tokens[0]]
+        stack = list(node.children.values())
+        while stack:
+            below = stack.pop()
+            self.host.free(below.slots)
+            self.host_tokens -= len(below.slots)
+            stack.extend(below.children.values())
+        if node.on_host:
+            self.host.free(node.slots)
+            self.host_tokens -= len(node.slots)
+
+    def flush(self) -> int:
+        """Drop everything no request holds, in both tiers; returns the GPU slots freed."""
+        self._dropping = True
+        try:
+            freed = self.evict(self.num_evictable)
+        finally:
+            self._dropping = False
+        self._drop_host(self.host_tokens)
+        return freed
+
+    def take_moves(self) -> list[Move]:
+        """The copies recorded since the last call, consecutive ones of one direction merged unless
+        they write a slot twice (one freed by a drop in between and reused: the later write wins)."""
+        merged: list[Move] = []
+        written: set[int] = set()
+        for to_host, gpu, host in self.moves:
+            targets = host if to_host else gpu
+            if merged and merged[-1][0] == to_host and written.isdisjoint(targets):
+                merged[-1][1].extend(gpu)
+                merged[-1][2].extend(host)
+                written.update(targets)
+            else:
+                merged.append((to_host, list(gpu), list(host)))
+                written = set(targets)
+        self.moves = []
+        return merged

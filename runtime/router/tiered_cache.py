@@ -1,0 +1,88 @@
+"""The router's side of the host KV tier (cache.cpu_tokens > 0): PromptCache over a TieredPrefixTree
+(runtime/cache/host_tier.py). Admission promotes the host-resident part of a request's cached prefix
+back to GPU slots, as far as the GPU pool has room (free or evictable); the rest is computed again.
+The copies ride on the next step's plan (StepPlan.kv_moves), which every tp rank applies before that
+step's forward."""
+from __future__ import annotations
+
+from llaunch.runtime.cache.host_tier import TieredPrefixTree
+from llaunch.runtime.cache.kv_allocator import KvAllocator
+from llaunch.runtime.ipc.messages import KvMove
+from llaunch.runtime.router.prompt_cache import NoPromptCache, PromptCache
+from llaunch.runtime.router.request import Request
+
+
+def host_tier_stats(cache: NoPromptCache) -> dict[str, int]:
+    """RouterStats' host-tier fields (none without the tier)."""
+    if not isinstance(cache, TieredPromptCache):
+        return {}
+    return dict(host_cache_hits=cache.host_hits, host_cache_tokens=cache.tree.host_tokens,
+                host_cache_slots=cache.host.num_slots, kv_promoted=cache.tree.promoted, kv_demoted=cache.tree.demoted)
+
+
+def prompt_cache_for(kv: KvAllocator, prompt_cache: bool, host_tokens: int) -> NoPromptCache:
+    if not prompt_cache:
+        return NoPromptCache(kv)
+    return TieredPromptCache(kv, host_tokens) if host_tokens > 0 else PromptCache(kv)
+
+
+class TieredPromptCache(PromptCache):
+    def __init__(self, kv: KvAllocator, host_tokens: int):
+        NoPromptCache.__init__(self, kv)
+        self.host = KvAllocator(host_tokens)
+        self.tree = TieredPrefixTree(kv, self.host)
+        self.host_hits = 0  # of `hits`: tokens admitted requests found in the host tier
+        self._promoted: dict[str, int] = {}  # request id → tokens its lend promoted
+
+    @property
+    def host_tokens(self) -> int:
+        return self.tree.host_tokens
+
+    def lend(self, req: Request) -> None:
+        shared = 0 if req.sampling.prompt_logprobs >= 0 else req.prompt_len - 1
+        tree = self.tree
+        slots, node = tree.match(req.prompt_ids[:shared])
+        tree.lock(node)
+        promoted = 0
+        path = tree.host_path
+        tree.pin(path)
+        try:
+            for host_node in path:  # top-down: each one's parent is on the GPU by now
+                if len(host_node.slots) > self.kv.num_free + tree.num_evictable:
+                    break  # no room: the rest of the prompt is computed
+                tree.promote(host_node)
+                tree.lock(host_node)
+                tree.unlock(node)
+                node = host_node
+                slots = slots + host_node.slots
+                promoted += len(host_node.slots)
+        finally:
+            tree.unpin()
+        req.prefix_node, req.slots = node, slots
+        req.num_cached = req.num_computed = len(slots)
+        self._promoted[req.id] = promoted
+
+    def take_back(self, req: Request) -> None:
+        super().take_back(req)
+        self._promoted.pop(req.id, None)
+
+    def admitted(self, req: Request) -> None:
+        super().admitted(req)
+        self.host_hits += self._promoted.pop(req.id, 0)
+
+    def release(self, req: Request) -> None:
+        """PromptCache.release, but slots the tree adopted in place of host copies stay the tree's."""
+        if req.prefix_node is None:
+            self.kv.free(req.slots)
+            return
+        tokens = (req.prompt_ids + req.output_ids)[: len(req.slots)]
+        known = len(tokens)
+        self.kv.free(req.slots[known:])
+        present = self.tree.insert(tokens, req.slots[:known])
+        adopted = self.tree.adopted
+        self.kv.free([s for s in req.slots[req.num_cached : present] if s not in adopted])
+        self.tree.unlock(req.prefix_node)
+        req.prefix_node = None
+
+    def take_moves(self) -> list[KvMove]:
+        return [KvMove(to_host=t, gpu_slots=g, host_slots=h) for t, g, h in self.tree.take_moves()]
