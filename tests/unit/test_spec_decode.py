@@ -1,8 +1,6 @@
 """Speculative decoding in one process: the n-gram proposer, the router's scheduler and the worker's
-runner on a tiny random Qwen2 (greedy output token-identical with and without speculation, KV exact),
-and rejection sampling keeping the target's distribution."""
-from collections import deque
-
+runner on tiny random Qwen2 and Llama (greedy output token-identical with and without speculation, KV
+exact), and rejection sampling keeping the target's distribution."""
 import pytest
 import torch
 
@@ -13,11 +11,9 @@ from llaunch.runtime.models.loader import build_model
 from llaunch.runtime.router.request import Request, Status
 from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
 from llaunch.runtime.router.spec_decode import propose
-from llaunch.runtime.worker.runner import ModelRunner
 from llaunch.runtime.worker.spec_verify import filtered_probs, verify_greedy, verify_sampled
 
-ROWS, SLOTS, MAX_LEN = 16, 2048, 160
-EOS = 2
+from unit.spec_support import EOS, MAX_LEN, ROWS, SLOTS, serve
 
 
 def test_proposal_is_what_followed_the_latest_longest_match():
@@ -33,31 +29,6 @@ def test_proposal_is_what_followed_the_latest_longest_match():
 def model(request, tmp_path_factory):
     folder = write_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{request.param}-spec"), request.param)
     return build_model(model_config_from_folder(folder), device=torch.device("cpu"), dtype=torch.float32)
-
-
-def serve(model, requests: list[tuple[list[int], SamplingParams]], spec: bool, kv_slots: int = SLOTS):
-    """Run the requests through a Scheduler (pipeline depth 2, as the router) and a ModelRunner:
-    ({request index: (tokens, finish reason)}, scheduler)."""
-    cfg = SpecConfig(method=SpecMethod.ngram, num_tokens=4, max_batch=16) if spec else None
-    sched = Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=256, chunked_prefill=True,
-                                      chunked_prefill_size=256, max_wait_tokens=1, token_ratio=0.0,
-                                      max_model_len=MAX_LEN, eos_ids=(EOS,), pipeline_depth=2, spec=cfg))
-    runner = ModelRunner(model, model.make_kv_cache(kv_slots + 1, ROWS + 1, MAX_LEN), ROWS, torch.device("cpu"))
-    for i, (prompt, sp) in enumerate(requests):
-        assert sched.add(Request(AddRequest(str(i), 0, prompt, sp, 0.0), sp)) is None
-    out = {i: ([], None) for i in range(len(requests))}
-    pending = deque()
-    while sched.has_work() or pending:
-        while len(pending) < 2:
-            plan = sched.schedule()
-            if plan is None:
-                break
-            pending.append(runner.launch(plan))
-        for delta in sched.on_result(runner.finish(pending.popleft())):
-            tokens, _ = out[int(delta.request_id)]
-            out[int(delta.request_id)] = (tokens + delta.token_ids, delta.finish_reason)
-    assert sched.kv.num_used == 0  # every slot back, rejected proposals included
-    return out, sched
 
 
 PROMPT = [40, 41, 42, 43, 44, 45, 40, 41, 42, 43, 44, 45, 40, 41, 42]  # repetitive: proposals from the prompt

@@ -1,0 +1,41 @@
+"""The router's scheduler and the worker's runner in one loop (pipeline depth 2, as the router plans):
+what test_spec_decode.py and tests/gpu/test_spec_decode_gpu.py serve requests through."""
+from collections import deque
+
+import torch
+
+from llaunch.runtime.config import SpecConfig, SpecMethod
+from llaunch.runtime.ipc.messages import AddRequest
+from llaunch.runtime.router.request import Request
+from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
+from llaunch.runtime.worker.runner import ModelRunner
+
+ROWS, SLOTS, MAX_LEN = 16, 2048, 160
+EOS = 2
+
+
+def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int = MAX_LEN,
+          device: torch.device = torch.device("cpu"), cuda_graphs: bool = False, eos_ids: tuple = (EOS,)):
+    """Run (prompt ids, SamplingParams) requests through a Scheduler and a ModelRunner:
+    ({request index: (tokens, finish reason)}, scheduler). Every KV slot must be back at the end."""
+    cfg = SpecConfig(method=SpecMethod.ngram, num_tokens=4, max_batch=16) if spec else None
+    sched = Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=4096, chunked_prefill=True,
+                                      chunked_prefill_size=4096, max_wait_tokens=1, token_ratio=0.0,
+                                      max_model_len=max_len, eos_ids=eos_ids, pipeline_depth=2, spec=cfg))
+    runner = ModelRunner(model, model.make_kv_cache(kv_slots + 1, ROWS + 1, max_len), ROWS, device,
+                         cuda_graphs=cuda_graphs, eos_ids=eos_ids)
+    for i, (prompt, sp) in enumerate(requests):
+        assert sched.add(Request(AddRequest(str(i), 0, prompt, sp, 0.0), sp)) is None
+    out = {i: ([], None) for i in range(len(requests))}
+    pending = deque()
+    while sched.has_work() or pending:
+        while len(pending) < 2:
+            plan = sched.schedule()
+            if plan is None:
+                break
+            pending.append(runner.launch(plan))
+        for delta in sched.on_result(runner.finish(pending.popleft())):
+            tokens, _ = out[int(delta.request_id)]
+            out[int(delta.request_id)] = (tokens + delta.token_ids, delta.finish_reason)
+    assert sched.kv.num_used == 0  # every slot back, rejected proposals included
+    return out, sched
