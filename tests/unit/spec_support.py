@@ -1,6 +1,7 @@
 """The router's scheduler and the worker's runner in one loop (pipeline depth 2, as the router plans):
 what test_spec_decode.py and tests/gpu/test_spec_decode_gpu.py serve requests through."""
 from collections import deque
+from pathlib import Path
 
 import torch
 
@@ -12,6 +13,7 @@ from llaunch.runtime.worker.runner import ModelRunner
 
 ROWS, SLOTS, MAX_LEN = 16, 2048, 160
 EOS = 2
+REPO = Path(__file__).resolve().parents[2]
 
 
 def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int = MAX_LEN,

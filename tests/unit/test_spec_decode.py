@@ -130,3 +130,24 @@ def test_greedy_verdict_is_the_agreeing_prefix_and_one_more():
     assert verify_greedy(logits, torch.tensor([3, 1, 2])).tolist() == [3, 1, 4, -1]
     assert verify_greedy(logits, torch.tensor([0, 1, 4])).tolist() == [3, -1, -1, -1]
     assert verify_greedy(logits, torch.tensor([3, 1, 4])).tolist() == [3, 1, 4, 5]
+
+
+# ---- the benchmark's figures -------------------------------------------------------------------
+
+def test_bench_reads_the_spec_counters_and_builds_copy_prompts():
+    import importlib.util
+
+    from unit.spec_support import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_spec", REPO / "scripts" / "bench_spec.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    text = ('llaunch:spec_decode_num_drafts_total{model_name="m"} 10.0\n'
+            'llaunch:spec_decode_num_draft_tokens_total{model_name="m"} 40.0\n'
+            'llaunch:spec_decode_num_accepted_tokens_total{model_name="m"} 25.0\n')
+    after = bench.spec_counts(text)
+    assert after == (10.0, 40.0, 25.0) and bench.spec_counts("llaunch:other_total 1.0\n") is None
+    result = bench.spec_result((2.0, 8.0, 5.0), after)
+    assert result["spec_acceptance_rate"] == 20 / 32 and result["spec_tokens_per_verify"] == 1 + 20 / 8
+    prompts = bench.copy_prompts(3, 10, 500, seed=1)
+    assert all(len(p) == 10 and p[:5] == p[5:] for p in prompts) and prompts[0] != prompts[1]
