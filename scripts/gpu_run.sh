@@ -14,11 +14,12 @@
 #   tests     TRITON_INTERPRET=0 pytest -m gpu tests/kernels tests/gpu (SmolLM2 from the two halves)
 #   cases     one server (SERVE), launch -> /health timed, then CASES (default: single c64 c256; also long,
 #             c64json: c64 with a JSON schema on every request, schema_warm / schema_cold: TTFT with a
-#             compiled / never-seen schema), each
+#             compiled / never-seen schema; prefix64x8: 64 shared 2k system prompts x 8; multiturn: 1,000
+#             conversations x 4 turns, sizes from PREFIX_* / MT_* variables), each
 #             REPEATS times (default 3) on prompts no earlier run sent (a seed per case and run), with
 #             the prefix-cache hit rate; the summary's headline is the minimum over the repeats
 #   baseline  transformers' generate on the same model shape (../shared/bench/hf_baseline.py)
-# Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), CLIENT_PROCS (bench clients),
+# Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), CLIENT_PROCS (bench clients), VOCAB,
 #   TESTS (pytest paths and options of the tests step), TRACE=1 (a step trace: each case's first run's
 #   steps by kind, host enqueue and device time).
 set -u
@@ -78,15 +79,16 @@ fi
 
 # the seed of run R of a case: far apart, so no two runs share a prompt (each run also uses seed+1..3)
 case_seed() { case $1 in single) echo 1000 ;; c64) echo 2000 ;; c256) echo 3000 ;; long) echo 4000 ;;
-  c64json) echo 5000 ;; schema_warm) echo 6000 ;; schema_cold) echo 7000 ;; esac; }
+  c64json) echo 5000 ;; schema_warm) echo 6000 ;; schema_cold) echo 7000 ;; prefix64x8) echo 8000 ;;
+  multiturn) echo 9000 ;; esac; }
 run_case() {  # name run prompts input output concurrency timeout [bench options]
   local name=$1 r=$2
   stamp "bench $name, run $r of $REPEATS"
   $PY -c "import time; print(time.monotonic())" > "$OUT/window-$name-$r.txt"
   timeout "$7" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model "$MODEL" \
-    --num-prompts "$3" --input-len "$4" --output-len "$5" --concurrency "$6" --warmup 2 --vocab-size 151000 \
+    --num-prompts "$3" --input-len "$4" --output-len "$5" --concurrency "$6" --warmup 2 --vocab-size "${VOCAB:-151000}" \
     --seed $(( $(case_seed "$name") + 100 * r )) --client-procs $(( $6 >= 64 ? ${CLIENT_PROCS:-4} : 1 )) \
-    --result-file "$OUT/bench-$name-$r.json" "${@:8}" 2>&1 | grep -E "Output token throughput|P99 TTFT|Median TTFT|Median TPOT|hit rate|Failed"
+    --result-file "$OUT/bench-$name-$r.json" "${@:8}" 2>&1 | grep -E "Output token throughput|P99 TTFT|Median TTFT|Median TPOT|hit rate|tier hits|promoted|Failed"
   $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$name-$r.txt"
 }
 
@@ -112,6 +114,13 @@ if has cases; then
           # time to first token with a schema the server has compiled before / never seen (one stream)
           schema_warm) run_case schema_warm $r 16 512 16 1 120 --response-format @scripts/bench_schema.json ;;
           schema_cold) run_case schema_cold $r 16 512 16 1 120 --response-format @scripts/bench_schema.json --fresh-schemas ;;
+          # the prompt cache's workload (conf/bench/prefix64x8.yaml): 64 system prompts of 2,048 tokens x 8
+          prefix64x8) run_case prefix64x8 $r "${PREFIX_PROMPTS:-512}" "${PREFIX_INPUT:-256}" "${PREFIX_OUTPUT:-128}" 64 600 \
+            --shared-prefix-groups "${PREFIX_GROUPS:-64}" --shared-prefix-len "${PREFIX_LEN:-2048}" ;;
+          # conversations re-sending their history, every turn queued behind every other conversation's
+          # (the host KV tier's workload): history far above the GPU KV (cache.max_total_tokens in SERVE)
+          multiturn) run_case multiturn $r "${MT_CONVS:-1000}" "${MT_INPUT:-256}" "${MT_OUTPUT:-64}" "${MT_CONC:-64}" 900 \
+            --multi-turn "${MT_TURNS:-4}" ;;
         esac
       done
     done
@@ -133,14 +142,16 @@ runs = {}
 for path in sorted(glob.glob(os.path.join(out, "bench-*.json"))):
     name = os.path.basename(path)[len("bench-"):-len(".json")].rsplit("-", 1)[0]
     runs.setdefault(name, []).append(json.load(open(path)))
-print(f"{'case':12} {'runs':>4} {'out tok/s min':>14} {'max':>9} {'TTFT med ms':>12} {'TTFT p99 ms max':>16} {'TPOT med ms':>12} {'hit rate':>9} {'failed':>7}")
+print(f"{'case':12} {'runs':>4} {'out tok/s min':>14} {'max':>9} {'TTFT med ms':>12} {'TTFT p99 ms max':>16} {'TPOT med ms':>12} {'hit rate':>9} {'host hits':>9} {'failed':>7}")
 for name, rs in runs.items():
     tput = [r["output_throughput"] for r in rs]
     hits = [r.get("prefix_cache_hit_rate") for r in rs]
     hit = "n/a" if None in hits else f"{100 * max(hits):.2f}%"
+    host = [r["host_cache_hits"] / max(r["prefix_cache_queries"], 1) for r in rs if "host_cache_hits" in r]
+    host = f"{100 * max(host):.2f}%" if host else "n/a"  # of prompt tokens, from the host KV tier
     print(f"{name:12} {len(rs):>4} {min(tput):>14.1f} {max(tput):>9.1f} {max(r['median_ttft_ms'] for r in rs):>12.1f} "
           f"{max(r['p99_ttft_ms'] for r in rs):>16.0f} "
-          f"{max(r['median_tpot_ms'] for r in rs):>12.2f} {hit:>9} {sum(r['failed'] for r in rs):>7}")
+          f"{max(r['median_tpot_ms'] for r in rs):>12.2f} {hit:>9} {host:>9} {sum(r['failed'] for r in rs):>7}")
 PYEOF
 fi
 
