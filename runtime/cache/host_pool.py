@@ -24,8 +24,16 @@ def pool_bytes(cfg) -> int:
     return cfg.cache.cpu_tokens * rank_memory(cfg).kv_per_token
 
 
-def create_pool(path: str, size: int) -> None:
-    """Sized, then renamed into place: a worker that sees the name sees the whole file."""
+def create_pool(path: str, size: int, others: int = 0) -> None:
+    """Sized, then renamed into place: a worker that sees the name sees the whole file. `others`: bytes
+    of this node's pools made before it. A tmpfs too small for every pool would crash a worker on its
+    first write past the limit (SIGBUS), so that is refused here, naming the numbers."""
+    st = os.statvfs(os.path.dirname(path))
+    free = st.f_bavail * st.f_frsize
+    if size + others > free:
+        raise RuntimeError(f"{os.path.dirname(path)} has {free / 2**30:.2f} GiB free; the host KV tier needs "
+                           f"{(size + others) / 2**30:.2f} GiB on this node: lower cache.cpu_tokens (or enlarge "
+                           f"the tmpfs, e.g. docker --shm-size)")
     tmp = f"{path}.creating"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

@@ -26,8 +26,8 @@ def main() -> None:
     paths = pool_paths(spec)
     stop = StopFlag().install()
     try:
-        for path in paths:
-            create_pool(path, size)
+        for i, path in enumerate(paths):
+            create_pool(path, size, others=i * size)  # sparse until written: count the earlier ones
         ctx = zmq.Context()
         report_ready(ctx, cfg, spec, pools=len(paths), slots=cfg.cache.cpu_tokens, gib=f"{size * len(paths) / 2**30:.2f}")
         log.info("host KV tier: %d pool(s) of %d slots, %.2f GiB each", len(paths), cfg.cache.cpu_tokens, size / 2**30)
