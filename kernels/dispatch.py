@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from llaunch.kernels import fp8, reference, settings
+from llaunch.kernels import fp8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
                    "silu_mul", "sampling", "greedy")
@@ -64,7 +64,11 @@ def rotary_embedding(q, k, positions, cos, sin):
     return reference.rotary_embedding(q, k, positions, cos, sin)
 
 
-def rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots):
+def rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, kv_scales=None):
+    if kv_scales is not None:  # an fp8 cache (kernels/kv_fp8.py): quantized on store
+        q, k = rotary_embedding(q, k, positions, cos, sin)
+        kv_fp8.store_kv(k_cache, v_cache, slots, k, v, kv_scales)
+        return q
     if _use_triton(q) and k_cache.dtype == k.dtype:
         return triton_ops().rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
     return reference.rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
@@ -77,15 +81,22 @@ def store_kv(k_cache, v_cache, slots, k, v):
 
 
 def prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale,
-                      *, max_q_len: Optional[int] = None):
-    if _use_triton(q):
+                      *, max_q_len: Optional[int] = None, kv_scales=None):
+    if kv_scales is not None:  # an fp8 cache: the reference reads it dequantized (GPUs: refused, rules_quant.py)
+        k_cache = kv_fp8.Dequantizing(k_cache, kv_scales.k, q.dtype)
+        v_cache = kv_fp8.Dequantizing(v_cache, kv_scales.v, q.dtype)
+    elif _use_triton(q):
         return triton_ops().prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens,
                                               prefix_lens, scale, max_q_len=max_q_len)
     return reference.prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale)
 
 
-def decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, *, max_len: Optional[int] = None):
-    if _use_triton(q):
+def decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, *, max_len: Optional[int] = None,
+                     kv_scales=None):
+    if kv_scales is not None:
+        k_cache = kv_fp8.Dequantizing(k_cache, kv_scales.k, q.dtype)
+        v_cache = kv_fp8.Dequantizing(v_cache, kv_scales.v, q.dtype)
+    elif _use_triton(q):
         return triton_ops().decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale,
                                              max_len=max_len)
     return reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale)
@@ -131,7 +142,7 @@ def gated_linear(x, weight):
 
 
 def qkv_rotary_store_kv(x, weight, bias, n_q_heads: int, n_kv_heads: int, positions, cos, sin, k_cache, v_cache,
-                        slots):
+                        slots, kv_scales=None):
     """The attention block's input half: x through the fused q‖k‖v weight, rotary on q and k, k and v
     stored at each token's slot; returns the rotated q [T, Hq, D]. (Rotary in the qkv GEMV's epilogue,
     one kernel, measured 1–12 µs a step slower than these two under PDL, and was removed.)"""
@@ -139,7 +150,7 @@ def qkv_rotary_store_kv(x, weight, bias, n_q_heads: int, n_kv_heads: int, positi
     t = x.shape[0]
     q, k, v = linear(x, weight, bias).split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1)
     return rotary_store_kv(q.view(t, n_q_heads, d), k.view(t, n_kv_heads, d), v.view(t, n_kv_heads, d), positions,
-                           cos, sin, k_cache, v_cache, slots)
+                           cos, sin, k_cache, v_cache, slots, kv_scales)
 
 
 def silu_mul(x):

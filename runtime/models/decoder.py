@@ -42,24 +42,26 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q_full, 0, 0, hidden, bias=arch.o_proj_bias, tp=tp,
                                         device=device, dtype=dtype,
                                         in_parts=[(None if h is None else h * d, n * d) for h, n in q_runs])
+        self.kv_scales = None  # an fp8 KV cache's scales for this layer (runtime/models/kv_fp8.py)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q = qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
-                                batch.positions, cos, sin, k_cache, v_cache, batch.out_slots)
+                                batch.positions, cos, sin, k_cache, v_cache, batch.out_slots, self.kv_scales)
         nd = batch.num_decode
         if not batch.num_prefill_tokens:  # a decode-only step: the attention output is the whole tensor
             out = decode_attention(q, k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
-                                   self.scale, max_len=batch.max_decode_len or None)
+                                   self.scale, max_len=batch.max_decode_len or None, kv_scales=self.kv_scales)
             return self.o_proj(out.view(t, self.num_heads * d))
         # q_starts index the whole token array, so the prefill op gets all of q; decode rows come first.
         out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,
                                 batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale,
-                                max_q_len=batch.max_prefill_len or None)
+                                max_q_len=batch.max_prefill_len or None, kv_scales=self.kv_scales)
         if nd:
             out[:nd] = decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows,
-                                        batch.decode_seq_lens, self.scale, max_len=batch.max_decode_len or None)
+                                        batch.decode_seq_lens, self.scale, max_len=batch.max_decode_len or None,
+                                        kv_scales=self.kv_scales)
         return self.o_proj(out.view(t, self.num_heads * d))
 
 
@@ -137,6 +139,7 @@ class DecoderLM(nn.Module):
                  max_positions: int):
         super().__init__()
         self.arch, self.tp, self.device, self.dtype = arch, tp, torch.device(device), dtype
+        self.kv_dtype = dtype  # the KV cache's (float8_e4m3fn: runtime/models/kv_fp8.py)
         self.embed_tokens = VocabParallelEmbedding("model.embed_tokens", arch.vocab_size, arch.hidden_size, tp,
                                                    device, dtype)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, tp, device, dtype) for i in range(arch.num_hidden_layers))
@@ -156,15 +159,15 @@ class DecoderLM(nn.Module):
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token takes on this rank, over all layers."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.arch.num_hidden_layers * self.num_local_kv_heads * self.arch.head_dim * itemsize
 
     def make_kv_cache(self, num_slots: int, max_rows: int, max_model_len: int) -> KvCache:
         shape = (num_slots, self.num_local_kv_heads, self.arch.head_dim)
         n = self.arch.num_hidden_layers
         return KvCache(
-            k=[torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)],
-            v=[torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)],
+            k=[torch.zeros(shape, device=self.device, dtype=self.kv_dtype) for _ in range(n)],
+            v=[torch.zeros(shape, device=self.device, dtype=self.kv_dtype) for _ in range(n)],
             req_to_slots=torch.zeros((max_rows, max_model_len), device=self.device, dtype=torch.int32),
         )
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llaunch.runtime.config import Device, DType, LlaunchConfig
+from llaunch.runtime.config import Device, DType, KvDType, LlaunchConfig, LoadFormat, WeightQuantization
 from llaunch.runtime.models.arch import ModelArch
+from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.heads import HeadLayout
 
 GiB = 1 << 30
@@ -21,6 +22,8 @@ class RankMemory:
     weights: int  # this rank's share of the parameters (vocabulary-parallel embedding and LM head)
     kv_per_token: int  # K and V of one token over all layers, on this rank
     activations: int  # the peak transient memory of one step (on a GPU, CUDA graph pools included)
+    weights_dtype: str = ""  # what the weights are stored in, for the dry run: "bfloat16", "fp8 linears + bfloat16"
+    kv_dtype: str = ""  # the KV cache's element type
 
     @property
     def before_kv(self) -> int:
@@ -36,12 +39,33 @@ def activation_bytes(cfg: LlaunchConfig, arch: ModelArch) -> int:
     return (cfg.router.batch_max_tokens or 0) * per_token + logits + graphs
 
 
+def fp8_weights(cfg: LlaunchConfig) -> bool:
+    """The decoder's linear weights are e4m3: model.quantization=fp8 or an fp8 checkpoint."""
+    if cfg.model.quantization == WeightQuantization.fp8:
+        return True
+    ckpt = read_checkpoint(cfg.model.path) if cfg.model.path and cfg.model.load_format != LoadFormat.dummy else None
+    return bool(ckpt is not None and ckpt.weight_quant is not None and ckpt.weight_quant.served)
+
+
+def linear_params(arch: ModelArch) -> int:
+    """The decoder layers' q/k/v/o and gate/up/down weights (what fp8 quantizes)."""
+    h, d = arch.hidden_size, arch.head_dim
+    attn = h * d * (2 * arch.num_attention_heads + 2 * arch.num_key_value_heads)
+    return arch.num_hidden_layers * (attn + 3 * h * arch.intermediate_size)
+
+
 def rank_memory(cfg: LlaunchConfig) -> RankMemory:
     """For a resolved config (dtype concrete, architecture filled)."""
     arch = ModelArch.from_model_config(cfg.model)
     tp = cfg.parallel.tp
     itemsize = DTYPE_BYTES[cfg.model.dtype]
+    kv_itemsize = 1 if cfg.cache.kv_dtype == KvDType.fp8_e4m3 else itemsize
     layout = HeadLayout.of(arch.num_attention_heads, arch.num_key_value_heads, tp)
-    kv = 2 * arch.num_hidden_layers * layout.kv_heads_per_rank * arch.head_dim * itemsize
-    return RankMemory(weights=-(-arch.num_params // tp) * itemsize, kv_per_token=kv,
-                      activations=activation_bytes(cfg, arch))
+    kv = 2 * arch.num_hidden_layers * layout.kv_heads_per_rank * arch.head_dim * kv_itemsize
+    fp8 = fp8_weights(cfg)
+    one_byte = linear_params(arch) if fp8 else 0
+    weights = -(-(arch.num_params - one_byte) // tp) * itemsize + -(-one_byte // tp)
+    dtype = cfg.model.dtype.value
+    return RankMemory(weights=weights, kv_per_token=kv, activations=activation_bytes(cfg, arch),
+                      weights_dtype=f"fp8 linears + {dtype}" if fp8 else dtype,
+                      kv_dtype="fp8_e4m3" if kv_itemsize == 1 else dtype)

@@ -25,6 +25,7 @@ from llaunch.runtime import bootstrap
 from llaunch.runtime.ipc.messages import (CancelKv, PrepareConstraints, ReceiveKv, SendKv, Shutdown, StepPlan,
                                           WorkerInbound, WorkerReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender, SocketMonitor
+from llaunch.runtime.models.kv_fp8 import use_fp8_kv
 from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
 from llaunch.runtime.worker.constraint_prep import ConstraintPrep
 from llaunch.runtime.worker.image_rows import ImageRows, build_tower
@@ -151,6 +152,9 @@ def main() -> None:
     images = None
     if cfg.model.vision:  # the vision tower before sizing the KV cache, so the sizing sees its memory
         images = ImageRows(build_tower(cfg.model, device, dtype), cfg.visual.embed_cache_mib * 2**20)
+    kv_calibration = use_fp8_kv(model, cfg.cache, cfg.run_dir)  # cache.kv_dtype=fp8_e4m3: before sizing
+    if kv_calibration is not None:
+        kv_calibration.start()
     stage("sizing the KV cache")
     num_slots = kv_slots_for(cfg, model, device, group)
     max_rows = cfg.router.max_running_requests
@@ -201,6 +205,9 @@ def main() -> None:
             link.close()
     if watch is not None:
         watch.stopping = True
+    if kv_calibration is not None:
+        kv_calibration.write()
+        log.info("KV calibration written to %s", cfg.cache.kv_calibration)
 
 
 def grammar_compiler(cfg: RunConfig):

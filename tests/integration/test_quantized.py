@@ -23,3 +23,46 @@ def test_an_awq_checkpoint_is_refused_at_plan_time(tmp_path):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "checkpoint_quantization_supported" in r.stderr and "quant_method=awq (4-bit)" in r.stderr
     assert "fbgemm_fp8" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_fp8_checkpoint_serves_with_an_fp8_kv_cache_and_calibrates(tmp_path_factory, tiny_dirs):
+    """A compressed-tensors fp8 Qwen2 with cache.kv_dtype=fp8_e4m3 and cache.kv_calibration through a
+    real graph: its greedy tokens are the in-process model's (same fp8 layers, same fp8 KV), and the
+    workers write per-layer scales while they serve."""
+    import time
+
+    import torch
+    from openai import OpenAI
+
+    from fixtures.fp8_checkpoints import write_fp8_checkpoint
+    from fixtures.tiny_models import model_config_from_folder
+    from integration.conftest import start_server
+    from llaunch.runtime.config import CacheConfig, KvDType
+    from llaunch.runtime.models.kv_fp8 import use_fp8_kv
+    from llaunch.runtime.models.loader import build_model
+    from unit.test_fp8_weights import llaunch_greedy
+
+    root = tmp_path_factory.mktemp("fp8-served")
+    write_fp8_checkpoint(tiny_dirs["qwen2"], root / "fp8", root / "oracle", "compressed-tensors")
+    scales = root / "kv.json"
+    tokenizer_ids = None
+    with start_server(tmp_path_factory, "fp8", ["model=qwen2", f"model.path={root / 'fp8'}", "model.name=fp8",
+                                                "cache.kv_dtype=fp8_e4m3", f"cache.kv_calibration={scales}"]) as server:
+        api = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        out = api.completions.create(model="fp8", prompt="Once upon a time, in a land far away, there lived",
+                                     max_tokens=10, temperature=0, extra_body={"ignore_eos": True,
+                                                                               "return_token_ids": True})
+        served = out.choices[0].model_extra["token_ids"]
+        tokenizer_ids = out.choices[0].model_extra.get("prompt_token_ids")
+        deadline = time.monotonic() + 30  # the workers write it within 2 s of the absmax moving
+        while not scales.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    written = json.loads(scales.read_text())
+    assert len(written["k_scale"]) == 2 and all(a > 0 for a in written["k_absmax"] + written["v_absmax"])
+    from transformers import AutoTokenizer
+
+    prompt = tokenizer_ids or AutoTokenizer.from_pretrained(root / "fp8")(
+        "Once upon a time, in a land far away, there lived")["input_ids"]
+    model = build_model(model_config_from_folder(root / "fp8"), device=torch.device("cpu"), dtype=torch.float32)
+    use_fp8_kv(model, CacheConfig(kv_dtype=KvDType.fp8_e4m3))
+    assert served == llaunch_greedy(model, prompt, 10)

@@ -63,3 +63,16 @@ def test_a_quantization_config_nested_in_text_config_is_read(resolved, tmp_path)
     from llaunch.runtime.models.checkpoint import read_checkpoint
     read_checkpoint.cache_clear()
     assert rules.check_all(resolved(f"model.path={folder}", "model.load_format=auto")) == []
+
+
+def test_the_dry_run_shows_fp8_weight_and_kv_bytes(resolved):  # noqa: F811
+    from llaunch.launcher import memory_plan
+
+    base = ("model=qwen2-7b", "model.load_format=dummy", "model.dtype=bfloat16", "cache.max_total_tokens=null")
+    plain, fp8 = (memory_plan.summary(resolved(*base, *extra)) for extra in
+                  ((), ("model.quantization=fp8", "cache.kv_dtype=fp8_e4m3")))
+    assert "weights 14.2 GiB (bfloat16)" in plain and "KV 56 KiB per token (bfloat16)" in plain
+    # Qwen2-7B's linears (6.5 B parameters) at 1 byte, embedding and LM head (1.1 B) at 2
+    assert "weights 8.1 GiB (fp8 linears + bfloat16)" in fp8 and "KV 28 KiB per token (fp8_e4m3)" in fp8
+    tokens = [int(s.rsplit(": ", 1)[1].split(" tokens")[0].replace(",", "")) for s in (plain, fp8)]
+    assert tokens[1] // 2 == tokens[0]  # the same KV budget holds twice the tokens
