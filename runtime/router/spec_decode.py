@@ -17,7 +17,7 @@ growth faster than one token a step can never make an allocation fail."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -26,7 +26,6 @@ from llaunch.runtime.router.request import Request, Status
 
 if TYPE_CHECKING:
     from llaunch.runtime.config import SpecConfig
-    from llaunch.runtime.router.scheduler import Scheduler
 
 
 def propose(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
@@ -65,7 +64,8 @@ class _Verifying:
 
 
 class SpecDecoding:
-    """Per scheduler: which decode rows verify proposals this step, and the verdicts' bookkeeping."""
+    """Per scheduler: which decode rows verify proposals this step, and the verdicts' bookkeeping.
+    `sched` below is the Scheduler that owns it (not imported: it imports this module)."""
 
     def __init__(self, cfg: Optional["SpecConfig"]):
         self.cfg = cfg
@@ -75,7 +75,7 @@ class SpecDecoding:
         self.accepted = 0  # of those, tokens the target agreed with
         self.verify_rows = 0  # row-steps that verified a proposal
 
-    def split(self, sched: "Scheduler", decoding: list[Request]) -> tuple[list[Request], dict[int, list[int]]]:
+    def split(self, sched: Any, decoding: list[Request]) -> tuple[list[Request], dict[int, list[int]]]:
         """(rows that decode one token as usual, {row: proposal} for rows that verify one). Rows that
         speculate and have a step in flight sit this step out (their last token is not known yet)."""
         if not self.enabled or len(decoding) > self.cfg.max_batch:
@@ -101,7 +101,7 @@ class SpecDecoding:
             proposals = {}
         return plain, proposals
 
-    def _peaks_fit(self, sched: "Scheduler", extra: int) -> bool:
+    def _peaks_fit(self, sched: Any, extra: int) -> bool:
         """Could every live request hold its peak KV at once (after `extra` proposal slots)? Then no
         order of growth can exhaust the cache."""
         margin = sched.limits.pipeline_depth - 1
@@ -111,7 +111,7 @@ class SpecDecoding:
         waiting_kv = sum(len(r.slots) - r.num_cached for r in sched._holding(None))
         return peaks + lingering + waiting_kv + sched.cache.locked + extra <= sched.limits.kv_slots
 
-    def plan(self, sched: "Scheduler", plan: StepPlan, proposals: dict[int, list[int]]) -> list[Request]:
+    def plan(self, sched: Any, plan: StepPlan, proposals: dict[int, list[int]]) -> list[Request]:
         """Add the verify chunks to `plan`; their requests (to count as touched by the step)."""
         rows: list[_Verifying] = []
         for row, proposal in proposals.items():
@@ -128,7 +128,7 @@ class SpecDecoding:
             self._out[plan.step] = rows
         return [v.req for v in rows]
 
-    def verified(self, sched: "Scheduler", result: StepResult) -> list:
+    def verified(self, sched: Any, result: StepResult) -> list:
         """The verdicts of a step's verify rows: free the rejected tail's KV, then append the tokens
         one at a time (a stop condition mid-proposal drops the rest). Returns the TokenDeltas."""
         from llaunch.runtime.ipc.messages import TokenDelta
