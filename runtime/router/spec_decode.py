@@ -57,6 +57,9 @@ def speculates(sp: SamplingParams, produced: int) -> bool:
     return produced >= max(sp.min_tokens, 1 if sp.heal_ids else 0)
 
 
+PROBE_EVERY = 8  # steps a row whose lookup found nothing decodes pipelined before it looks again
+
+
 @dataclass
 class _Verifying:
     req: Request
@@ -74,10 +77,14 @@ class SpecDecoding:
         self.proposed = 0  # since start: tokens proposed to verification
         self.accepted = 0  # of those, tokens the target agreed with
         self.verify_rows = 0  # row-steps that verified a proposal
+        # row → (request id, steps since its last lookup found nothing): such a row keeps pipelining and
+        # looks again (waiting for its tokens once) every PROBE_EVERY steps
+        self._missed: dict[int, tuple[str, int]] = {}
 
     def split(self, sched: Any, decoding: list[Request]) -> tuple[list[Request], dict[int, list[int]]]:
-        """(rows that decode one token as usual, {row: proposal} for rows that verify one). Rows that
-        speculate and have a step in flight sit this step out (their last token is not known yet)."""
+        """(rows that decode one token as usual, {row: proposal} for rows that verify one). A row that
+        speculates and has a step in flight sits this step out (its last token is not known yet),
+        unless its last lookup found nothing: then it decodes pipelined until its next probe."""
         if not self.enabled or len(decoding) > self.cfg.max_batch:
             return decoding, {}
         plain: list[Request] = []
@@ -88,14 +95,20 @@ class SpecDecoding:
                 plain.append(req)
                 continue
             if req.steps_in_flight:
+                rid, quiet = self._missed.get(req.row, (None, 0))
+                if rid == req.id and quiet < PROBE_EVERY:
+                    self._missed[req.row] = (rid, quiet + 1)
+                    plain.append(req)
                 continue
             room = min(self.cfg.num_tokens, req.max_new_tokens - len(req.output_ids) - 1,
                        lim.max_model_len - req.num_tokens - 1)
             proposal = propose(req.prompt_ids + req.output_ids, room, self.cfg.ngram_min, self.cfg.ngram_max)
             if proposal:
                 proposals[req.row] = proposal
+                self._missed.pop(req.row, None)
             else:
                 plain.append(req)
+                self._missed[req.row] = (req.id, 0)
         if proposals and not self._peaks_fit(sched, sum(len(p) for p in proposals.values())):
             plain += [sched.running[row] for row in proposals]  # under KV pressure: no speculation
             proposals = {}

@@ -151,3 +151,18 @@ def test_bench_reads_the_spec_counters_and_builds_copy_prompts():
     assert result["spec_acceptance_rate"] == 20 / 32 and result["spec_tokens_per_verify"] == 1 + 20 / 8
     prompts = bench.copy_prompts(3, 10, 500, seed=1)
     assert all(len(p) == 10 and p[:5] == p[5:] for p in prompts) and prompts[0] != prompts[1]
+
+
+def test_a_row_without_proposals_keeps_pipelining_until_its_next_probe():
+    from llaunch.runtime.router.spec_decode import PROBE_EVERY
+
+    sched, reqs = _rows(SLOTS, max_batch=16)
+    r = reqs[0]
+    r.output_ids = [99]  # 99 never occurred before: no proposal
+    assert sched.spec.split(sched, [r]) == ([r], {})
+    r.steps_in_flight = 1  # its step is out: it is planned again, pipelined, PROBE_EVERY times
+    assert [sched.spec.split(sched, [r])[0] for _ in range(PROBE_EVERY + 1)] == [[r]] * PROBE_EVERY + [[]]
+    r.steps_in_flight, r.output_ids = 0, [40]  # then it waits for its tokens and looks again: a proposal
+    assert sched.spec.split(sched, [r])[1] == {0: [41, 42, 60, 40]}  # after the prompt's last 40
+    r.steps_in_flight = 1
+    assert sched.spec.split(sched, [r]) == ([], {})  # a row that found one waits for its verdict
