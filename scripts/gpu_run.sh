@@ -19,6 +19,8 @@
 #             REPEATS times (default 3) on prompts no earlier run sent (a seed per case and run), with
 #             the prefix-cache hit rate; the summary's headline is the minimum over the repeats
 #   baseline  transformers' generate on the same model shape (../shared/bench/hf_baseline.py)
+#   spec      speculative decoding: scripts/bench_spec.sh (SmolLM2, which the tests step converts; a copy-heavy
+#             single stream against spec=none, then spec=ngram), results under $OUT/spec
 # Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), CLIENT_PROCS (bench clients), VOCAB,
 #   TESTS (pytest paths and options of the tests step), TRACE=1 (a step trace: each case's first run's
 #   steps by kind, host enqueue and device time).
@@ -153,6 +155,11 @@ for name, rs in runs.items():
           f"{max(r['p99_ttft_ms'] for r in rs):>16.0f} "
           f"{max(r['median_tpot_ms'] for r in rs):>12.2f} {hit:>9} {host:>9} {sum(r['failed'] for r in rs):>7}")
 PYEOF
+fi
+
+if has spec; then
+  stamp "speculative decoding: copy-heavy single stream, spec=none then spec=ngram"
+  OUT="$OUT/spec" PY=$PY bash scripts/bench_spec.sh || status=1
 fi
 
 if has baseline; then
