@@ -9,8 +9,9 @@
 # Variables: SERVE (llaunch overrides of both servers), SPEC (the speculating one's, default spec=ngram),
 #   NUM, INPUT, OUTPUT, CONCURRENCY (default 1), VOCAB (prompt ids drawn below it), PORT, OUT, PY.
 set -u
-PY=${PY:-python3}
-[ -x .venv/bin/python ] && [ "$PY" = python3 ] && PY=.venv/bin/python
+if [ -z "${PY:-}" ]; then  # unset: the repo's venv where there is one
+  PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
+fi
 LLAUNCH=${LLAUNCH:-$(dirname "$PY")/llaunch}
 command -v "$LLAUNCH" >/dev/null || LLAUNCH=llaunch
 SERVE=${SERVE:-model=smollm2-135m}
