@@ -35,6 +35,7 @@ class TieredPrefixTree(PrefixTree):
         self.demoted = self.promoted = self.dropped = 0  # tokens since start
         self._pinned: set[int] = set()  # ids of host nodes being promoted: never dropped meanwhile
         self._dropping = False  # flush: evicted GPU nodes are dropped, not demoted
+        self._host_heap: list | None = None  # host leaves by age, during one evict (see _drop_host)
 
     # ---- lookup -----------------------------------------------------------------------------------
 
@@ -123,6 +124,7 @@ class TieredPrefixTree(PrefixTree):
         it). Returns the GPU slots freed."""
         heap = [(n.last_used, n.id, n) for n in self.nodes() if self._gpu_evictable(n)]
         heapq.heapify(heap)
+        self._host_heap = None  # built once per call, when the host tier first needs room
         freed = 0
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
@@ -152,29 +154,41 @@ class TieredPrefixTree(PrefixTree):
         self.demoted += n
 
     def _drop_host(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` host slots, least recently used host leaves first."""
-        heap = [(n.last_used, n.id, n) for n in self.nodes()
-                if n.on_host and not n.children and n.id not in self._pinned]
-        heapq.heapify(heap)
+        """Free at least `num_tokens` host slots, least recently used host leaves first. The queue
+        persists through one `evict` (one scan of the tree, not one per demotion); an entry that stopped
+        being a droppable leaf meanwhile is skipped."""
+        if self._host_heap is None:
+            self._host_heap = [(n.last_used, n.id, n) for n in self.nodes() if self._droppable(n)]
+            heapq.heapify(self._host_heap)
+        heap = self._host_heap
         freed = 0
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
+            if not self._droppable(leaf):
+                continue
             freed += len(leaf.slots)
             self.dropped += len(leaf.slots)
             parent = leaf.parent
             self._remove(leaf)
-            if parent.on_host and not parent.children and parent.id not in self._pinned:
+            if self._droppable(parent):
                 heapq.heappush(heap, (parent.last_used, parent.id, parent))
         return freed
+
+    def _droppable(self, node: Node) -> bool:
+        """A host leaf still in the tree, not being promoted."""
+        return (node.on_host and not node.children and node.id not in self._pinned
+                and node.parent is not None and node.parent.children.get(node.tokens[0]) is node)
 
     def _remove(self, node: Node) -> None:
         """Detach a node whose own slots the caller freed; the host nodes below it go too."""
         del node.parent.children[node.tokens[0]]
+        node.parent = None  # detached: a queued entry for it (or below it) is stale
         stack = list(node.children.values())
         while stack:
             below = stack.pop()
             self.host.free(below.slots)
             self.host_tokens -= len(below.slots)
+            below.parent = None
             stack.extend(below.children.values())
         if node.on_host:
             self.host.free(node.slots)
@@ -187,6 +201,7 @@ class TieredPrefixTree(PrefixTree):
             freed = self.evict(self.num_evictable)
         finally:
             self._dropping = False
+        self._host_heap = None
         self._drop_host(self.host_tokens)
         return freed
 
