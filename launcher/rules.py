@@ -351,6 +351,13 @@ def host_kv_tier_supported(cfg):
 
 
 @rule()
+def dp_affinity_slack_valid(cfg):
+    if cfg.router.dp_affinity_slack_tokens < 0:
+        yield ("router.dp_affinity_slack_tokens",), (
+            f"router.dp_affinity_slack_tokens={cfg.router.dp_affinity_slack_tokens}: give tokens >= 0")
+
+
+@rule()
 def token_healing_without_all_prompt_logprobs(cfg):
     s = cfg.server
     if s.token_healing and s.return_all_prompt_logprobs:

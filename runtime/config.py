@@ -219,6 +219,8 @@ class RouterConfig:
     # dp > 1: send each request to the replica with the fewest prompt tokens still to prefill (then the
     # least load), so prefills spread evenly over replicas (LightLLM's enable_dp_prefill_balance).
     dp_prefill_balance: bool = False
+    dp_prefix_affinity: bool = False  # dp > 1: a prompt goes to the replica its longest known prefix went to (its cached KV), within dp_affinity_slack_tokens of the least load
+    dp_affinity_slack_tokens: int = 32768  # dp_prefix_affinity: how many outstanding tokens more than the least loaded replica the prefix's replica may have
     token_ratio: float = 0.0  # KV usage below which new requests are admitted without waiting
     # Requests waiting for admission, per replica: beyond it a new request is refused at once (HTTP 503
     # with Retry-After) instead of queueing for minutes behind the others.

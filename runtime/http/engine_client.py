@@ -28,6 +28,7 @@ import zmq.asyncio
 from llaunch.runtime.config import ProcessSpec
 from llaunch.runtime.http.errors import engine_failed
 from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.http.prefix_affinity import PrefixAffinity
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, FrontendInbound, MetricsSnapshot,
                                           PdLink, RouterInbound, SamplingParams, TextBatch, TextDelta)
 from llaunch.runtime.ipc.sockets import AsyncReceiver, AsyncSender
@@ -134,8 +135,12 @@ class _Route:
 
 class EngineClient:
     def __init__(self, frontend_index: int, num_replicas: int, post: Post, request_timeout_s: Optional[float] = None,
-                 prefill_balance: bool = False):
+                 prefill_balance: bool = False, affinity_slack: Optional[int] = None):
+        """`affinity_slack` (router.dp_prefix_affinity): a prompt goes to the replica that got its longest
+        known prefix unless its load exceeds the least loaded replica's by more than these tokens."""
         self.frontend_index = frontend_index
+        self.affinity = PrefixAffinity() if affinity_slack is not None and num_replicas > 1 else None
+        self.affinity_slack = affinity_slack or 0
         self.request_timeout_s = request_timeout_s
         self.prefill_balance = prefill_balance
         self.outstanding = [0] * num_replicas  # requests of this frontend each replica still runs
@@ -166,7 +171,7 @@ class EngineClient:
         if lifecycle is not None:
             lifecycle.begin()
         # One replica for the whole group: the n samples of a prompt share its prefix cache there.
-        replica = self.least_loaded()
+        replica = self.choose_replica(jobs[0][0])
         ids = [f"{self.frontend_index}-{next(self._counter)}" for _ in jobs]
         group = RequestGroup(self, ids, replica, lifecycle, self.request_timeout_s)
         sent: list[str] = []
@@ -201,6 +206,19 @@ class EngineClient:
     def stalled_replicas(self) -> list[int]:
         return self.metrics.stalled_replicas if self.metrics is not None else []
 
+    def choose_replica(self, prompt_ids: list[int]) -> int:
+        """The least loaded replica, or with prefix affinity the one holding the prompt's longest known
+        prefix while its load stays within the slack of the least loaded one's."""
+        best = self.least_loaded()
+        if self.affinity is None:
+            return best
+        held = self.affinity.holder(prompt_ids)
+        if (held is not None and held[0] not in self.stalled_replicas
+                and self.outstanding_tokens[held[0]] <= self.outstanding_tokens[best] + self.affinity_slack):
+            best = held[0]
+        self.affinity.record(prompt_ids, best)
+        return best
+
     def least_loaded(self) -> int:
         """The replica with the least outstanding load, among those not stalled (if any is not)."""
         stalled = set(self.stalled_replicas)
@@ -214,6 +232,8 @@ class EngineClient:
         """Every replica evicts the prompt-cache entries no running request holds."""
         for replica in range(len(self.outstanding)):
             await self._post(replica, FlushCache())
+        if self.affinity is not None:  # nothing a replica held is cached any more
+            self.affinity.clear()
 
     async def abort_all(self) -> None:
         groups = {id(r.group): r.group for r in self._routes.values()}

@@ -76,7 +76,8 @@ async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptToken
     ctx = zmq.asyncio.Context()
     link = ZmqEngineLink(ctx, spec)
     engine = EngineClient(spec.index, link.num_replicas, link.post, cfg.server.request_timeout_s,
-                          prefill_balance=cfg.router.dp_prefill_balance)
+                          prefill_balance=cfg.router.dp_prefill_balance,
+                          affinity_slack=cfg.router.dp_affinity_slack_tokens if cfg.router.dp_prefix_affinity else None)
     lifecycle = Lifecycle()
     pd_role = {Mode.pd_prefill: "prefill", Mode.pd_decode: "decode"}.get(cfg.mode.kind)
     app = create_app(FrontendSettings.from_run_config(cfg, tokenizer, api_key), engine, tokenizer, lifecycle, pd_role)

@@ -96,6 +96,7 @@ BREAKS = {
     "diverse_mode_needs_prompt_cache": [["router.diverse_mode=true", "cache.prompt_cache=false"]],
     "host_kv_tier_supported": [["cache.cpu_tokens=-1"], ["cache.cpu_tokens=64", "cache.prompt_cache=false"],
                                ["cache.cpu_tokens=64", "mode=pd_prefill"]],
+    "dp_affinity_slack_valid": [["router.dp_affinity_slack_tokens=-1"]],
     "spec_settings_valid": [["spec=ngram", "spec.num_tokens=0"], ["spec=ngram", "spec.ngram_min=4"],
                             ["spec=ngram", "spec.max_batch=0"]],
     "spec_method_available": [["spec=draft"]],
