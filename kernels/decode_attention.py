@@ -31,9 +31,9 @@ def _chunk_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows_ptr, seq_lens_ptr,
-                         mid_o_ptr, mid_lse_ptr, out_ptr, qk_scale, num_splits, q_batch_stride, q_head_stride,
+                         mid_o_ptr, mid_lse_ptr, out_ptr, k_scale_ptr, v_scale_ptr, qk_scale, num_splits, q_batch_stride, q_head_stride,
                          out_batch_stride, out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride,
-                         dim, GROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+                         dim, GROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr,
                          PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # Before the PDL wait, read only what the step's inputs hold (lengths, rows, the slot table:
@@ -63,6 +63,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:  # the interpreter has no bf16/fp16 dot
         q = q.to(tl.float32)
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8_KV:  # an fp8 cache (kernels/kv_fp8.py): one scale per layer for K and for V
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
 
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -77,6 +82,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if FP8_KV:  # dequantized as loaded: value × scale in q's dtype, as the reference
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -151,8 +159,10 @@ def num_splits_for(batch: int, kv_heads: int, max_len: int) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_slots: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, *, max_len: Optional[int] = None) -> torch.Tensor:
+                     scale: float, *, max_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
+                     v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, Hq, D] attends to the first seq_lens[b] cached tokens of row rows[b] → [B, Hq, D].
+    An fp8 cache comes with its layer's k_scale and v_scale ([] float32 tensors).
     `max_len` (host int, default max_model_len) bounds seq_lens; it only sets the split count, so
     it must stay fixed while a CUDA graph replays."""
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride(), "caches: same layout, unit dim stride"
@@ -173,9 +183,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_n, warps, stages = _launch_shape(q, dim, splits)
     use_pdl = pdl.enabled(q, "decode_attention")
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, req_to_slots, rows, seq_lens, mid_o, mid_lse, out, scale * _LOG2E, splits,
+        q, k_cache, v_cache, req_to_slots, rows, seq_lens, mid_o, mid_lse, out,
+        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        req_to_slots.stride(0), dim, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda,
+        req_to_slots.stride(0), dim, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda, FP8_KV=k_scale is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl.flavor(use_pdl, "decode_attention"),
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
         num_stages=stages, launch_pdl=use_pdl)

@@ -80,25 +80,29 @@ def store_kv(k_cache, v_cache, slots, k, v):
     return reference.store_kv(k_cache, v_cache, slots, k, v)
 
 
+def _scales(kv_scales) -> dict:
+    return {} if kv_scales is None else {"k_scale": kv_scales.k, "v_scale": kv_scales.v}
+
+
 def prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale,
                       *, max_q_len: Optional[int] = None, kv_scales=None):
-    if kv_scales is not None:  # an fp8 cache: the reference reads it dequantized (GPUs: refused, rules_quant.py)
+    if _use_triton(q):  # an fp8 cache (kv_scales) is dequantized as the kernel loads it
+        return triton_ops().prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens,
+                                              prefix_lens, scale, max_q_len=max_q_len, **_scales(kv_scales))
+    if kv_scales is not None:  # the reference reads an fp8 cache dequantized
         k_cache = kv_fp8.Dequantizing(k_cache, kv_scales.k, q.dtype)
         v_cache = kv_fp8.Dequantizing(v_cache, kv_scales.v, q.dtype)
-    elif _use_triton(q):
-        return triton_ops().prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens,
-                                              prefix_lens, scale, max_q_len=max_q_len)
     return reference.prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale)
 
 
 def decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, *, max_len: Optional[int] = None,
                      kv_scales=None):
+    if _use_triton(q):
+        return triton_ops().decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale,
+                                             max_len=max_len, **_scales(kv_scales))
     if kv_scales is not None:
         k_cache = kv_fp8.Dequantizing(k_cache, kv_scales.k, q.dtype)
         v_cache = kv_fp8.Dequantizing(v_cache, kv_scales.v, q.dtype)
-    elif _use_triton(q):
-        return triton_ops().decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale,
-                                             max_len=max_len)
     return reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale)
 
 

@@ -18,8 +18,9 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end, q_pos,
-                  kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
-                  MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                  kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride, k_scale, v_scale,
+                  MASKED: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     d_mask = offs_d[None, :] < dim
     if MASKED:
@@ -32,6 +33,9 @@ def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, star
     kv_off = slots[:, None] * cache_tok_stride + kv_head * cache_head_stride + offs_d[None, :]
     k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    if FP8_KV:  # an fp8 cache, dequantized as loaded: value × scale in q's dtype, as the reference
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     if UPCAST:  # the interpreter has no bf16/fp16 dot
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -52,9 +56,9 @@ def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, star
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, rows_ptr, q_starts_ptr,
-                    q_lens_ptr, prefix_lens_ptr, qk_scale, q_tok_stride, q_head_stride, out_tok_stride,
+                    q_lens_ptr, prefix_lens_ptr, k_scale_ptr, v_scale_ptr, qk_scale, q_tok_stride, q_head_stride, out_tok_stride,
                     out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride, dim,
-                    GROUP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                    GROUP: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (last) blocks first
@@ -76,6 +80,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, 
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = prefix + offs_m
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8_KV:  # one scale per layer for K and for V (kernels/kv_fp8.py)
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -86,11 +95,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, 
     for start_n in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
                                       q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
-                                      False, UPCAST, PRECISION, BLOCK_N)
+                                      k_scale, v_scale, False, UPCAST, FP8_KV, PRECISION, BLOCK_N)
     for start_n in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
                                       q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
-                                      True, UPCAST, PRECISION, BLOCK_N)
+                                      k_scale, v_scale, True, UPCAST, FP8_KV, PRECISION, BLOCK_N)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + q_tok[:, None] * out_tok_stride + head * out_head_stride + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_d[None, :] < dim))
@@ -121,9 +130,11 @@ def _precision(q: torch.Tensor) -> str:
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       req_to_slots: torch.Tensor, rows: torch.Tensor, q_starts: torch.Tensor,
                       q_lens: torch.Tensor, prefix_lens: torch.Tensor, scale: float,
-                      *, max_q_len: Optional[int] = None) -> torch.Tensor:
+                      *, max_q_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
+                      v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q: [T, Hq, D] → [T, Hq, D]. `max_q_len` (host int) bounds q_lens to size the grid; without it
-    the grid covers T tokens per sequence and the surplus programs exit at once (no device sync)."""
+    the grid covers T tokens per sequence and the surplus programs exit at once (no device sync).
+    An fp8 cache comes with its layer's k_scale and v_scale ([] float32 tensors)."""
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride(), "caches: same layout, unit dim stride"
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -135,9 +146,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_m, block_n, warps, stages = _launch_shape(q, dim)
     grid = (n_q_heads, triton.cdiv(max_q_len if max_q_len is not None else tokens, block_m), batch)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale * _LOG2E,
+        q, k_cache, v_cache, out, req_to_slots, rows, q_starts, q_lens, prefix_lens,
+        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         req_to_slots.stride(0), dim, GROUP=n_q_heads // k_cache.shape[1], UPCAST=not q.is_cuda,
+        FP8_KV=k_scale is not None,
         PRECISION=_precision(q), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(dim), num_warps=warps, num_stages=stages)
     return out

@@ -7,7 +7,7 @@ import os
 
 from llaunch.launcher.rule_registry import rule
 from llaunch.launcher.rules_model import serves
-from llaunch.runtime.config import Device, KvDType, LoadFormat, Mode
+from llaunch.runtime.config import KvDType, LoadFormat, Mode
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.quant_scheme import SUPPORTED
 
@@ -52,10 +52,3 @@ def fp8_kv_not_in_pd(cfg):
             f"cache.kv_dtype=fp8_e4m3 with mode.kind={cfg.mode.kind.value}: the KV transfer between prefill and "
             "decode instances moves the model's dtype only; use cache.kv_dtype=auto")
 
-
-@rule()
-def fp8_kv_not_on_gpu_yet(cfg):
-    if cfg.cache.kv_dtype == KvDType.fp8_e4m3 and cfg.device == Device.cuda:
-        yield ("cache.kv_dtype", "device"), (
-            "cache.kv_dtype=fp8_e4m3 with device=cuda: the Triton attention kernels do not read an fp8 KV cache "
-            "yet (the CPU reference does); use cache.kv_dtype=auto on a GPU")

@@ -70,8 +70,8 @@ def test_quantized_qwen2_7b_shape_prefill_close_to_bf16():
 
 @pytest.mark.parametrize("seq_len", [1, 300, 2000])
 def test_fp8_kv_attention_close_to_bf16_kv(seq_len):
-    """Decode and prefill attention over an fp8 cache (dequantized on read) vs the bf16 cache's Triton
-    kernels, GQA 28/4 heads of 128 (Qwen2-7B)."""
+    """The Triton decode and prefill kernels over an fp8 cache (dequantized as loaded) vs the same
+    kernels over the bf16 cache, GQA 28/4 heads of 128 (Qwen2-7B)."""
     torch.manual_seed(0)
     hq, hk, d, slots = 28, 4, 128, seq_len + 8
     k = torch.randn(seq_len, hk, d, device="cuda", dtype=torch.bfloat16) * 3

@@ -107,7 +107,6 @@ BREAKS = {
                            ["cache.kv_dtype=fp8_e4m3", "cache.kv_scales=/etc/hostname", "cache.kv_calibration=/x.json"]],
     "kv_scales_file_exists": [["cache.kv_dtype=fp8_e4m3", "cache.kv_scales=/no/such/scales.json"]],
     "fp8_kv_not_in_pd": [["mode=pd_decode", "cache.kv_dtype=fp8_e4m3"]],
-    "fp8_kv_not_on_gpu_yet": [["device=cuda", "dry_run=true", "cache.kv_dtype=fp8_e4m3"]],
 }
 
 
