@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -53,11 +55,11 @@ def conversations(rng, n: int, turns: int):
 
 def test_same_tokens_with_eviction_through_both_tiers_in_process(tiny_dirs, tmp_path):
     model = build_model(model_config_from_folder(tiny_dirs["qwen2"]), device=torch.device("cpu"), dtype=torch.float32)
-    tiered = TieredEngine(model, kv_slots=140, host_slots=300, pool_file=str(tmp_path / "pool"))
+    tiered = TieredEngine(model, kv_slots=110, host_slots=220, pool_file=str(tmp_path / "pool"))
     big = Engine(model, True, kv_slots=1200)  # the prompt cache alone, never evicting: the reference KV
-    convs = conversations(random.Random(3), n=8, turns=3)
+    convs = conversations(random.Random(3), n=6, turns=3)
     history = {i: [] for i in range(len(convs))}
-    for turn in range(3):  # each turn's 8 histories (~45-70 tokens each) overflow 140 slots: evict
+    for turn in range(3):  # each turn's 6 histories (~45-70 tokens each) overflow 110 slots: evict
         jobs = {f"c{i}/{turn}": (history[i] + conv[turn], GREEDY) for i, conv in enumerate(convs)}
         outs = {name: e.run(jobs) for name, e in (("tiered", tiered), ("big", big))}
         assert outs["tiered"] == outs["big"]
@@ -71,8 +73,8 @@ def test_same_tokens_with_eviction_through_both_tiers_in_process(tiny_dirs, tmp_
     assert s.cache.host_hits > 0
     gpu_held = [x for n in tree.nodes() if not n.on_host for x in n.slots]
     host_held = [x for n in tree.nodes() if n.on_host for x in n.slots]
-    assert sorted(gpu_held + s.kv._free) == list(range(140))
-    assert sorted(host_held + s.cache.host._free) == list(range(300))
+    assert sorted(gpu_held + s.kv._free) == list(range(110))
+    assert sorted(host_held + s.cache.host._free) == list(range(220))
     assert s.cache.locked == 0
 
 
@@ -148,3 +150,23 @@ def test_a_multi_turn_bench_run_reports_both_tiers(server, tmp_path):
     assert result["completed"] == 18 and result["failed"] == 0
     assert result["prefix_cache_hits"] > 0 and "host_cache_hits" in result and result["kv_demoted_tokens"] > 0
     assert "host-tier" in bench.stdout
+
+
+def test_the_graph_goes_down_when_kv_host_dies(server):
+    """Last in the module: SIGKILL the pool's owner; llaunch exits non-zero naming it, leaves no
+    process behind, and removes the pool files the dead process could not (the fixture checks)."""
+    [host_pid] = [pid for pid in server.children()
+                  if b"host_pool_process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    graph = server.children()
+    os.kill(host_pid, signal.SIGKILL)
+    assert server.proc.wait(60) != 0
+    assert "kv_host.0" in server.output()
+    assert not [pid for pid in graph if running(pid)]
+
+
+def running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :][:1] != b"Z"
