@@ -84,14 +84,29 @@ class RowConstraint:
             self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids or None)
         return self._matcher
 
-    def fill(self, bitmask: torch.Tensor, i: int, generated: int) -> None:
-        """Write row `i` of `bitmask` (CPU int32) for the next token; `generated` tokens came before it."""
+    def live_matcher(self):
+        """The grammar's matcher while the grammar still decides the next token, else None."""
         matcher = self._matcher_now()
-        if matcher is not None and not matcher.is_terminated():
+        return matcher if matcher is not None and not matcher.is_terminated() else None
+
+    def has_extras(self, generated: int) -> bool:
+        """Does anything besides the grammar exclude tokens at this point of the output?"""
+        return bool(self.allowed or (self.heal and generated == 0) or self.banned or self.sequences
+                    or generated < self.min_tokens)
+
+    def fill(self, bitmask: torch.Tensor, i: int, generated: int) -> None:
+        """Write row `i` of `bitmask` (CPU int32) for the next token; `generated` tokens came before it.
+        (A step's rows are filled together by runtime/constrained/mask_fill.py.)"""
+        matcher = self.live_matcher()
+        if matcher is not None:
             matcher.fill_next_token_bitmask(bitmask, i)
         else:
             bitmask[i] = -1
-        row = bitmask[i].numpy().view(np.uint32)
+        self.fill_extras(bitmask[i].numpy().view(np.uint32), generated)
+
+    def fill_extras(self, row: np.ndarray, generated: int) -> None:
+        """Apply the exclusions besides the grammar to one bitmask row (a uint32 view) that holds the
+        grammar's mask, or all tokens where there is none."""
         if self.allowed:
             only_bits(row, self.allowed)
         if self.heal and generated == 0:

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from llaunch import kernels
+from llaunch.runtime.constrained.mask_fill import StepMasks
 from llaunch.runtime.constrained.row_state import RowConstraint
 from llaunch.runtime.ipc.messages import SamplingParams
 from llaunch.runtime.worker.transfer import to_device
@@ -17,14 +18,15 @@ from llaunch.runtime.worker.transfer import to_device
 
 class SamplingState:
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device, eos_ids: tuple[int, ...] = (),
-                 grammar: Optional[Callable] = None):
+                 grammar: Optional[Callable] = None, mask_threads: Optional[int] = None):
         """`grammar`: returns the worker's GrammarCompiler (made on first use: it loads the tokenizer);
-        None refuses structured output."""
+        None refuses structured output. `mask_threads`: the threads that fill grammar masks."""
         self.vocab_size = vocab_size
         self.device = device
         self.eos_ids = list(eos_ids)
         self._grammar = grammar
         self.rows: list[Optional[RowConstraint]] = [None] * max_rows  # token exclusions, where any
+        self._masks = StepMasks(max_rows, vocab_size, device, mask_threads)
         self.bias: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * max_rows  # logit_bias ids, values
         self.min_p = [0.0] * max_rows
         f32 = dict(dtype=torch.float32, device=device)
@@ -112,13 +114,8 @@ class SamplingState:
         accepted every token sampled for it before this is called."""
         if all(self.rows[r] is None for r in rows):
             return None
-        words = (self.vocab_size + 31) // 32
-        host = torch.full((len(rows), words), -1, dtype=torch.int32).pin_memory() if self.device.type == "cuda" \
-            else torch.full((len(rows), words), -1, dtype=torch.int32)
-        for i, r in enumerate(rows):
-            if self.rows[r] is not None:
-                self.rows[r].fill(host, i, self.generated[r])
-        return host.to(self.device, non_blocking=True)
+        return self._masks.fill([(i, self.rows[r], self.generated[r]) for i, r in enumerate(rows)
+                                  if self.rows[r] is not None], len(rows))
 
     def accept(self, rows: list[int], tokens: list[int]) -> None:
         """The tokens a step sampled, read back: rows with exclusions follow their output."""

@@ -185,3 +185,37 @@ def test_a_sampled_row_keeps_to_its_grammar(compiler, tok):
             break
         out.append(token)
     assert token == EOS and re.fullmatch("[0-9]{3}-[a-c]", tok.hf.decode(out))
+
+
+def test_a_step_mask_equals_its_rows_filled_one_by_one(compiler, tok):
+    """The batched fill (xgrammar's batch matcher, reused buffers) against each row's own fill, over
+    steps that follow sampled tokens: grammar rows, grammar plus banned ids and min_tokens,
+    exclusions without a grammar, and unconstrained rows."""
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+                         "required": ["name", "n"]})
+    params = [SamplingParams(max_new_tokens=20, constraint=Constraint("json_schema", schema)),
+              None,
+              SamplingParams(max_new_tokens=20, constraint=Constraint("regex", "[a-z]{3,9}( [a-z]+)*"),
+                             banned_ids=tok.encode_plain("e"), min_tokens=4),
+              SamplingParams(max_new_tokens=20, banned_ids=[5, 70], min_tokens=3),
+              SamplingParams(max_new_tokens=20, constraint=Constraint("json_schema", schema))]
+    state = _state(compiler, rows=len(params))
+    twins = [None if sp is None else RowConstraint(sp, None if sp.constraint is None else
+                                                   compiler.compile_async(sp.constraint), [EOS])
+             for sp in params]
+    state.set_rows([(r, sp, []) for r, sp in enumerate(params) if sp is not None])
+    rows, gen = [4, 0, 1, 2, 3], torch.Generator().manual_seed(0)
+    for step in range(12):
+        mask = state.bitmask(rows).clone()
+        for i, r in enumerate(rows):
+            expected = set(range(VOCAB)) if twins[r] is None else _fill(twins[r], step)
+            assert _allowed(mask, i) == expected, (step, r)
+        tokens = []
+        for i, r in enumerate(rows):  # a random allowed token per row, as a sampler would draw
+            allowed = sorted(_allowed(mask, i))
+            tokens.append(allowed[int(torch.randint(len(allowed), (1,), generator=gen))])
+        state.advance(rows)
+        state.accept(rows, tokens)
+        for r, token in zip(rows, tokens):
+            if twins[r] is not None:
+                twins[r].accept(token)

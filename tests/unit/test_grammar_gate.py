@@ -38,3 +38,47 @@ def test_aborts_reach_held_requests_and_ready_constraints_are_bounded():
         gate.on_ready(ConstraintsReady(constraints=[c], errors=[None]))
     assert gate.hold(req("old", Constraint(kind="regex", spec="x0")))  # the oldest was forgotten: prepared again
     assert not gate.hold(req("new", Constraint(kind="regex", spec=f"x{READY_ENTRIES}")))
+
+
+def _ready_within(prep, seconds: float = 30.0):
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        report = prep.poll()
+        if report is not None:
+            return report
+        time.sleep(0.01)
+    raise AssertionError("no ConstraintsReady")
+
+
+def test_the_workers_compiler_is_made_off_the_step_loop():
+    """The first constraint makes the compiler (it loads the tokenizer): start() and poll() return while
+    it is being made, and the constraint compiles once it is; a compiler that cannot be made fails
+    the constraints instead of the worker."""
+    import threading
+    from concurrent.futures import Future
+
+    from llaunch.runtime.ipc.messages import PrepareConstraints
+    from llaunch.runtime.worker.constraint_prep import ConstraintPrep
+
+    class Compiler:
+        def compile_async(self, constraint):
+            done = Future()
+            done.set_result(constraint)
+            return done
+
+    release = threading.Event()
+    prep = ConstraintPrep(lambda: release.wait(60) and Compiler())
+    assert prep.start(PrepareConstraints(constraints=[SCHEMA])) is None
+    assert prep.pending and prep.poll() is None  # still making the compiler: the loop goes on
+    release.set()
+    assert _ready_within(prep) == ConstraintsReady(constraints=[SCHEMA], errors=[None])
+    assert not prep.pending
+
+    def broken():
+        raise OSError("no tokenizer at /nowhere")
+
+    prep = ConstraintPrep(broken)
+    report = prep.start(PrepareConstraints(constraints=[SCHEMA, REGEX])) or _ready_within(prep)
+    assert report.constraints == [SCHEMA, REGEX] and all("no tokenizer" in e for e in report.errors)
