@@ -60,7 +60,12 @@ def summary(cfg: LlaunchConfig) -> Optional[str]:
     if budget is None:
         return line + f"; a GPU needs {_gib(mem.before_kv)} within cache.mem_fraction before any KV"
     where = f" of {_gib(device_bytes)} per GPU" if device_bytes and not cfg.cache.max_total_tokens else ""
-    return line + f"; KV {_gib(max(budget, 0))}{where}: {max(budget, 0) // mem.kv_per_token:,} tokens"
+    line += f"; KV {_gib(max(budget, 0))}{where}: {max(budget, 0) // mem.kv_per_token:,} tokens"
+    if cfg.cache.cpu_tokens > 0:  # the kv_host process's shared memory, one file per worker
+        ranks = cfg.parallel.tp * cfg.parallel.dp // max(cfg.parallel.nnodes, 1)
+        host = cfg.cache.cpu_tokens * mem.kv_per_token
+        line += f"; host KV tier {_gib(host)} per rank ({cfg.cache.cpu_tokens:,} tokens), {_gib(host * ranks)} per node"
+    return line
 
 
 @rule(needs=_ARCH, live="warn")

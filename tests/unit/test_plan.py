@@ -246,3 +246,18 @@ def test_every_profile_combination_plans_or_names_its_conflict(compose_config):
             assert workers == []
         planned += 1
     assert planned > 100
+
+
+def test_host_kv_tier_adds_one_pool_owner_per_node(planned):
+    _, g = planned("device=cuda", "parallel=dp2", "parallel.tp=2", "cache.cpu_tokens=1000")
+    assert names(g)[0] == "kv_host.0"  # started first: the workers map its files
+    spec = {p.name: p for p in g.processes}
+    pools = spec["kv_host.0"].binds
+    assert sorted(pools) == ["pool.0.0", "pool.0.1", "pool.1.0", "pool.1.1"]
+    for d in (0, 1):
+        for r in (0, 1):
+            assert spec[f"worker.{d}.{r}"].connects["kv_host"] == pools[f"pool.{d}.{r}"]
+    assert len(set(pools.values())) == 4
+    check_wiring(g)
+    _, other = planned("device=cuda", "parallel=dp2", "parallel.tp=2", "cache.cpu_tokens=1000")
+    assert not set(pools.values()) & set(p for s in other.processes for p in s.binds.values())  # per instance
