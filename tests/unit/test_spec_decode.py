@@ -168,13 +168,15 @@ def test_a_row_without_proposals_keeps_pipelining_until_its_next_probe():
     assert sched.spec.split(sched, [r]) == ([], {})  # a row that found one waits for its verdict
 
 
-def test_sampled_rows_verify_through_the_runner(model):
+def test_sampled_rows_verify_through_the_runner(model, request):
     """temperature > 0 through the scheduler and runner: rows verify proposals (rejection sampling,
     test_rejection_sampling_keeps_the_target_distribution), lengths as asked, every KV slot back, and a
     seed repeats its output."""
-    requests = [(PROMPT[i:] + [60 + i], SamplingParams(max_new_tokens=16, temperature=0.05, top_p=0.95, seed=i))
-                for i in range(4)]
+    if request.node.callspec.params["model"] != "qwen2":
+        pytest.skip("the runner's sampled verification does not depend on the family: one covers it")
+    requests = [(PROMPT[i:] + [60 + i], SamplingParams(max_new_tokens=30, temperature=0.05, top_p=0.95, seed=i))
+                for i in range(2)]
     first, sched = serve(model, requests, spec=True)
     again, _ = serve(model, requests, spec=True)
-    assert first == again and all(len(tokens) == 16 for tokens, _ in first.values())
+    assert first == again and all(len(tokens) == 30 for tokens, _ in first.values())
     assert sched.spec.verify_rows > 0
