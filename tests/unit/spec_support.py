@@ -17,12 +17,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int = MAX_LEN,
-          device: torch.device = torch.device("cpu"), cuda_graphs: bool = False, eos_ids: tuple = (EOS,)):
+          device: torch.device = torch.device("cpu"), cuda_graphs: bool = False, eos_ids: tuple = (EOS,),
+          step_tokens: int = 4096):
     """Run (prompt ids, SamplingParams) requests through a Scheduler and a ModelRunner:
-    ({request index: (tokens, finish reason)}, scheduler). Every KV slot must be back at the end."""
+    ({request index: (tokens, finish reason)}, scheduler). Every KV slot must be back at the end.
+    `step_tokens`: the token budget of a step (small: prompts prefill in chunks beside verify rows)."""
     cfg = SpecConfig(method=SpecMethod.ngram, num_tokens=4, max_batch=16) if spec else None
-    sched = Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=4096, chunked_prefill=True,
-                                      chunked_prefill_size=4096, max_wait_tokens=1, token_ratio=0.0,
+    sched = Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=step_tokens,
+                                      chunked_prefill=True, chunked_prefill_size=step_tokens, max_wait_tokens=1, token_ratio=0.0,
                                       max_model_len=max_len, eos_ids=eos_ids, pipeline_depth=2, spec=cfg))
     runner = ModelRunner(model, model.make_kv_cache(kv_slots + 1, ROWS + 1, max_len), ROWS, device,
                          cuda_graphs=cuda_graphs, eos_ids=eos_ids)

@@ -45,12 +45,13 @@ def cut_at(tokens: list[int], stop: int) -> tuple[list[int], str]:
 
 
 def test_greedy_output_is_token_identical_with_speculation(model):
-    """16 requests at once; max_tokens (40, 23, 17, 31) and stop tokens land mid-proposal."""
+    """16 requests; max_tokens (40, 23, 17, 31) and stop tokens land mid-proposal; 40-token steps make
+    later prompts prefill in chunks in the steps where earlier rows verify."""
     n = 16
-    plain, _ = serve(model, greedy_requests(n), spec=False)
+    plain, _ = serve(model, greedy_requests(n), spec=False, step_tokens=40)
     stops = {i: [plain[i][0][-3]] for i in range(1, n, 2)}  # odd requests stop at their last-but-two token's first use
     want = {i: cut_at(plain[i][0], stops[i][0]) if i in stops else plain[i] for i in range(n)}
-    fast, sched = serve(model, greedy_requests(n, stops), spec=True)
+    fast, sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40)
     assert fast == want
     assert sched.spec.accepted > 0 and sched.spec.verify_rows > 0  # it did speculate, and it paid off
     assert sched.spec.accepted <= sched.spec.proposed
