@@ -30,8 +30,9 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     if scales.k_amax is not None and k.numel():
         torch.maximum(scales.k_amax, k.abs().amax().float(), out=scales.k_amax)
         torch.maximum(scales.v_amax, v.abs().amax().float(), out=scales.v_amax)
-    k_cache[slots] = to_fp8(k, scales.k)
-    v_cache[slots] = to_fp8(v, scales.v)
+    # through byte views: every torch build indexes uint8 (float8 index kernels came late to some)
+    k_cache.view(torch.uint8)[slots] = to_fp8(k, scales.k).view(torch.uint8)
+    v_cache.view(torch.uint8)[slots] = to_fp8(v, scales.v).view(torch.uint8)
 
 
 class Dequantizing:
@@ -46,4 +47,4 @@ class Dequantizing:
         return self.cache.shape
 
     def __getitem__(self, index) -> torch.Tensor:
-        return (self.cache[index].float() * self.scale).to(self.dtype)
+        return (self.cache.view(torch.uint8)[index].view(FP8).float() * self.scale).to(self.dtype)
