@@ -180,8 +180,8 @@ class CacheConfig:
     # fp8_e4m3: a JSON file of per-layer scales {"k_scale": [...], "v_scale": [...]} (written by kv_calibration);
     # None: every scale 1.0 (K and V values beyond ±448 saturate).
     kv_scales: Optional[str] = None
-    # A JSON file the workers write at exit: per-layer K/V absmax / 448 over every token they served (load it
-    # with kv_scales). Serve a calibration set with it set, then stop the server.
+    # A JSON file the workers keep writing (every 2 s while it changes): per-layer K/V absmax / 448 over every
+    # token they served (load it with kv_scales). Serve a calibration set with it set, then stop the server.
     kv_calibration: Optional[str] = None
 
 
@@ -196,6 +196,9 @@ class VisualConfig:
     allowed_local_media_path: Optional[str] = None
     # Embeddings of recent images, keyed by a hash of their pixels (LRU): a repeated image is not encoded again.
     embed_cache_mib: int = 512
+    dp: int = 1  # visual server processes (each with its own embed cache; an image goes to the one its hash picks)
+    batch_size: int = 8  # images a visual server encodes in one forward pass
+    devices: Optional[List[int]] = None  # GPU of each visual server (one per visual.dp); None: GPU v % GPUs of the node
 
 
 @dataclass(frozen=True)
