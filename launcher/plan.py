@@ -15,12 +15,16 @@ pd_master runs one process binding http (clients) and register (instances), both
 config_server runs one registry process binding http.
 cache.cpu_tokens > 0 adds kv_host.{node}: binds pool.{d}.{r} (a shared-memory file path per worker of
 its node, the host KV tier); each worker connects kv_host to its own.
+A multimodal model (model.vision) adds visual.{v} (visual.dp of them, on node 0): binds encode (routers
+send EncodeImages there; it answers on each router's results, connecting ready.{d}) and embeds (its
+embed cache's shared-memory file path); every router connects visual.{v}, every worker embeds.{v}.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from llaunch.launcher.ports import EndpointAllocator
 from llaunch.runtime.cache.host_pool import pool_path
+from llaunch.runtime.visual.embed_shm import embeds_path
 from llaunch.runtime.config import Device, KvTransport, LlaunchConfig, Mode, ProcessGraph, ProcessSpec, ZmqMode
 
 # Dialled addresses that no process of this graph binds: the launcher's own control socket,
@@ -134,6 +138,7 @@ def _serving_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessG
         extra["kv_transfer"] = ",".join(w.binds["kv_transfer"] for w in workers)
     frontends = _frontends(cfg, text, [r.binds["requests"] for r in routers], extra | {"control": controls[0]})
     hosts = _kv_hosts(cfg, workers, controls[0])
+    hosts += _visual_servers(cfg, local, routers, workers, controls[0])
     return ProcessGraph(processes=[*hosts, *frontends, *routers, detokenizer, *workers], http_url=_http_url(cfg),
                         ipc_dir=_ipc_dir(endpoints), control=controls[p.node_rank], dist_init=dist_init)
 
@@ -151,6 +156,28 @@ def _kv_hosts(cfg: LlaunchConfig, workers: list[ProcessSpec], instance: str) -> 
         host.binds[f"pool.{w.dp_rank}.{w.tp_rank}"] = path
         w.connects["kv_host"] = path
     return list(hosts.values())
+
+
+def _visual_servers(cfg: LlaunchConfig, local, routers: list[ProcessSpec], workers: list[ProcessSpec],
+                    instance: str) -> list[ProcessSpec]:
+    """A multimodal model: visual.dp visual servers (runtime/visual/process.py), each on its GPU
+    (visual.devices, else the node's GPUs in turn), with its embed cache's file."""
+    if not cfg.model.vision:
+        return []
+    v, p = cfg.visual, cfg.parallel
+    per_node = max(p.tp * p.dp // max(p.nnodes, 1), 1)
+    servers = []
+    for i in range(v.dp):
+        gpus = [v.devices[i] if v.devices else i % per_node] if cfg.device == Device.cuda else []
+        server = ProcessSpec(name=f"visual.{i}", role="visual", index=i, gpus=gpus,
+                             binds={"encode": local(f"visual.{i}.encode"), "embeds": embeds_path(instance, i)},
+                             connects={f"ready.{r.dp_rank}": r.binds["results"] for r in routers} | {"control": instance})
+        for r in routers:
+            r.connects[f"visual.{i}"] = server.binds["encode"]
+        for w in workers:
+            w.connects[f"embeds.{i}"] = server.binds["embeds"]
+        servers.append(server)
+    return servers
 
 
 def _url(host: str, port: int) -> str:

@@ -17,6 +17,7 @@ from llaunch.launcher import rules_score  # noqa: F401 (registers the score mode
 from llaunch.launcher import rules_spec  # noqa: F401 (speculative decoding's rules)
 from llaunch.launcher import rules_server  # noqa: F401 (metric server and TGI API rules)
 from llaunch.launcher import rules_quant  # noqa: F401 (quantized checkpoints, fp8 KV cache)
+from llaunch.launcher import rules_visual  # noqa: F401 (the visual servers of multimodal models)
 # check_all, warnings, pending and RULES are called through this module, which fills the registry
 from llaunch.launcher.rule_registry import RULES, check_all, get, pending, rule, warnings  # noqa: F401
 from llaunch.runtime.config import Device, Mode

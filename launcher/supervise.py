@@ -41,10 +41,11 @@ ROLE_MODULES = {
     "config_server": "llaunch.runtime.pd_master.config_server",
     "pd_master": "llaunch.runtime.pd_master.process",  # binds its own HTTP ports (no inherited fd)
     "kv_host": "llaunch.runtime.cache.host_pool_process",  # owns the host KV tier's shared memory
+    "visual": "llaunch.runtime.visual.process",  # encodes images into the embed cache (multimodal models)
 }
 KEY_ROLES = ("frontend", "pd_master")  # the processes that check the API key
 # each depends on the ones before; config_server and pd_master run alone in their graphs
-START_ORDER = ["kv_host", "worker", "router", "detokenizer", "frontend", "config_server", "pd_master"]
+START_ORDER = ["kv_host", "visual", "worker", "router", "detokenizer", "frontend", "config_server", "pd_master"]
 # A worker's exit status when a tp peer went away (runtime/worker/process.py EXIT_PEER_GONE): it
 # died because another did, so it is not the one to blame.
 PEER_GONE_EXIT = 3
@@ -167,6 +168,8 @@ class Graph:
             if spec.role == "kv_host":
                 for path in spec.binds.values():
                     remove_pool(path)
+            elif spec.role == "visual":  # its embed cache's file
+                remove_pool(spec.binds["embeds"])
 
 
 class _Stop(Exception):

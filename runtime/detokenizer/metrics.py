@@ -116,13 +116,20 @@ class MetricsHub:
         self.spec_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Tokens proposed.", m, registry=r)
         self.spec_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Proposed tokens accepted.", m,
                                      registry=r)
+        # multimodal models: images looked up in the visual servers' embed cache (vLLM's mm_cache series),
+        # and those encoded (a miss joining an encode already under way is not encoded again)
+        self.mm_queries = Counter(PREFIX + "mm_cache_queries", "Images looked up in the embed cache.", m, registry=r)
+        self.mm_hits = Counter(PREFIX + "mm_cache_hits", "Images found in the embed cache (not encoded again).", m,
+                               registry=r)
+        self.images_encoded = Counter(PREFIX + "images_encoded", "Images the visual servers encoded.", m, registry=r)
         # vLLM's series, for its dashboards; always 0 here: admission reserves a request's KV up front
         self.preemptions = Counter(PREFIX + "num_preemptions", "Cumulative number of preemption from the engine.",
                                    m, registry=r)
         for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
                        self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
                        self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
-                       self.preemptions, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+                       self.preemptions, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
+                       self.mm_queries, self.mm_hits, self.images_encoded):
             family.labels(*self.model)  # every series exists from the start, at zero
         for reason in FINISH_REASONS:
             self.request_success.labels(*self.model, reason)
@@ -182,7 +189,8 @@ class MetricsHub:
         self.stalled.labels(*rank).set(float(stats.stalled))
         self.stalls.labels(*rank).inc(stats.stalls - (before.stalls if before else 0))
         for counter, field in ((self.spec_drafts, "spec_verify_rows"), (self.spec_draft_tokens, "spec_proposed"),
-                               (self.spec_accepted, "spec_accepted")):
+                               (self.spec_accepted, "spec_accepted"), (self.mm_queries, "mm_cache_queries"),
+                               (self.mm_hits, "mm_cache_hits"), (self.images_encoded, "images_encoded")):
             counter.labels(*self.model).inc(getattr(stats, field) - (getattr(before, field) if before else 0))
 
     @property

@@ -86,6 +86,8 @@ class ImageRef(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     offset: int
     grid: list[int]  # (t, h, w) in patches, before the 2x2 merge
     pixels: bytes = b""  # float32 pixel values [t*h*w, C*T*P*P] (the image processor's)
+    replica: int = 0  # the visual server (runtime/visual/) whose embed cache holds its embeddings
+    blocks: list[int] = []  # where: that cache's blocks, in order (runtime/visual/embed_shm.py)
 
 
 class AddRequest(_Msg):
@@ -257,7 +259,18 @@ class ConstraintsReady(_Msg):
     errors: list[Optional[str]]
 
 
-RouterResults = Union[WorkerReady, StepResult, KvDone, ConstraintsReady]
+class ImagesReady(_Msg):
+    """A visual server's answer to EncodeImages (runtime/visual/messages.py): the images' embeddings are in
+    its embed cache, pinned until ReleaseImages, or `error` says why not."""
+
+    request_id: str
+    images: list[ImageRef]  # without pixels, with replica and blocks
+    error: Optional[str] = None
+    hits: int = 0  # of the request's images: found in the embed cache (or already being encoded)
+    encoded: int = 0  # images encoded for this request
+
+
+RouterResults = Union[WorkerReady, StepResult, KvDone, ConstraintsReady, ImagesReady]
 
 # ---- router → detokenizer ----------------------------------------------------------------------
 
@@ -312,6 +325,9 @@ class RouterStats(_Msg):
     spec_proposed: int = 0  # since start: tokens speculative decoding proposed for verification
     spec_accepted: int = 0  # of those, tokens the model agreed with
     spec_verify_rows: int = 0  # since start: row-steps that verified a proposal
+    mm_cache_queries: int = 0  # since start: images looked up in the visual servers' embed caches
+    mm_cache_hits: int = 0  # of those, found there (not encoded again)
+    images_encoded: int = 0  # since start: images the visual servers encoded for this replica
 
 
 DetokenizerInbound = Union[RequestOpened, TokenBatch, RouterStats]

@@ -19,10 +19,12 @@ from llaunch.runtime import bootstrap
 from llaunch.runtime.config import Mode, OnStall, RunConfig
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, ConstraintsReady, FlushCache, KvDone,
                                           PrepareConstraints, RequestOpened, RouterInbound, RouterResults,
-                                          RouterStats, Shutdown, StepResult, TokenBatch, TokenDelta, WorkerReady)
+                                          RouterStats, Shutdown, StepResult, TokenBatch, TokenDelta, WorkerReady,
+                                          ImagesReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender
 from llaunch.runtime.router.admission import AdmissionLimits, refusal
 from llaunch.runtime.router.grammar_gate import GrammarGate
+from llaunch.runtime.router.image_gate import EndsSeen, ImageGate
 from llaunch.runtime.router.health import EXIT_STALLED, EngineHealth, WorkerWatch
 from llaunch.runtime.router.request import Request
 from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
@@ -74,7 +76,11 @@ class Router:
         watch.start()
         plan_keys = sorted((k for k in spec.connects if k.startswith("plan.")), key=lambda k: int(k.split(".")[1]))
         self.workers = [Sender(ctx, spec.connects[k]) for k in plan_keys]
-        self.detokenizer = Sender(ctx, spec.connects["tokens"])
+        visual = sorted((k for k in spec.connects if k.startswith("visual.")), key=lambda k: int(k.split(".")[1]))
+        self.visual = [Sender(ctx, spec.connects[k]) for k in visual]  # the visual servers (multimodal models)
+        self.images = ImageGate(len(self.visual), self.dp_rank)  # requests whose images are being encoded
+        self.detokenizer = EndsSeen(Sender(ctx, spec.connects["tokens"]), self.images,
+                                    lambda: self._sent[-1][0] if self._sent else -1)
         self.scheduler: Scheduler | None = None
         self._rng = random.Random()
         self._last_stats = 0.0
@@ -109,19 +115,21 @@ class Router:
             elif self.health.stalled:
                 rejected = TokenDelta(request_id=msg.request_id, token_ids=[], finish_reason="stalled",
                                       error=f"replica {self.dp_rank} is stalled: {self.health.gone or 'a step is overdue'}")
-            elif len(self.gate) and len(self.gate) + len(sched.waiting) >= sched.limits.max_waiting:
+            elif (held := len(self.gate) + len(self.images)) and held + len(sched.waiting) >= sched.limits.max_waiting:
                 rejected = sched.overloaded(msg.request_id)
             else:
                 req = Request(msg, sampling)
                 # a PD request's KV transfer is paced by the other instance: it is not held back here
-                rejected = None if msg.pd is None and self.gate.hold(req) else sched.add(req)
+                rejected = (None if msg.pd is None and (self.gate.hold(req) or self.images.hold(req))
+                            else sched.add(req))
                 self.prepare_constraints()
+                self.send_images()
             if rejected is not None:
                 if rejected.finish_reason == "error":
                     log.warning("request %s refused: %s", msg.request_id, rejected.error)
                 self.detokenizer.send(TokenBatch(deltas=[rejected]))
         elif isinstance(msg, AbortRequest):
-            held = self.gate.abort(msg.request_id)
+            held = self.gate.abort(msg.request_id) or self.images.abort(msg.request_id)
             delta = (TokenDelta(request_id=held.id, token_ids=[], finish_reason="abort") if held is not None
                      else sched.abort(msg.request_id))
             if delta is not None:
@@ -138,11 +146,26 @@ class Router:
 
     def on_constraints_ready(self, msg: ConstraintsReady) -> None:
         released, failed = self.gate.on_ready(msg)
-        deltas = [d for d in (self.scheduler.add(r) for r in released) if d is not None]
+        deltas = [d for d in (self.scheduler.add(r) for r in released if not self.images.hold(r)) if d is not None]
+        self.send_images()
         deltas += [TokenDelta(request_id=r.id, token_ids=[], finish_reason="invalid",
                               error=f"the constraint does not compile: {error}") for r, error in failed]
         if deltas:
             self.detokenizer.send(TokenBatch(deltas=deltas))
+
+    def on_images_ready(self, msg: ImagesReady) -> None:
+        req, error = self.images.on_ready(msg)
+        delta = (None if req is None else self.scheduler.add(req) if error is None
+                 else TokenDelta(request_id=req.id, token_ids=[], finish_reason="invalid", error=error))
+        if delta is not None:
+            self.detokenizer.send(TokenBatch(deltas=[delta]))
+
+    def send_images(self) -> None:
+        """EncodeImages for newly held requests; ReleaseImages once no step in flight can read them."""
+        self.images.returned(self._sent[0][0] - 1 if self._sent else 1 << 62)
+        for v, msg in self.images.to_send:
+            self.visual[v].send(msg)
+        self.images.to_send = []
 
     def drain_inbound(self, block_ms: int) -> None:
         msg = self.requests.recv(timeout_ms=block_ms)
@@ -154,7 +177,8 @@ class Router:
         now = time.time()
         if force or now - self._last_stats >= STATS_PERIOD_S:
             s = self.scheduler
-            self.detokenizer.send(RouterStats(time=now, running=s.num_running, waiting=len(s.waiting) + len(self.gate),
+            held = len(self.gate) + len(self.images)
+            self.detokenizer.send(RouterStats(time=now, running=s.num_running, waiting=len(s.waiting) + held,
                                               kv_used=s.kv.num_used, kv_total=s.kv.num_slots,
                                               dp_rank=self.dp_rank, kv_evictable=s.cache.evictable,
                                               prefix_cache_tokens=s.cache.tokens,
@@ -162,7 +186,9 @@ class Router:
                                               prefix_cache_hits=s.cache.hits, stalled=self.health.stalled,
                                               **host_tier_stats(s.cache),
                                               stalls=self.health.stalls, spec_proposed=s.spec.proposed,
-                                              spec_accepted=s.spec.accepted, spec_verify_rows=s.spec.verify_rows))
+                                              spec_accepted=s.spec.accepted, spec_verify_rows=s.spec.verify_rows,
+                                              mm_cache_queries=self.images.queries, mm_cache_hits=self.images.hits,
+                                              images_encoded=self.images.encoded))
             self._last_stats = now
 
     def send_kv_commands(self) -> None:
@@ -199,6 +225,8 @@ class Router:
                 self.on_constraints_ready(msg)
             elif isinstance(msg, KvDone):
                 self.on_kv_done(msg)
+            elif isinstance(msg, ImagesReady):
+                self.on_images_ready(msg)
             else:
                 raise RuntimeError(f"expected KvDone or ConstraintsReady from the worker, got {type(msg).__name__}")
             msg = self.results.recv_nowait()
@@ -227,6 +255,9 @@ class Router:
             if isinstance(result, ConstraintsReady):
                 self.on_constraints_ready(result)
                 continue
+            if isinstance(result, ImagesReady):
+                self.on_images_ready(result)
+                continue
             if result is not None:
                 break
             self.drain_inbound(block_ms=0)
@@ -242,6 +273,7 @@ class Router:
         deltas = self.scheduler.on_result(result)
         if deltas:
             self.detokenizer.send(TokenBatch(deltas=deltas))
+        self.send_images()
 
     def watch_health(self, step: int = -1, waited_s: float = 0.0) -> bool:
         """Check for a stall or a gone worker and act on it (router.on_stall); True once a worker is
@@ -254,7 +286,7 @@ class Router:
             if self.health.gone is not None:
                 deltas = self.scheduler.fail_all("stalled", f"replica {self.dp_rank}: {self.health.gone}")
                 deltas += [TokenDelta(request_id=r.id, token_ids=[], finish_reason="stalled",
-                                      error=f"replica {self.dp_rank}: {self.health.gone}") for r in self.gate.take_all()]
+                                      error=f"replica {self.dp_rank}: {self.health.gone}") for r in self.gate.take_all() + self.images.take_all()]
                 self._sent.clear()
                 if deltas:
                     self.detokenizer.send(TokenBatch(deltas=deltas))
@@ -269,8 +301,9 @@ class Router:
                 self.maybe_send_stats()
                 continue
             idle = not sched.has_work() and not sched.steps_in_flight
-            waits = sched.transfers or len(self.gate)  # for worker reports that no step result brings
+            waits = sched.transfers or len(self.gate) or len(self.images)  # for worker reports that no step result brings
             self.drain_inbound(block_ms=int(STATS_PERIOD_S * 1000) if idle and not waits else 0)
+            self.send_images()
             self.send_kv_commands()
             if waits and not sched.steps_in_flight:
                 self.poll_transfers(block_ms=2 if idle else 0)

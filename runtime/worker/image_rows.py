@@ -1,24 +1,22 @@
-"""The worker's side of images (Qwen2-VL): the vision tower and its embed cache, each row's M-RoPE
+"""The worker's side of images (Qwen2-VL): each row's image embeddings, M-RoPE
 positions and image spans, and what a step's ForwardBatch needs of them.
 
-The vision tower runs in the worker, at the step that admits the request (an in-worker encoder: the
-visual server process of issue #26 is not built yet); every tensor-parallel rank encodes the same
-images, so ranks stay identical without communication.
+The vision tower runs in the visual server processes (runtime/visual/process.py): at the step that
+admits a request, every tensor-parallel rank reads its images' embeddings from their shared-memory
+embed cache, where the router's image gate made sure they are (runtime/router/image_gate.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from llaunch.runtime.config import ModelConfig
-from llaunch.runtime.ipc.messages import ImageRef, NewSeq, StepPlan
+from llaunch.runtime.ipc.messages import NewSeq, StepPlan
 from llaunch.runtime.models.batch import ForwardBatch
 from llaunch.runtime.models.mrope import rope_index
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
 from llaunch.runtime.models.weights import load_from, open_source
-from llaunch.runtime.visual.embed_cache import EmbedCache
 
 
 @dataclass
@@ -40,29 +38,12 @@ def build_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Q
 
 
 class ImageRows:
-    def __init__(self, tower: Qwen2VisionTower, cache_bytes: int):
-        self.tower = tower
-        self.merge = tower.arch.spatial_merge_size
-        self.cache = EmbedCache(cache_bytes)
+    def __init__(self, source):
+        """`source.embeddings(images)`: each image's embeddings, read from the visual servers' embed
+        cache (runtime/visual/embed_reader.py) or encoded in-process (runtime/visual/encoder.py)."""
+        self.source = source
+        self.merge = source.merge
         self.rows: dict[int, RowImages] = {}
-        self.encoded_images = 0
-
-    def embeddings(self, images: list[ImageRef]) -> list[torch.Tensor]:
-        """Each image's embeddings: from the cache, or encoded (the misses of one request in one batch)."""
-        found = {im.hash: self.cache.get(im.hash) for im in images}
-        missing = list({im.hash: im for im in images if found[im.hash] is None}.values())
-        if missing:
-            a = self.tower.arch
-            width = a.in_channels * a.temporal_patch_size * a.patch_size ** 2
-            pixels = torch.cat([torch.from_numpy(np.frombuffer(im.pixels, dtype=np.float32).reshape(-1, width).copy())
-                                for im in missing])
-            out = self.tower(pixels, [tuple(im.grid) for im in missing])
-            sizes = [im.grid[0] * im.grid[1] * im.grid[2] // self.merge ** 2 for im in missing]
-            for im, emb in zip(missing, out.split(sizes)):
-                found[im.hash] = emb
-                self.cache.put(im.hash, emb)
-            self.encoded_images += len(missing)
-        return [found[im.hash] for im in images]
 
     def start(self, new: NewSeq) -> None:
         if not new.images:
@@ -70,7 +51,7 @@ class ImageRows:
             return
         positions, delta = rope_index(len(new.prompt_ids), [(im.offset, tuple(im.grid)) for im in new.images],
                                       self.merge)
-        embeds = self.embeddings(new.images)
+        embeds = self.source.embeddings(new.images)
         self.rows[new.row] = RowImages(positions, delta, [(im.offset, e) for im, e in zip(new.images, embeds)])
 
     def has(self, row: int) -> bool:

@@ -28,7 +28,9 @@ from llaunch.runtime.ipc.sockets import Receiver, Sender, SocketMonitor
 from llaunch.runtime.models.kv_fp8 import use_fp8_kv
 from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
 from llaunch.runtime.worker.constraint_prep import ConstraintPrep
-from llaunch.runtime.worker.image_rows import ImageRows, build_tower
+from llaunch.runtime.worker.image_rows import ImageRows
+from llaunch.runtime.models.vision_qwen2 import VisionArch
+from llaunch.runtime.visual.embed_reader import ShmEmbeds
 from llaunch.runtime.worker.host_kv import HostKvPool
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
@@ -150,8 +152,11 @@ def main() -> None:
     model = build_model(cfg.model, device=device, dtype=dtype, tp_rank=spec.tp_rank, tp_size=cfg.parallel.tp,
                         process_group=group, progress=stage.fraction(loading))
     images = None
-    if cfg.model.vision:  # the vision tower before sizing the KV cache, so the sizing sees its memory
-        images = ImageRows(build_tower(cfg.model, device, dtype), cfg.visual.embed_cache_mib * 2**20)
+    if cfg.model.vision:  # image embeddings come from the visual servers' embed cache (runtime/visual/)
+        images = ImageRows(ShmEmbeds([spec.connects[f"embeds.{v}"] for v in range(cfg.visual.dp)],
+                                     VisionArch.from_dict(cfg.model.vision).spatial_merge_size,
+                                     VisionArch.from_dict(cfg.model.vision).hidden_size, dtype, device,
+                                     cfg.server.ready_timeout_s))
     kv_calibration = use_fp8_kv(model, cfg.cache, cfg.run_dir)  # cache.kv_dtype=fp8_e4m3: before sizing
     if kv_calibration is not None:
         kv_calibration.start()

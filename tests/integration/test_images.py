@@ -1,9 +1,13 @@
 """Qwen2-VL through the real HTTP API with the openai client: greedy chat answers token-identical to
 transformers' generate with 0, 1 and 2 images of different sizes; image tokens counted in usage; a
-repeated image shares the prompt cache and is not encoded again; bad images are 400s."""
+repeated image shares the prompt cache and is not encoded again (the embed cache's metrics); bad images
+are 400s; the visual server's death takes the graph down."""
 from __future__ import annotations
 
 import base64
+import os
+import signal
+from pathlib import Path
 
 import openai
 import pytest
@@ -11,6 +15,8 @@ from openai import OpenAI
 
 from fixtures.tiny_vl import VlOracle, data_url, image_png, write_tiny_qwen2_vl
 from integration.conftest import start_server
+from integration.test_host_tier import SHM, running
+from integration.test_prompt_cache import metrics, wait_for
 
 MAX_NEW = 6
 
@@ -45,7 +51,11 @@ def test_greedy_matches_transformers(vl, sizes):
 def test_repeated_image_hits_the_caches(vl):
     server, oracle, client = vl
     png = image_png(100, 70, 42)
+    before = metrics(server)
     first, second = ask(client, [png], "Once."), ask(client, [png], "Twice.")
+    m = wait_for(server, lambda m: m["mm_cache_queries_total"] >= before["mm_cache_queries_total"] + 2, "2 lookups")
+    assert m["mm_cache_hits_total"] == before["mm_cache_hits_total"] + 1  # the second found the first's
+    assert m["images_encoded_total"] == before["images_encoded_total"] + 1  # and it was not encoded again
     other = ask(client, [image_png(100, 70, 43)], "Once.")
     # the second shares the image's KV (its prefix up to the text); a different image shares only the text before it
     assert (second.usage.prompt_tokens_details.cached_tokens or 0) > (other.usage.prompt_tokens_details.cached_tokens or 0)
@@ -76,3 +86,17 @@ def test_too_many_images_and_unsupported_detail_are_400(vl):
     with pytest.raises(openai.BadRequestError, match="detail"):
         client.chat.completions.create(model="tiny-vl", max_tokens=2, messages=[{"role": "user", "content": [low]}])
     assert ask(client, [image_png(60, 60, 3)]).choices[0].message.content is not None  # still serving
+
+
+def test_the_graph_goes_down_when_the_visual_server_dies(vl):
+    """Last in the module: SIGKILL the visual server; llaunch exits non-zero naming it, leaves no
+    process behind, and removes the embed cache's file."""
+    server, oracle, client = vl
+    embeds = [p for p in os.listdir(SHM) if p.startswith("llaunch-embeds-")]
+    [visual] = [pid for pid in server.children() if b"llaunch.runtime.visual.process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    graph = server.children()
+    os.kill(visual, signal.SIGKILL)
+    assert server.proc.wait(60) != 0
+    assert "visual.0" in server.output()
+    assert not [pid for pid in graph if running(pid)]
+    assert embeds and not set(embeds) & set(os.listdir(SHM))

@@ -230,6 +230,9 @@ def test_every_profile_combination_plans_or_names_its_conflict(compose_config):
         if pd_instance and (par.dp, par.nnodes) != (1, 1):  # one replica per pd instance
             assert "pd_instance_is_one_replica" in {v.rule for v in violations}
             continue
+        if cfg.model.vision and (pd_instance or par.nnodes > 1):  # images: one-node normal instances only
+            assert "visual_deployment_supported" in {v.rule for v in violations}
+            continue
         if violations:
             assert {v.rule for v in violations} == {"tp_splits_heads"}, (mname, pname, violations)
             assert cfg.parallel.tp > 1 and (cfg.model.num_attention_heads % cfg.parallel.tp
@@ -261,3 +264,21 @@ def test_host_kv_tier_adds_one_pool_owner_per_node(planned):
     check_wiring(g)
     _, other = planned("device=cuda", "parallel=dp2", "parallel.tp=2", "cache.cpu_tokens=1000")
     assert not set(pools.values()) & set(p for s in other.processes for p in s.binds.values())  # per instance
+
+
+def test_a_multimodal_model_adds_its_visual_servers(planned):
+    _, g = planned("model=qwen2-vl-7b", "model.load_format=dummy", "device=cuda", "dry_run=true", "parallel=dp2",
+                   "visual.dp=2", "visual.devices=[1,0]")
+    spec = {p.name: p for p in g.processes}
+    assert [spec["visual.0"].gpus, spec["visual.1"].gpus] == [[1], [0]]
+    for v in (0, 1):
+        server = spec[f"visual.{v}"]
+        assert server.connects["ready.0"] == spec["router.0"].binds["results"]  # it answers every router
+        assert server.connects["ready.1"] == spec["router.1"].binds["results"]
+        for name in ("router.0", "router.1"):
+            assert spec[name].connects[f"visual.{v}"] == server.binds["encode"]
+        for name in ("worker.0.0", "worker.1.0"):
+            assert spec[name].connects[f"embeds.{v}"] == server.binds["embeds"]  # the embed cache's file
+    check_wiring(g)
+    _, text = planned("device=cuda", "dry_run=true")
+    assert not [p for p in text.processes if p.role == "visual"]  # a text model has none

@@ -11,6 +11,7 @@ from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, SamplingParams, StepPlan
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.loader import build_model
+from llaunch.runtime.visual.encoder import InProcessEmbeds
 from llaunch.runtime.worker.image_rows import ImageRows, build_tower
 from llaunch.runtime.worker.runner import ModelRunner
 from tests.fixtures.tiny_models import model_config_from_folder
@@ -24,8 +25,8 @@ def setup(tmp_path_factory):
     path = write_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
     cfg = replace(model_config_from_folder(path), vision=read_checkpoint(str(path)).arch["vision"])
     model = build_model(cfg, torch.device("cpu"), torch.float32)
-    images = ImageRows(build_tower(cfg, torch.device("cpu"), torch.float32), 2**20)
-    runner = ModelRunner(model, model.make_kv_cache(512, 5, 512), 4, torch.device("cpu"), images=images)
+    images = InProcessEmbeds(build_tower(cfg, torch.device("cpu"), torch.float32), 2**20)
+    runner = ModelRunner(model, model.make_kv_cache(512, 5, 512), 4, torch.device("cpu"), images=ImageRows(images))
     return VlOracle(path), ImageInputs(cfg, VisualConfig()), runner, images
 
 

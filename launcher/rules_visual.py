@@ -1,0 +1,49 @@
+"""The start-up rules of the visual servers (the visual group, multimodal models): their count, batch
+and GPUs, and the deployments where their shared-memory embed cache reaches every worker."""
+from __future__ import annotations
+
+from llaunch.launcher.rule_registry import rule
+from llaunch.runtime.config import Device, Mode
+
+
+def multimodal(cfg) -> bool:
+    return bool(cfg.model.vision)
+
+
+@rule()
+def visual_settings_valid(cfg):
+    v = cfg.visual
+    if v.dp < 1:
+        yield ("visual.dp",), f"visual.dp={v.dp}: give the number of visual server processes (>= 1)"
+    if v.batch_size < 1:
+        yield ("visual.batch_size",), f"visual.batch_size={v.batch_size}: give the images per encode (>= 1)"
+    if v.embed_cache_mib < 1:
+        yield ("visual.embed_cache_mib",), (f"visual.embed_cache_mib={v.embed_cache_mib}: the embed cache holds "
+                                            "the embeddings every request reads; give at least 1 MiB")
+
+
+@rule()
+def visual_devices_valid(cfg):
+    v = cfg.visual
+    if v.devices is None:
+        return
+    if cfg.device == Device.cpu:
+        yield ("visual.devices", "device"), ("visual.devices names GPUs, but device=cpu: leave visual.devices "
+                                             "null (the visual servers run on the CPU)")
+    elif len(v.devices) != v.dp or min(v.devices, default=0) < 0:
+        yield ("visual.devices", "visual.dp"), (
+            f"visual.devices={list(v.devices)} with visual.dp={v.dp}: give one GPU index (>= 0) per visual server")
+
+
+@rule()
+def visual_deployment_supported(cfg):
+    if not multimodal(cfg):
+        return
+    if cfg.parallel.nnodes > 1:
+        yield ("parallel.nnodes",), (
+            f"a multimodal model with parallel.nnodes={cfg.parallel.nnodes}: the visual servers' embed cache is "
+            "shared memory on node 0, which other nodes' workers cannot read; serve it on one node")
+    if cfg.mode.kind in (Mode.pd_prefill, Mode.pd_decode):
+        yield ("mode.kind",), (
+            f"a multimodal model with mode.kind={cfg.mode.kind.value}: images are served by mode.kind=normal "
+            "instances only (prefill/decode disaggregation does not carry image embeddings yet)")

@@ -1,0 +1,43 @@
+"""Encoding images with the vision tower: a batch of preprocessed images (their pixel values, from the
+frontend's image processor) in one forward pass, and an in-process encoder with its own LRU cache
+(tests, and anything that runs the model without a visual server)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llaunch.runtime.ipc.messages import ImageRef
+from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower
+from llaunch.runtime.visual.embed_cache import EmbedCache
+
+
+@torch.inference_mode()
+def encode(tower: Qwen2VisionTower, images: list[ImageRef]) -> list[torch.Tensor]:
+    """Each image's embeddings [tokens, out_hidden], from one forward pass over all of them."""
+    a = tower.arch
+    width = a.in_channels * a.temporal_patch_size * a.patch_size ** 2
+    pixels = torch.cat([torch.from_numpy(np.frombuffer(im.pixels, dtype=np.float32).reshape(-1, width).copy())
+                        for im in images])
+    out = tower(pixels, [tuple(im.grid) for im in images])
+    sizes = [im.grid[0] * im.grid[1] * im.grid[2] // a.spatial_merge_size ** 2 for im in images]
+    return list(out.split(sizes))
+
+
+class InProcessEmbeds:
+    """`embeddings(images)` encoded here, misses of one call in one batch, hits from an LRU cache."""
+
+    def __init__(self, tower: Qwen2VisionTower, cache_bytes: int):
+        self.tower = tower
+        self.merge = tower.arch.spatial_merge_size
+        self.cache = EmbedCache(cache_bytes)
+        self.encoded_images = 0
+
+    def embeddings(self, images: list[ImageRef]) -> list[torch.Tensor]:
+        found = {im.hash: self.cache.get(im.hash) for im in images}
+        missing = list({im.hash: im for im in images if found[im.hash] is None}.values())
+        if missing:
+            for im, emb in zip(missing, encode(self.tower, missing)):
+                found[im.hash] = emb
+                self.cache.put(im.hash, emb)
+            self.encoded_images += len(missing)
+        return [found[im.hash] for im in images]

@@ -1,0 +1,73 @@
+"""A visual server process (visual.{v}, visual.dp of them): loads the model's vision tower, owns one
+shared-memory embed cache (runtime/visual/embed_store.py), and answers the routers' EncodeImages,
+encoding images in batches of up to visual.batch_size (runtime/visual/batcher.py). Workers read the
+embeddings from the cache; the routers hold a request until its images are there
+(runtime/router/image_gate.py). Its death takes the graph down (the launcher supervises it)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import zmq
+
+from llaunch.runtime import bootstrap
+from llaunch.runtime.detokenizer.process import StopFlag
+from llaunch.runtime.ipc.sockets import Receiver, Sender
+from llaunch.runtime.visual.batcher import VisualBatcher
+from llaunch.runtime.visual.embed_shm import num_blocks
+from llaunch.runtime.visual.embed_store import EmbedStore
+from llaunch.runtime.visual.encoder import encode
+from llaunch.runtime.visual.messages import EncodeImages, ReleaseImages, VisualInbound
+from llaunch.runtime.worker.image_rows import build_tower
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_MS = 200
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def serve(batcher: VisualBatcher, inbox: Receiver, routers: dict[int, Sender], stop: StopFlag) -> None:
+    while not stop.requested:
+        msg = inbox.recv(timeout_ms=0 if batcher.busy else IDLE_WAIT_MS)
+        while msg is not None:
+            if isinstance(msg, EncodeImages):
+                batcher.add(msg)
+            elif isinstance(msg, ReleaseImages):
+                batcher.release(msg.router, msg.request_ids)
+            msg = inbox.recv_nowait()
+        for router, ready in batcher.step():
+            if ready.error:
+                log.warning("request %s: %s", ready.request_id, ready.error)
+            routers[router].send(ready)
+
+
+def main() -> None:
+    cfg, spec = bootstrap.start()
+    ctx = zmq.Context()
+    stage = bootstrap.StageReporter(ctx, cfg, spec)
+    if spec.gpus:
+        device = torch.device("cuda", 0)  # the launcher sets CUDA_VISIBLE_DEVICES to its GPU
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)  # the workers have the cores
+    stage("loading the vision tower")
+    tower = build_tower(cfg.model, device, DTYPES[cfg.model.dtype.value])
+    store = EmbedStore(spec.binds["embeds"], num_blocks(cfg.visual.embed_cache_mib))
+    stop = StopFlag().install()
+    try:
+        def encode_bytes(images):
+            return [e.contiguous().view(torch.uint8).flatten().cpu().numpy() for e in encode(tower, images)]
+
+        batcher = VisualBatcher(store, encode_bytes, cfg.visual.batch_size, replica=spec.index)
+        inbox = Receiver(ctx, spec.binds["encode"], VisualInbound)
+        routers = {int(k.split(".")[1]): Sender(ctx, addr) for k, addr in spec.connects.items() if k.startswith("ready.")}
+        bootstrap.report_ready(ctx, cfg, spec, device=str(device), cache_mib=cfg.visual.embed_cache_mib,
+                               batch=cfg.visual.batch_size)
+        serve(batcher, inbox, routers, stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        store.close()
+
+
+if __name__ == "__main__":
+    main()
