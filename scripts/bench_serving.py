@@ -58,6 +58,7 @@ from bench_workload import (CacheCounts, RequestOutput, StreamTimer, arrival_off
                             compute_metrics, conversation_turns, prefix_cache_counts, random_prompts)
 from bench_trace import prompts_of_lengths, read_trace, sharegpt_lengths, trace_workload  # noqa: E402
 from bench_spec import copy_prompts, fetch_spec_counts, spec_result, spec_rows  # noqa: E402
+import bench_images  # noqa: E402 (--images-per-request: chat completions with images)
 
 # ---- the client ----------------------------------------------------------------------------------
 
@@ -65,6 +66,9 @@ from bench_spec import copy_prompts, fetch_spec_counts, spec_result, spec_rows  
 async def send_request(client: "httpx.AsyncClient", args: argparse.Namespace, prompt: list[int],
                        max_tokens: Optional[int] = None) -> RequestOutput:
     max_tokens = args.output_len if max_tokens is None else max_tokens
+    if args.images_per_request:
+        return await bench_images.send_chat(client, args, prompt, max_tokens, StreamTimer,
+                                            (httpx.HTTPError, json.JSONDecodeError))
     payload = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     if args.multi_turn > 1:
@@ -176,11 +180,13 @@ async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tupl
             print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)
         cache_before = await fetch_prefix_cache_counts(client, args)
         args.spec_before = await fetch_spec_counts(client, args.api_key)
+        args.images_before = await bench_images.fetch_image_counts(client, args.api_key)
         start = time.perf_counter()
         outputs = [o for conversation in await run_arrivals(capped, conversations, offsets, out_lens)
                    for o in conversation]
         duration = time.perf_counter() - start
         args.spec_after = await fetch_spec_counts(client, args.api_key)
+        args.images_after = await bench_images.fetch_image_counts(client, args.api_key)
         cache_after = await fetch_prefix_cache_counts(client, args) if cache_before is not None else None
         cache = None if cache_after is None else tuple(a - b for a, b in zip(cache_after, cache_before))
         return outputs, duration, cache
@@ -277,6 +283,7 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
                  ("host-tier hits (% of prompt tokens)", 100 * result["host_cache_hits"] / queries, ".2f"),
                  ("KV tokens promoted / demoted", f"{result['kv_promoted_tokens']:.0f} / {result['kv_demoted_tokens']:.0f}", "s")]
     rows += spec_rows(result)  # the server's speculative decoding, where it reports it
+    rows += bench_images.image_rows(result)  # the visual servers' work, where the server reports it
     if "goodput" in result:
         rows.append(("Goodput (req/s within the SLOs)", result["goodput"], ".2f"))
     for label, value, fmt in rows:
@@ -319,6 +326,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--copy-prompts", action="store_true",
                     help="each prompt is a random text of input-len/2 tokens twice: the model continues by copying it")
     ap.add_argument("--max-model-len", type=int, default=None, help="sharegpt lengths are cut to fit this")
+    bench_images.add_args(ap)
     args = ap.parse_args(argv)
     if args.concurrency < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         ap.error("--concurrency, --num-prompts, --input-len and --output-len must be >= 1")
@@ -330,6 +338,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error("--shared-prefix-groups and --shared-prefix-len go together (both > 0)")
     if (args.trace or args.lengths != "fixed") and (args.multi_turn > 1 or args.shared_prefix_groups):
         ap.error("--trace and --lengths sharegpt are single-turn workloads: no --multi-turn or --shared-prefix-*")
+    if args.images_per_request and (args.multi_turn > 1 or args.client_procs > 1 or args.trace):
+        ap.error("--images-per-request: single-turn, one client process, no --trace")
     if args.response_format is not None:
         text = args.response_format
         if text.startswith("@"):
@@ -349,6 +359,8 @@ def main(argv: Optional[Sequence[str]] = None, transport: Any = None) -> dict[st
         outputs, duration, cache = asyncio.run(run_benchmark(args, transport))
     result = compute_metrics(outputs, duration, args.slo_ttft_ms, args.slo_tpot_ms)
     result.update(spec_result(getattr(args, "spec_before", None), getattr(args, "spec_after", None)))
+    result.update(bench_images.image_result(getattr(args, "images_before", None), getattr(args, "images_after", None),
+                                            duration))
     if cache is not None:
         result["prefix_cache_queries"], result["prefix_cache_hits"] = cache[:2]
         result["prefix_cache_hit_rate"] = cache[1] / cache[0] if cache[0] else 0.0

@@ -5,8 +5,12 @@ are 400s; the visual server's death takes the graph down."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import openai
@@ -15,8 +19,9 @@ from openai import OpenAI
 
 from fixtures.tiny_vl import VlOracle, data_url, image_png, write_tiny_qwen2_vl
 from integration.conftest import start_server
+from llaunch.runtime.detokenizer.detokenizer import HEARTBEAT_S
 from integration.test_host_tier import SHM, running
-from integration.test_prompt_cache import metrics, wait_for
+from integration.test_prompt_cache import idle, metrics, wait_for
 
 MAX_NEW = 6
 
@@ -28,6 +33,18 @@ def vl(tmp_path_factory):
                                                            "visual.max_images_per_request=2",
                                                            "visual.max_image_pixels=40000"]) as server:
         yield server, VlOracle(path), OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def settled(server) -> dict[str, float]:
+    """The metrics once the earlier requests' last router reports are in: unchanged over a snapshot
+    heartbeat (the detokenizer's snapshot on a request's end may precede its router's report)."""
+    m = metrics(server)
+    while True:
+        time.sleep(HEARTBEAT_S + 0.1)
+        again = metrics(server)
+        if again == m and idle(m):
+            return m
+        m = again
 
 
 def ask(client, pngs, text="Describe."):
@@ -51,7 +68,7 @@ def test_greedy_matches_transformers(vl, sizes):
 def test_repeated_image_hits_the_caches(vl):
     server, oracle, client = vl
     png = image_png(100, 70, 42)
-    before = metrics(server)
+    before = settled(server)
     first, second = ask(client, [png], "Once."), ask(client, [png], "Twice.")
     m = wait_for(server, lambda m: m["mm_cache_queries_total"] >= before["mm_cache_queries_total"] + 2, "2 lookups")
     assert m["mm_cache_hits_total"] == before["mm_cache_hits_total"] + 1  # the second found the first's
@@ -86,6 +103,27 @@ def test_too_many_images_and_unsupported_detail_are_400(vl):
     with pytest.raises(openai.BadRequestError, match="detail"):
         client.chat.completions.create(model="tiny-vl", max_tokens=2, messages=[{"role": "user", "content": [low]}])
     assert ask(client, [image_png(60, 60, 3)]).choices[0].message.content is not None  # still serving
+
+
+@pytest.mark.parametrize("repeat", [True, False], ids=["repeated", "new"])
+def test_bench_serving_with_images_reports_images_encoded(vl, tmp_path, repeat):
+    server, oracle, client = vl
+    out = tmp_path / "bench.json"
+    bench = subprocess.run(
+        [sys.executable, "scripts/bench_serving.py", "--base-url", server.url, "--model", "tiny-vl", "--num-prompts", "4",
+         "--input-len", "5", "--output-len", "3", "--concurrency", "2", "--warmup", "1", "--images-per-request", "1",
+         "--image-size", "56", "--result-file", str(out)] + ["--repeat-images"] * repeat,
+        capture_output=True, text=True, timeout=300)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["completed"] == 4 and result["failed"] == 0 and result["total_output_tokens"] == 12
+    # repeated: the warm-up encoded the one image, the measured requests hit; new: each is encoded (the
+    # router's stats trail the answers a little, so the window may gain the warm-up or lose the last one)
+    if repeat:
+        assert result["images_encoded"] <= 1 and result["mm_cache_hits"] >= 3
+    else:
+        assert result["images_encoded"] >= 3 and result["mm_cache_hits"] == 0
+    assert "Images encoded per second" in bench.stdout
 
 
 def test_the_graph_goes_down_when_the_visual_server_dies(vl):

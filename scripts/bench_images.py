@@ -1,0 +1,125 @@
+"""Images in the serving benchmark (multimodal models, e.g. Qwen2-VL): each request is a streaming
+/v1/chat/completions with --images-per-request images of --image-size x --image-size pixels as data:
+URLs (PNG) before a text of --input-len random words; --repeat-images sends the same image(s) with
+every request (the embed cache's case: encoded once), else every request's images are new. The
+server's `<prefix>:images_encoded_total` and `mm_cache_{queries,hits}_total` over the measured run
+give images encoded per second and the embed cache's hit rate.
+
+TTFT counts from the first chunk with content (the role-only opening chunk is not a token); the
+input tokens reported are the text's words (the images' tokens are not counted client-side)."""
+from __future__ import annotations
+
+import base64
+import io
+import itertools
+import json
+import re
+import time
+from typing import Optional
+
+import numpy as np
+
+IMAGE_SERIES = ("images_encoded", "mm_cache_queries", "mm_cache_hits")
+_serial = itertools.count()
+_urls: dict[tuple[int, int], str] = {}
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--images-per-request", type=int, default=0,
+                    help="> 0: chat completions with this many images per request (a multimodal model)")
+    ap.add_argument("--image-size", type=int, default=1024, help="each image's width and height, pixels")
+    ap.add_argument("--repeat-images", action="store_true",
+                    help="every request sends the same image(s): the embed cache's case (else all new)")
+
+
+def image_url(size: int, seed: int) -> str:
+    """A size x size PNG as a data: URL, its pixels fixed by `seed` (smooth: small, yet distinct per seed)."""
+    key = (size, seed)
+    if key not in _urls:
+        from PIL import Image
+
+        rng = np.random.default_rng(seed)
+        a, b, c = rng.integers(1, 255, size=(3, 3))
+        y, x = np.mgrid[0:size, 0:size]
+        pixels = np.stack([(x * a[i] // 7 + y * b[i] // 5 + c[i]) % 256 for i in range(3)], -1).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        _urls[key] = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return _urls[key]
+
+
+def chat_payload(args, prompt: list[int], max_tokens: int) -> dict:
+    n = next(_serial)
+    first = 10**6 if args.repeat_images else n * args.images_per_request  # repeated ones are never new ones
+    seeds = [args.seed * 10**7 + first + k for k in range(args.images_per_request)]
+    words = " ".join(f"w{t}" for t in prompt)
+    content = [{"type": "image_url", "image_url": {"url": image_url(args.image_size, 1000 + s)}} for s in seeds]
+    return {"model": args.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": content + [{"type": "text", "text": words}]}]}
+
+
+def is_opening(line: str) -> bool:
+    """The role-only first chunk of a chat stream (no token yet)."""
+    line = line.strip()
+    if not line.startswith("data:") or line.endswith("[DONE]"):
+        return False
+    try:
+        choices = json.loads(line[len("data:"):]).get("choices") or []
+    except ValueError:
+        return False
+    return bool(choices) and all(not (c.get("delta") or {}).get("content") and c.get("finish_reason") is None
+                                 and "role" in (c.get("delta") or {}) for c in choices)
+
+
+async def send_chat(client, args, prompt: list[int], max_tokens: int, timer_cls, error_types) -> object:
+    payload = chat_payload(args, prompt, max_tokens)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timer = timer_cls(len(prompt), time.perf_counter())
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=payload, headers=headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                return timer.finish(error=f"HTTP {resp.status_code}: {body[:300]}")
+            async for line in resp.aiter_lines():
+                if not is_opening(line):
+                    timer.on_line(line, time.perf_counter())
+    except error_types as e:
+        return timer.finish(error=f"{type(e).__name__}: {e}")
+    return timer.finish()
+
+
+def image_counts(metrics_text: str) -> Optional[tuple[float, float, float]]:
+    """(images encoded, embed cache queries, hits) summed over series; None when not exposed."""
+    found = dict.fromkeys(IMAGE_SERIES, 0.0)
+    pattern = r"^\w+:(%s)_total(?:\{[^}]*\})? (\S+)$" % "|".join(IMAGE_SERIES)
+    matches = re.findall(pattern, metrics_text, re.M)
+    for name, value in matches:
+        found[name] += float(value)
+    return tuple(found.values()) if {n for n, _ in matches} == set(IMAGE_SERIES) else None
+
+
+async def fetch_image_counts(client, api_key: Optional[str]):
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = await client.get("/metrics", headers=headers)
+    except Exception:  # a server without /metrics: no figures, not a failed benchmark
+        return None
+    return image_counts(resp.text) if resp.status_code == 200 else None
+
+
+def image_result(before, after, duration: float) -> dict[str, float]:
+    if before is None or after is None:
+        return {}
+    encoded, queries, hits = (a - b for a, b in zip(after, before))
+    return {"images_encoded": encoded, "images_encoded_per_s": encoded / duration if duration > 0 else 0.0,
+            "mm_cache_queries": queries, "mm_cache_hits": hits,
+            "mm_cache_hit_rate": hits / queries if queries else 0.0}
+
+
+def image_rows(result: dict) -> list[tuple[str, object, str]]:
+    if "images_encoded" not in result:
+        return []
+    return [("Images encoded", result["images_encoded"], ".0f"),
+            ("Images encoded per second", result["images_encoded_per_s"], ".2f"),
+            ("Embed cache hit rate (%)", 100 * result["mm_cache_hit_rate"], ".2f")]
