@@ -17,11 +17,16 @@
 #             compiled / never-seen schema; prefix64x8: 64 shared 2k system prompts x 8; multiturn: 1,000
 #             conversations x 4 turns, sizes from PREFIX_* / MT_* variables), each
 #             REPEATS times (default 3) on prompts no earlier run sent (a seed per case and run), with
-#             the prefix-cache hit rate; the summary's headline is the minimum over the repeats
+#             the prefix-cache hit rate; the summary's headline is the minimum over the repeats;
+#             images (a multimodal SERVE, below): vl16 / vl64 chat with one new 1,024x1,024 image per request,
+#             256 output tokens, concurrency 16 / 64; vl16rep / vl64rep the same image every request (embed cache)
+#             SERVE="model=qwen2-vl-7b model.load_format=dummy router.max_running_requests=256 server.http_workers=4"
+#             CASES="vl16 vl64 vl16rep vl64rep" bash scripts/gpu_run.sh cases
 #   baseline  transformers' generate on the same model shape (../shared/bench/hf_baseline.py)
 #   spec      speculative decoding: scripts/bench_spec.sh (SmolLM2, which the tests step converts; a copy-heavy
 #             single stream against spec=none, then spec=ngram), results under $OUT/spec
 # Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), CLIENT_PROCS (bench clients), VOCAB,
+#   VL_IMAGE_SIZE, VL_OUTPUT, VL_PROMPTS_PER_STREAM (the vl cases' image side, output tokens, requests per stream),
 #   TESTS (pytest paths and options of the tests step), TRACE=1 (a step trace: each case's first run's
 #   steps by kind, host enqueue and device time).
 set -u
@@ -82,7 +87,7 @@ fi
 # the seed of run R of a case: far apart, so no two runs share a prompt (each run also uses seed+1..3)
 case_seed() { case $1 in single) echo 1000 ;; c64) echo 2000 ;; c256) echo 3000 ;; long) echo 4000 ;;
   c64json) echo 5000 ;; schema_warm) echo 6000 ;; schema_cold) echo 7000 ;; prefix64x8) echo 8000 ;;
-  multiturn) echo 9000 ;; esac; }
+  multiturn) echo 9000 ;; vl16) echo 10000 ;; vl64) echo 11000 ;; vl16rep) echo 12000 ;; vl64rep) echo 13000 ;; esac; }
 run_case() {  # name run prompts input output concurrency timeout [bench options]
   local name=$1 r=$2
   stamp "bench $name, run $r of $REPEATS"
@@ -90,7 +95,7 @@ run_case() {  # name run prompts input output concurrency timeout [bench options
   timeout "$7" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model "$MODEL" \
     --num-prompts "$3" --input-len "$4" --output-len "$5" --concurrency "$6" --warmup 2 --vocab-size "${VOCAB:-151000}" \
     --seed $(( $(case_seed "$name") + 100 * r )) --client-procs $(( $6 >= 64 ? ${CLIENT_PROCS:-4} : 1 )) \
-    --result-file "$OUT/bench-$name-$r.json" "${@:8}" 2>&1 | grep -E "Output token throughput|P99 TTFT|Median TTFT|Median TPOT|hit rate|tier hits|promoted|Failed"
+    --result-file "$OUT/bench-$name-$r.json" "${@:8}" 2>&1 | grep -E "Output token throughput|P99 TTFT|Median TTFT|Median TPOT|hit rate|tier hits|promoted|Images encoded|Failed"
   $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$name-$r.txt"
 }
 
@@ -123,6 +128,12 @@ if has cases; then
           # (the host KV tier's workload): history far above the GPU KV (cache.max_total_tokens in SERVE)
           multiturn) run_case multiturn $r "${MT_CONVS:-1000}" "${MT_INPUT:-256}" "${MT_OUTPUT:-64}" "${MT_CONC:-64}" 900 \
             --multi-turn "${MT_TURNS:-4}" ;;
+          # chat with one 1,024x1,024 image (PNG data: URL) + 64 words, 256 output tokens; *rep: the same image
+          # every request (encoded once: the embed cache); one client process (images are not split over them)
+          vl16|vl64|vl16rep|vl64rep) conc=${c#vl}; conc=${conc%rep}
+            run_case "$c" $r $(( conc * ${VL_PROMPTS_PER_STREAM:-8} )) 64 "${VL_OUTPUT:-256}" "$conc" 600 --images-per-request 1 \
+              --image-size "${VL_IMAGE_SIZE:-1024}" --client-procs 1 \
+              $([[ $c == *rep ]] && echo --repeat-images) ;;
         esac
       done
     done
@@ -151,6 +162,8 @@ for name, rs in runs.items():
     hit = "n/a" if None in hits else f"{100 * max(hits):.2f}%"
     host = [r["host_cache_hits"] / max(r["prefix_cache_queries"], 1) for r in rs if "host_cache_hits" in r]
     host = f"{100 * max(host):.2f}%" if host else "n/a"  # of prompt tokens, from the host KV tier
+    if "images_encoded_per_s" in rs[0]:  # the visual servers' rate (images per second over the run)
+        print(f"{name:12} images encoded/s: " + ", ".join(f"{r['images_encoded_per_s']:.1f}" for r in rs))
     print(f"{name:12} {len(rs):>4} {min(tput):>14.1f} {max(tput):>9.1f} {max(r['median_ttft_ms'] for r in rs):>12.1f} "
           f"{max(r['p99_ttft_ms'] for r in rs):>16.0f} "
           f"{max(r['median_tpot_ms'] for r in rs):>12.2f} {hit:>9} {host:>9} {sum(r['failed'] for r in rs):>7}")
