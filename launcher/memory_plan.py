@@ -58,14 +58,19 @@ def summary(cfg: LlaunchConfig) -> Optional[str]:
     device_bytes = gpus.memory_bytes() if cfg.device == Device.cuda else None
     budget = kv_budget_bytes(cfg, mem, device_bytes)
     if budget is None:
-        return line + f"; a GPU needs {_gib(mem.before_kv)} within cache.mem_fraction before any KV"
+        return line + f"; a GPU needs {_gib(mem.before_kv)} within cache.mem_fraction before any KV" + _embed_caches(cfg)
     where = f" of {_gib(device_bytes)} per GPU" if device_bytes and not cfg.cache.max_total_tokens else ""
     line += f"; KV {_gib(max(budget, 0))}{where}: {max(budget, 0) // mem.kv_per_token:,} tokens"
     if cfg.cache.cpu_tokens > 0:  # the kv_host process's shared memory, one file per worker
         ranks = cfg.parallel.tp * cfg.parallel.dp // max(cfg.parallel.nnodes, 1)
         host = cfg.cache.cpu_tokens * mem.kv_per_token
         line += f"; host KV tier {_gib(host)} per rank ({cfg.cache.cpu_tokens:,} tokens), {_gib(host * ranks)} per node"
-    return line
+    return line + _embed_caches(cfg)
+
+
+def _embed_caches(cfg) -> str:
+    """The visual servers' embed caches (multimodal models): shared memory on node 0."""
+    return f"; embed cache {cfg.visual.embed_cache_mib} MiB x {cfg.visual.dp} visual server(s)" if cfg.model.vision else ""
 
 
 @rule(needs=_ARCH, live="warn")
