@@ -27,6 +27,11 @@ class Entry:
 class EmbedStore:
     def __init__(self, path: str, blocks: int):
         self.path = path
+        st = os.statvfs(os.path.dirname(path))
+        if blocks * BLOCK_BYTES > st.f_bavail * st.f_frsize:  # else a write past the tmpfs's end: SIGBUS
+            raise RuntimeError(f"{os.path.dirname(path)} has {st.f_bavail * st.f_frsize / 2**20:.0f} MiB free; the "
+                               f"embed cache needs {blocks * BLOCK_BYTES / 2**20:.0f} MiB: lower visual.embed_cache_mib "
+                               "(or enlarge the tmpfs, e.g. docker --shm-size)")
         create_pool(path, blocks * BLOCK_BYTES)
         fd = os.open(path, os.O_RDWR)
         try:
