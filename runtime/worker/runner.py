@@ -141,7 +141,8 @@ class ModelRunner:
         offset = nd
         prompt_index: list[int] = []  # after the sampled rows' logits: prompt positions that asked
         self._prompt_rows = []
-        for chunk in plan.prefill:
+        verify_index = []  # every position of a verify chunk is sampled; their logits come last
+        for k, chunk in enumerate([*plan.prefill, *plan.verify]):
             n = len(chunk.token_ids)
             prefill_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.start + n))
@@ -152,6 +153,10 @@ class ModelRunner:
             q_starts.append(offset)
             q_lens.append(n)
             prefix_lens.append(chunk.start)
+            if k >= len(plan.prefill):  # a verify chunk: its row's length follows the verdict
+                verify_index.extend(range(offset, offset + n))
+                offset += n
+                continue
             self.seq_len[chunk.row] = chunk.start + n
             asked = self.prompt_logprobs.targets(chunk)
             if asked:
@@ -161,20 +166,6 @@ class ModelRunner:
             if chunk.sample:
                 logits_index.append(offset - 1)
                 sampled_rows.append(chunk.row)
-        verify_index = []  # every position of a verify chunk is sampled; their logits come last
-        for chunk in plan.verify:
-            n = len(chunk.token_ids)
-            prefill_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start, chunk.start + n))
-            table_rows.extend([chunk.row] * n)
-            table_pos.extend(range(chunk.start, chunk.start + n))
-            table_slots.extend(chunk.slots)
-            p_rows.append(chunk.row)
-            q_starts.append(offset)
-            q_lens.append(n)
-            prefix_lens.append(chunk.start)
-            verify_index.extend(range(offset, offset + n))
-            offset += n
 
         slots_t = self._tensor(table_slots)
         self.kv.req_to_slots[self._tensor(table_rows), self._tensor(table_pos)] = slots_t.to(self.kv.req_to_slots.dtype)
