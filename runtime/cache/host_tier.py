@@ -64,31 +64,16 @@ class TieredPrefixTree(PrefixTree):
     def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
         """PrefixTree.insert; a host node on the way is replaced by the caller's GPU slots for the
         same tokens (it computed them again): those slots are the tree's now, listed in `adopted`."""
-        if len(tokens) != len(slots):
-            raise ValueError(f"{len(tokens)} tokens but {len(slots)} slots")
         self.adopted = set()
-        node, i = self.root, 0
-        now = next(self._clock)
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                leaf = Node(list(tokens[i:]), list(slots[i:]), node, next(self._ids))
-                leaf.last_used = now
-                node.children[tokens[i]] = leaf
-                self.num_tokens += len(leaf.tokens)
-                return i
-            n = _common_len(child.tokens, tokens, i)
-            if n < len(child.tokens):
-                child = self._split(child, n)
-            child.last_used = now
-            if child.on_host:
-                self.host.free(child.slots)
-                self.host_tokens -= n
-                child.slots, child.on_host = list(slots[i : i + n]), False
-                self.num_tokens += n
-                self.adopted.update(child.slots)
-            node, i = child, i + n
-        return i
+        return super().insert(tokens, slots)
+
+    def _passed(self, node: Node, slots: Sequence[int]) -> None:
+        if node.on_host:
+            self.host.free(node.slots)
+            self.host_tokens -= len(slots)
+            node.slots, node.on_host = list(slots), False
+            self.num_tokens += len(slots)
+            self.adopted.update(node.slots)
 
     # ---- promotion --------------------------------------------------------------------------------
 

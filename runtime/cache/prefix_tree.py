@@ -93,8 +93,13 @@ class PrefixTree:
             if n < len(child.tokens):
                 child = self._split(child, n)
             child.last_used = now
+            self._passed(child, slots[i : i + n])
             node, i = child, i + n
         return i
+
+    def _passed(self, node: Node, slots: Sequence[int]) -> None:
+        """insert walked through `node`, whose tokens the caller also computed into `slots` (a tier
+        below the GPU takes them instead of its own copy: runtime/cache/host_tier.py)."""
 
     def _split(self, child: Node, n: int) -> Node:
         """Cut child's edge after n tokens; the new upper node inherits its references."""
