@@ -132,6 +132,11 @@ async def run_arrivals(send, conversations: list, offsets: list[float],
     return list(await asyncio.gather(*tasks))
 
 
+# llaunch's counters reach /metrics up to a router stats period (0.25 s) plus a metrics snapshot
+# (0.5 s) after the responses that moved them: read them that long after a run's last response
+METRICS_SETTLE_S = 1.0
+
+
 async def fetch_prefix_cache_counts(client: "httpx.AsyncClient", args: argparse.Namespace) -> CacheCounts:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
@@ -178,6 +183,7 @@ async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tupl
         warm = await asyncio.gather(*(capped(p) for p in warmup))
         if any(not o.success for o in warm):
             print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)
+        await asyncio.sleep(METRICS_SETTLE_S)
         cache_before = await fetch_prefix_cache_counts(client, args)
         args.spec_before = await fetch_spec_counts(client, args.api_key)
         args.images_before = await bench_images.fetch_image_counts(client, args.api_key)
@@ -185,6 +191,7 @@ async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tupl
         outputs = [o for conversation in await run_arrivals(capped, conversations, offsets, out_lens)
                    for o in conversation]
         duration = time.perf_counter() - start
+        await asyncio.sleep(METRICS_SETTLE_S)
         args.spec_after = await fetch_spec_counts(client, args.api_key)
         args.images_after = await bench_images.fetch_image_counts(client, args.api_key)
         cache_after = await fetch_prefix_cache_counts(client, args) if cache_before is not None else None
@@ -229,8 +236,10 @@ def run_benchmark_procs(args: argparse.Namespace) -> tuple[list[RequestOutput], 
                                           random_prompts(args.warmup, args.input_len, args.vocab_size, args.seed + 1)))
             if any(not o.success for o in warm):
                 print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)
+            await asyncio.sleep(METRICS_SETTLE_S)
             before = await fetch_prefix_cache_counts(client, args)
             outputs, duration = await asyncio.get_running_loop().run_in_executor(None, measured)
+            await asyncio.sleep(METRICS_SETTLE_S)
             after = await fetch_prefix_cache_counts(client, args) if before is not None else None
             return outputs, duration, None if after is None else tuple(a - b for a, b in zip(after, before))
 

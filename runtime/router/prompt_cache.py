@@ -135,9 +135,13 @@ class PromptCache(NoPromptCache):
         known = len(tokens)
         self.kv.free(req.slots[known:])
         present = self.tree.insert(tokens, req.slots[:known])
-        self.kv.free(req.slots[req.num_cached : present])
+        self.kv.free(self._duplicates(req.slots[req.num_cached : present]))
         self.tree.unlock(req.prefix_node)
         req.prefix_node = None
+
+    def _duplicates(self, slots: list[int]) -> list[int]:
+        """Of the request's slots for tokens the tree held already, those the tree did not keep."""
+        return slots
 
     def flush(self) -> int:
         return self.tree.flush()

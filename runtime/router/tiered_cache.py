@@ -70,19 +70,9 @@ class TieredPromptCache(PromptCache):
         super().admitted(req)
         self.host_hits += self._promoted.pop(req.id, 0)
 
-    def release(self, req: Request) -> None:
-        """PromptCache.release, but slots the tree adopted in place of host copies stay the tree's."""
-        if req.prefix_node is None:
-            self.kv.free(req.slots)
-            return
-        tokens = (req.prompt_ids + req.output_ids)[: len(req.slots)]
-        known = len(tokens)
-        self.kv.free(req.slots[known:])
-        present = self.tree.insert(tokens, req.slots[:known])
-        adopted = self.tree.adopted
-        self.kv.free([s for s in req.slots[req.num_cached : present] if s not in adopted])
-        self.tree.unlock(req.prefix_node)
-        req.prefix_node = None
+    def _duplicates(self, slots: list[int]) -> list[int]:
+        adopted = self.tree.adopted  # they replaced host copies: the tree's now
+        return [s for s in slots if s not in adopted]
 
     def take_moves(self) -> list[KvMove]:
         return [KvMove(to_host=t, gpu_slots=g, host_slots=h) for t, g, h in self.tree.take_moves()]
