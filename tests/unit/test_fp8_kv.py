@@ -1,10 +1,20 @@
 """The fp8 KV cache on SmolLM2 (real weights, CPU, float32 model): teacher-forced over ~300 tokens of
 text (prefill chunks that read earlier chunks' fp8 KV, then decode steps), the top-1 token agrees with
-the float32 KV cache's at ≥ 90% of positions (measured here: 94.4% with the default scales, 93.4% with
-scales calibrated on the same text; a bf16 KV cache agrees at 99.7%): e4m3's 3 mantissa bits cost
-SmolLM2-135M about 5 points of top-1 agreement, short of issue #23's 97% target. The calibration
-records each layer's K/V absmax and the scales file it writes loads back; the KV takes 1 byte per
-element."""
+the float32 KV cache's at ≥ FLOOR of positions. The calibration records each layer's K/V absmax and
+the scales file it writes loads back; the KV takes 1 byte per element.
+
+Measured (305 tokens; one token is 0.33 points), e4m3 round-to-nearest-even saturating at ±448:
+default scales 1.0: 94.4% (the figure asserted); bf16 KV: 99.7%; K alone in fp8: 96.7%, V alone: 97.7%;
+per-layer absmax scales: 94.1%; per-(layer, kv-head) absmax scales: 94.8%; per-channel K scales: 93.8%;
+even a dynamic scale per token and head: 94.8%. Scaling does not pay: e4m3's relative rounding error is
+the same in every normal binade (at scale 1.0 only ~1% of K falls below 2^-6), so what is lost is its 3
+mantissa bits, K and V about equally; the 17 flipped positions are near-ties of the float model (top-1
+vs top-2 logit gap 0.02-0.35, median gap over all positions 0.78). Issue #23's 97% is not reachable
+by scaling on this model. What does reach it (emulated, 99.7%): attending the chunk being prefilled
+with its fresh K/V in the model's dtype and only the earlier chunks' through fp8, as SGLang's extend
+attention does (not built: the reference and Triton prefill attention would take the chunk's k, v).
+The first chunk then reads no fp8; the second, over 160 fp8 tokens, flips 1 position instead of 8.
+"""
 from __future__ import annotations
 
 import json
@@ -38,7 +48,7 @@ TEXT = (
     "important machines are often the ones nobody notices until they are gone."
 )
 CHUNK, DECODED = 160, 8
-FLOOR = 0.90  # measured 0.934-0.948 (see above); a scale or dequantization bug falls far below
+FLOOR = 0.935  # measured 0.944 (see above; a near-tie or two of slack); a scale or dequantization bug falls far below
 
 
 def teacher_forced_top1(model, ids: list[int]) -> torch.Tensor:
@@ -93,6 +103,20 @@ def test_fp8_kv_top1_agrees_with_float_kv(smollm2, tmp_path):
             layer.self_attn.kv_scales = None
     print(f"fp8 KV top-1 agreement over {len(ids)} tokens: {agreement(default, reference):.4f}")
     assert FLOOR <= agreement(default, reference) < 1
+
+
+def test_the_store_rounds_to_nearest_even_saturates_and_reads_back_at_the_same_scale():
+    from llaunch.kernels.kv_fp8 import Dequantizing, KvScales, store_kv
+
+    scale = torch.tensor(0.5)  # stored = x / scale, read = stored * scale
+    x = torch.tensor([1.0625, 1.1875, 1.5 * 2.0**-9, 1000.0, -1000.0]) * scale  # two ties, a subnormal tie, overflow
+    k = x.view(-1, 1, 1)
+    k_cache, v_cache = torch.zeros(5, 1, 1, dtype=FP8), torch.zeros(5, 1, 1, dtype=FP8)
+    store_kv(k_cache, v_cache, torch.arange(5), k, -k, KvScales(scale, scale))
+    read = Dequantizing(k_cache, scale, torch.float32)[torch.arange(5)].view(-1) / scale
+    assert read.tolist() == [1.0, 1.25, 2 * 2.0**-9, 448.0, -448.0]
+    assert (Dequantizing(v_cache, scale, torch.float32)[torch.arange(5)].view(-1) / scale).tolist() == \
+        [-1.0, -1.25, -2 * 2.0**-9, -448.0, 448.0]
 
 
 def test_a_scales_file_must_give_every_layer(tmp_path):
