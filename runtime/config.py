@@ -144,6 +144,7 @@ class ModelConfig:
     pad_token_id: Optional[int] = None  # task=score: trailing pad tokens are not pooled (transformers); config.json's
     mrope_section: Optional[List[int]] = None  # architecture: Qwen2-VL's M-RoPE runs of rotary frequencies (t, h, w)
     vision: Optional[Dict[str, Any]] = None  # architecture: Qwen2-VL's vision tower and image token ids (config.json)
+    audio: Optional[Dict[str, Any]] = None  # architecture: Qwen2-Audio's audio encoder and audio token id (config.json)
     # fp8: quantize a bf16/fp32 checkpoint's decoder linear weights to e4m3 at load (as vLLM's --quantization
     # fp8). None: as the checkpoint is (an fp8 checkpoint's quantization_config is always honoured).
     quantization: Optional[WeightQuantization] = None  # fp8 | None

@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Any, Optional
 
 from llaunch.runtime.config import DType
+from llaunch.runtime.models.audio_config import audio_fields
 from llaunch.runtime.models.vision_config import multimodal_fields
 from llaunch.runtime.models.quant_scheme import WeightQuant, checkpoint_weight_quant
 
@@ -20,7 +21,7 @@ ARCH_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
     "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "num_labels",
-    "mrope_section", "vision",
+    "mrope_section", "vision", "audio",
 )
 # config.json architectures whose head scores a sequence instead of predicting tokens (model.task=score)
 SCORE_HEADS = ("ForSequenceClassification", "RewardModel")  # RewardModel: also *ForProcessRewardModel (refused)
@@ -133,6 +134,7 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
         "attention_bias": True if family in ("qwen2", "qwen2_vl") else c.get("attention_bias", False),
         "mrope_section": list(mrope_section) if mrope_section else None,
         "vision": vision,
+        "audio": audio_fields(top),  # Qwen2-Audio: its audio encoder and audio token id (runtime/models/audio_config.py)
     }
     eos = _eos_list(c.get("eos_token_id"))
     if generation:  # generate() stops at these too: take the union

@@ -66,6 +66,10 @@ class SafetensorsSource:
         if weight_map is None:
             weight_map = {name: f for f, h in handles.items() for name in h.keys()}
         self._where = {name: handles[f] for name, f in weight_map.items()}
+        # Qwen2-Audio keeps its language model under language_model.: read it by the decoder's names too
+        self._real = {n.removeprefix("language_model."): n for n in self._where
+                      if n.startswith("language_model.") and n.removeprefix("language_model.") not in self._where}
+        self._where.update({alias: self._where[n] for alias, n in self._real.items()})
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -73,7 +77,7 @@ class SafetensorsSource:
     def read(self, shard) -> torch.Tensor:
         if shard.name not in self._where:
             raise KeyError(f"checkpoint has no tensor {shard.name}")
-        tensor = self._where[shard.name].get_slice(shard.name)
+        tensor = self._where[shard.name].get_slice(self._real.get(shard.name, shard.name))
         _check_shape(shard.name, tensor.get_shape(), shard.full_shape)
         return _slice(tensor, shard)
 
@@ -81,7 +85,7 @@ class SafetensorsSource:
         """A whole tensor of any shape (0-d included): the small scales of an fp8 checkpoint."""
         if name not in self._where:
             raise KeyError(f"checkpoint has no tensor {name}")
-        return self._where[name].get_tensor(name)
+        return self._where[name].get_tensor(self._real.get(name, name))
 
     def close(self) -> None:
         self._files.close()
