@@ -64,11 +64,14 @@ def rotary_embedding(q, k, positions, cos, sin):
     return reference.rotary_embedding(q, k, positions, cos, sin)
 
 
-def rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, kv_scales=None):
+def rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, kv_scales=None, with_kv=False):
+    """The rotated q; with_kv: (q, k, v) with an fp8 cache's unrounded rotated k and v (prefill reads them)."""
     if kv_scales is not None:  # an fp8 cache (kernels/kv_fp8.py): quantized on store
         q, k = rotary_embedding(q, k, positions, cos, sin)
         kv_fp8.store_kv(k_cache, v_cache, slots, k, v, kv_scales)
-        return q
+        return (q, k, v) if with_kv else q
+    if with_kv:
+        return rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots), None, None
     if _use_triton(q) and k_cache.dtype == k.dtype:
         return triton_ops().rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
     return reference.rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
@@ -80,19 +83,28 @@ def store_kv(k_cache, v_cache, slots, k, v):
     return reference.store_kv(k_cache, v_cache, slots, k, v)
 
 
-def _scales(kv_scales) -> dict:
-    return {} if kv_scales is None else {"k_scale": kv_scales.k, "v_scale": kv_scales.v}
+def _scales(kv_scales, new_kv=(None, None)) -> dict:
+    if kv_scales is None:
+        return {}
+    fresh = {} if new_kv[0] is None else {"k_new": new_kv[0], "v_new": new_kv[1]}
+    return {"k_scale": kv_scales.k, "v_scale": kv_scales.v, **fresh}
 
 
 def prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale,
-                      *, max_q_len: Optional[int] = None, kv_scales=None):
+                      *, max_q_len: Optional[int] = None, kv_scales=None, new_kv=(None, None)):
+    """new_kv: an fp8 cache's chunk K/V unrounded ([T, Hk, D] each, as q): the chunk attends itself
+    through them and only its prefix through the fp8 cache (SGLang's extend attention does so too:
+    the rounding of the nearby tokens is what costs top-1 agreement, tests/unit/test_fp8_kv.py)."""
     if _use_triton(q):  # an fp8 cache (kv_scales) is dequantized as the kernel loads it
         return triton_ops().prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens,
-                                              prefix_lens, scale, max_q_len=max_q_len, **_scales(kv_scales))
+                                              prefix_lens, scale, max_q_len=max_q_len, **_scales(kv_scales, new_kv))
     if kv_scales is not None:  # the reference reads an fp8 cache dequantized
         k_cache = kv_fp8.Dequantizing(k_cache, kv_scales.k, q.dtype)
         v_cache = kv_fp8.Dequantizing(v_cache, kv_scales.v, q.dtype)
-    return reference.prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale)
+    else:
+        new_kv = (None, None)
+    return reference.prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale,
+                                       *new_kv)
 
 
 def decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, *, max_len: Optional[int] = None,
@@ -146,15 +158,15 @@ def gated_linear(x, weight):
 
 
 def qkv_rotary_store_kv(x, weight, bias, n_q_heads: int, n_kv_heads: int, positions, cos, sin, k_cache, v_cache,
-                        slots, kv_scales=None):
+                        slots, kv_scales=None, with_kv=False):
     """The attention block's input half: x through the fused q‖k‖v weight, rotary on q and k, k and v
-    stored at each token's slot; returns the rotated q [T, Hq, D]. (Rotary in the qkv GEMV's epilogue,
+    stored at each token's slot; returns the rotated q [T, Hq, D] (with_kv: q, k, v, rotary_store_kv). (Rotary in the qkv GEMV's epilogue,
     one kernel, measured 1–12 µs a step slower than these two under PDL, and was removed.)"""
     d = k_cache.shape[-1]
     t = x.shape[0]
     q, k, v = linear(x, weight, bias).split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1)
     return rotary_store_kv(q.view(t, n_q_heads, d), k.view(t, n_kv_heads, d), v.view(t, n_kv_heads, d), positions,
-                           cos, sin, k_cache, v_cache, slots, kv_scales)
+                           cos, sin, k_cache, v_cache, slots, kv_scales, with_kv)
 
 
 def silu_mul(x):

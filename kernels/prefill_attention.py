@@ -19,8 +19,9 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end, q_pos,
                   kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride, k_scale, v_scale,
-                  MASKED: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride, prefix, q_start,
+                  MASKED: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr, FRESH: tl.constexpr,
+                  PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     d_mask = offs_d[None, :] < dim
     if MASKED:
@@ -31,9 +32,19 @@ def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, star
         slots = tl.load(slot_row_ptr + offs_n).to(tl.int64)
         kv_mask = d_mask
     kv_off = slots[:, None] * cache_tok_stride + kv_head * cache_head_stride + offs_d[None, :]
-    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    if FP8_KV:  # an fp8 cache, dequantized as loaded: value × scale in q's dtype, as the reference
+    if FRESH:  # the chunk's own keys from k_new/v_new (unrounded), the prefix's from the fp8 cache
+        cached = (offs_n < prefix)[:, None]
+        kc = tl.load(k_cache_ptr + kv_off, mask=kv_mask & cached, other=0.0).to(tl.float32) * k_scale
+        vc = tl.load(v_cache_ptr + kv_off, mask=kv_mask & cached, other=0.0).to(tl.float32) * v_scale
+        new_off = (q_start + offs_n - prefix)[:, None] * new_tok_stride + kv_head * new_head_stride + offs_d[None, :]
+        kf = tl.load(k_new_ptr + new_off, mask=kv_mask & (offs_n >= prefix)[:, None], other=0.0).to(tl.float32)
+        vf = tl.load(v_new_ptr + new_off, mask=kv_mask & (offs_n >= prefix)[:, None], other=0.0).to(tl.float32)
+        k = tl.where(cached, kc.to(k_new_ptr.dtype.element_ty).to(tl.float32), kf).to(q.dtype)
+        v = tl.where(cached, vc.to(v_new_ptr.dtype.element_ty).to(tl.float32), vf).to(q.dtype)
+    else:
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    if FP8_KV and not FRESH:  # an fp8 cache, dequantized as loaded: value × scale in q's dtype, as the reference
         k = (k.to(tl.float32) * k_scale).to(q.dtype)
         v = (v.to(tl.float32) * v_scale).to(q.dtype)
     if UPCAST:  # the interpreter has no bf16/fp16 dot
@@ -58,6 +69,7 @@ def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, star
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, rows_ptr, q_starts_ptr,
                     q_lens_ptr, prefix_lens_ptr, k_scale_ptr, v_scale_ptr, qk_scale, q_tok_stride, q_head_stride, out_tok_stride,
                     out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride, dim,
+                    k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride, FRESH: tl.constexpr,
                     GROUP: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     head = tl.program_id(0)
@@ -95,11 +107,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, 
     for start_n in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
                                       q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
-                                      k_scale, v_scale, False, UPCAST, FP8_KV, PRECISION, BLOCK_N)
+                                      k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride,
+                                      prefix, q_start, False, UPCAST, FP8_KV, FRESH, PRECISION, BLOCK_N)
     for start_n in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
                                       q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
-                                      k_scale, v_scale, True, UPCAST, FP8_KV, PRECISION, BLOCK_N)
+                                      k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride,
+                                      prefix, q_start, True, UPCAST, FP8_KV, FRESH, PRECISION, BLOCK_N)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + q_tok[:, None] * out_tok_stride + head * out_head_stride + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_d[None, :] < dim))
@@ -131,10 +145,15 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       req_to_slots: torch.Tensor, rows: torch.Tensor, q_starts: torch.Tensor,
                       q_lens: torch.Tensor, prefix_lens: torch.Tensor, scale: float,
                       *, max_q_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-                      v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      v_scale: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
+                      v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q: [T, Hq, D] → [T, Hq, D]. `max_q_len` (host int) bounds q_lens to size the grid; without it
     the grid covers T tokens per sequence and the surplus programs exit at once (no device sync).
-    An fp8 cache comes with its layer's k_scale and v_scale ([] float32 tensors)."""
+    An fp8 cache comes with its layer's k_scale and v_scale ([] float32 tensors), and may come with
+    the chunk's own k_new, v_new ([T, Hk, D], indexed as q: read for the chunk instead of the cache)."""
+    if k_new is not None:  # one layout for both (v is a strided view of the qkv output)
+        assert k_scale is not None
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride(), "caches: same layout, unit dim stride"
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -149,7 +168,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q, k_cache, v_cache, out, req_to_slots, rows, q_starts, q_lens, prefix_lens,
         k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        req_to_slots.stride(0), dim, GROUP=n_q_heads // k_cache.shape[1], UPCAST=not q.is_cuda,
+        req_to_slots.stride(0), dim, k_cache if k_new is None else k_new, v_cache if v_new is None else v_new,
+        0 if k_new is None else k_new.stride(0), 0 if k_new is None else k_new.stride(1), FRESH=k_new is not None,
+        GROUP=n_q_heads // k_cache.shape[1], UPCAST=not q.is_cuda,
         FP8_KV=k_scale is not None,
         PRECISION=_precision(q), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(dim), num_warps=warps, num_stages=stages)

@@ -96,15 +96,22 @@ def _attend(q, keys, values, scale, causal_offset: Optional[int]):
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       req_to_slots: torch.Tensor, rows: torch.Tensor, q_starts: torch.Tensor,
-                      q_lens: torch.Tensor, prefix_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                      q_lens: torch.Tensor, prefix_lens: torch.Tensor, scale: float,
+                      k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention for chunks of new tokens. Sequence i owns q[q_starts[i] : q_starts[i]+q_lens[i]]
     at positions prefix_lens[i]..; it attends to its first prefix_lens[i] + q_lens[i] cached tokens
-    (the new ones must already be stored). q: [T, Hq, D] → [T, Hq, D]."""
+    (the new ones must already be stored). q: [T, Hq, D] → [T, Hq, D]. With k_new, v_new ([T, Hk, D],
+    indexed as q) the chunk's own keys and values are read from them, only the prefix from the cache
+    (an fp8 cache: the chunk attends itself unrounded, kernels/kv_fp8.py)."""
     out = torch.empty_like(q)
     for i in range(rows.shape[0]):
         s, n, p = int(q_starts[i]), int(q_lens[i]), int(prefix_lens[i])
         slots = req_to_slots[rows[i], : p + n].long()
-        out[s : s + n] = _attend(q[s : s + n], k_cache[slots], v_cache[slots], scale, causal_offset=p)
+        keys, values = k_cache[slots], v_cache[slots]
+        if k_new is not None:
+            keys = torch.cat([keys[:p], k_new[s : s + n].to(keys.dtype)])
+            values = torch.cat([values[:p], v_new[s : s + n].to(values.dtype)])
+        out[s : s + n] = _attend(q[s : s + n], keys, values, scale, causal_offset=p)
     return out
 
 

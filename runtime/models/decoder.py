@@ -47,8 +47,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q = qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
-                                batch.positions, cos, sin, k_cache, v_cache, batch.out_slots, self.kv_scales)
+        q, k, v = qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
+                                      batch.positions, cos, sin, k_cache, v_cache, batch.out_slots, self.kv_scales,
+                                      with_kv=True)  # k, v: an fp8 cache's chunk unrounded (None otherwise)
         nd = batch.num_decode
         if not batch.num_prefill_tokens:  # a decode-only step: the attention output is the whole tensor
             out = decode_attention(q, k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
@@ -57,7 +58,7 @@ class Attention(nn.Module):
         # q_starts index the whole token array, so the prefill op gets all of q; decode rows come first.
         out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,
                                 batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale,
-                                max_q_len=batch.max_prefill_len or None, kv_scales=self.kv_scales)
+                                max_q_len=batch.max_prefill_len or None, kv_scales=self.kv_scales, new_kv=(k, v))
         if nd:
             out[:nd] = decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows,
                                         batch.decode_seq_lens, self.scale, max_len=batch.max_decode_len or None,

@@ -47,3 +47,26 @@ def test_prefill_reads_an_fp8_cache(ops, poisoned, close, kv_cache, dtype):
     ref = reference.prefill_attention(q, Dequantizing(k8, ks, dtype), Dequantizing(v8, vs, dtype), req_to_slots,
                                       rows, q_starts, q_lens, prefix_lens, 0.125)
     close(out, ref)
+
+
+def test_prefill_reads_its_chunk_unrounded_and_its_prefix_from_the_fp8_cache(ops, poisoned, close, kv_cache):
+    dtype = torch.float16
+    chunks = [(0, 70), (37, 5), (128, 64)]  # (cached prefix, new tokens)
+    k_cache, v_cache, req_to_slots, rows = kv_cache([p + n for p, n in chunks], 1, 64, dtype)
+    k8, v8, ks, vs = fp8_caches(k_cache, v_cache)
+    prefix_lens = torch.tensor([p for p, _ in chunks])
+    q_lens = torch.tensor([n for _, n in chunks])
+    q_starts = torch.cumsum(q_lens, 0) - q_lens
+    tokens = int(q_lens.sum())
+    q = torch.randn(tokens, 3, 64).to(dtype)
+    kv = torch.randn(tokens, 2, 64).to(dtype)  # k_new and v_new as the qkv split gives them: strided views
+    k_new, v_new = kv[:, :1], kv[:, 1:]
+    with poisoned():
+        out = ops.prefill_attention(q, k8, v8, req_to_slots, rows, q_starts, q_lens, prefix_lens, 0.125,
+                                    max_q_len=70, k_scale=ks, v_scale=vs, k_new=k_new, v_new=v_new)
+    ref = reference.prefill_attention(q, Dequantizing(k8, ks, dtype), Dequantizing(v8, vs, dtype), req_to_slots,
+                                      rows, q_starts, q_lens, prefix_lens, 0.125, k_new, v_new)
+    close(out, ref)
+    cached = reference.prefill_attention(q, Dequantizing(k8, ks, dtype), Dequantizing(v8, vs, dtype), req_to_slots,
+                                         rows, q_starts, q_lens, prefix_lens, 0.125)
+    assert not torch.allclose(out.float(), cached.float(), atol=1e-2)  # the chunk's K/V were read from k_new

@@ -49,7 +49,7 @@ for dtype, elem, fp8 in [(d, e, False) for d, e in TYPES.items()] + [(torch.bflo
         q = types.SimpleNamespace(is_cuda=True, dtype=dtype)
         block_m, block_n, warps, stages = pre._launch_shape(q, dim)
         elem_name = elem + (" fp8 KV" if fp8 else "")
-        constexprs = dict(GROUP=7, UPCAST=False, FP8_KV=fp8, PRECISION=pre._precision(q), BLOCK_M=block_m,
+        constexprs = dict(GROUP=7, UPCAST=False, FP8_KV=fp8, FRESH=fp8, PRECISION=pre._precision(q), BLOCK_M=block_m,
                           BLOCK_N=block_n, BLOCK_D=dim)
         kernel = triton.compile(ASTSource(fn=pre._prefill_kernel, signature=signature(pre._prefill_kernel, constexprs, elem),
                                           constexprs=constexprs), target=target,
