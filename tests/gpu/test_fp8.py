@@ -94,3 +94,27 @@ def test_fp8_kv_attention_close_to_bf16_kv(seq_len):
                                       kv_scales=s)
            for ck, cv, s in ((bf16_k, bf16_v, None), (fp8_k, fp8_v, scales))]
     assert cosine_rows(pre[1].flatten(1), pre[0].flatten(1)).min().item() >= COSINE_MIN
+
+
+def test_fp8_kv_prefill_reads_its_chunk_unrounded_as_the_reference():
+    """A chunk of 300 new tokens after a 700-token fp8 prefix, its own K/V given unrounded (new_kv), as
+    the decoder prefills over an fp8 cache: the Triton kernel vs the plain-torch reference."""
+    from llaunch.kernels import reference
+    from llaunch.kernels.kv_fp8 import Dequantizing
+
+    torch.manual_seed(0)
+    hq, hk, d, prefix, n = 28, 4, 128, 700, 300
+    kv = torch.randn(prefix + n, 2 * hk, d, device="cuda", dtype=torch.bfloat16) * 3
+    k, v = kv[:, :hk], kv[:, hk:]  # strided, as the qkv split gives them
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    caches = [torch.zeros(prefix + n, hk, d, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2)]
+    scales = KvScales(torch.tensor(0.02, device="cuda"), torch.tensor(0.01, device="cuda"))
+    slots = torch.arange(prefix + n, device="cuda")
+    store_kv(*caches, slots, k, v, scales)
+    req_to_slots = slots.int()[None]
+    t = lambda x: torch.tensor(x, device="cuda")  # noqa: E731
+    args = (req_to_slots, t([0]), t([0]), t([n]), t([prefix]), d ** -0.5)
+    out = dispatch.prefill_attention(q, *caches, *args, kv_scales=scales, new_kv=(k[prefix:], v[prefix:]))
+    ref = reference.prefill_attention(q, Dequantizing(caches[0], scales.k, q.dtype),
+                                      Dequantizing(caches[1], scales.v, q.dtype), *args, k[prefix:], v[prefix:])
+    assert cosine_rows(out.flatten(1).float(), ref.flatten(1).float()).min().item() >= 0.999
