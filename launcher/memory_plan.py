@@ -70,7 +70,7 @@ def summary(cfg: LlaunchConfig) -> Optional[str]:
 
 def _embed_caches(cfg) -> str:
     """The visual servers' embed caches (multimodal models): shared memory on node 0."""
-    return f"; embed cache {cfg.visual.embed_cache_mib} MiB x {cfg.visual.dp} visual server(s)" if cfg.model.vision else ""
+    return f"; embed cache {cfg.visual.embed_cache_mib} MiB x {cfg.visual.dp} visual server(s)" if cfg.model.vision or cfg.model.audio else ""
 
 
 @rule(needs=_ARCH, live="warn")

@@ -15,7 +15,7 @@ pd_master runs one process binding http (clients) and register (instances), both
 config_server runs one registry process binding http.
 cache.cpu_tokens > 0 adds kv_host.{node}: binds pool.{d}.{r} (a shared-memory file path per worker of
 its node, the host KV tier); each worker connects kv_host to its own.
-A multimodal model (model.vision) adds visual.{v} (visual.dp of them, on node 0): binds encode (routers
+A multimodal model (model.vision, or model.audio) adds visual.{v} (visual.dp of them, on node 0): binds encode (routers
 send EncodeImages there; it answers on each router's results, connecting ready.{d}) and embeds (its
 embed cache's shared-memory file path); every router connects visual.{v}, every worker embeds.{v}.
 """
@@ -162,7 +162,7 @@ def _visual_servers(cfg: LlaunchConfig, local, routers: list[ProcessSpec], worke
                     instance: str) -> list[ProcessSpec]:
     """A multimodal model: visual.dp visual servers (runtime/visual/process.py), each on its GPU
     (visual.devices, else the node's GPUs in turn), with its embed cache's file."""
-    if not cfg.model.vision:
+    if not (cfg.model.vision or cfg.model.audio):  # Qwen2-Audio's clips are encoded by the same servers
         return []
     v, p = cfg.visual, cfg.parallel
     per_node = max(p.tp * p.dp // max(p.nnodes, 1), 1)

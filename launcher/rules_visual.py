@@ -7,7 +7,7 @@ from llaunch.runtime.config import Device, Mode
 
 
 def multimodal(cfg) -> bool:
-    return bool(cfg.model.vision)
+    return bool(cfg.model.vision or cfg.model.audio)  # Qwen2-Audio: the visual servers encode its clips
 
 
 @rule()
@@ -47,3 +47,16 @@ def visual_deployment_supported(cfg):
         yield ("mode.kind",), (
             f"a multimodal model with mode.kind={cfg.mode.kind.value}: images are served by mode.kind=normal "
             "instances only (prefill/decode disaggregation does not carry image embeddings yet)")
+
+
+@rule()
+def audio_limits_valid(cfg):
+    a = cfg.audio
+    if not 0 < a.max_clip_seconds <= 30:
+        yield ("audio.max_clip_seconds",), (f"audio.max_clip_seconds={a.max_clip_seconds}: give a duration in (0, 30] "
+                                            "(Qwen2-Audio's encoder reads at most 30 s of a clip)")
+    if a.max_clip_bytes < 1:
+        yield ("audio.max_clip_bytes",), f"audio.max_clip_bytes={a.max_clip_bytes}: give at least 1 byte"
+    if a.max_clips_per_request < 1:
+        yield ("audio.max_clips_per_request",), (f"audio.max_clips_per_request={a.max_clips_per_request}: give at "
+                                                 "least 1 clip per request")

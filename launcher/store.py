@@ -15,7 +15,7 @@ from llaunch.runtime import config as schema
 
 REPO_ROOT = Path(llaunch.launcher.__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
-GROUPS = ("model", "parallel", "cache", "mode", "router", "server", "kernels", "visual", "spec", "bench")
+GROUPS = ("model", "parallel", "cache", "mode", "router", "server", "kernels", "visual", "audio", "spec", "bench")
 
 _SCHEMAS = {
     "llaunch_schema": schema.LlaunchConfig,
@@ -27,6 +27,7 @@ _SCHEMAS = {
     "server_schema": schema.ServerConfig,
     "kernels_schema": schema.KernelSettings,
     "visual_schema": schema.VisualConfig,
+    "audio_schema": schema.AudioConfig,
     "spec_schema": schema.SpecConfig,
     "bench_schema": schema.BenchConfig,
 }

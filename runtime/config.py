@@ -203,6 +203,16 @@ class VisualConfig:
 
 
 @dataclass(frozen=True)
+class AudioConfig:
+    """Audio clips of Qwen2-Audio: what a request may send. The clips are encoded by the visual servers
+    (visual.dp, visual.batch_size, visual.devices, visual.embed_cache_mib serve audio models too)."""
+
+    max_clip_seconds: float = 30.0  # one clip's duration after decoding; longer: 400 (the encoder reads 30 s)
+    max_clip_bytes: int = 10 * 2**20  # encoded bytes of one clip (after base64 decoding); more: 400
+    max_clips_per_request: int = 4  # input_audio / audio_url parts per chat request; more: 400
+
+
+@dataclass(frozen=True)
 class ModeConfig:
     kind: Mode = Mode.normal  # normal, or a role in prefill/decode disaggregation
     pd_master_host: str = "127.0.0.1"  # pd_prefill / pd_decode: where the PD master listens
@@ -329,6 +339,7 @@ class LlaunchConfig:
     kernels: KernelSettings = field(default_factory=KernelSettings)
     spec: SpecConfig = field(default_factory=SpecConfig)
     visual: VisualConfig = field(default_factory=VisualConfig)
+    audio: AudioConfig = field(default_factory=AudioConfig)
     bench: Optional[BenchConfig] = None
     device: Device = Device.auto  # auto: cuda when a GPU is visible, else cpu
     dry_run: bool = False  # validate and print the process graph; start nothing

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from quart import Quart, Response, request
 
 from llaunch.runtime.config import Mode, RunConfig
+from llaunch.runtime.http.audio import AudioInputs
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.http.engine_client import EngineClient, current_pd_link
 from llaunch.runtime.http.errors import ApiError, draining, error_response, json_response, model_not_found
@@ -43,7 +44,7 @@ class FrontendSettings:
     request_timeout_s: Optional[float] = None
     score: Optional[ScoreHead] = None  # a score model (model.task=score): its head; None: a generating model
     tgi_info: Optional[dict] = None  # server.tgi_api: /generate* speak TGI, GET /info answers this
-    images: Optional[object] = None  # a multimodal model: ImageInputs (runtime/http/images.py) for image_url parts
+    images: Optional[object] = None  # a multimodal model: ImageInputs (runtime/http/images.py), or AudioInputs (audio.py)
 
     @staticmethod
     def from_run_config(cfg: RunConfig, tokenizer: PromptTokenizer, api_key: Optional[str] = None) -> "FrontendSettings":
@@ -64,7 +65,8 @@ class FrontendSettings:
         return FrontendSettings(limits=limits, api_key=api_key, max_body_bytes=s.max_body_bytes,
                                 request_timeout_s=s.request_timeout_s, score=ScoreHead.of(m),
                                 tgi_info=tgi_info(cfg) if s.tgi_api else None,
-                                images=ImageInputs(m, cfg.visual) if m.vision else None)
+                                images=ImageInputs(m, cfg.visual) if m.vision
+                                else AudioInputs(m, cfg.audio) if m.audio else None)
 
 
 def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: PromptTokenizer,

@@ -7,20 +7,27 @@ import json
 from typing import Any, Optional
 
 from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.http.audio import AUDIO_PARTS, audio_placeholder, audio_source
 from llaunch.runtime.http.images import IMAGE_PLACEHOLDER, image_url_of
 from llaunch.runtime.http.tool_calls import call_text, openai_tools
 
 
 def message_text(m, i: int, image_urls: Optional[list] = None) -> str:
     """The message's text; a multimodal model's image_url parts become Qwen2-VL's image placeholder and
-    their (url, param) go to `image_urls`."""
+    their (url, param) go to `image_urls` (an audio model's input_audio/audio_url parts: Qwen2-Audio's
+    clip text, their (AudioSource, param))."""
     if m.content is None or isinstance(m.content, str):
         if m.content is None and not m.tool_calls and m.role != "assistant":
             raise bad_request(f"messages[{i}] has no content.", param=f"messages[{i}].content")
         return m.content or ""
     parts = []
+    audio = getattr(image_urls, "audio", False)  # a MediaParts of an audio model (runtime/http/audio.py)
     for j, part in enumerate(m.content):
-        if part.type == "image_url" and image_urls is not None:
+        if part.type in AUDIO_PARTS and audio:  # Qwen2-Audio's template text per clip, numbered over the request
+            image_urls.append((audio_source(part, f"messages[{i}].content[{j}]"), f"messages[{i}].content[{j}]"))
+            parts.append(audio_placeholder(len(image_urls)))
+            continue
+        if part.type == "image_url" and image_urls is not None and not audio:
             image_urls.append((image_url_of(part, f"messages[{i}].content[{j}]"), f"messages[{i}].content[{j}]"))
             parts.append(IMAGE_PLACEHOLDER)
             continue

@@ -108,10 +108,21 @@ class ImageUrl(msgspec.Struct, forbid_unknown_fields=True):
     detail: Optional[str] = None  # auto | high (the model's own resolution); low is refused
 
 
+class InputAudio(msgspec.Struct, forbid_unknown_fields=True):
+    data: str  # base64
+    format: str  # wav (runtime/audio/decode.py FORMATS); others: 400
+
+
+class AudioUrl(msgspec.Struct, forbid_unknown_fields=True):
+    url: str  # a base64 data: URL; http(s) is refused
+
+
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: Optional[str] = None
     image_url: Optional[ImageUrl] = None  # type image_url: multimodal models (runtime/http/images.py)
+    input_audio: Optional[InputAudio] = None  # type input_audio: audio models (runtime/http/audio.py)
+    audio_url: Optional[AudioUrl] = None  # type audio_url: audio models
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):

@@ -12,6 +12,7 @@ from typing import AsyncIterator, Optional
 from quart import Response
 
 from llaunch.runtime.http import openai_responses as shapes
+from llaunch.runtime.http.audio import MediaParts
 from llaunch.runtime.http.images import chat_images
 from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
 from llaunch.runtime.http.errors import ApiError, engine_failed, json_response
@@ -198,7 +199,7 @@ class OpenAIServing:
         self.limits = limits
         self.lifecycle = lifecycle
         self.healer = TokenHealer(tokenizer)
-        self.images = images  # ImageInputs of a multimodal model (runtime/http/images.py), else None
+        self.images = images  # ImageInputs of a multimodal model (runtime/http/images.py), AudioInputs, else None
 
     async def completions(self, body: bytes) -> Response:
         req, prompts, choices, echo = await asyncio.to_thread(self._parse_completion, body)
@@ -233,9 +234,10 @@ class OpenAIServing:
     def _parse_chat(self, body: bytes):
         req = decode_body(body, ChatCompletionRequest)
         check_model(req.model, self.limits)
-        urls = None if self.images is None else []
+        urls = None if self.images is None else MediaParts(self.images)
         prompt_ids = chat_prompt(req, self.tokenizer, self.limits, urls)
-        prompt_ids, images = chat_images(self.images, req, prompt_ids, urls)
+        prompt_ids, images = (self.images.chat(req, prompt_ids, urls) if urls is not None and urls.audio
+                              else chat_images(self.images, req, prompt_ids, urls))
         if not images:
             return req, prompt_ids, chat_choices(req, prompt_ids, self.limits, self.tokenizer), images
         # an image's tokens (vocab + hash) are checked as the placeholder they stand for, then put back

@@ -1,10 +1,11 @@
 """The workers' side of the embed cache: map each visual server's file read-only and gather an image's
-embeddings from the blocks its ImageRef names (pinned there until the request ends)."""
+(or an audio clip's) embeddings from the blocks its ImageRef names (pinned there until the request ends)."""
 from __future__ import annotations
 
 import mmap
 import os
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,18 +28,24 @@ def map_file(path: str, timeout_s: float) -> mmap.mmap:
         os.close(fd)
 
 
-class ShmEmbeds:
-    """`embeddings(images)` for ImageRows (runtime/worker/image_rows.py), read from the visual servers."""
+def image_tokens(merge: int) -> Callable[[ImageRef], int]:
+    """Qwen2-VL: an image's tokens from its patch grid (t·h·w / merge²)."""
+    return lambda im: im.grid[0] * im.grid[1] * im.grid[2] // merge ** 2
 
-    def __init__(self, paths: list[str], merge: int, hidden: int, dtype: torch.dtype, device: torch.device,
-                 timeout_s: float):
-        self.merge, self.hidden, self.dtype, self.device = merge, hidden, dtype, device
+
+class ShmEmbeds:
+    """`embeddings(images)` for ImageRows / AudioRows (runtime/worker/), read from the visual servers;
+    `tokens(ref)`: how many embeddings a ref has (image_tokens, or audio_tokens of a clip's frames)."""
+
+    def __init__(self, paths: list[str], tokens: Callable[[ImageRef], int], hidden: int, dtype: torch.dtype,
+                 device: torch.device, timeout_s: float):
+        self.tokens, self.hidden, self.dtype, self.device = tokens, hidden, dtype, device
         self._maps = [np.frombuffer(map_file(p, timeout_s), dtype=np.uint8) for p in paths]
 
     def embeddings(self, images: list[ImageRef]) -> list[torch.Tensor]:
         out = []
         for im in images:
-            tokens = im.grid[0] * im.grid[1] * im.grid[2] // self.merge ** 2
+            tokens = self.tokens(im)
             nbytes = tokens * self.hidden * self.dtype.itemsize
             m = self._maps[im.replica]
             raw = np.concatenate([m[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES] for b in im.blocks])[:nbytes]

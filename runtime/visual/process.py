@@ -1,4 +1,5 @@
-"""A visual server process (visual.{v}, visual.dp of them): loads the model's vision tower, owns one
+"""A visual server process (visual.{v}, visual.dp of them): loads the model's vision tower (Qwen2-Audio:
+its audio tower, encoding clips the same way: a clip travels as an ImageRef), owns one
 shared-memory embed cache (runtime/visual/embed_store.py), and answers the routers' EncodeImages,
 encoding images in batches of up to visual.batch_size (runtime/visual/batcher.py). Workers read the
 embeddings from the cache; the routers hold a request until its images are there
@@ -16,13 +17,24 @@ from llaunch.runtime.ipc.sockets import Receiver, Sender
 from llaunch.runtime.visual.batcher import VisualBatcher
 from llaunch.runtime.visual.embed_shm import num_blocks
 from llaunch.runtime.visual.embed_store import EmbedStore
-from llaunch.runtime.visual.encoder import encode
+from llaunch.runtime.audio.encoder import encode_clips
+from llaunch.runtime.visual.encoder import encode as encode_images
+from llaunch.runtime.worker.audio_rows import build_audio_tower
 from llaunch.runtime.visual.messages import EncodeImages, ReleaseImages, VisualInbound
 from llaunch.runtime.worker.image_rows import build_tower
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_MS = 200
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tower_encoder(model, device: torch.device, dtype: torch.dtype):
+    """refs → their embeddings, by the model's vision tower or (Qwen2-Audio) its audio tower."""
+    if model.audio:
+        audio_tower = build_audio_tower(model, device, dtype)
+        return lambda clips: encode_clips(audio_tower, clips)
+    tower = build_tower(model, device, dtype)
+    return lambda images: encode_images(tower, images)
 
 
 def serve(batcher: VisualBatcher, inbox: Receiver, routers: dict[int, Sender], stop: StopFlag) -> None:
@@ -49,13 +61,13 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # the workers have the cores
-    stage("loading the vision tower")
-    tower = build_tower(cfg.model, device, DTYPES[cfg.model.dtype.value])
+    stage("loading the audio tower" if cfg.model.audio else "loading the vision tower")
+    encode = tower_encoder(cfg.model, device, DTYPES[cfg.model.dtype.value])
     store = EmbedStore(spec.binds["embeds"], num_blocks(cfg.visual.embed_cache_mib))
     stop = StopFlag().install()
     try:
         def encode_bytes(images):
-            return [e.contiguous().view(torch.uint8).flatten().cpu().numpy() for e in encode(tower, images)]
+            return [e.contiguous().view(torch.uint8).flatten().cpu().numpy() for e in encode(images)]
 
         batcher = VisualBatcher(store, encode_bytes, cfg.visual.batch_size, replica=spec.index)
         inbox = Receiver(ctx, spec.binds["encode"], VisualInbound)

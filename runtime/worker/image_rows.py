@@ -38,11 +38,12 @@ def build_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Q
 
 
 class ImageRows:
-    def __init__(self, source):
+    def __init__(self, source, merge: int | None = None):
         """`source.embeddings(images)`: each image's embeddings, read from the visual servers' embed
-        cache (runtime/visual/embed_reader.py) or encoded in-process (runtime/visual/encoder.py)."""
+        cache (runtime/visual/embed_reader.py) or encoded in-process (runtime/visual/encoder.py);
+        `merge`: the tower's spatial merge size (None: the in-process source's)."""
         self.source = source
-        self.merge = source.merge
+        self.merge = merge or source.merge
         self.rows: dict[int, RowImages] = {}
 
     def start(self, new: NewSeq) -> None:

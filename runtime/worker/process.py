@@ -30,7 +30,9 @@ from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
 from llaunch.runtime.worker.constraint_prep import ConstraintPrep
 from llaunch.runtime.worker.image_rows import ImageRows
 from llaunch.runtime.models.vision_qwen2 import VisionArch
-from llaunch.runtime.visual.embed_reader import ShmEmbeds
+from llaunch.runtime.visual.embed_reader import ShmEmbeds, image_tokens
+from llaunch.runtime.worker.audio_rows import AudioRows
+from llaunch.runtime.models.audio_qwen2 import audio_tokens
 from llaunch.runtime.worker.host_kv import HostKvPool
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
@@ -152,11 +154,14 @@ def main() -> None:
     model = build_model(cfg.model, device=device, dtype=dtype, tp_rank=spec.tp_rank, tp_size=cfg.parallel.tp,
                         process_group=group, progress=stage.fraction(loading))
     images = None
+    embeds = [spec.connects[f"embeds.{v}"] for v in range(cfg.visual.dp)]
     if cfg.model.vision:  # image embeddings come from the visual servers' embed cache (runtime/visual/)
-        images = ImageRows(ShmEmbeds([spec.connects[f"embeds.{v}"] for v in range(cfg.visual.dp)],
-                                     VisionArch.from_dict(cfg.model.vision).spatial_merge_size,
-                                     VisionArch.from_dict(cfg.model.vision).hidden_size, dtype, device,
-                                     cfg.server.ready_timeout_s))
+        arch = VisionArch.from_dict(cfg.model.vision)
+        images = ImageRows(ShmEmbeds(embeds, image_tokens(arch.spatial_merge_size), arch.hidden_size, dtype, device,
+                                     cfg.server.ready_timeout_s), arch.spatial_merge_size)
+    elif cfg.model.audio:  # Qwen2-Audio: clip embeddings from the same servers' cache
+        images = AudioRows(ShmEmbeds(embeds, lambda clip: audio_tokens(clip.grid[0]),
+                                     int(cfg.model.audio["hidden_size"]), dtype, device, cfg.server.ready_timeout_s))
     kv_calibration = use_fp8_kv(model, cfg.cache, cfg.run_dir)  # cache.kv_dtype=fp8_e4m3: before sizing
     if kv_calibration is not None:
         kv_calibration.start()

@@ -15,7 +15,7 @@ from llaunch.runtime.cache.host_pool import SHM_DIR
 from llaunch.runtime.ipc.messages import ImageRef
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
 from llaunch.runtime.visual.batcher import VisualBatcher
-from llaunch.runtime.visual.embed_reader import ShmEmbeds
+from llaunch.runtime.visual.embed_reader import ShmEmbeds, image_tokens
 from llaunch.runtime.visual.embed_shm import num_blocks
 from llaunch.runtime.visual.embed_store import EmbedStore
 from llaunch.runtime.visual.encoder import encode
@@ -55,7 +55,7 @@ def test_a_batch_of_1024px_images_round_trips_through_the_embed_cache():
         [(_, ready)] = batcher.step()
         peak = torch.cuda.max_memory_allocated()
         assert ready.error is None and batches == [BATCH]
-        reader = ShmEmbeds([path], a.spatial_merge_size, a.hidden_size, torch.bfloat16, dev, 5.0)
+        reader = ShmEmbeds([path], image_tokens(a.spatial_merge_size), a.hidden_size, torch.bfloat16, dev, 5.0)
         got = reader.embeddings(ready.images)
         for i in (0, BATCH - 1):
             alone = encode(tower, [images[i]])[0]

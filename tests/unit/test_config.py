@@ -15,12 +15,12 @@ from llaunch.launcher import derive, store
 from llaunch.runtime.models import checkpoint
 from llaunch.runtime.config import (
     BenchConfig, CacheConfig, Device, DType, LlaunchConfig, LoadFormat, Mode, ModeConfig, ModelConfig,
-    KernelSettings, ParallelConfig, RouterConfig, ServerConfig, SpecConfig, VisualConfig,
+    KernelSettings, ParallelConfig, RouterConfig, ServerConfig, SpecConfig, VisualConfig, AudioConfig,
 )
 
 SCHEMAS = {"model": ModelConfig, "parallel": ParallelConfig, "cache": CacheConfig, "mode": ModeConfig,
            "router": RouterConfig, "server": ServerConfig, "kernels": KernelSettings, "bench": BenchConfig,
-           "spec": SpecConfig, "visual": VisualConfig}
+           "spec": SpecConfig, "visual": VisualConfig, "audio": AudioConfig}
 ALL_PROFILES = [(g, p) for g in store.GROUPS for p in store.profiles(g)]
 # Published parameter counts (model cards / safetensors metadata): the oracle for sized profiles.
 PUBLISHED_PARAMS = {"smollm2-135m": 134_515_008, "qwen2-0.5b": 494_032_768, "qwen2-7b": 7_615_616_512,

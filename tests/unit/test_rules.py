@@ -102,6 +102,8 @@ BREAKS = {
     "spec_method_available": [["spec=draft"]],
     "visual_settings_valid": [["visual.dp=0"], ["visual.batch_size=0"], ["visual.embed_cache_mib=0"]],
     "visual_devices_valid": [["visual.devices=[0]"], ["device=cuda", "visual.devices=[0,1]", "dry_run=true"]],
+    "audio_limits_valid": [["audio.max_clip_seconds=31"], ["audio.max_clip_bytes=0"],
+                           ["audio.max_clips_per_request=0"]],
     "visual_deployment_supported": [["model=qwen2-vl-7b", "model.load_format=dummy", "mode=pd_prefill", "dry_run=true"]],
     "spec_where_rows_decode": [["spec=ngram", "mode=pd_decode"], ["spec=ngram", "server.return_all_prompt_logprobs=true"],
                                ["spec=ngram", "model.task=score", "model.num_labels=1"]],

@@ -13,7 +13,7 @@ from llaunch.runtime.ipc.messages import AddRequest, ImageRef, SamplingParams
 from llaunch.runtime.router.image_gate import ImageGate, replica_of
 from llaunch.runtime.router.request import Request
 from llaunch.runtime.visual.batcher import VisualBatcher
-from llaunch.runtime.visual.embed_reader import ShmEmbeds
+from llaunch.runtime.visual.embed_reader import ShmEmbeds, image_tokens
 from llaunch.runtime.visual.embed_shm import BLOCK_BYTES
 from llaunch.runtime.visual.embed_store import EmbedStore
 from llaunch.runtime.visual.messages import EncodeImages
@@ -56,7 +56,7 @@ def test_a_repeated_image_is_encoded_once_and_read_back_by_a_worker(store, tmp_p
     answers = b.step() + b.step()
     assert enc.batches == [["0a", "0b"]]  # one batch; "0a" of both requests encoded once
     assert [(r, a.request_id, a.hits, a.encoded) for r, a in answers] == [(0, "a", 0, 2), (0, "b", 1, 0)]
-    reader = ShmEmbeds([str(tmp_path / "embeds")], 2, HIDDEN, torch.float32, torch.device("cpu"), 1.0)
+    reader = ShmEmbeds([str(tmp_path / "embeds")], image_tokens(2), HIDDEN, torch.float32, torch.device("cpu"), 1.0)
     refs = answers[0][1].images
     assert [im.offset for im in refs] == [0, 0, 9]
     for got, im in zip(reader.embeddings(refs), [image("0a"), image("0b"), image("0a")]):
