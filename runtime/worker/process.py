@@ -154,7 +154,7 @@ def main() -> None:
     model = build_model(cfg.model, device=device, dtype=dtype, tp_rank=spec.tp_rank, tp_size=cfg.parallel.tp,
                         process_group=group, progress=stage.fraction(loading))
     images = None
-    embeds = [spec.connects[f"embeds.{v}"] for v in range(cfg.visual.dp)]
+    embeds = [spec.connects[f"embeds.{v}"] for v in range(cfg.visual.dp)] if cfg.model.vision or cfg.model.audio else []
     if cfg.model.vision:  # image embeddings come from the visual servers' embed cache (runtime/visual/)
         arch = VisionArch.from_dict(cfg.model.vision)
         images = ImageRows(ShmEmbeds(embeds, image_tokens(arch.spatial_merge_size), arch.hidden_size, dtype, device,
