@@ -194,6 +194,17 @@ def open_source(cfg: ModelConfig, device: torch.device, num_params: int) -> Tens
     return GgufSource(cfg.path) if fmt == "gguf" else SafetensorsSource(cfg.path)
 
 
+def load_checkpoint_module(module: torch.nn.Module, cfg: ModelConfig, device: torch.device, num_params: int) -> torch.nn.Module:
+    """Fill a module that lays out its own tensors (a vision or audio tower) from the model's
+    checkpoint (or dummy weights); returned in eval mode."""
+    source = open_source(cfg, device, num_params)
+    try:
+        load_from(module, source)
+    finally:
+        source.close()
+    return module.eval()
+
+
 def load_from(model: torch.nn.Module, source: TensorSource, progress: Optional[Callable[[float], None]] = None) -> None:
     """Fill every parameter of `model` (a DecoderLM) with its shards from `source`; `progress` gets the
     share of the parameters' bytes loaded after each one."""

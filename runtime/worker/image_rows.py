@@ -16,7 +16,7 @@ from llaunch.runtime.ipc.messages import NewSeq, StepPlan
 from llaunch.runtime.models.batch import ForwardBatch
 from llaunch.runtime.models.mrope import rope_index
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
-from llaunch.runtime.models.weights import load_from, open_source
+from llaunch.runtime.models.weights import load_checkpoint_module
 
 
 @dataclass
@@ -29,12 +29,7 @@ class RowImages:
 def build_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen2VisionTower:
     arch = VisionArch.from_dict(cfg.vision)
     tower = Qwen2VisionTower(arch, device, dtype)
-    source = open_source(cfg, device, arch.num_params)
-    try:
-        load_from(tower, source)
-    finally:
-        source.close()
-    return tower.eval()
+    return load_checkpoint_module(tower, cfg, device, arch.num_params)
 
 
 class ImageRows:
