@@ -22,6 +22,8 @@ BINARY = [
     "hyperframe", "priority", "wsproto", "flask", "blinker", "itsdangerous", "gguf", "openai", "distro",
     "jiter", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "sniffio",
     "taskgroup", "pytest-timeout", "xgrammar", "apache-tvm-ffi",
+    # audio decoding (runtime/audio/decode.py): soundfile's wheel bundles libsndfile; cffi loads it
+    "soundfile==0.13.1", "cffi", "pycparser",
     # tuning sweeps (hydra/sweeper=tune): the Optuna sweeper and optuna 2's dependencies (scipy, tqdm and
     # numpy are the image's)
     "hydra-optuna-sweeper==1.3.0", "optuna==2.10.1", "sqlalchemy<2", "greenlet", "alembic<1.13", "mako",

@@ -1,48 +1,53 @@
-"""Audio bytes → a mono float32 waveform at the encoder's rate (16 kHz). WAV (PCM, 8/16/24/32-bit) is
-read by the standard library; FLAC and MP3 need a decoding library that the environment does not have
-yet (PyAV, which bundles FFmpeg, is the plan) and are refused with a clear error.
-Resampling is a windowed-sinc (Hann) filter, torchaudio's default `sinc_interp_hann` algorithm, in torch."""
+"""Audio bytes → a mono float32 waveform at the encoder's rate (16 kHz). WAV, FLAC, MP3 and OGG
+(Vorbis/Opus) are read by libsndfile 1.2 through `soundfile` (its wheel bundles the library); the
+container is detected from the bytes and must be the format the request names. Resampling is a
+windowed-sinc (Hann) filter, torchaudio's default `sinc_interp_hann` algorithm, in torch."""
 from __future__ import annotations
 
 import io
 import math
-import wave
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-FORMATS = ("wav",)  # what decode() reads; the API's input_audio.format names these
+FORMATS = ("wav", "flac", "mp3", "ogg")  # what decode() reads; the API's input_audio.format names these
+CONTAINERS = {"WAV": "wav", "WAVEX": "wav", "RF64": "wav", "W64": "wav", "FLAC": "flac", "MP3": "mp3", "OGG": "ogg"}
 
 
 class AudioDecodeError(ValueError):
     """The bytes are not audio we can read (the frontend answers 400 with this message)."""
 
 
-def decode(data: bytes, fmt: str, rate: int = 16000) -> np.ndarray:
-    """Mono float32 samples in [-1, 1] at `rate`."""
+class ClipTooLong(AudioDecodeError):
+    """The stream says it lasts longer than allowed (checked before decoding it)."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"the clip lasts {seconds:.1f} s")
+        self.seconds = seconds
+
+
+def decode(data: bytes, fmt: str, rate: int = 16000, max_seconds: Optional[float] = None) -> np.ndarray:
+    """Mono float32 samples in [-1, 1] at `rate`; a stream longer than `max_seconds` is not decoded."""
+    import soundfile
+
     if fmt not in FORMATS:
         raise AudioDecodeError(f"audio format {fmt!r} is not supported ({', '.join(FORMATS)})")
     try:
-        with wave.open(io.BytesIO(data)) as w:
-            channels, width, source_rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
-            raw = w.readframes(w.getnframes())
-    except (wave.Error, EOFError, ValueError) as e:
-        raise AudioDecodeError(f"the audio is not a readable PCM WAV file: {e}") from None
-    if width == 1:
-        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
-    elif width in (2, 4):
-        kind = np.int16 if width == 2 else np.int32
-        samples = np.frombuffer(raw, kind).astype(np.float32) / -float(np.iinfo(kind).min)
-    elif width == 3:  # little-endian 24-bit: sign-extend into int32
-        b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
-        samples = ((b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16) << 8 >> 8).astype(np.float32) / 2**23
-    else:
-        raise AudioDecodeError(f"{8 * width}-bit WAV samples are not supported")
+        with soundfile.SoundFile(io.BytesIO(data)) as f:
+            found = CONTAINERS.get(f.format)
+            if found != fmt:
+                raise AudioDecodeError(f"the data is {f.format_info} audio, not {fmt}")
+            if max_seconds is not None and f.samplerate > 0 and f.frames / f.samplerate > max_seconds:
+                raise ClipTooLong(f.frames / f.samplerate)
+            source_rate = f.samplerate
+            samples = f.read(dtype="float32", always_2d=True)
+    except (RuntimeError, EOFError, TypeError) as e:  # soundfile's errors are RuntimeErrors
+        raise AudioDecodeError(f"the audio is not a readable {fmt} file: {e}") from None
     if samples.size == 0:
         raise AudioDecodeError("the audio has no samples")
-    mono = samples[:samples.size // channels * channels].reshape(-1, channels).mean(axis=1)
-    return resample(mono, source_rate, rate)
+    return resample(samples.mean(axis=1), source_rate, rate)
 
 
 def resample(samples: np.ndarray, source: int, target: int, width: int = 6, rolloff: float = 0.99) -> np.ndarray:

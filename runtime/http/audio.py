@@ -17,7 +17,8 @@ from llaunch.runtime.ipc.messages import ImageRef
 
 AUDIO_PARTS = ("input_audio", "audio_url")
 MIME_FORMATS = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/wave": "wav", "audio/vnd.wave": "wav",
-                "audio/mpeg": "mp3", "audio/mp3": "mp3", "audio/flac": "flac", "audio/x-flac": "flac"}
+                "audio/mpeg": "mp3", "audio/mp3": "mp3", "audio/flac": "flac", "audio/x-flac": "flac",
+                "audio/ogg": "ogg"}
 
 
 def audio_placeholder(n: int) -> str:
@@ -71,7 +72,7 @@ class AudioInputs:
         self.image_token_id = self.features.audio_token_id  # what a clip's tokens are checked as
 
     def clip(self, source: AudioSource, param: str):
-        from llaunch.runtime.audio.decode import AudioDecodeError, decode
+        from llaunch.runtime.audio.decode import AudioDecodeError, ClipTooLong, decode
         from llaunch.runtime.audio.features import SAMPLING_RATE
 
         limit = self.audio.max_clip_bytes
@@ -82,10 +83,12 @@ class AudioInputs:
         except (binascii.Error, ValueError):
             raise bad_request("The audio data is not valid base64.", param=param) from None
         try:
-            waveform = decode(data, source.format, SAMPLING_RATE)
+            waveform = decode(data, source.format, SAMPLING_RATE, self.audio.max_clip_seconds)
+            seconds = waveform.size / SAMPLING_RATE
+        except ClipTooLong as e:  # its header says so: not decoded at all
+            seconds = e.seconds
         except AudioDecodeError as e:
             raise bad_request(f"The audio cannot be read: {e}.", param=param) from None
-        seconds = waveform.size / SAMPLING_RATE
         if seconds > self.audio.max_clip_seconds:
             raise bad_request(f"The audio clip lasts {seconds:.1f} s, longer than audio.max_clip_seconds="
                               f"{self.audio.max_clip_seconds}.", param=param)

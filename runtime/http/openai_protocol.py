@@ -110,7 +110,7 @@ class ImageUrl(msgspec.Struct, forbid_unknown_fields=True):
 
 class InputAudio(msgspec.Struct, forbid_unknown_fields=True):
     data: str  # base64
-    format: str  # wav (runtime/audio/decode.py FORMATS); others: 400
+    format: str  # wav, flac, mp3, ogg (runtime/audio/decode.py FORMATS); others: 400
 
 
 class AudioUrl(msgspec.Struct, forbid_unknown_fields=True):

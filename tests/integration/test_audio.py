@@ -1,7 +1,9 @@
 """Qwen2-Audio through the real HTTP API with the openai client: greedy chat answers token-identical to
 transformers' generate with 0, 1 and 2 clips (base64 WAV input_audio parts, and a data: audio_url);
 clip tokens counted in usage; a repeated clip is an embed-cache hit and not encoded again (the visual
-server encodes clips too); bad, too long, too large and too many clips are 400s."""
+server encodes clips too); a FLAC clip answers as transformers does and as the same clip in WAV (which
+then hits the embed cache: the same waveform); bad, corrupt, mislabelled, too long, too large and too
+many clips are 400s."""
 from __future__ import annotations
 
 import base64
@@ -36,6 +38,15 @@ def wav(samples: np.ndarray, rate: int = 16000) -> bytes:
     with wave.open(out, "wb") as w:
         w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
         w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return out.getvalue()
+
+
+def flac(samples: np.ndarray, rate: int = 16000) -> bytes:
+    """The same 16-bit samples as wav() writes, FLAC-compressed."""
+    import soundfile
+
+    out = io.BytesIO()
+    soundfile.write(out, (np.clip(samples, -1, 1) * 32767).astype("<i2"), rate, format="FLAC", subtype="PCM_16")
     return out.getvalue()
 
 
@@ -83,8 +94,23 @@ def test_repeated_clip_hits_the_embed_cache(audio):
     assert first.choices[0].model_extra["token_ids"] != other.choices[0].model_extra["token_ids"]
 
 
+def test_flac_answers_as_the_same_wav(audio):
+    server, oracle, client = audio
+    samples = clip(1.2, 60)
+    messages = [{"role": "user", "content": [{"type": "input_audio"}, {"type": "text", "text": "What is it?"}]}]
+    expected, _, _ = oracle.greedy(messages, [heard(wav(samples))], MAX_NEW)
+    before = settled(server)
+    from_flac = ask(client, [input_audio(flac(samples), "flac")])
+    from_wav = ask(client, [input_audio(wav(samples))])
+    assert from_flac.choices[0].model_extra["token_ids"] == expected == from_wav.choices[0].model_extra["token_ids"]
+    m = wait_for(server, lambda m: m["mm_cache_queries_total"] >= before["mm_cache_queries_total"] + 2, "2 lookups")
+    assert m["mm_cache_hits_total"] == before["mm_cache_hits_total"] + 1  # the WAV's features are the FLAC's
+
+
 @pytest.mark.parametrize("part, why", [
-    (input_audio(wav(clip(0.5, 1)), "mp3"), "not supported (wav)"),
+    (input_audio(wav(clip(0.5, 1)), "aac"), "not supported (wav, flac, mp3, ogg)"),
+    (input_audio(wav(clip(0.5, 1)), "mp3"), "not mp3"),
+    (input_audio(flac(clip(1.0, 6))[:3000], "flac"), "cannot be read"),
     (input_audio(b"RIFF not really a wave file"), "cannot be read"),
     ({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}, "base64"),
     ({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, "not fetched"),
