@@ -20,6 +20,7 @@ from llaunch.runtime.worker.prompt_logprobs import PromptLogprobRows, PromptPart
 from llaunch.runtime.worker.sampling_state import SamplingState, logprobs_to_host
 from llaunch.runtime.worker.spec_verify import PendingVerify, Verifier
 from llaunch.runtime.worker.transfer import to_device, to_host_async
+from llaunch.runtime.worker.verify_graphs import VerifySteps, verify_tokens
 
 
 @dataclass
@@ -43,12 +44,15 @@ class PendingStep:
 class ModelRunner:
     def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device, cuda_graphs: bool = False,
                  prefill_graph_tokens: int = 0, timed: bool = False, eos_ids: tuple[int, ...] = (),
-                 grammar: Optional[Callable] = None, graph_max_len: Optional[int] = None, images=None):
+                 grammar: Optional[Callable] = None, graph_max_len: Optional[int] = None, images=None,
+                 verify_tokens: int = 0):
         """`kv` has one row and one slot more than the router uses: scratch space for padding.
         `prefill_graph_tokens`: with CUDA graphs, the longest chunk a lone prefill replays one for.
         `timed` (a step trace is on): on a GPU each step also reports its host and device time.
         `eos_ids`, `grammar`: what SamplingState needs for min_tokens and structured output.
-        `graph_max_len`: the longest context a decode graph covers (None: every one the KV rows hold)."""
+        `graph_max_len`: the longest context a decode graph covers (None: every one the KV rows hold).
+        `verify_tokens`: the most tokens a speculating step has (verify steps up to it are padded to
+        CUDA-graph buckets: runtime/worker/verify_graphs.py)."""
         self.model = model
         self.kv = kv
         self.images = images  # ImageRows (runtime/worker/image_rows.py) of a multimodal model, else None
@@ -81,6 +85,12 @@ class ModelRunner:
                 self.prefill_graphs = PrefillGraphs(model, kv, min(prefill_graph_tokens, kv.req_to_slots.shape[1]),
                                                     scratch_row=max_rows, scratch_slot=scratch_slot)
                 self.prefill_graphs.capture()
+        # verify steps (no prefill chunk) run as decode steps of several tokens per verifying row
+        verify_len = self.graphs.max_model_len if self.graphs else kv.req_to_slots.shape[1]
+        self.verify_steps = None if self.scores_only else VerifySteps(
+            model, kv, self.last_token, verify_tokens, verify_len, scratch_row=max_rows, scratch_slot=kv.num_slots - 1)
+        if self.graphs is not None and self.verify_steps is not None:
+            self.verify_steps.capture()
         if device.type == "cuda":
             self._warm_eager(max_rows, kv.num_slots - 1)
 
@@ -196,6 +206,8 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], list[int], Optional[torch.Tensor]]:
         """(logits, sampled rows, greedy tokens already recorded as the rows' last tokens, or None)."""
+        if plan.verify and not plan.prefill and self.verify_steps is not None and self.images is None:
+            return self.verify_steps.run(verify_tokens(plan, self.seq_len)), list(plan.decode_rows), None
         longest = (max((self.seq_len[r] + 1 for r in plan.decode_rows), default=0)  # contexts after this step
                    if self.graphs is not None and self._graph_len_bound else 0)
         if self.graphs is not None and not plan.prefill and not plan.verify and self.graphs.fits(len(plan.decode_rows), longest):

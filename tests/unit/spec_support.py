@@ -10,6 +10,7 @@ from llaunch.runtime.ipc.messages import AddRequest
 from llaunch.runtime.router.request import Request
 from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
 from llaunch.runtime.worker.runner import ModelRunner
+from llaunch.runtime.worker.verify_graphs import spec_step_tokens
 
 ROWS, SLOTS, MAX_LEN = 16, 2048, 160
 EOS = 2
@@ -26,8 +27,9 @@ def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int
     sched = Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=step_tokens,
                                       chunked_prefill=True, chunked_prefill_size=step_tokens, max_wait_tokens=1, token_ratio=0.0,
                                       max_model_len=max_len, eos_ids=eos_ids, pipeline_depth=2, spec=cfg))
+    # verify steps padded to buckets (CUDA graphs on a GPU) up to every row verifying 4 proposals, as a server's
     runner = ModelRunner(model, model.make_kv_cache(kv_slots + 1, ROWS + 1, max_len), ROWS, device,
-                         cuda_graphs=cuda_graphs, eos_ids=eos_ids)
+                         cuda_graphs=cuda_graphs, eos_ids=eos_ids, verify_tokens=spec_step_tokens(cfg, ROWS) if spec else 0)
     for i, (prompt, sp) in enumerate(requests):
         assert sched.add(Request(AddRequest(str(i), 0, prompt, sp, 0.0), sp)) is None
     out = {i: ([], None) for i in range(len(requests))}

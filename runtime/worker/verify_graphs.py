@@ -1,0 +1,143 @@
+"""Verify steps of speculative decoding as decode steps, replayed from CUDA graphs.
+
+A step with verify chunks and plain decode rows, but no prefill chunk, is laid out as T decode tokens:
+one per plain row, then each verify chunk's n tokens (the row's last token and its proposal) as n
+decode tokens of the same row whose lengths are start+1 .. start+n. Every token's K/V is stored
+before attention, so token j of a chunk attends to the row's first start+j+1 tokens: causal
+attention within the chunk, through the decode attention kernel (several query tokens per sequence
+are several entries of the same row). The logits of all T tokens come back: the verdict needs every
+position of a chunk (runtime/worker/spec_verify.py).
+
+Decode attention's grid depends only on T, so the step has fixed shapes: one CUDA graph per bucket
+of T (1, 2, 4, 8, then every 8 ...) up to the most tokens a speculating step can have (spec.max_batch
+rows × spec.num_tokens + 1). Launched eagerly, a verify step of SmolLM2-135M costs the host ~300
+kernel launches against a few hundred microseconds on the device; a replay is one copy and one
+launch. Padding tokens are scratch rows (as the decode graphs'). On a CPU the same padded step runs
+eagerly, which is how the CPU tests check the layout and the padding.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from llaunch.kernels import pdl
+from llaunch.runtime.ipc.messages import StepPlan
+from llaunch.runtime.models.batch import ForwardBatch, KvCache
+from llaunch.runtime.worker.cuda_graphs import bucket_sizes, capture_buckets
+
+log = logging.getLogger("llaunch.worker")
+
+FIELDS = 5  # per token: id (-1: the row's last sampled token, on the device), row, position, slot, length
+MAX_GRAPH_TOKENS = 512  # a larger verify step runs eagerly (its logits alone would take 0.3 GB at 152k vocab)
+
+
+def spec_step_tokens(spec, max_rows: int) -> int:
+    """The most tokens a speculating step holds: every row of the largest speculating batch verifying
+    spec.num_tokens proposals (0 without speculation)."""
+    if getattr(spec.method, "value", spec.method) == "none":
+        return 0
+    return min(spec.max_batch, max_rows) * (spec.num_tokens + 1)
+
+
+def verify_tokens(plan: StepPlan, seq_len: list[int]) -> list[list[int]]:
+    """The step's tokens as decode tokens, [ids, rows, positions, slots, lengths]: plain decode rows
+    first (their lengths in `seq_len` grow by one), then every verify chunk's tokens in plan order
+    (their rows' lengths follow the verdict, not this)."""
+    ids, rows, positions, slots, lens = [], [], [], [], []
+    for r, slot in zip(plan.decode_rows, plan.decode_slots):
+        ids.append(-1)
+        rows.append(r)
+        positions.append(seq_len[r])
+        slots.append(slot)
+        seq_len[r] += 1
+        lens.append(seq_len[r])
+    for chunk in plan.verify:
+        n = len(chunk.token_ids)
+        ids.extend(chunk.token_ids)
+        rows.extend([chunk.row] * n)
+        positions.extend(range(chunk.start, chunk.start + n))
+        slots.extend(chunk.slots)
+        lens.extend(range(chunk.start + 1, chunk.start + n + 1))
+    return [ids, rows, positions, slots, lens]
+
+
+class VerifySteps:
+    def __init__(self, model, kv: KvCache, last_token: torch.Tensor, max_tokens: int, max_len: int,
+                 scratch_row: int, scratch_slot: int):
+        """`max_tokens`: the largest step padded to a bucket (0: none, every step runs unpadded);
+        `max_len`: the longest context a padded step covers (its attention's split count)."""
+        self.model, self.kv, self.last_token = model, kv, last_token
+        self.scratch_row, self.scratch_slot, self.max_len = scratch_row, scratch_slot, max_len
+        self.buckets = bucket_sizes(min(max_tokens, MAX_GRAPH_TOKENS)) if max_tokens > 0 else []
+        device = last_token.device
+        top = self.buckets[-1] if self.buckets else 0
+        self.inputs = torch.zeros(FIELDS * top, dtype=torch.int64, device=device)
+        cuda = device.type == "cuda"
+        # a ring of pinned host buffers: step N's copy may still be queued while N+1 is written
+        self._host = [torch.zeros(FIELDS * top, dtype=torch.int64, pin_memory=cuda) for _ in range(3 if cuda else 1)]
+        self._turn = 0
+        self.logits_index = torch.arange(max(top, 1), dtype=torch.int64, device=device)
+        self._empty = torch.zeros(0, dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _forward(self, fields: torch.Tensor, max_len: int) -> torch.Tensor:
+        """Device work only (capturable): fields [FIELDS, T] → logits [T, vocab]."""
+        ids, rows, positions, slots, lens = fields
+        self.kv.req_to_slots[rows, positions] = slots.to(self.kv.req_to_slots.dtype)
+        input_ids = torch.where(ids >= 0, ids, self.last_token[rows])
+        t = ids.shape[0]
+        batch = ForwardBatch(
+            input_ids=input_ids, positions=positions, out_slots=slots, decode_rows=rows, decode_seq_lens=lens,
+            prefill_rows=self._empty, prefill_q_starts=self._empty, prefill_q_lens=self._empty,
+            prefill_prefix_lens=self._empty, logits_index=self.logits_index[:t] if t <= self.logits_index.shape[0]
+            else torch.arange(t, device=ids.device), num_decode=t, num_prefill_tokens=0, max_decode_len=max_len,
+            every_token=True)
+        return self.model.forward(batch, self.kv)
+
+    def _step(self, b: int) -> torch.Tensor:
+        return self._forward(self.inputs[: FIELDS * b].view(FIELDS, b), self.max_len)
+
+    def _fill(self, tokens: list[list[int]], b: int) -> None:
+        """Write the step's tokens padded to bucket b (padding: scratch row, position 0, scratch slot)."""
+        n = len(tokens[0])
+        self._turn = (self._turn + 1) % len(self._host)
+        flat = self._host[self._turn][: FIELDS * b]
+        host = flat.view(FIELDS, b)
+        if n:
+            host[:, :n] = torch.tensor(tokens, dtype=torch.int64)
+        host[0, n:], host[1, n:], host[2, n:], host[3, n:], host[4, n:] = 0, self.scratch_row, 0, self.scratch_slot, 1
+        self.inputs[: FIELDS * b].copy_(flat, non_blocking=True)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if not self.buckets:
+            return
+        with pdl.for_graphs():  # the warm-up compiles the PDL variants the capture records
+            self.graphs = capture_buckets(self.buckets, lambda b: self._fill([[]] * FIELDS, b), self._step)
+        log.info("captured verify CUDA graphs for steps of up to %d tokens (%d buckets)", self.buckets[-1],
+                 len(self.buckets))
+
+    def bucket(self, tokens: int, longest: int) -> Optional[int]:
+        """The padded size a step of `tokens` tokens with contexts up to `longest` runs at, or None
+        (unpadded, eager)."""
+        if not self.buckets or tokens > self.buckets[-1] or longest > self.max_len:
+            return None
+        return next(b for b in self.buckets if b >= tokens)
+
+    @torch.inference_mode()
+    def run(self, tokens: list[list[int]]) -> torch.Tensor:
+        """Logits [T, vocab] of the step's tokens (verify_tokens' layout), their K/V written. A graph's
+        logits buffer is overwritten by its next replay: read it (sampling, the verdict) before."""
+        n = len(tokens[0])
+        b = self.bucket(n, max(tokens[4], default=0))
+        if b is None:
+            fields = torch.tensor(tokens, dtype=torch.int64).to(self.last_token.device, non_blocking=True)
+            return self._forward(fields, max(tokens[4]))
+        self._fill(tokens, b)
+        if b not in self.graphs:
+            return self._step(b)[:n]
+        graph, logits = self.graphs[b]
+        graph.replay()
+        return logits[:n]

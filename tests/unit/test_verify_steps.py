@@ -1,0 +1,67 @@
+"""Verify steps as decode steps (runtime/worker/verify_graphs.py): a step's verify chunks laid out as
+several decode tokens per row give the logits the chunked-prefill route gives (causal attention
+within each chunk over the row's cached prefix), padded to a CUDA-graph bucket or not; a CPU runs the
+padded step eagerly, as a GPU replays it."""
+import pytest
+import torch
+
+from fixtures.tiny_models import model_config_from_folder, write_tiny_checkpoint
+from llaunch.runtime.config import SpecConfig, SpecMethod
+from llaunch.runtime.ipc.messages import StepPlan, VerifyChunk
+from llaunch.runtime.models.loader import build_model
+from llaunch.runtime.worker.runner import ModelRunner
+from llaunch.runtime.worker.verify_graphs import spec_step_tokens, verify_tokens
+
+ROWS, LEN = 6, 64
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-verify-steps"), "qwen2")
+    return build_model(model_config_from_folder(folder), device=torch.device("cpu"), dtype=torch.float32)
+
+
+def _runner(model, verify_tokens: int) -> ModelRunner:
+    """Rows 0..3 hold 20, 33, 7, 50 cached tokens of random K/V; each row's last token is known."""
+    kv = model.make_kv_cache(ROWS * LEN + 1, ROWS + 1, LEN)
+    runner = ModelRunner(model, kv, ROWS, torch.device("cpu"), verify_tokens=verify_tokens)
+    gen = torch.Generator().manual_seed(7)
+    for layer_k, layer_v in zip(kv.k, kv.v):
+        layer_k.copy_(torch.randn(layer_k.shape, generator=gen))
+        layer_v.copy_(torch.randn(layer_v.shape, generator=gen))
+    for row, cached in enumerate([20, 33, 7, 50]):
+        kv.req_to_slots[row, :cached] = torch.arange(row * LEN, row * LEN + cached, dtype=torch.int32)
+        runner.seq_len[row] = cached
+        runner.last_token[row] = 11 + row
+    return runner
+
+
+def _plan() -> StepPlan:
+    """Rows 0 and 2 decode one token; row 1 verifies 4 proposals, row 3 one (a proposal may be short)."""
+    slot = lambda row, pos: row * LEN + pos  # noqa: E731
+    return StepPlan(step=1, decode_rows=[0, 2], decode_slots=[slot(0, 20), slot(2, 7)],
+                    verify=[VerifyChunk(row=1, token_ids=[12, 40, 41, 42, 43], start=33,
+                                        slots=[slot(1, p) for p in range(33, 38)]),
+                            VerifyChunk(row=3, token_ids=[14, 9], start=50, slots=[slot(3, 50), slot(3, 51)])])
+
+
+@pytest.mark.parametrize("graph_tokens", [0, 8, 80])  # unpadded; buckets too small (unpadded); padded to 16
+def test_verify_step_as_decode_tokens_matches_the_chunked_prefill_route(model, graph_tokens):
+    plan = _plan()
+    runner = _runner(model, graph_tokens)
+    want = model.forward(runner.build_batch(plan)[0], runner.kv)  # decode rows, then verify chunks as chunks
+    runner = _runner(model, graph_tokens)
+    tokens = verify_tokens(plan, runner.seq_len)
+    assert tokens[1] == [0, 2, 1, 1, 1, 1, 1, 3, 3]
+    assert tokens[4] == [21, 8, 34, 35, 36, 37, 38, 51, 52]  # token j of a chunk sees start + j + 1 tokens
+    assert runner.seq_len[:4] == [21, 33, 8, 50]  # verify rows' lengths follow the verdict, not the step
+    assert runner.verify_steps.bucket(9, 52) == (16 if graph_tokens == 80 else None)
+    got = runner.verify_steps.run(tokens)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_verify_bucket_sizes_follow_the_spec_settings():
+    spec = SpecConfig(method=SpecMethod.ngram, num_tokens=4, max_batch=16)
+    assert spec_step_tokens(spec, max_rows=256) == 80
+    assert spec_step_tokens(spec, max_rows=8) == 40  # no more rows than the server runs
+    assert spec_step_tokens(SpecConfig(), max_rows=256) == 0
