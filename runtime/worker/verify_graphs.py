@@ -81,6 +81,7 @@ class VerifySteps:
         self.logits_index = torch.arange(max(top, 1), dtype=torch.int64, device=device)
         self._empty = torch.zeros(0, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0  # verify steps replayed from a graph (tests read it)
 
     def _forward(self, fields: torch.Tensor, max_len: int) -> torch.Tensor:
         """Device work only (capturable): fields [FIELDS, T] → logits [T, vocab]."""
@@ -140,4 +141,5 @@ class VerifySteps:
             return self._step(b)[:n]
         graph, logits = self.graphs[b]
         graph.replay()
+        self.replays += 1
         return logits[:n]

@@ -1,11 +1,12 @@
 """Speculative decoding on the GPU with real weights (SmolLM2-135M-Instruct): n-gram proposals on
-copy-heavy chat prompts, served as the worker serves them (decode CUDA graphs for plain steps, the
-eager chunked-prefill path for verify steps). Greedy output must be token-identical to decoding
-without speculation, at 1 and 16 requests at once, and proposals must be accepted.
+copy-heavy chat prompts, served as the worker serves them (decode CUDA graphs for plain steps, verify
+CUDA graphs for verify steps: k+1 decode tokens per verifying row, runtime/worker/verify_graphs.py).
+Greedy output must be token-identical to decoding without speculation, at 1 and 16 requests at once,
+proposals must be accepted, and verify steps must replay graphs.
 
-float32: the verify step (k+1 query tokens, prefill attention, GEMM) and the decode step (decode
-attention, GEMV) round differently, and bf16 would flip near-tied argmaxes between the two paths;
-in float32 the two agree to ~1e-6, so identity is the exact claim."""
+float32: the verify step (k+1 query tokens per row, GEMM) and the decode step (GEMV) round
+differently, and bf16 would flip near-tied argmaxes between the two paths; in float32 the two agree
+to ~1e-6, so identity is the exact claim."""
 from __future__ import annotations
 
 import pytest
@@ -54,8 +55,11 @@ def test_ngram_greedy_is_token_identical_on_smollm2(model, n):
     requests, eos = copy_requests(n)
     kw = dict(kv_slots=16 * 512, max_len=512, device=torch.device("cuda"), cuda_graphs=True, eos_ids=eos)
     plain, _ = serve(model, requests, spec=False, **kw)
-    fast, sched = serve(model, requests, spec=True, **kw)
+    runners = []
+    fast, sched = serve(model, requests, spec=True, runners=runners, **kw)
     assert fast == plain
+    verify = runners[0].verify_steps
+    assert verify.graphs and verify.replays > 0, "verify steps ran eagerly: no graph replayed"
     s = sched.spec
     print(f"n={n}: {s.verify_rows} verify row-steps, {s.accepted}/{s.proposed} proposed tokens accepted, "
           f"{1 + s.accepted / max(s.verify_rows, 1):.2f} tokens per verify step")

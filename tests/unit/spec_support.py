@@ -2,6 +2,7 @@
 what test_spec_decode.py and tests/gpu/test_spec_decode_gpu.py serve requests through."""
 from collections import deque
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -19,10 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int = MAX_LEN,
           device: torch.device = torch.device("cpu"), cuda_graphs: bool = False, eos_ids: tuple = (EOS,),
-          step_tokens: int = 4096):
+          step_tokens: int = 4096, runners: Optional[list] = None):
     """Run (prompt ids, SamplingParams) requests through a Scheduler and a ModelRunner:
     ({request index: (tokens, finish reason)}, scheduler). Every KV slot must be back at the end.
-    `step_tokens`: the token budget of a step (small: prompts prefill in chunks beside verify rows)."""
+    `step_tokens`: the token budget of a step (small: prompts prefill in chunks beside verify rows).
+    `runners`: a list the ModelRunner is appended to (to look at its graphs)."""
     cfg = SpecConfig(method=SpecMethod.ngram, num_tokens=4, max_batch=16) if spec else None
     sched = Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=step_tokens,
                                       chunked_prefill=True, chunked_prefill_size=step_tokens, max_wait_tokens=1, token_ratio=0.0,
@@ -30,6 +32,8 @@ def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int
     # verify steps padded to buckets (CUDA graphs on a GPU) up to every row verifying 4 proposals, as a server's
     runner = ModelRunner(model, model.make_kv_cache(kv_slots + 1, ROWS + 1, max_len), ROWS, device,
                          cuda_graphs=cuda_graphs, eos_ids=eos_ids, verify_tokens=spec_step_tokens(cfg, ROWS) if spec else 0)
+    if runners is not None:
+        runners.append(runner)
     for i, (prompt, sp) in enumerate(requests):
         assert sched.add(Request(AddRequest(str(i), 0, prompt, sp, 0.0), sp)) is None
     out = {i: ([], None) for i in range(len(requests))}
