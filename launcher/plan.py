@@ -18,12 +18,13 @@ its node, the host KV tier); each worker connects kv_host to its own.
 A multimodal model (model.vision, or model.audio) adds visual.{v} (visual.dp of them, on node 0): binds encode (routers
 send EncodeImages there; it answers on each router's results, connecting ready.{d}) and embeds (its
 embed cache's shared-memory file path); every router connects visual.{v}, every worker embeds.{v}.
+visual.tp > 1 adds visual.{v}.{r} (r = 1 .. visual.tp-1), binding nothing: with visual.{v} they dial dist.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from llaunch.launcher.ports import EndpointAllocator
-from llaunch.runtime.cache.host_pool import pool_path
+from llaunch.runtime.cache.host_pool import index_path, pool_path
 from llaunch.runtime.visual.embed_shm import embeds_path
 from llaunch.runtime.config import Device, KvTransport, LlaunchConfig, Mode, ProcessGraph, ProcessSpec, ZmqMode
 
@@ -137,15 +138,17 @@ def _serving_graph(cfg: LlaunchConfig, endpoints: EndpointAllocator) -> ProcessG
     if cfg.mode.kind == Mode.pd_decode:  # advertised to the master with the registration: rank r's is r-th
         extra["kv_transfer"] = ",".join(w.binds["kv_transfer"] for w in workers)
     frontends = _frontends(cfg, text, [r.binds["requests"] for r in routers], extra | {"control": controls[0]})
-    hosts = _kv_hosts(cfg, workers, controls[0])
-    hosts += _visual_servers(cfg, local, routers, workers, controls[0])
+    hosts = _kv_hosts(cfg, workers, controls[0], routers)
+    hosts += _visual_servers(cfg, local, routers, workers, controls[0], endpoints)
     return ProcessGraph(processes=[*hosts, *frontends, *routers, detokenizer, *workers], http_url=_http_url(cfg),
                         ipc_dir=_ipc_dir(endpoints), control=controls[p.node_rank], dist_init=dist_init)
 
 
-def _kv_hosts(cfg: LlaunchConfig, workers: list[ProcessSpec], instance: str) -> list[ProcessSpec]:
+def _kv_hosts(cfg: LlaunchConfig, workers: list[ProcessSpec], instance: str, routers=()) -> list[ProcessSpec]:
     """cache.cpu_tokens > 0: one kv_host process per node owns the host KV tier's shared memory, a
-    file per worker of its node (runtime/cache/host_pool.py); each worker maps its own."""
+    file per worker of its node (runtime/cache/host_pool.py); each worker maps its own. cache.dp_fetch
+    (one node): an index file per replica too, which every router maps, and each worker maps the pools
+    of its tp rank in the other replicas."""
     if cfg.cache.cpu_tokens <= 0:
         return []
     hosts: dict[int, ProcessSpec] = {}
@@ -155,11 +158,20 @@ def _kv_hosts(cfg: LlaunchConfig, workers: list[ProcessSpec], instance: str) -> 
         path = pool_path(instance, w.dp_rank, w.tp_rank)
         host.binds[f"pool.{w.dp_rank}.{w.tp_rank}"] = path
         w.connects["kv_host"] = path
+        if cfg.cache.dp_fetch:
+            for d in range(cfg.parallel.dp):
+                if d != w.dp_rank:
+                    w.connects[f"kv_peer.{d}"] = pool_path(instance, d, w.tp_rank)
+    if cfg.cache.dp_fetch:
+        for d, router in enumerate(routers):
+            hosts[0].binds[f"index.{d}"] = index_path(instance, d)
+        for router in routers:
+            router.connects.update({f"kv_index.{d}": index_path(instance, d) for d in range(len(routers))})
     return list(hosts.values())
 
 
 def _visual_servers(cfg: LlaunchConfig, local, routers: list[ProcessSpec], workers: list[ProcessSpec],
-                    instance: str) -> list[ProcessSpec]:
+                    instance: str, endpoints: EndpointAllocator) -> list[ProcessSpec]:
     """A multimodal model: visual.dp visual servers (runtime/visual/process.py), each on its GPU
     (visual.devices, else the node's GPUs in turn), with its embed cache's file."""
     if not (cfg.model.vision or cfg.model.audio):  # Qwen2-Audio's clips are encoded by the same servers
@@ -168,15 +180,21 @@ def _visual_servers(cfg: LlaunchConfig, local, routers: list[ProcessSpec], worke
     per_node = max(p.tp * p.dp // max(p.nnodes, 1), 1)
     servers = []
     for i in range(v.dp):
-        gpus = [v.devices[i] if v.devices else i % per_node] if cfg.device == Device.cuda else []
-        server = ProcessSpec(name=f"visual.{i}", role="visual", index=i, gpus=gpus,
+        gpus = [[v.devices[i * v.tp + r] if v.devices else (i * v.tp + r) % per_node] if cfg.device == Device.cuda
+                else [] for r in range(v.tp)]
+        dist = {"dist": f"tcp://127.0.0.1:{endpoints.free_port('127.0.0.1')}"} if v.tp > 1 else {}
+        server = ProcessSpec(name=f"visual.{i}", role="visual", index=i, gpus=gpus[0],
                              binds={"encode": local(f"visual.{i}.encode"), "embeds": embeds_path(instance, i)},
-                             connects={f"ready.{r.dp_rank}": r.binds["results"] for r in routers} | {"control": instance})
+                             connects={f"ready.{r.dp_rank}": r.binds["results"] for r in routers}
+                             | {"control": instance} | dist)
         for r in routers:
             r.connects[f"visual.{i}"] = server.binds["encode"]
         for w in workers:
             w.connects[f"embeds.{i}"] = server.binds["embeds"]
-        servers.append(server)
+        # visual.tp > 1: the followers of visual.{i}, its tower split over them (runtime/visual/tower_tp.py)
+        followers = [ProcessSpec(name=f"visual.{i}.{r}", role="visual", index=i, tp_rank=r, gpus=gpus[r],
+                                 connects={"control": instance} | dist) for r in range(1, v.tp)]
+        servers += [server, *followers]
     return servers
 
 

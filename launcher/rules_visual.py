@@ -30,9 +30,41 @@ def visual_devices_valid(cfg):
     if cfg.device == Device.cpu:
         yield ("visual.devices", "device"), ("visual.devices names GPUs, but device=cpu: leave visual.devices "
                                              "null (the visual servers run on the CPU)")
-    elif len(v.devices) != v.dp or min(v.devices, default=0) < 0:
-        yield ("visual.devices", "visual.dp"), (
-            f"visual.devices={list(v.devices)} with visual.dp={v.dp}: give one GPU index (>= 0) per visual server")
+    elif len(v.devices) != v.dp * v.tp or min(v.devices, default=0) < 0:
+        yield ("visual.devices", "visual.dp", "visual.tp"), (
+            f"visual.devices={list(v.devices)} with visual.dp={v.dp}, visual.tp={v.tp}: give one GPU index (>= 0) "
+            "per visual process (visual.dp × visual.tp of them, server by server)")
+
+
+@rule()
+def visual_tp_valid(cfg):
+    """visual.tp splits the vision tower's heads and MLP over visual.tp processes, each on its own GPU."""
+    v, p = cfg.visual, cfg.parallel
+    if v.tp < 1:
+        yield ("visual.tp",), f"visual.tp={v.tp}: give the processes of one visual server (>= 1)"
+        return
+    if v.tp == 1 or not multimodal(cfg):
+        return
+    if cfg.model.audio:
+        yield ("visual.tp", "model.audio"), (f"visual.tp={v.tp} with an audio model (model.audio): the audio tower "
+                                             "is not split over processes; use visual.tp=1 (and visual.dp for more)")
+    elif cfg.model.vision:
+        heads, e = cfg.model.vision["num_heads"], cfg.model.vision["embed_dim"]
+        hidden = int(e * float(cfg.model.vision.get("mlp_ratio", 4)))
+        if heads % v.tp or hidden % v.tp:
+            yield ("visual.tp",), (f"visual.tp={v.tp} does not divide the vision tower's {heads} attention heads "
+                                   f"and {hidden} MLP features: give a divisor of both")
+    if cfg.device == Device.cuda:
+        per_node = max(p.tp * p.dp // max(p.nnodes, 1), 1)
+        replicas = [v.devices[i * v.tp:(i + 1) * v.tp] for i in range(v.dp)] if v.devices else []
+        if v.devices is None and v.tp > per_node:
+            yield ("visual.tp", "visual.devices"), (
+                f"visual.tp={v.tp} but the workers use {per_node} GPUs, which visual.devices=null shares out: a "
+                "visual server's ranks need distinct GPUs; list visual.dp × visual.tp GPUs in visual.devices")
+        elif any(len(set(r)) != len(r) for r in replicas):
+            yield ("visual.tp", "visual.devices"), (
+                f"visual.devices={list(v.devices)} gives one visual server (visual.tp={v.tp} consecutive entries) "
+                "the same GPU twice: NCCL needs a distinct GPU per rank")
 
 
 @rule()

@@ -168,7 +168,7 @@ class Graph:
             if spec.role == "kv_host":
                 for path in spec.binds.values():
                     remove_pool(path)
-            elif spec.role == "visual":  # its embed cache's file
+            elif spec.role == "visual" and "embeds" in spec.binds:  # its embed cache's file (visual.tp's rank 0)
                 remove_pool(spec.binds["embeds"])
 
 

@@ -177,6 +177,7 @@ class CacheConfig:
     cpu_kv_gib: float = 1.0  # KV budget on CPU when max_total_tokens is unset
     prompt_cache: bool = True  # reuse the KV of shared prompt prefixes (a radix tree of finished requests)
     cpu_tokens: int = 0  # host-memory KV tier under the prompt cache, token slots per replica (evicted KV is kept there); 0: off
+    dp_fetch: bool = False  # parallel.dp > 1 with cpu_tokens: a replica missing a prefix copies it from another replica's host tier instead of computing it
     kv_dtype: KvDType = KvDType.auto  # auto: the model's dtype; fp8_e4m3: 1 byte per element (2x the tokens of bf16)
     # fp8_e4m3: a JSON file of per-layer scales {"k_scale": [...], "v_scale": [...]} (written by kv_calibration);
     # None: every scale 1.0 (K and V values beyond ±448 saturate).
@@ -198,8 +199,9 @@ class VisualConfig:
     # Embeddings of recent images, keyed by a hash of their pixels (LRU): a repeated image is not encoded again.
     embed_cache_mib: int = 512
     dp: int = 1  # visual server processes (each with its own embed cache; an image goes to the one its hash picks)
+    tp: int = 1  # processes (GPUs) of one visual server splitting its vision tower (heads, MLP) with all-reduces
     batch_size: int = 8  # images a visual server encodes in one forward pass
-    devices: Optional[List[int]] = None  # GPU of each visual server (one per visual.dp); None: GPU v % GPUs of the node
+    devices: Optional[List[int]] = None  # GPU of each visual process (visual.dp × visual.tp, server-major); None: GPU (v·tp + r) % node GPUs
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """Qwen2-VL's vision tower: patch embedding → N × (LayerNorm, attention with 2-D rotary, LayerNorm, MLP)
 → patch merger (2×2 patches → one language-model token). Images attend within themselves (one segment
-per frame), bidirectionally. Replicated on every rank (it is small next to the language model).
+per frame), bidirectionally. With visual.tp > 1 a visual replica splits each block Megatron-style (the
+attention heads and the MLP's hidden features column-parallel, proj and fc2 row-parallel with an
+all-reduce: runtime/models/layers.py); the patch embedding and the merger stay whole on every rank.
 
 Parameter names are the checkpoint's under `visual.` (transformers' Qwen2VisionTransformerPretrainedModel),
 so `checkpoint_layout` is a plain name map and runtime/models/weights.py loads it like the decoder.
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llaunch.runtime.models.layers import Shard
+from llaunch.runtime.models.layers import ColumnParallelLinear, RowParallelLinear, Shard, TpGroup
 
 
 @dataclass(frozen=True)
@@ -60,16 +62,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, a: VisionArch, device, dtype):
+    def __init__(self, a: VisionArch, device, dtype, tp: TpGroup = TpGroup(), name: str = ""):
         super().__init__()
-        e, kw = a.embed_dim, dict(device=device, dtype=dtype)
-        self.num_heads = a.num_heads
+        e, m, kw = a.embed_dim, int(a.embed_dim * a.mlp_ratio), dict(device=device, dtype=dtype)
         self.act = _ACTS[a.hidden_act]
         self.norm1, self.norm2 = nn.LayerNorm(e, eps=1e-6, **kw), nn.LayerNorm(e, eps=1e-6, **kw)
-        self.attn = nn.Module()
-        self.attn.qkv, self.attn.proj = nn.Linear(e, 3 * e, **kw), nn.Linear(e, e, **kw)
-        self.mlp = nn.Module()
-        self.mlp.fc1, self.mlp.fc2 = nn.Linear(e, int(e * a.mlp_ratio), **kw), nn.Linear(int(e * a.mlp_ratio), e, **kw)
+        self.attn, self.mlp = nn.Module(), nn.Module()
+        if tp.size == 1:  # plain nn.Linear: the bias fused into the matmul, as transformers computes it
+            self.num_heads = a.num_heads
+            self.attn.qkv, self.attn.proj = nn.Linear(e, 3 * e, **kw), nn.Linear(e, e, **kw)
+            self.mlp.fc1, self.mlp.fc2 = nn.Linear(e, m, **kw), nn.Linear(m, e, **kw)
+            return
+        head_dim = e // a.num_heads
+        h0, self.num_heads = tp.split(a.num_heads, "visual num_heads")
+        f0, fn = tp.split(m, "visual MLP hidden features")
+        qkv, fc1 = f"{name}.attn.qkv", f"{name}.mlp.fc1"  # the checkpoint's fused qkv: this rank's heads of each
+        self.attn.qkv = ColumnParallelLinear(e, [(qkv, 3 * e, j * e + h0 * head_dim, self.num_heads * head_dim)
+                                                 for j in range(3)], True, device, dtype)
+        self.attn.proj = RowParallelLinear(f"{name}.attn.proj", e, h0 * head_dim, self.num_heads * head_dim, e,
+                                           True, tp, device, dtype)
+        self.mlp.fc1 = ColumnParallelLinear(e, [(fc1, m, f0, fn)], True, device, dtype)
+        self.mlp.fc2 = RowParallelLinear(f"{name}.mlp.fc2", m, f0, fn, e, True, tp, device, dtype)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         n = x.shape[0]
@@ -92,16 +105,16 @@ class Qwen2VisionTower(nn.Module):
     """pixel_values [patches, C·T·P·P] (the image processor's) and grid_thw [(t, h, w)] per image →
     embeddings [Σ t·h·w / merge², hidden_size], images back to back."""
 
-    def __init__(self, a: VisionArch, device, dtype):
+    def __init__(self, a: VisionArch, device, dtype, tp: TpGroup = TpGroup()):
         super().__init__()
-        self.arch, self.device, self.dtype = a, torch.device(device), dtype
+        self.arch, self.device, self.dtype, self.tp = a, torch.device(device), dtype, tp
         kw = dict(device=device, dtype=dtype)
         e, merged = a.embed_dim, a.embed_dim * a.spatial_merge_size ** 2
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv3d(a.in_channels, e, kernel_size=(a.temporal_patch_size, a.patch_size,
                                           a.patch_size), stride=(a.temporal_patch_size, a.patch_size, a.patch_size),
                                           bias=False, **kw)
-        self.blocks = nn.ModuleList(VisionBlock(a, device, dtype) for _ in range(a.depth))
+        self.blocks = nn.ModuleList(VisionBlock(a, device, dtype, tp, f"visual.blocks.{i}") for i in range(a.depth))
         self.merger = nn.Module()
         self.merger.ln_q = nn.LayerNorm(e, eps=1e-6, **kw)
         self.merger.mlp = nn.Sequential(nn.Linear(merged, merged, **kw), nn.GELU(), nn.Linear(merged, a.hidden_size, **kw))
@@ -113,7 +126,11 @@ class Qwen2VisionTower(nn.Module):
             p.requires_grad_(False)
 
     def checkpoint_layout(self) -> dict[str, list[Shard]]:
-        return {name: [Shard(f"visual.{name}", tuple(p.shape))] for name, p in self.named_parameters()}
+        layout = {name: [Shard(f"visual.{name}", tuple(p.shape))] for name, p in self.named_parameters()}
+        for mname, module in self.named_modules():  # tensor-parallel layers read their slices only
+            if hasattr(module, "checkpoint_shards"):
+                layout.update({f"{mname}.{k}": shards for k, shards in module.checkpoint_shards().items()})
+        return layout
 
     def _rotary(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         m, pos = self.arch.spatial_merge_size, []

@@ -3,10 +3,12 @@ its audio tower, encoding clips the same way: a clip travels as an ImageRef), ow
 shared-memory embed cache (runtime/visual/embed_store.py), and answers the routers' EncodeImages,
 encoding images in batches of up to visual.batch_size (runtime/visual/batcher.py). Workers read the
 embeddings from the cache; the routers hold a request until its images are there
-(runtime/router/image_gate.py). Its death takes the graph down (the launcher supervises it)."""
+(runtime/router/image_gate.py). Its death takes the graph down (the launcher supervises it).
+visual.tp > 1: visual.{v} leads visual.{v}.1.. (its tower split over them, runtime/visual/tower_tp.py)."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 import zmq
@@ -14,7 +16,10 @@ import zmq
 from llaunch.runtime import bootstrap
 from llaunch.runtime.detokenizer.process import StopFlag
 from llaunch.runtime.ipc.sockets import Receiver, Sender
+from llaunch.runtime.models.layers import TpGroup
+from llaunch.runtime.visual import tower_tp
 from llaunch.runtime.visual.batcher import VisualBatcher
+from llaunch.runtime.visual.tower_tp import TowerLeader
 from llaunch.runtime.visual.embed_shm import num_blocks
 from llaunch.runtime.visual.embed_store import EmbedStore
 from llaunch.runtime.audio.encoder import encode_clips
@@ -28,13 +33,15 @@ IDLE_WAIT_MS = 200
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def tower_encoder(model, device: torch.device, dtype: torch.dtype):
-    """refs → their embeddings, by the model's vision tower or (Qwen2-Audio) its audio tower."""
+def tower_encoder(model, device: torch.device, dtype: torch.dtype, tp: TpGroup = TpGroup(),
+                  leader: Optional[TowerLeader] = None):
+    """refs → their embeddings, by the model's vision tower or (Qwen2-Audio) its audio tower;
+    visual.tp > 1: this rank's part of the vision tower, `leader` handing each batch to the others."""
     if model.audio:
         audio_tower = build_audio_tower(model, device, dtype)
         return lambda clips: encode_clips(audio_tower, clips)
-    tower = build_tower(model, device, dtype)
-    return lambda images: encode_images(tower, images)
+    tower = build_tower(model, device, dtype, tp)
+    return lambda images: encode_images(tower, images, leader.hand_over if leader else None)
 
 
 def serve(batcher: VisualBatcher, inbox: Receiver, routers: dict[int, Sender], stop: StopFlag) -> None:
@@ -61,8 +68,18 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # the workers have the cores
+    tp, headers = tower_tp.join(cfg.visual.tp, spec.tp_rank, spec.connects.get("dist"), device)
     stage("loading the audio tower" if cfg.model.audio else "loading the vision tower")
-    encode = tower_encoder(cfg.model, device, DTYPES[cfg.model.dtype.value])
+    if spec.tp_rank > 0:  # a follower of visual.{index}: no sockets, no cache
+        tower = build_tower(cfg.model, device, DTYPES[cfg.model.dtype.value], tp)
+        bootstrap.report_ready(ctx, cfg, spec, device=str(device), tp_rank=spec.tp_rank)
+        try:
+            tower_tp.follow(tower, headers)
+        except KeyboardInterrupt:
+            pass
+        return
+    leader = tower_tp.TowerLeader(headers, device) if tp.size > 1 else None
+    encode = tower_encoder(cfg.model, device, DTYPES[cfg.model.dtype.value], tp, leader)
     store = EmbedStore(spec.binds["embeds"], num_blocks(cfg.visual.embed_cache_mib))
     stop = StopFlag().install()
     try:
@@ -78,6 +95,8 @@ def main() -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        if leader is not None:
+            leader.stop()
         store.close()
 
 

@@ -14,6 +14,7 @@ import torch
 from llaunch.runtime.config import ModelConfig
 from llaunch.runtime.ipc.messages import NewSeq, StepPlan
 from llaunch.runtime.models.batch import ForwardBatch
+from llaunch.runtime.models.layers import TpGroup
 from llaunch.runtime.models.mrope import rope_index
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
 from llaunch.runtime.models.weights import load_checkpoint_module
@@ -26,9 +27,9 @@ class RowImages:
     spans: list[tuple[int, torch.Tensor]]  # (offset in the prompt, embeddings [tokens, hidden]) per image
 
 
-def build_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen2VisionTower:
+def build_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TpGroup = TpGroup()) -> Qwen2VisionTower:
     arch = VisionArch.from_dict(cfg.vision)
-    tower = Qwen2VisionTower(arch, device, dtype)
+    tower = Qwen2VisionTower(arch, device, dtype, tp)
     return load_checkpoint_module(tower, cfg, device, arch.num_params)
 
 

@@ -282,3 +282,20 @@ def test_a_multimodal_model_adds_its_visual_servers(planned):
     check_wiring(g)
     _, text = planned("device=cuda", "dry_run=true")
     assert not [p for p in text.processes if p.role == "visual"]  # a text model has none
+
+
+def test_visual_tp_adds_followers_on_their_own_gpus_sharing_a_rendezvous(planned):
+    _, g = planned("model=qwen2-vl-7b", "model.load_format=dummy", "device=cuda", "dry_run=true", "parallel=dp2",
+                   "visual.dp=2", "visual.tp=2", "visual.devices=[3,2,1,0]")
+    spec = {p.name: p for p in g.processes}
+    visual = [p.name for p in g.processes if p.role == "visual"]
+    assert visual == ["visual.0", "visual.0.1", "visual.1", "visual.1.1"]
+    assert [spec[n].gpus for n in visual] == [[3], [2], [1], [0]]
+    for v in (0, 1):
+        leader, follower = spec[f"visual.{v}"], spec[f"visual.{v}.1"]
+        assert (leader.tp_rank, follower.tp_rank, follower.index) == (0, 1, v)
+        assert leader.connects["dist"] == follower.connects["dist"]  # one process group per visual server
+        assert not follower.binds  # only the leader serves routers and owns the embed cache
+        assert spec["router.0"].connects[f"visual.{v}"] == leader.binds["encode"]
+    assert spec["visual.0"].connects["dist"] != spec["visual.1"].connects["dist"]
+    check_wiring(g)
