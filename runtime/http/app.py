@@ -79,7 +79,8 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
     openai = OpenAIServing(engine, tokenizer, limits, lifecycle, settings.images)
     # /generate and /generate_stream: LightLLM's shapes, or TGI's (server.tgi_api)
     tgi = settings.tgi_info is not None
-    native = (TgiApi if tgi else GenerateApi)(engine, tokenizer, limits, lifecycle)
+    native = TgiApi(engine, tokenizer, limits, lifecycle) if tgi else GenerateApi(
+        engine, tokenizer, limits, lifecycle, settings.images if isinstance(settings.images, ImageInputs) else None)
     prefill = PrefillServing(engine, tokenizer, limits, lifecycle) if pd_role == "prefill" else None
     created = int(time.time())
 

@@ -10,6 +10,8 @@ from quart import Response
 
 from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
 from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response
+from llaunch.runtime.http.generate_images import MultimodalParams, generate_images
+from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import decode_body
 from llaunch.runtime.http.prompt_logprobs import lightllm_prompt_logprobs
@@ -57,6 +59,7 @@ class GenerateParameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     inputs: Union[str, list[TokenId]]
     parameters: GenerateParameters = msgspec.field(default_factory=GenerateParameters)
+    multimodal_params: Optional[MultimodalParams] = None  # images (Qwen2-VL): runtime/http/generate_images.py
 
 
 def _stops(spec: Union[str, list[Any], None], tokenizer: PromptTokenizer, limits: RequestLimits):
@@ -84,6 +87,8 @@ def _stops(spec: Union[str, list[Any], None], tokenizer: PromptTokenizer, limits
 def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: RequestLimits,
                   stream: bool) -> tuple[list[int], list[SamplingParams]]:
     p = req.parameters
+    if req.multimodal_params is not None and req.multimodal_params.images:  # GenerateApi splices them first
+        raise bad_request("multimodal_params.images: images are not served here.", param="multimodal_params.images")
     n = p.best_of if p.n is None else p.n  # returned: the n of best_of samples with the highest cumulative logprob
     if n > p.best_of:
         raise bad_request(f"n ({n}) must not exceed best_of ({p.best_of}).", param="parameters.n")
@@ -137,7 +142,9 @@ def _finish(delta: TextDelta) -> Optional[str]:
 
 
 class GenerateApi:
-    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: RequestLimits, lifecycle: Lifecycle):
+    def __init__(self, engine: EngineClient, tokenizer: PromptTokenizer, limits: RequestLimits, lifecycle: Lifecycle,
+                 images: Optional[ImageInputs] = None):
+        self.images = images  # a Qwen2-VL model's: multimodal_params.images
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
@@ -145,18 +152,37 @@ class GenerateApi:
         self.healer = TokenHealer(tokenizer)
 
     async def _submit(self, body: bytes, stream: bool) -> tuple[GenerateRequest, list[int], RequestGroup]:
-        req, prompt_ids, jobs = await asyncio.to_thread(self._parse, body, stream)  # tokenizing: off the loop
-        group = await self.engine.submit([(prompt_ids, s) for s in jobs], lifecycle=self.lifecycle)
+        req, prompt_ids, jobs, images = await asyncio.to_thread(self._parse, body, stream)  # tokenizing: off the loop
+        group = await self.engine.submit([(prompt_ids, s) for s in jobs], lifecycle=self.lifecycle, images=images)
         return req, prompt_ids, group
 
     def _parse(self, body: bytes, stream: bool):
         req = decode_body(body, GenerateRequest)
+        if req.multimodal_params is not None and req.multimodal_params.images:
+            return self._parse_images(req, stream)
         prompt_ids, jobs = generate_jobs(req, self.tokenizer, self.limits, stream)
         healing = healing_of(self.healer, prompt_ids, req.parameters.token_healing, self.limits, jobs,
                              "parameters.token_healing")
         if healing is None:
-            return req, prompt_ids, jobs
-        return req, healing.prompt_ids, [healed(j, healing) for j in jobs]
+            return req, prompt_ids, jobs, []
+        return req, healing.prompt_ids, [healed(j, healing) for j in jobs], []
+
+    def _parse_images(self, req: GenerateRequest, stream: bool):
+        """The prompt with its images spliced in; its other checks run on it with each image token as the
+        placeholder it stands for (as the chat path does)."""
+        if isinstance(req.inputs, str):
+            check_prompt_text(req.inputs, self.limits, param="inputs")
+        text_ids = self.tokenizer.encode(req.inputs) if isinstance(req.inputs, str) else list(req.inputs)
+        prompt_ids, images = generate_images(self.images, req.multimodal_params, text_ids)
+        if req.parameters.token_healing:
+            raise bad_request("token_healing is not supported with images.", param="parameters.token_healing")
+        if self.limits.all_prompt_logprobs:
+            raise bad_request("multimodal_params.images: prompt logprobs (server.return_all_prompt_logprobs) are "
+                              "not supported with images.", param="multimodal_params.images")
+        checked = [t if t < self.limits.vocab_size else self.images.image_token_id for t in prompt_ids]
+        _, jobs = generate_jobs(msgspec.structs.replace(req, inputs=checked, multimodal_params=None), self.tokenizer,
+                                self.limits, stream)
+        return req, prompt_ids, jobs, images
 
     def _token(self, token_id: Optional[int], logprob: Optional[float], count: int, prompt_tokens: int) -> dict:
         return {"id": token_id, "logprob": logprob,

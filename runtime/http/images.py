@@ -43,6 +43,8 @@ class ImageInputs:
         self.visual = visual
         self.vocab_size = model.vocab_size
         self.image_token_id = int(model.vision["image_token_id"])
+        self.vision_start_id = int(model.vision.get("vision_start_token_id", 151652))  # Qwen2-VL's ids
+        self.vision_end_id = int(model.vision.get("vision_end_token_id", 151653))
         self.merge = int(model.vision.get("spatial_merge_size", 2))
         processor_dir = model.path if model.path and os.path.isfile(
             os.path.join(model.path, "preprocessor_config.json")) else None
@@ -58,12 +60,7 @@ class ImageInputs:
             header, _, payload = url.partition(",")
             if ";base64" not in header:
                 raise bad_request("An image data: URL must be base64 (data:image/...;base64,...).", param=param)
-            if len(payload) * 3 // 4 > limit:
-                raise bad_request(f"The image is larger than visual.max_image_bytes={limit}.", param=param)
-            try:
-                return base64.b64decode(payload, validate=True)
-            except (binascii.Error, ValueError):
-                raise bad_request("The image data: URL is not valid base64.", param=param) from None
+            return self.decode_base64(payload, param)
         if url.startswith(("http://", "https://")):
             raise bad_request("Image URLs are not fetched: send the image as a data: URL.", param=param)
         path = url.removeprefix("file://")
@@ -78,6 +75,16 @@ class ImageInputs:
             raise bad_request(f"The image is larger than visual.max_image_bytes={limit}.", param=param)
         with open(real, "rb") as f:
             return f.read()
+
+    def decode_base64(self, payload: str, param: str) -> bytes:
+        """An image sent as base64 (a data: URL's payload, LightLLM's {"type": "base64"})."""
+        limit = self.visual.max_image_bytes
+        if len(payload) * 3 // 4 > limit:
+            raise bad_request(f"The image is larger than visual.max_image_bytes={limit}.", param=param)
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise bad_request("The image is not valid base64.", param=param) from None
 
     def process(self, data: bytes, param: str) -> ProcessedImage:
         from PIL import Image, UnidentifiedImageError
@@ -98,12 +105,13 @@ class ImageInputs:
     def token_id(self, image: ProcessedImage) -> int:
         return self.vocab_size + int(image.hash[:8], 16) % 2**31
 
-    def splice(self, prompt_ids: list[int], images: list[ProcessedImage]) -> tuple[list[int], list[ImageRef]]:
+    def splice(self, prompt_ids: list[int], images: list[ProcessedImage],
+               param: str = "messages") -> tuple[list[int], list[ImageRef]]:
         """The prompt with each <|image_pad|> grown into its image's tokens, and the images' refs."""
         places = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
         if len(places) != len(images):
             raise bad_request(f"The prompt holds {len(places)} image placeholders for {len(images)} images "
-                              "(is <|image_pad|> in the text?).", param="messages")
+                              f"(is {IMAGE_PLACEHOLDER} in the text?).", param=param)
         out, refs, last = [], [], 0
         for place, image in zip(places, images):
             out.extend(prompt_ids[last:place])
@@ -132,10 +140,14 @@ def chat_images(inputs: Optional[ImageInputs], req, prompt_ids: list[int], urls:
     """A chat request's prompt with its images spliced in (unchanged without images)."""
     if not urls:
         return prompt_ids, []
-    if len(urls) > inputs.visual.max_images_per_request:
-        raise bad_request(f"{len(urls)} images: more than visual.max_images_per_request="
-                          f"{inputs.visual.max_images_per_request}.", param="messages")
+    check_image_count(inputs, len(urls), "messages")
     if req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not supported with images.", param="prompt_logprobs")
     images = [inputs.process(inputs.read(url, param), param) for url, param in urls]
     return inputs.splice(prompt_ids, images)
+
+
+def check_image_count(inputs: ImageInputs, n: int, param: str) -> None:
+    if n > inputs.visual.max_images_per_request:
+        raise bad_request(f"{n} images: more than visual.max_images_per_request="
+                          f"{inputs.visual.max_images_per_request}.", param=param)

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -103,6 +104,58 @@ def test_too_many_images_and_unsupported_detail_are_400(vl):
     with pytest.raises(openai.BadRequestError, match="detail"):
         client.chat.completions.create(model="tiny-vl", max_tokens=2, messages=[{"role": "user", "content": [low]}])
     assert ask(client, [image_png(60, 60, 3)]).choices[0].message.content is not None  # still serving
+
+
+def generate(server, text: str, images: list[dict]) -> httpx.Response:
+    """LightLLM's /generate with its multimodal_params."""
+    return httpx.post(server.url + "/generate", timeout=60, json={
+        "inputs": text, "parameters": {"max_new_tokens": MAX_NEW, "ignore_eos": True, "return_details": True},
+        "multimodal_params": {"images": images}})
+
+
+def test_generate_with_images_matches_transformers(vl):
+    """The prompt places images as LightLLM's Qwen2-VL tokenizer reads them: <|vision_start|><|image_pad|>
+    <|vision_end|>, or <|vision_start|><|vision_end|>; an image as base64 or as a data: URL."""
+    server, oracle, client = vl
+    pngs = [image_png(90, 60, 10), image_png(60, 90, 11)]
+    content = [{"type": "image_url", "image_url": {"url": "-"}}, {"type": "text", "text": "Describe."}]
+    messages = [{"role": "user", "content": content}]
+    text = oracle.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected, prompt_len = oracle.greedy(messages, pngs[:1], MAX_NEW)
+    r = generate(server, text, [{"type": "base64", "data": base64.b64encode(pngs[0]).decode()}])
+    assert r.status_code == 200, r.text
+    assert [t["id"] for t in r.json()["tokens"]] == expected
+    assert r.json()["prompt_tokens"] == prompt_len  # image tokens included
+    two = [{"role": "user", "content": [content[0], content[0], content[1]]}]
+    expected_two, _ = oracle.greedy(two, pngs, MAX_NEW)
+    short = oracle.tokenizer.apply_chat_template(two, add_generation_prompt=True, tokenize=False).replace(
+        "<|image_pad|>", "")
+    r = generate(server, short, [{"type": "url", "data": data_url(pngs[0])},
+                                 {"type": "base64", "data": base64.b64encode(pngs[1]).decode()}])
+    assert r.status_code == 200, r.text
+    assert [t["id"] for t in r.json()["tokens"]] == expected_two
+
+
+def test_generate_bad_images_are_400(vl):
+    server, oracle, client = vl
+    good = {"type": "base64", "data": base64.b64encode(image_png(60, 60, 3)).decode()}
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>Describe."
+    cases = [
+        ([{"type": "image_size", "data": [60, 60]}], "multimodal_params.images[0].type", "not supported"),
+        ([{"type": "base64", "data": "%%%"}], "multimodal_params.images[0].data", "base64"),
+        ([{"type": "base64", "data": base64.b64encode(b"not an image").decode()}], "multimodal_params.images[0]",
+         "cannot be read"),
+        ([{"type": "url", "data": "https://example.com/cat.png"}], "multimodal_params.images[0].data", "not fetched"),
+        ([{"type": "url", "data": "/etc/hostname"}], "multimodal_params.images[0].data", "Local image files"),
+        ([{**good, "uuid": 1}], "multimodal_params.images[0].uuid", "unknown field"),
+        ([good] * 3, "multimodal_params.images", "max_images_per_request"),
+        ([good, good], "inputs", "placeholders"),  # one placeholder for two images
+    ]
+    for images, param, why in cases:
+        r = generate(server, placeholder, images)
+        assert r.status_code == 400, (images, r.text)
+        assert r.json()["error"]["param"] == param and why in r.json()["error"]["message"], r.text
+    assert generate(server, placeholder, [good]).status_code == 200  # still serving
 
 
 @pytest.mark.parametrize("repeat", [True, False], ids=["repeated", "new"])

@@ -173,6 +173,15 @@ def test_lightllm_generate(server, tok):
     assert out["count_output_tokens"] == [2, 2] and out["finish_reason"] == ["length", "length"]
 
 
+def test_lightllm_generate_images_on_a_text_model_are_400(server):
+    image = {"type": "base64", "data": "aGk="}
+    body = json.dumps({"inputs": "Hi", "multimodal_params": {"images": [image]}}).encode()
+    status, _, data = server.raw("POST", "/generate", body)
+    assert status == 400 and json.loads(data)["error"]["param"] == "multimodal_params.images"
+    empty = json.dumps({"inputs": "Hi", "parameters": {"max_new_tokens": 1}, "multimodal_params": {"images": []}})
+    assert server.raw("POST", "/generate", empty.encode())[0] == 200  # LightLLM clients send it empty
+
+
 def test_lightllm_generate_stream(server, tok):
     body = json.dumps({"inputs": "Hi", "parameters": {"max_new_tokens": 3}}).encode()
     status, ctype, data = server.raw("POST", "/generate_stream", body)
