@@ -324,7 +324,7 @@ class SpecConfig:
     num_tokens: int = 4  # k: tokens proposed per row and step, verified in one k+1-token step
     ngram_min: int = 1  # shortest prompt+output suffix looked up for a proposal
     ngram_max: int = 3  # longest suffix tried first
-    max_batch: int = 16  # decode rows above which a step does not speculate (to be measured on the GPU)
+    max_batch: int = 16  # decode rows above which a step does not speculate (verify CUDA graphs cover max_batch x (num_tokens+1) tokens; scripts/bench_spec.sh c64 measures it)
     draft_model_path: Optional[str] = None  # spec.method=draft: the draft checkpoint (same tokenizer)
 
 

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Speculative decoding's benchmark: one copy-heavy workload (scripts/bench_serving.py --copy-prompts: a
-# random text twice, which the model continues by copying) against a server without and then with
-# speculation, one server at a time on the same port; output tok/s side by side with the acceptance.
+# Speculative decoding's benchmark: a copy-heavy workload (scripts/bench_serving.py --copy-prompts: a
+# random text twice, which the model continues by copying) against servers without and with speculation,
+# one server at a time on the same port; output tok/s side by side with the acceptance, per case.
 #
-#   bash scripts/bench_spec.sh                     (a GPU: SmolLM2, 8 prompts of 1024 tokens, 256 out, c1)
-#   SERVE="device=cpu model.dtype=float32" NUM=2 INPUT=64 OUTPUT=16 bash scripts/bench_spec.sh   (CPU smoke)
+#   bash scripts/bench_spec.sh                     (a GPU: SmolLM2, cases c1 and c64, three servers)
+#   SERVE="device=cpu model.dtype=float32" CASES=c1 NUM=2 INPUT=64 OUTPUT=16 bash scripts/bench_spec.sh   (CPU smoke)
 #
-# Variables: SERVE (llaunch overrides of both servers), SPEC (the speculating one's, default spec=ngram),
-#   NUM, INPUT, OUTPUT, CONCURRENCY (default 1), VOCAB (prompt ids drawn below it), PORT, OUT, PY.
+# Cases (each server runs all, each case on prompts of its own seed):
+#   c1    NUM (8) prompts one at a time: the single-stream speed-up (target: >= 2x with spec=ngram)
+#   c64   C64_NUM (256) prompts at concurrency 64: speculation must not be slower than none. The spec server
+#         runs the default policy (no speculation in steps of more than spec.max_batch decode rows);
+#         spec_mb64 speculates up to 64 rows: if it beats none at c64, the default spec.max_batch can rise.
+# Servers (VARIANTS, default "none spec spec_mb64"): none = spec=none, spec = $SPEC, spec_mb64 = $SPEC spec.max_batch=64.
+# Variables: SERVE (llaunch overrides of every server), SPEC (default spec=ngram), CASES, VARIANTS, NUM, C64_NUM,
+#   INPUT, OUTPUT, VOCAB (prompt ids drawn below it), PORT, OUT, PY.
 set -u
 if [ -z "${PY:-}" ]; then  # unset: the repo's venv where there is one
   PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
@@ -16,14 +22,29 @@ LLAUNCH=${LLAUNCH:-$(dirname "$PY")/llaunch}
 command -v "$LLAUNCH" >/dev/null || LLAUNCH=llaunch
 SERVE=${SERVE:-model=smollm2-135m}
 SPEC=${SPEC:-spec=ngram}
-NUM=${NUM:-8}; INPUT=${INPUT:-1024}; OUTPUT=${OUTPUT:-256}; CONCURRENCY=${CONCURRENCY:-1}
+CASES=${CASES:-c1 c64}
+VARIANTS=${VARIANTS:-none spec spec_mb64}
+NUM=${NUM:-8}; C64_NUM=${C64_NUM:-256}; INPUT=${INPUT:-1024}; OUTPUT=${OUTPUT:-256}
 VOCAB=${VOCAB:-49152}; PORT=${PORT:-8000}
 OUT=${OUT:-/tmp/llaunch-spec}
 mkdir -p "$OUT"
 status=0
 
-for variant in none spec; do
-  overrides=$([ "$variant" = spec ] && echo "$SPEC" || echo "spec=none")
+case_args() {  # num-prompts concurrency seed
+  case $1 in
+    c1) echo "$NUM 1 24" ;;
+    c64) echo "$C64_NUM 64 64" ;;
+    *) echo "unknown case $1 (c1, c64)" >&2; return 1 ;;
+  esac
+}
+
+for variant in $VARIANTS; do
+  case $variant in
+    none) overrides="spec=none" ;;
+    spec) overrides="$SPEC" ;;
+    spec_mb64) overrides="$SPEC spec.max_batch=64" ;;
+    *) echo "unknown variant $variant (none, spec, spec_mb64)"; status=1; continue ;;
+  esac
   echo "== serve: llaunch $SERVE $overrides"
   "$LLAUNCH" $SERVE $overrides server.port="$PORT" hydra.run.dir="$OUT/run-$variant" >"$OUT/llaunch-$variant.log" 2>&1 &
   lpid=$!
@@ -35,28 +56,33 @@ for variant in none spec; do
   done
   if [ "$up" = 1 ]; then
     model=$(curl -s "localhost:$PORT/v1/models" | $PY -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
-    $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --model "$model" --copy-prompts \
-      --num-prompts "$NUM" --input-len "$INPUT" --output-len "$OUTPUT" --concurrency "$CONCURRENCY" --warmup 1 \
-      --vocab-size "$VOCAB" --seed 24 --result-file "$OUT/bench-$variant.json" 2>&1 \
-      | grep -E "Output token throughput|Median TPOT|Spec decode|Failed"
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    for c in $CASES; do
+      read -r num conc seed < <(case_args "$c") || { status=1; continue; }
+      echo "-- $variant $c: $num prompts, concurrency $conc"
+      $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --model "$model" --copy-prompts \
+        --num-prompts "$num" --input-len "$INPUT" --output-len "$OUTPUT" --concurrency "$conc" --warmup 1 \
+        --vocab-size "$VOCAB" --seed "$seed" --result-file "$OUT/bench-$variant-$c.json" 2>&1 \
+        | grep -E "Output token throughput|Median TPOT|Spec decode|Failed"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    done
   else
     status=1; tail -20 "$OUT/llaunch-$variant.log"
   fi
   kill -TERM $lpid 2>/dev/null; wait $lpid
 done
 
-$PY - "$OUT" <<'PYEOF'
+$PY - "$OUT" "$CASES" "$VARIANTS" <<'PYEOF'
 import json, os, sys
-out = sys.argv[1]
-runs = {v: json.load(open(os.path.join(out, f"bench-{v}.json"))) for v in ("none", "spec")
-        if os.path.exists(os.path.join(out, f"bench-{v}.json"))}
-print(f"{'server':8} {'out tok/s':>10} {'TPOT med ms':>12} {'acceptance':>11} {'tok/verify':>11} {'failed':>7}")
-for v, r in runs.items():
-    acc = f"{100 * r['spec_acceptance_rate']:.1f}%" if "spec_acceptance_rate" in r else "n/a"
-    per = f"{r['spec_tokens_per_verify']:.2f}" if "spec_tokens_per_verify" in r else "n/a"
-    print(f"{v:8} {r['output_throughput']:>10.1f} {r['median_tpot_ms']:>12.2f} {acc:>11} {per:>11} {r['failed']:>7}")
-if len(runs) == 2 and runs["none"]["output_throughput"]:
-    print(f"speedup (spec / none, output tok/s): {runs['spec']['output_throughput'] / runs['none']['output_throughput']:.2f}x")
+out, cases, variants = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
+print(f"{'case':5} {'server':10} {'out tok/s':>10} {'vs none':>8} {'TPOT med ms':>12} {'acceptance':>11} {'tok/verify':>11} {'failed':>7}")
+for c in cases:
+    runs = {v: json.load(open(p)) for v in variants if os.path.exists(p := os.path.join(out, f"bench-{v}-{c}.json"))}
+    base = runs.get("none", {}).get("output_throughput")
+    for v, r in runs.items():
+        acc = f"{100 * r['spec_acceptance_rate']:.1f}%" if "spec_acceptance_rate" in r else "n/a"
+        per = f"{r['spec_tokens_per_verify']:.2f}" if "spec_tokens_per_verify" in r else "n/a"
+        ratio = f"{r['output_throughput'] / base:.2f}x" if base else "n/a"
+        print(f"{c:5} {v:10} {r['output_throughput']:>10.1f} {ratio:>8} {r['median_tpot_ms']:>12.2f} {acc:>11} {per:>11} "
+              f"{r['failed']:>7}")
 PYEOF
 exit $status

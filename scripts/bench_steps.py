@@ -4,6 +4,8 @@ batch plus prefill chunks, as under continuous batching). Eager forward (no CUDA
 CUDA events, median of repeats; prints one JSON line per step shape with its matmul TFLOP/s.
 
     python scripts/bench_steps.py [--layers N] [--prompt-len 1024]
+    python scripts/bench_steps.py --verify [--context 1024] [--max-k 4] [--tiny]   (speculative decoding's
+        verify steps against a decode step, with CUDA graphs: scripts/bench_verify_steps.py)
 """
 from __future__ import annotations
 
@@ -67,7 +69,15 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--verify", action="store_true", help="time batch-1 verify steps (k=1..max-k) against decode")
+    ap.add_argument("--context", type=int, default=1024, help="--verify: the row's cached tokens")
+    ap.add_argument("--max-k", type=int, default=4, help="--verify: the most proposed tokens timed")
+    ap.add_argument("--tiny", action="store_true", help="--verify: a tiny model on the CPU (a smoke run)")
     args = ap.parse_args()
+    if args.verify:
+        from bench_verify_steps import run_verify  # scripts/ is on the path of a script run
+
+        return run_verify(QWEN2_7B, args.layers, args.context, args.max_k, max(args.repeats, 20), args.tiny)
     device = torch.device("cuda")
     arch = ModelArch.from_hf_config(dict(QWEN2_7B, num_hidden_layers=args.layers, model_type="qwen2"))
     model = DecoderLM(arch, TpGroup(0, 1, None), device, torch.bfloat16, 4096).eval()

@@ -22,11 +22,19 @@
 #             256 output tokens, concurrency 16 / 64; vl16rep / vl64rep the same image every request (embed cache)
 #             SERVE="model=qwen2-vl-7b model.load_format=dummy router.max_running_requests=256 server.http_workers=4"
 #             CASES="vl16 vl64 vl16rep vl64rep" bash scripts/gpu_run.sh cases
+#             audio (Qwen2-Audio-7B shape): au16 chat with one new 30 s clip (16 kHz WAV input_audio) per request,
+#             128 output tokens, concurrency 16; au16rep the same clip every request (embed cache)
+#             SERVE="model=qwen2-audio-7b model.load_format=dummy router.max_running_requests=256 server.http_workers=4"
+#             CASES="au16 au16rep" bash scripts/gpu_run.sh cases
 #   baseline  transformers' generate on the same model shape (../shared/bench/hf_baseline.py)
 #   spec      speculative decoding: scripts/bench_spec.sh (SmolLM2, which the tests step converts; a copy-heavy
-#             single stream against spec=none, then spec=ngram), results under $OUT/spec
+#             workload single-stream and at c64 against spec=none, spec=ngram and spec=ngram spec.max_batch=64),
+#             results under $OUT/spec
+#   verify_steps  speculative decoding's cost side: batch-1 verify steps of k+1 tokens (k = 1..4) against a
+#             decode step, Qwen2-7B shape, CUDA graphs (scripts/bench_steps.py --verify), $OUT/verify_steps.jsonl
 # Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), CLIENT_PROCS (bench clients), VOCAB,
 #   VL_IMAGE_SIZE, VL_OUTPUT, VL_PROMPTS_PER_STREAM (the vl cases' image side, output tokens, requests per stream),
+#   AU_SECONDS, AU_OUTPUT, AU_PROMPTS_PER_STREAM (the au cases' clip duration, output tokens, requests per stream),
 #   TESTS (pytest paths and options of the tests step), TRACE=1 (a step trace: each case's first run's
 #   steps by kind, host enqueue and device time).
 set -u
@@ -173,6 +181,12 @@ fi
 if has spec; then
   stamp "speculative decoding: copy-heavy single stream, spec=none then spec=ngram"
   OUT="$OUT/spec" PY=$PY bash scripts/bench_spec.sh || status=1
+fi
+
+if has verify_steps; then
+  stamp "verify steps (k+1 tokens, batch 1) against a decode step, Qwen2-7B shape, CUDA graphs"
+  timeout 400 $PY scripts/bench_steps.py --verify | tee "$OUT/verify_steps.jsonl"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 if has baseline; then

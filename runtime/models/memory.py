@@ -15,6 +15,7 @@ DTYPE_BYTES = {DType.float32: 4, DType.bfloat16: 2, DType.float16: 2}
 GRAPH_POOL_BYTES = 2 * GiB  # CUDA graph pools and the allocator's slack, measured on an H200
 # prompt positions one step computes logprobs for (runtime/router/scheduler.py chunks asking prompts)
 PROMPT_LOGPROB_TOKENS = 256
+MAX_VERIFY_GRAPH_TOKENS = 512  # a larger verify step runs eagerly (its logits alone: 0.3 GB at a 152k vocabulary)
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,23 @@ class RankMemory:
         return self.weights + self.activations
 
 
+def spec_step_tokens(spec, max_rows: int) -> int:
+    """The most tokens a speculating step holds, which the worker's verify CUDA graphs cover: every
+    row of the largest speculating batch verifying spec.num_tokens proposals, at most
+    MAX_VERIFY_GRAPH_TOKENS (0 without speculation)."""
+    if getattr(spec.method, "value", spec.method) == "none":
+        return 0
+    return min(min(spec.max_batch, max_rows) * (spec.num_tokens + 1), MAX_VERIFY_GRAPH_TOKENS)
+
+
 def activation_bytes(cfg: LlaunchConfig, arch: ModelArch) -> int:
     """Hidden states and MLP intermediates of batch_max_tokens tokens, the float32 logits and sampling
     buffers of the largest batch and of a step's prompt-logprob positions, and the graph pools."""
     per_token = (6 * arch.hidden_size + 3 * arch.intermediate_size // cfg.parallel.tp) * 4
     logits = (max(cfg.router.max_running_requests, 1) + PROMPT_LOGPROB_TOKENS) * arch.vocab_size * 4 * 4
     graphs = GRAPH_POOL_BYTES if cfg.device != Device.cpu else 0
+    if graphs:  # the verify graphs' own pool: their steps' activations and float32 logits
+        graphs += spec_step_tokens(cfg.spec, cfg.router.max_running_requests) * (per_token + arch.vocab_size * 4)
     return (cfg.router.batch_max_tokens or 0) * per_token + logits + graphs
 
 

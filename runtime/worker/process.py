@@ -36,7 +36,7 @@ from llaunch.runtime.models.audio_qwen2 import audio_tokens
 from llaunch.runtime.worker.host_kv import HostKvPool
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
-from llaunch.runtime.worker.verify_graphs import spec_step_tokens
+from llaunch.runtime.models.memory import spec_step_tokens
 
 log = logging.getLogger("llaunch.worker")
 

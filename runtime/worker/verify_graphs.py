@@ -9,7 +9,7 @@ are several entries of the same row). The logits of all T tokens come back: the 
 position of a chunk (runtime/worker/spec_verify.py).
 
 Decode attention's grid depends only on T, so the step has fixed shapes: one CUDA graph per bucket
-of T (1, 2, 4, 8, then every 8 ...) up to the most tokens a speculating step can have (spec.max_batch
+of T (every size to 8, then every 8 ...) up to the most tokens a speculating step can have (spec.max_batch
 rows × spec.num_tokens + 1). Launched eagerly, a verify step of SmolLM2-135M costs the host ~300
 kernel launches against a few hundred microseconds on the device; a replay is one copy and one
 launch. Padding tokens are scratch rows (as the decode graphs'). On a CPU the same padded step runs
@@ -25,20 +25,13 @@ import torch
 from llaunch.kernels import pdl
 from llaunch.runtime.ipc.messages import StepPlan
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
+from llaunch.runtime.models.memory import MAX_VERIFY_GRAPH_TOKENS
 from llaunch.runtime.worker.cuda_graphs import bucket_sizes, capture_buckets
 
 log = logging.getLogger("llaunch.worker")
 
 FIELDS = 5  # per token: id (-1: the row's last sampled token, on the device), row, position, slot, length
-MAX_GRAPH_TOKENS = 512  # a larger verify step runs eagerly (its logits alone would take 0.3 GB at 152k vocab)
-
-
-def spec_step_tokens(spec, max_rows: int) -> int:
-    """The most tokens a speculating step holds: every row of the largest speculating batch verifying
-    spec.num_tokens proposals (0 without speculation)."""
-    if getattr(spec.method, "value", spec.method) == "none":
-        return 0
-    return min(spec.max_batch, max_rows) * (spec.num_tokens + 1)
+EXACT = 8  # steps of up to this many tokens replay a graph of their own size (batch 1, k <= 7: no padding)
 
 
 def verify_tokens(plan: StepPlan, seq_len: list[int]) -> list[list[int]]:
@@ -70,7 +63,9 @@ class VerifySteps:
         `max_len`: the longest context a padded step covers (its attention's split count)."""
         self.model, self.kv, self.last_token = model, kv, last_token
         self.scratch_row, self.scratch_slot, self.max_len = scratch_row, scratch_slot, max_len
-        self.buckets = bucket_sizes(min(max_tokens, MAX_GRAPH_TOKENS)) if max_tokens > 0 else []
+        top = min(max_tokens, MAX_VERIFY_GRAPH_TOKENS)
+        # every size up to EXACT: a batch-1 verify step of k+1 tokens runs unpadded
+        self.buckets = sorted(set(bucket_sizes(top)) | set(range(1, min(top, EXACT) + 1))) if top > 0 else []
         device = last_token.device
         top = self.buckets[-1] if self.buckets else 0
         self.inputs = torch.zeros(FIELDS * top, dtype=torch.int64, device=device)

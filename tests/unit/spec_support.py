@@ -11,7 +11,7 @@ from llaunch.runtime.ipc.messages import AddRequest
 from llaunch.runtime.router.request import Request
 from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
 from llaunch.runtime.worker.runner import ModelRunner
-from llaunch.runtime.worker.verify_graphs import spec_step_tokens
+from llaunch.runtime.models.memory import spec_step_tokens
 
 ROWS, SLOTS, MAX_LEN = 16, 2048, 160
 EOS = 2

@@ -10,7 +10,8 @@ from llaunch.runtime.config import SpecConfig, SpecMethod
 from llaunch.runtime.ipc.messages import StepPlan, VerifyChunk
 from llaunch.runtime.models.loader import build_model
 from llaunch.runtime.worker.runner import ModelRunner
-from llaunch.runtime.worker.verify_graphs import spec_step_tokens, verify_tokens
+from llaunch.runtime.models.memory import spec_step_tokens
+from llaunch.runtime.worker.verify_graphs import verify_tokens
 
 ROWS, LEN = 6, 64
 
@@ -60,8 +61,10 @@ def test_verify_step_as_decode_tokens_matches_the_chunked_prefill_route(model, g
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-def test_verify_bucket_sizes_follow_the_spec_settings():
+def test_verify_graphs_cover_the_largest_speculating_step():
     spec = SpecConfig(method=SpecMethod.ngram, num_tokens=4, max_batch=16)
     assert spec_step_tokens(spec, max_rows=256) == 80
     assert spec_step_tokens(spec, max_rows=8) == 40  # no more rows than the server runs
     assert spec_step_tokens(SpecConfig(), max_rows=256) == 0
+    big = SpecConfig(method=SpecMethod.ngram, num_tokens=16, max_batch=256)
+    assert spec_step_tokens(big, max_rows=256) == 512  # larger verify steps run eagerly
