@@ -191,3 +191,17 @@ def test_the_graph_goes_down_when_the_visual_server_dies(vl):
     assert "visual.0" in server.output()
     assert not [pid for pid in graph if running(pid)]
     assert embeds and not set(embeds) & set(os.listdir(SHM))
+
+
+def test_visual_tp2_gives_the_greedy_answer_of_transformers(vl, tmp_path_factory):
+    """visual.tp=2: the vision tower split over visual.0 and its follower visual.0.1 (gloo on CPU)."""
+    _, oracle, _ = vl
+    png = image_png(90, 60, 12)
+    content = [{"type": "image_url", "image_url": {"url": "-"}}, {"type": "text", "text": "Describe."}]
+    expected, _ = oracle.greedy([{"role": "user", "content": content}], [png], MAX_NEW)
+    with start_server(tmp_path_factory, "tiny-qwen2-vl-tp2", ["model=qwen2-vl", f"model.path={oracle.path}",
+                                                               "model.name=tiny-vl", "visual.tp=2"]) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        assert "visual.0.1" in server.output()  # its follower is part of the graph
+        assert ask(client, [png]).choices[0].model_extra["token_ids"] == expected
+        assert ask(client, [image_png(60, 90, 13)]).choices[0].model_extra["token_ids"]  # a second batch

@@ -1,0 +1,84 @@
+"""visual.tp=2 on two GPUs at Qwen2-VL-7B's vision shape (conf/model/qwen2-vl-7b.yaml, model.load_format=dummy
+weights, bfloat16): the tower split over two processes (NCCL all-reduces, the leader handing its batch of two
+1,024x1,024 images to the follower, runtime/visual/tower_tp.py) gives the whole tower's embeddings up to
+bfloat16 rounding (the sums run in another order)."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from gpu.conftest import REPO
+
+GRID, IMAGES = [1, 74, 74], 2  # 1,024 px rounds to 1,036 = 74 patches of 14
+
+
+def _tower(tp, device):
+    import yaml
+
+    from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
+    from llaunch.runtime.models.weights import DummySource, load_from
+
+    vision = yaml.safe_load((REPO / "conf" / "model" / "qwen2-vl-7b.yaml").read_text())["vision"]
+    tower = Qwen2VisionTower(VisionArch.from_dict(vision), device, torch.bfloat16, tp)
+    load_from(tower, DummySource(0, device, full_tensors=True))  # whole tensors drawn, then sliced: one model
+    return tower.eval()
+
+
+def _images(tower):
+    from llaunch.runtime.ipc.messages import ImageRef
+
+    a = tower.arch
+    width = a.in_channels * a.temporal_patch_size * a.patch_size ** 2
+    rng = np.random.default_rng(0)
+    return [ImageRef(hash=f"{i:064x}", offset=0, grid=GRID, pixels=rng.standard_normal(
+        (GRID[0] * GRID[1] * GRID[2], width), dtype=np.float32).tobytes()) for i in range(IMAGES)]
+
+
+def _rank_main(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from llaunch.runtime.visual import tower_tp
+    from llaunch.runtime.visual.encoder import encode
+
+    device = torch.device("cuda", rank)
+    group, headers = tower_tp.join(2, rank, f"tcp://127.0.0.1:{port}", device)
+    try:
+        tower = _tower(group, device)
+        if rank == 1:
+            tower_tp.follow(tower, headers)
+            return
+        leader = tower_tp.TowerLeader(headers, device)
+        split = [e.float().cpu() for e in encode(tower, _images(tower), leader.hand_over)]
+        leader.stop()
+        torch.save(split, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="visual.tp=2 needs two GPUs")
+def test_visual_tp2_embeddings_match_the_whole_tower():
+    import torch.multiprocessing as mp
+
+    from llaunch.runtime.models.layers import TpGroup
+    from llaunch.runtime.visual.encoder import encode
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "tp2.pt")
+        mp.spawn(_rank_main, args=(port, out), nprocs=2)
+        split = torch.load(out)
+    tower = _tower(TpGroup(), torch.device("cuda", 0))
+    whole = [e.float().cpu() for e in encode(tower, _images(tower))]
+    for a, b in zip(whole, split):
+        assert a.shape == b.shape == (GRID[1] * GRID[2] // 4, tower.arch.hidden_size)
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+        rel = (a - b).norm() / a.norm()
+        print(f"visual tp2 vs tp1: min cosine {cos.min().item():.5f}, relative error {rel.item():.4f}")
+        assert cos.min() > 0.995 and rel < 0.05, (cos.min().item(), rel.item())
