@@ -1,9 +1,11 @@
-"""Images in the serving benchmark (multimodal models, e.g. Qwen2-VL): each request is a streaming
-/v1/chat/completions with --images-per-request images of --image-size x --image-size pixels as data:
-URLs (PNG) before a text of --input-len random words; --repeat-images sends the same image(s) with
-every request (the embed cache's case: encoded once), else every request's images are new. The
-server's `<prefix>:images_encoded_total` and `mm_cache_{queries,hits}_total` over the measured run
-give images encoded per second and the embed cache's hit rate.
+"""Images and audio clips in the serving benchmark (multimodal models: Qwen2-VL, Qwen2-Audio): each
+request is a streaming /v1/chat/completions with --images-per-request images of --image-size x
+--image-size pixels as data: URLs (PNG), or --audio-per-request clips of --audio-seconds as input_audio
+parts (16-bit mono WAV at --audio-rate), before a text of --input-len random words; --repeat-images /
+--repeat-audio sends the same media with every request (the embed cache's case: encoded once), else
+every request's media are new. The server's `<prefix>:images_encoded_total` and
+`mm_cache_{queries,hits}_total` (clips are counted there too: the visual servers encode them) over the
+measured run give media encoded per second and the embed cache's hit rate.
 
 TTFT counts from the first chunk with content (the role-only opening chunk is not a token); the
 input tokens reported are the text's words (the images' tokens are not counted client-side)."""
@@ -15,6 +17,7 @@ import itertools
 import json
 import re
 import time
+import wave
 from typing import Optional
 
 import numpy as np
@@ -22,6 +25,7 @@ import numpy as np
 IMAGE_SERIES = ("images_encoded", "mm_cache_queries", "mm_cache_hits")
 _serial = itertools.count()
 _urls: dict[tuple[int, int], str] = {}
+_clips: dict[tuple[float, int, int], str] = {}
 
 
 def add_args(ap) -> None:
@@ -30,6 +34,17 @@ def add_args(ap) -> None:
     ap.add_argument("--image-size", type=int, default=1024, help="each image's width and height, pixels")
     ap.add_argument("--repeat-images", action="store_true",
                     help="every request sends the same image(s): the embed cache's case (else all new)")
+    ap.add_argument("--audio-per-request", type=int, default=0,
+                    help="> 0: chat completions with this many input_audio clips per request (an audio model)")
+    ap.add_argument("--audio-seconds", type=float, default=30.0, help="each clip's duration, seconds")
+    ap.add_argument("--audio-rate", type=int, default=16000, help="each clip's sample rate (the server resamples to 16 kHz)")
+    ap.add_argument("--repeat-audio", action="store_true",
+                    help="every request sends the same clip(s): the embed cache's case (else all new)")
+
+
+def is_chat(args) -> bool:
+    """Requests carry images or clips: chat completions through this module."""
+    return bool(args.images_per_request or args.audio_per_request)
 
 
 def image_url(size: int, seed: int) -> str:
@@ -48,12 +63,37 @@ def image_url(size: int, seed: int) -> str:
     return _urls[key]
 
 
-def chat_payload(args, prompt: list[int], max_tokens: int) -> dict:
+def wav_clip(seconds: float, rate: int, seed: int) -> str:
+    """A 16-bit mono WAV of a chirp plus noise fixed by `seed` (distinct per seed), base64."""
+    key = (seconds, rate, seed)
+    if key not in _clips:
+        rng = np.random.default_rng(seed)
+        t = np.arange(int(seconds * rate)) / rate
+        f0, f1 = rng.uniform(100, 600), rng.uniform(800, min(6000, rate / 2 - 500))
+        wave_ = 0.4 * np.sin(2 * np.pi * (f0 * t + (f1 - f0) * t ** 2 / (2 * seconds))) + 0.05 * rng.standard_normal(t.shape)
+        buf = io.BytesIO()
+        with wave.open(buf, "wb") as w:
+            w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
+            w.writeframes((np.clip(wave_, -1, 1) * 32767).astype("<i2").tobytes())
+        if len(_clips) > 64:  # new clips are sent once: keep only a few
+            _clips.clear()
+        _clips[key] = base64.b64encode(buf.getvalue()).decode()
+    return _clips[key]
+
+
+def media_seeds(args, count: int, repeat: bool) -> list[int]:
     n = next(_serial)
-    first = 10**6 if args.repeat_images else n * args.images_per_request  # repeated ones are never new ones
-    seeds = [args.seed * 10**7 + first + k for k in range(args.images_per_request)]
+    first = 10**6 if repeat else n * count  # repeated ones are never new ones
+    return [args.seed * 10**7 + first + k for k in range(count)]
+
+
+def chat_payload(args, prompt: list[int], max_tokens: int) -> dict:
     words = " ".join(f"w{t}" for t in prompt)
-    content = [{"type": "image_url", "image_url": {"url": image_url(args.image_size, 1000 + s)}} for s in seeds]
+    content = [{"type": "image_url", "image_url": {"url": image_url(args.image_size, 1000 + s)}}
+               for s in media_seeds(args, args.images_per_request, args.repeat_images)]
+    content += [{"type": "input_audio", "input_audio": {"data": wav_clip(args.audio_seconds, args.audio_rate, s),
+                                                        "format": "wav"}}
+                for s in media_seeds(args, args.audio_per_request, args.repeat_audio)]
     return {"model": args.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": content + [{"type": "text", "text": words}]}]}
@@ -108,18 +148,20 @@ async def fetch_image_counts(client, api_key: Optional[str]):
     return image_counts(resp.text) if resp.status_code == 200 else None
 
 
-def image_result(before, after, duration: float) -> dict[str, float]:
+def image_result(before, after, duration: float, media: str = "images") -> dict[str, float]:
+    """`media`: what the encode counter counted in this run (images, or an audio model's clips)."""
     if before is None or after is None:
         return {}
     encoded, queries, hits = (a - b for a, b in zip(after, before))
     return {"images_encoded": encoded, "images_encoded_per_s": encoded / duration if duration > 0 else 0.0,
             "mm_cache_queries": queries, "mm_cache_hits": hits,
-            "mm_cache_hit_rate": hits / queries if queries else 0.0}
+            "mm_cache_hit_rate": hits / queries if queries else 0.0, "media": media}
 
 
 def image_rows(result: dict) -> list[tuple[str, object, str]]:
     if "images_encoded" not in result:
         return []
-    return [("Images encoded", result["images_encoded"], ".0f"),
-            ("Images encoded per second", result["images_encoded_per_s"], ".2f"),
+    media = result.get("media", "images").capitalize()
+    return [(f"{media} encoded", result["images_encoded"], ".0f"),
+            (f"{media} encoded per second", result["images_encoded_per_s"], ".2f"),
             ("Embed cache hit rate (%)", 100 * result["mm_cache_hit_rate"], ".2f")]

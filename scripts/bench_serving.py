@@ -67,7 +67,7 @@ import bench_images  # noqa: E402 (--images-per-request: chat completions with i
 async def send_request(client: "httpx.AsyncClient", args: argparse.Namespace, prompt: list[int],
                        max_tokens: Optional[int] = None) -> RequestOutput:
     max_tokens = args.output_len if max_tokens is None else max_tokens
-    if args.images_per_request:
+    if bench_images.is_chat(args):
         return await bench_images.send_chat(client, args, prompt, max_tokens, StreamTimer,
                                             (httpx.HTTPError, json.JSONDecodeError))
     payload = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -306,8 +306,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error("--shared-prefix-groups and --shared-prefix-len go together (both > 0)")
     if (args.trace or args.lengths != "fixed") and (args.multi_turn > 1 or args.shared_prefix_groups):
         ap.error("--trace and --lengths sharegpt are single-turn workloads: no --multi-turn or --shared-prefix-*")
-    if args.images_per_request and (args.multi_turn > 1 or args.client_procs > 1 or args.trace):
-        ap.error("--images-per-request: single-turn, one client process, no --trace")
+    if bench_images.is_chat(args) and (args.multi_turn > 1 or args.client_procs > 1 or args.trace):
+        ap.error("--images-per-request / --audio-per-request: single-turn, one client process, no --trace")
     if args.response_format is not None:
         text = args.response_format
         if text.startswith("@"):
@@ -328,7 +328,7 @@ def main(argv: Optional[Sequence[str]] = None, transport: Any = None) -> dict[st
     result = compute_metrics(outputs, duration, args.slo_ttft_ms, args.slo_tpot_ms)
     result.update(spec_result(getattr(args, "spec_before", None), getattr(args, "spec_after", None)))
     result.update(bench_images.image_result(getattr(args, "images_before", None), getattr(args, "images_after", None),
-                                            duration))
+                                            duration, "clips" if args.audio_per_request else "images"))
     if cache is not None:
         result["prefix_cache_queries"], result["prefix_cache_hits"] = cache[:2]
         result["prefix_cache_hit_rate"] = cache[1] / cache[0] if cache[0] else 0.0

