@@ -106,9 +106,9 @@ def test_too_many_images_and_unsupported_detail_are_400(vl):
     assert ask(client, [image_png(60, 60, 3)]).choices[0].message.content is not None  # still serving
 
 
-def generate(server, text: str, images: list[dict]) -> httpx.Response:
-    """LightLLM's /generate with its multimodal_params."""
-    return httpx.post(server.url + "/generate", timeout=60, json={
+def generate(server, text: str, images: list[dict], route: str = "/generate") -> httpx.Response:
+    """LightLLM's /generate (or /generate_stream) with its multimodal_params."""
+    return httpx.post(server.url + route, timeout=60, json={
         "inputs": text, "parameters": {"max_new_tokens": MAX_NEW, "ignore_eos": True, "return_details": True},
         "multimodal_params": {"images": images}})
 
@@ -126,6 +126,9 @@ def test_generate_with_images_matches_transformers(vl):
     assert r.status_code == 200, r.text
     assert [t["id"] for t in r.json()["tokens"]] == expected
     assert r.json()["prompt_tokens"] == prompt_len  # image tokens included
+    stream = generate(server, text, [{"type": "base64", "data": base64.b64encode(pngs[0]).decode()}], "/generate_stream")
+    events = [json.loads(line[5:]) for line in stream.text.splitlines() if line.startswith("data:")]
+    assert [e["token"]["id"] for e in events if e["token"]["id"] is not None] == expected
     two = [{"role": "user", "content": [content[0], content[0], content[1]]}]
     expected_two, _ = oracle.greedy(two, pngs, MAX_NEW)
     short = oracle.tokenizer.apply_chat_template(two, add_generation_prompt=True, tokenize=False).replace(
