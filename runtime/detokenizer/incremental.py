@@ -41,16 +41,16 @@ class IncrementalDecoder:
     """Token ids in, text out; stops at the first stop string (see StopStringMatcher)."""
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 heal_text: str = ""):
+                 heal_text: str = "", keep_stop: bool = False):
         """`heal_text`: token healing's backed-off text, which the first tokens repeat: left out before
-        the stop strings see the text, so they match only what the client gets."""
+        the stop strings see the text, so they match only what the client gets. `keep_stop`: the stop string that ends the text is part of it."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self._backend = tokenizer.backend_tokenizer  # the Rust tokenizer of a fast transformers tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._settled = 0  # the text of ids[:settled] has been handed to the stop matcher
-        self.matcher = StopStringMatcher(stop)
+        self.matcher = StopStringMatcher(stop, keep_stop)
         self.strip = PrefixStrip(heal_text)
 
     @property

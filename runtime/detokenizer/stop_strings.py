@@ -1,5 +1,6 @@
 """Stop strings over a stream of text: release text that can no longer become part of a stop string,
-cut the output at the first stop string to complete, never return the stop string itself."""
+cut the output at the first stop string to complete; the stop string itself is not returned unless
+asked for (`keep`: vLLM's include_stop_str_in_output, and TGI's generated_text)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -30,7 +31,8 @@ class StopStringMatcher:
     the text ends with: a piece costs O(its length × stop strings), however long the stop strings.
     """
 
-    def __init__(self, stop: Sequence[str]):
+    def __init__(self, stop: Sequence[str], keep: bool = False):
+        self.keep = keep  # the text released at a stop ends with the stop string
         self.stop = [s for s in stop if s]  # an empty stop string would end every request at once
         self._fail = [_failure(s) for s in self.stop]
         self._state = [0] * len(self.stop)
@@ -56,7 +58,7 @@ class StopStringMatcher:
                     done = s
             if done is not None:
                 self.stopped, self.held = done, ""
-                return text[:base + offset + 1 - len(done)]
+                return text[:base + offset + 1 - (0 if self.keep else len(done))]
         keep = max(self._state, default=0)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]

@@ -69,6 +69,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[list[TokenId]] = None
     skip_special_tokens: Optional[bool] = None
+    include_stop_str_in_output: Optional[bool] = None  # vLLM's extension: the matched stop string is returned
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[str, LogitBias]] = None  # token id (a string, as JSON keys are) → bias
@@ -347,6 +348,7 @@ def _sampling_fields(req: _GenerationRequest, limits: RequestLimits, tokenizer: 
                           "(server.max_stop_strings).", param="stop_token_ids")
     fields["stop_token_ids"] = list(req.stop_token_ids or [])
     fields["ignore_eos"] = bool(req.ignore_eos)
+    fields["include_stop_str_in_output"] = bool(req.include_stop_str_in_output)
     fields["skip_special_tokens"] = True if req.skip_special_tokens is None else req.skip_special_tokens
     fields["min_p"] = value("min_p", 0.0)
     fields["min_tokens"] = req.min_tokens or 0

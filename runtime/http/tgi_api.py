@@ -143,8 +143,10 @@ def tgi_jobs(req: TgiRequest, tokenizer: PromptTokenizer, limits: RequestLimits,
     # what TGI returns decides what the engine computes (server.return_all_prompt_logprobs is /generate's
     # LightLLM shape: not this API's)
     top = p.top_n_tokens if p.top_n_tokens and (p.details or stream) else 0
+    # TGI's generated_text keeps the stop sequence that ended it
     jobs = [msgspec.structs.replace(j, logprobs=j.logprobs or bool(top), top_logprobs=top,
-                                    prompt_logprobs=0 if p.decoder_input_details and p.details else -1)
+                                    prompt_logprobs=0 if p.decoder_input_details and p.details else -1,
+                                    include_stop_str_in_output=True)
             for j in jobs]
     return prompt_ids, jobs, seed
 

@@ -37,6 +37,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     stop: list[str] = []  # stop strings: handled by the detokenizer, not returned
+    include_stop_str_in_output: bool = False  # but the one that ended the text is returned (vLLM's field; TGI's way)
     skip_special_tokens: bool = True
     logprobs: bool = False  # return the chosen token's logprob
     top_logprobs: int = 0  # and this many most likely alternatives

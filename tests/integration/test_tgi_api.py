@@ -85,6 +85,24 @@ def test_text_generation_stream_matches_the_whole_answer(tgi_server, oracles):
     assert "".join(texts) == events[-1].generated_text
 
 
+def test_a_stop_sequence_ends_the_text_and_stays_in_it_as_tgi_does(tgi_server, oracles):
+    """TGI returns the stop sequence that ended the generation as part of generated_text (and the
+    OpenAI API returns it only with vLLM's include_stop_str_in_output)."""
+    oracle = oracles("qwen2")
+    prompt = PROMPTS[1]
+    text = oracle.tokenizer.decode(greedy_ids(oracle, prompt, 12), skip_special_tokens=True)
+    stop = next(text[i:i + 3] for i in range(len(text) // 3, len(text) - 2) if text[i:i + 3].strip())
+    cut = text.index(stop) + len(stop)
+    out = hf(tgi_server).text_generation(prompt, max_new_tokens=12, stop=[stop], details=True)
+    assert (out.generated_text, out.details.finish_reason) == (text[:cut], "stop_sequence")
+    openai = dict(model="tiny-qwen2", prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+    plain = httpx.post(tgi_server.url + "/v1/completions", json=openai, headers=auth(), timeout=60).json()
+    kept = httpx.post(tgi_server.url + "/v1/completions", json=dict(openai, include_stop_str_in_output=True),
+                      headers=auth(), timeout=60).json()
+    assert plain["choices"][0]["text"] == text[:cut - len(stop)]
+    assert (kept["choices"][0]["text"], kept["choices"][0]["finish_reason"]) == (text[:cut], "stop")
+
+
 def test_generate_routes_and_info_have_tgi_shapes(tgi_server, oracles):
     oracle = oracles("qwen2")
     prompt = PROMPTS[1]

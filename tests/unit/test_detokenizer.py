@@ -202,6 +202,10 @@ def test_stop_matcher_on_random_overlapping_stops_matches_the_brute_force_answer
             assert sent == seen[:len(seen) - tail], (stops, text, cuts)
         sent += "" if matcher.stopped else matcher.flush()
         assert (sent, matcher.stopped is not None) == (expected, stopped), (stops, text, cuts)
+        keeper = StopStringMatcher(stops, keep=True)  # include_stop_str_in_output: the same cut, the stop kept
+        kept = "".join(keeper.feed(piece) for piece in (text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])))
+        kept += "" if keeper.stopped else keeper.flush()
+        assert kept == (expected + keeper.stopped if stopped else expected), (stops, text, cuts)
 
 
 def test_empty_stop_string_is_ignored():
