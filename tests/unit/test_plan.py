@@ -230,7 +230,7 @@ def test_every_profile_combination_plans_or_names_its_conflict(compose_config):
         if pd_instance and (par.dp, par.nnodes) != (1, 1):  # one replica per pd instance
             assert "pd_instance_is_one_replica" in {v.rule for v in violations}
             continue
-        if cfg.model.vision and (pd_instance or par.nnodes > 1):  # images: one-node normal instances only
+        if (cfg.model.vision or cfg.model.audio) and (pd_instance or par.nnodes > 1):  # media: one-node normal instances only
             assert "visual_deployment_supported" in {v.rule for v in violations}
             continue
         if violations:
