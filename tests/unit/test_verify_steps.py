@@ -7,9 +7,11 @@ import torch
 
 from fixtures.tiny_models import model_config_from_folder, write_tiny_checkpoint
 from llaunch.runtime.config import SpecConfig, SpecMethod
-from llaunch.runtime.ipc.messages import StepPlan, VerifyChunk
+from llaunch.runtime.ipc.messages import SamplingParams, StepPlan, VerifyChunk
 from llaunch.runtime.models.loader import build_model
 from llaunch.runtime.worker.runner import ModelRunner
+from llaunch.runtime.worker.sampling_state import SamplingState
+from llaunch.runtime.worker.spec_verify import Verifier, verify_greedy
 from llaunch.runtime.models.memory import spec_step_tokens
 from llaunch.runtime.worker.verify_graphs import verify_tokens
 
@@ -68,3 +70,30 @@ def test_verify_graphs_cover_the_largest_speculating_step():
     assert spec_step_tokens(SpecConfig(), max_rows=256) == 0
     big = SpecConfig(method=SpecMethod.ngram, num_tokens=16, max_batch=256)
     assert spec_step_tokens(big, max_rows=256) == 512  # larger verify steps run eagerly
+
+
+def test_a_steps_greedy_verdicts_are_each_chunks_own():
+    """Verifier.launch judges a step's greedy chunks in one batch (short chunks padded): each chunk's
+    tokens and its row's last token are verify_greedy's for that chunk alone, beside a sampled row."""
+    vocab = 50
+    sampling = SamplingState(6, vocab, torch.device("cpu"), (), None)
+    sampling.set_rows([(2, SamplingParams(max_new_tokens=8, temperature=0.7, seed=3), [1, 2])])
+    last_token = torch.zeros(7, dtype=torch.int64)
+    logits = torch.randn(14, vocab, generator=torch.Generator().manual_seed(5))
+    best = logits.argmax(-1).tolist()
+    # row 0 agrees 4 times, row 1 once, row 3 never (3 is never a best token: its logit is lowest)
+    logits[:, 3] = -1e9
+    chunks = [VerifyChunk(row=0, token_ids=[9] + best[0:4], start=10, slots=[0] * 5),
+              VerifyChunk(row=1, token_ids=[9, best[5], 3], start=4, slots=[0] * 3),
+              VerifyChunk(row=2, token_ids=[9, best[8]], start=6, slots=[0] * 2),
+              VerifyChunk(row=3, token_ids=[9, 3, 3, 3], start=7, slots=[0] * 4)]
+    pending = Verifier(sampling, last_token, torch.device("cpu")).launch(logits, chunks)
+    got = [[t for t in row if t >= 0] for row in pending.tokens.tolist()]
+    starts = [0, 5, 8, 10]
+    for i in (0, 1, 3):
+        c = chunks[i]
+        want = verify_greedy(logits[starts[i]:starts[i] + len(c.token_ids)], torch.tensor(c.token_ids[1:])).tolist()
+        assert got[i] == [t for t in want if t >= 0]
+        assert last_token[c.row] == got[i][-1]
+    assert [len(g) for g in got[:2]] + [len(got[3])] == [5, 2, 1]
+    assert 1 <= len(got[2]) <= 2 and last_token[2] == got[2][-1]  # the sampled row: rejection sampling's verdict
