@@ -24,10 +24,11 @@ def model(tmp_path_factory):
     return build_model(model_config_from_folder(folder), device=torch.device("cpu"), dtype=torch.float32)
 
 
-def _runner(model, verify_tokens: int) -> ModelRunner:
-    """Rows 0..3 hold 20, 33, 7, 50 cached tokens of random K/V; each row's last token is known."""
+def _runner(model, verify_tokens: int, device=torch.device("cpu"), cuda_graphs: bool = False) -> ModelRunner:
+    """Rows 0..3 hold 20, 33, 7, 50 cached tokens of random K/V; each row's last token is known.
+    (tests/gpu/test_verify_graphs_gpu.py builds it on a GPU, with graphs.)"""
     kv = model.make_kv_cache(ROWS * LEN + 1, ROWS + 1, LEN)
-    runner = ModelRunner(model, kv, ROWS, torch.device("cpu"), verify_tokens=verify_tokens)
+    runner = ModelRunner(model, kv, ROWS, device, cuda_graphs=cuda_graphs, verify_tokens=verify_tokens)
     gen = torch.Generator().manual_seed(7)
     for layer_k, layer_v in zip(kv.k, kv.v):
         layer_k.copy_(torch.randn(layer_k.shape, generator=gen))
