@@ -1,5 +1,6 @@
 """Rules over how the process graph runs on its hosts: the transport between processes, the CUDA MPS
-daemon, decode CUDA graphs' context bound, and LightLLM's tpsp mix mode (refused: not implemented)."""
+daemon, decode CUDA graphs' context bound, LightLLM's tpsp mix mode (refused: not implemented), and dp
+cache fetch (one host's shared memory)."""
 from __future__ import annotations
 
 from llaunch.launcher import mps
@@ -49,3 +50,19 @@ def tpsp_mix_not_implemented(cfg):
             "parallelism all-reduces the full residual after attention and the MLP; the sequence-parallel "
             "split (reduce-scatter, norms on 1/tp of the tokens, all-gather) is not built. "
             "Set parallel.tpsp_mix=false")
+
+
+@rule()
+def dp_fetch_supported(cfg):
+    c, p = cfg.cache, cfg.parallel
+    if not c.dp_fetch:
+        return
+    if p.dp < 2 or c.cpu_tokens <= 0:
+        yield ("cache.dp_fetch", "parallel.dp", "cache.cpu_tokens"), (
+            f"cache.dp_fetch=true with parallel.dp={p.dp} and cache.cpu_tokens={c.cpu_tokens}: replicas fetch "
+            "prefixes from each other's host KV tier, so it needs parallel.dp >= 2 and cache.cpu_tokens > 0; "
+            "set those, or cache.dp_fetch=false")
+    if p.nnodes > 1:
+        yield ("cache.dp_fetch", "parallel.nnodes"), (
+            f"cache.dp_fetch=true with parallel.nnodes={p.nnodes}: replicas fetch through shared memory on one "
+            "host only; set cache.dp_fetch=false or parallel.nnodes=1")

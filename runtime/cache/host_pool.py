@@ -17,6 +17,11 @@ def pool_path(instance: str, dp_rank: int, tp_rank: int, shm_dir: str = SHM_DIR)
     return os.path.join(shm_dir if os.path.isdir(shm_dir) else "/tmp", f"llaunch-kv-{tag}-{dp_rank}.{tp_rank}")
 
 
+def index_path(instance: str, dp_rank: int, shm_dir: str = SHM_DIR) -> str:
+    """A replica's host-tier index (cache.dp_fetch: runtime/cache/host_index.py)."""
+    return pool_path(instance, dp_rank, 0, shm_dir).rsplit(".", 1)[0] + ".index"
+
+
 def pool_bytes(cfg) -> int:
     """One rank's file: cpu_tokens slots of its K/V bytes per token (runtime/models/memory.py)."""
     from llaunch.runtime.models.memory import rank_memory

@@ -36,6 +36,7 @@ class TieredPrefixTree(PrefixTree):
         self._pinned: set[int] = set()  # ids of host nodes being promoted: never dropped meanwhile
         self._dropping = False  # flush: evicted GPU nodes are dropped, not demoted
         self._host_heap: list | None = None  # host leaves by age, during one evict (see _drop_host)
+        self.on_demote = None  # called with each node demoted (cache.dp_fetch publishes its keys)
 
     # ---- lookup -----------------------------------------------------------------------------------
 
@@ -137,6 +138,8 @@ class TieredPrefixTree(PrefixTree):
         node.slots, node.on_host = host, True
         self.host_tokens += n
         self.demoted += n
+        if self.on_demote is not None:
+            self.on_demote(node)
 
     def _drop_host(self, num_tokens: int) -> int:
         """Free at least `num_tokens` host slots, least recently used host leaves first. The queue

@@ -102,6 +102,8 @@ class MetricsHub:
                                 m, registry=r)
         self.demoted = Counter(PREFIX + "kv_demoted_tokens", "Tokens of KV copied from the GPU to the host tier.",
                                m, registry=r)
+        self.dp_fetched = Counter(PREFIX + "dp_fetched_tokens", "Tokens of KV copied from another dp replica's "
+                                  "host tier instead of computed (cache.dp_fetch).", m, registry=r)
         self.host_usage = Gauge(PREFIX + "host_kv_cache_usage_perc",
                                 "Share of the host KV tier's slots the prompt cache holds. 1 means 100 percent.",
                                 ranked, registry=r)
@@ -185,6 +187,7 @@ class MetricsHub:
         self.host_hits.labels(*self.model).inc(stats.host_cache_hits - (before.host_cache_hits if before else 0))
         self.promoted.labels(*self.model).inc(stats.kv_promoted - (before.kv_promoted if before else 0))
         self.demoted.labels(*self.model).inc(stats.kv_demoted - (before.kv_demoted if before else 0))
+        self.dp_fetched.labels(*self.model).inc(stats.dp_fetched - (before.dp_fetched if before else 0))
         self.host_usage.labels(*rank).set(stats.host_cache_tokens / (stats.host_cache_slots or 1))
         self.stalled.labels(*rank).set(float(stats.stalled))
         self.stalls.labels(*rank).inc(stats.stalls - (before.stalls if before else 0))

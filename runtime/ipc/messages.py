@@ -139,6 +139,7 @@ class KvMove(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
     to_host: bool  # True: demote (GPU pool → host pool); False: promote (host → GPU)
     gpu_slots: list[int]
     host_slots: list[int]
+    replica: int = -1  # cache.dp_fetch: host_slots are in this dp replica's pool (same tp rank); -1: own
 
 
 class VerifyChunk(_Msg):
@@ -321,6 +322,7 @@ class RouterStats(_Msg):
     host_cache_slots: int = 0  # the host tier's size (0: none)
     kv_promoted: int = 0  # since start: tokens copied host → GPU
     kv_demoted: int = 0  # since start: tokens copied GPU → host
+    dp_fetched: int = 0  # since start: tokens copied from another replica's host pool (cache.dp_fetch)
     stalled: bool = False  # a step is overdue or a worker is gone (runtime/router/health.py)
     stalls: int = 0  # since start
     spec_proposed: int = 0  # since start: tokens speculative decoding proposed for verification

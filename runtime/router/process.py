@@ -37,8 +37,10 @@ PIPELINE_DEPTH = 2  # plan step N+1 while step N runs: the device never waits fo
 PD_ROLES = {Mode.pd_prefill: "prefill", Mode.pd_decode: "decode"}
 
 
-def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
+def limits_from(cfg: RunConfig, ready: WorkerReady, spec=None) -> SchedulerLimits:
     r = cfg.router
+    indexes = sorted(((int(k.split(".")[1]), v) for k, v in (spec.connects.items() if spec is not None else ())
+                      if k.startswith("kv_index.")))  # cache.dp_fetch: every replica's host index, by rank
     return SchedulerLimits(
         kv_slots=ready.kv_slots,
         max_running=min(r.max_running_requests, ready.max_running_requests),
@@ -52,6 +54,7 @@ def limits_from(cfg: RunConfig, ready: WorkerReady) -> SchedulerLimits:
         pipeline_depth=PIPELINE_DEPTH,
         prompt_cache=cfg.cache.prompt_cache,
         host_kv_tokens=cfg.cache.cpu_tokens,
+        dp_fetch=(spec.dp_rank, tuple(path for _, path in indexes)) if indexes else (),
         pd_role=PD_ROLES.get(cfg.mode.kind),
         max_waiting=r.max_waiting_requests,
         diverse_mode=r.diverse_mode,
@@ -68,6 +71,7 @@ def admission_limits(cfg: RunConfig) -> AdmissionLimits:
 class Router:
     def __init__(self, cfg: RunConfig, spec, ctx: zmq.Context):
         self.cfg = cfg
+        self.spec = spec
         self.dp_rank = spec.dp_rank
         self.health = EngineHealth(cfg.router.stall_timeout_s)
         watch = WorkerWatch(ctx, self.health)
@@ -94,7 +98,7 @@ class Router:
         msg = self.results.recv()
         if not isinstance(msg, WorkerReady):
             raise RuntimeError(f"expected WorkerReady first, got {type(msg).__name__}")
-        self.scheduler = Scheduler(limits_from(self.cfg, msg))
+        self.scheduler = Scheduler(limits_from(self.cfg, msg, self.spec))
         log.info("workers ready: %d KV slots, %d rows", msg.kv_slots, self.scheduler.limits.max_running)
 
     def handle(self, msg) -> None:

@@ -65,6 +65,9 @@ class NoPromptCache:
         """Host-tier copies for the next plan (runtime/router/tiered_cache.py): none without one."""
         return []
 
+    def returned(self) -> None:
+        """The oldest plan out returned, its copies done (cache.dp_fetch: runtime/router/dp_fetch.py)."""
+
 
 class PromptCache(NoPromptCache):
     def __init__(self, kv: KvAllocator):

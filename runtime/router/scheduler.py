@@ -63,13 +63,14 @@ class SchedulerLimits:
     prompt_logprob_tokens: int = PROMPT_LOGPROB_TOKENS
     spec: Optional[object] = None  # runtime.config.SpecConfig: speculative decoding (None: off)
     host_kv_tokens: int = 0  # slots of the host KV tier below the prompt cache (cache.cpu_tokens; 0: none)
+    dp_fetch: tuple = ()  # cache.dp_fetch: (own dp rank, every replica's host index file); (): off
 
 
 class Scheduler(PdTransfers):
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
         self.kv = KvAllocator(limits.kv_slots)
-        self.cache = prompt_cache_for(self.kv, limits.prompt_cache, limits.host_kv_tokens)
+        self.cache = prompt_cache_for(self.kv, limits.prompt_cache, limits.host_kv_tokens, limits.dp_fetch)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # row → request, finished ones until their steps return
         self.by_id: dict[str, Request] = {}
@@ -294,6 +295,7 @@ class Scheduler(PdTransfers):
         condition, free what no step in flight uses any more. One delta per live request."""
         samplers = self._in_flight.popleft()
         touched = self._in_flight_all.popleft()
+        self.cache.returned()
         if result.scores:  # a score model: the prompt's head outputs end each request; no token is generated
             deltas = [self._scored(req, sc) for req, sc in zip(samplers, result.scores) if req.status is Status.RUNNING]
             self._returned(touched)

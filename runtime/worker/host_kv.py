@@ -38,29 +38,37 @@ def wait_for_pool(path: str, timeout_s: float) -> int:
 
 
 class HostKvPool:
-    def __init__(self, kv: KvCache, path: str, num_slots: int, device: torch.device, timeout_s: float = 300.0):
+    """`peers` (cache.dp_fetch): dp replica → its pool file for this tp rank, read by fetch moves."""
+
+    def __init__(self, kv: KvCache, path: str, num_slots: int, device: torch.device, timeout_s: float = 300.0,
+                 peers: Optional[dict[int, str]] = None):
+        self.kv = kv
+        self.device = device
+        self.num_slots = num_slots
+        self._mapped: list[torch.Tensor] = []
+        self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pool = self._map(path, timeout_s)
+        self.peers = {d: self._map(p, timeout_s) for d, p in (peers or {}).items()}
+
+    def _map(self, path: str, timeout_s: float) -> torch.Tensor:
+        kv, num_slots, device = self.kv, self.num_slots, self.device
         layers, heads, dim = len(kv.k), kv.k[0].shape[1], kv.k[0].shape[2]
-        dtype = kv.k[0].dtype
         shape = (2, layers, num_slots, heads, dim)
         need = 2 * layers * num_slots * heads * dim * kv.k[0].element_size()
         have = wait_for_pool(path, timeout_s)
         if have < need:
             raise RuntimeError(f"host KV pool {path} holds {have} bytes; {num_slots} slots of this rank's KV need {need}")
-        self.kv = kv
-        self.device = device
-        self.num_slots = num_slots
-        self._mapped = torch.from_file(path, shared=True, size=need, dtype=torch.uint8)  # MAP_SHARED
-        self.stream: Optional[torch.cuda.Stream] = None
+        mapped = torch.from_file(path, shared=True, size=need, dtype=torch.uint8)  # MAP_SHARED
+        self._mapped.append(mapped)
         if device.type == "cuda":
-            ptr = self._mapped.data_ptr()
+            ptr = mapped.data_ptr()
             err = torch.cuda.cudart().cudaHostRegister(ptr, need, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of the host KV pool ({need} bytes) failed: error {int(err)}")
             raw = torch.as_tensor(_CudaView(ptr, need), device=device)
-            self.stream = torch.cuda.Stream(device)
         else:
-            raw = self._mapped
-        self.pool = raw.view(dtype).view(shape)
+            raw = mapped
+        return raw.view(kv.k[0].dtype).view(shape)
 
     @torch.inference_mode()
     def apply(self, moves: list[KvMove]) -> None:
@@ -76,8 +84,9 @@ class HostKvPool:
         compute.wait_stream(self.stream)
 
     def _copy(self, moves: list[KvMove]) -> None:
-        pool, kv = self.pool, self.kv
+        kv = self.kv
         for move in moves:
+            pool = self.pool if move.replica < 0 else self.peers[move.replica]  # a fetch reads another replica's
             gpu = torch.tensor(move.gpu_slots, dtype=torch.int64).to(self.device, non_blocking=True)
             host = torch.tensor(move.host_slots, dtype=torch.int64).to(self.device, non_blocking=True)
             for layer in range(len(kv.k)):

@@ -174,7 +174,9 @@ def main() -> None:
     host_kv = None  # the host KV tier's pool (cache.cpu_tokens), made by the kv_host process
     if cfg.cache.cpu_tokens > 0:
         stage("mapping the host KV pool")
-        host_kv = HostKvPool(kv, spec.connects["kv_host"], cfg.cache.cpu_tokens, device, cfg.server.ready_timeout_s)
+        peers = {int(k.split(".")[1]): p for k, p in spec.connects.items() if k.startswith("kv_peer.")}  # cache.dp_fetch
+        host_kv = HostKvPool(kv, spec.connects["kv_host"], cfg.cache.cpu_tokens, device, cfg.server.ready_timeout_s,
+                             peers)
     if device.type == "cuda":
         stage("capturing CUDA graphs and compiling kernels" if not cfg.model.enforce_eager else "compiling kernels")
     grammars = grammar_compiler(cfg)  # one compiler: the router's prepares fill the cache the steps read
