@@ -333,7 +333,8 @@ def main(argv: Optional[Sequence[str]] = None, transport: Any = None) -> dict[st
         result["prefix_cache_queries"], result["prefix_cache_hits"] = cache[:2]
         result["prefix_cache_hit_rate"] = cache[1] / cache[0] if cache[0] else 0.0
         if len(cache) > 2:  # a host KV tier: hits per tier, tokens moved between them
-            result["host_cache_hits"], result["kv_promoted_tokens"], result["kv_demoted_tokens"] = cache[2:]
+            result["host_cache_hits"], result["kv_promoted_tokens"], result["kv_demoted_tokens"] = cache[2:5]
+            result["dp_fetched_tokens"] = cache[5]  # cache.dp_fetch: copied from another replica's host tier
             result["gpu_cache_hits"] = cache[1] - cache[2]
     print_table(result, args)
     errors = [o.error for o in outputs if not o.success]

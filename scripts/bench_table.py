@@ -40,6 +40,8 @@ def print_table(result: dict[str, Any], args: argparse.Namespace) -> None:
         rows += [("GPU-tier hits (% of prompt tokens)", 100 * result["gpu_cache_hits"] / queries, ".2f"),
                  ("host-tier hits (% of prompt tokens)", 100 * result["host_cache_hits"] / queries, ".2f"),
                  ("KV tokens promoted / demoted", f"{result['kv_promoted_tokens']:.0f} / {result['kv_demoted_tokens']:.0f}", "s")]
+        if result.get("dp_fetched_tokens"):
+            rows.append(("KV tokens fetched from other dp replicas", result["dp_fetched_tokens"], ".0f"))
     rows += spec_rows(result)  # the server's speculative decoding, where it reports it
     rows += bench_images.image_rows(result)  # the visual servers' work, where the server reports it
     if "goodput" in result:

@@ -39,9 +39,9 @@ def conversation_turns(num: int, input_len: int, vocab_size: int, seed: int, gro
 
 
 # the server's prefix-cache (queries, hits), if it reports them, then with a host KV tier (llaunch's
-# cache.cpu_tokens) its (host hits, tokens promoted, tokens demoted)
+# cache.cpu_tokens) its (host hits, tokens promoted, tokens demoted, tokens fetched from other dp replicas)
 CacheCounts = Optional[tuple[float, ...]]
-HOST_TIER_SERIES = ("prefix_cache_host_hits", "kv_promoted_tokens", "kv_demoted_tokens")
+HOST_TIER_SERIES = ("prefix_cache_host_hits", "kv_promoted_tokens", "kv_demoted_tokens", "dp_fetched_tokens")
 
 
 def prefix_cache_counts(metrics_text: str) -> CacheCounts:

@@ -125,6 +125,11 @@ def test_prefix_cache_counts_from_prometheus_text(bench):
             'llaunch:prompt_tokens_total{model_name="m"} 999.0\n')
     assert bench.prefix_cache_counts(text) == (125.0, 30.0)
     assert bench.prefix_cache_counts('llaunch:prompt_tokens_total{model_name="m"} 9.0\n') is None
+    tiered = text + ('llaunch:prefix_cache_host_hits_total{model_name="m"} 10.0\n'
+                     'llaunch:kv_promoted_tokens_total{model_name="m"} 10.0\n'
+                     'llaunch:kv_demoted_tokens_total{model_name="m"} 40.0\n'
+                     'llaunch:dp_fetched_tokens_total{model_name="m"} 16.0\n')
+    assert bench.prefix_cache_counts(tiered) == (125.0, 30.0, 10.0, 10.0, 40.0, 16.0)
 
 
 def test_a_conversation_resends_its_history_and_stops_at_a_failed_turn(bench):
