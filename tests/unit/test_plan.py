@@ -266,6 +266,19 @@ def test_host_kv_tier_adds_one_pool_owner_per_node(planned):
     assert not set(pools.values()) & set(p for s in other.processes for p in s.binds.values())  # per instance
 
 
+def test_dp_fetch_maps_every_replica_index_and_the_peer_pools_of_each_rank(planned):
+    _, g = planned("device=cuda", "parallel=dp2", "parallel.tp=2", "cache.cpu_tokens=1000", "cache.dp_fetch=true")
+    spec = {p.name: p for p in g.processes}
+    binds = spec["kv_host.0"].binds
+    assert sorted(k for k in binds if k.startswith("index.")) == ["index.0", "index.1"]
+    for d in (0, 1):
+        assert {k: v for k, v in spec[f"router.{d}"].connects.items() if k.startswith("kv_index.")} == {
+            "kv_index.0": binds["index.0"], "kv_index.1": binds["index.1"]}
+        for r in (0, 1):  # rank r reads rank r's pool of the other replica
+            assert spec[f"worker.{d}.{r}"].connects[f"kv_peer.{1 - d}"] == binds[f"pool.{1 - d}.{r}"]
+    check_wiring(g)
+
+
 def test_a_multimodal_model_adds_its_visual_servers(planned):
     _, g = planned("model=qwen2-vl-7b", "model.load_format=dummy", "device=cuda", "dry_run=true", "parallel=dp2",
                    "visual.dp=2", "visual.devices=[1,0]")
