@@ -181,6 +181,8 @@ async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tupl
             async with cap:
                 return await send_request(client, args, prompt, max_tokens)
 
+        if bench_images.is_chat(args):  # every request's images and clips, before any is sent
+            bench_images.pregenerate(args, len(warmup) + sum(len(c) for c in conversations))
         warm = await asyncio.gather(*(capped(p) for p in warmup))
         if any(not o.success for o in warm):
             print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)

@@ -353,3 +353,28 @@ def test_response_format_from_a_file_and_fresh_schemas_never_repeat(bench):
     assert all(n >= set(args.response_format["json_schema"]["schema"]["properties"]) for n in names)
     with pytest.raises(SystemExit):  # fresh schemas need a json_schema to vary
         bench.parse_args(["--model", "m", "--response-format", '{"type": "json_object"}', "--fresh-schemas"])
+
+
+def test_chat_media_are_made_before_the_run_and_each_request_gets_its_own():
+    """Images and clips are encoded by pregenerate, not while requests are sent (a PNG held the
+    client's event loop for up to a third of a second); new media per request, repeated ones shared."""
+    import argparse
+
+    import bench_images
+
+    ap = argparse.ArgumentParser()
+    bench_images.add_args(ap)
+    args = ap.parse_args(["--images-per-request", "2", "--image-size", "32", "--audio-per-request", "1",
+                          "--audio-seconds", "0.1"])
+    args.seed, args.model = 5, "m"
+    bench_images.pregenerate(args, 3)
+    made = (len(bench_images._urls), len(bench_images._clips))
+    payloads = [bench_images.chat_payload(args, [1, 2], 4) for _ in range(3)]
+    assert (len(bench_images._urls), len(bench_images._clips)) == made  # nothing encoded while sending
+    media = [[p.get("image_url", p.get("input_audio")) for p in pl["messages"][0]["content"][:3]] for pl in payloads]
+    flat = [json.dumps(m) for request in media for m in request]
+    assert len(set(flat)) == 9  # 3 requests x (2 images + 1 clip), all distinct
+    args.repeat_images = True
+    bench_images.pregenerate(args, 2)
+    twice = [bench_images.chat_payload(args, [1], 4)["messages"][0]["content"][:2] for _ in range(2)]
+    assert twice[0] == twice[1]
