@@ -17,7 +17,7 @@ import heapq
 from typing import Sequence
 
 from llaunch.runtime.cache.kv_allocator import KvAllocator
-from llaunch.runtime.cache.prefix_tree import Node, PrefixTree, _common_len
+from llaunch.runtime.cache.prefix_tree import Node, PrefixTree
 
 Move = tuple[bool, list[int], list[int]]  # (to_host, gpu slots, host slots), slot i → slot i
 
@@ -43,23 +43,14 @@ class TieredPrefixTree(PrefixTree):
     def match(self, tokens: Sequence[int]) -> tuple[list[int], Node]:
         """The GPU slots of the longest cached prefix that lives on the GPU and the node it ends at;
         the host-resident nodes that continue it are left in `host_path` (to promote)."""
-        node, at, slots, i = self.root, self.root, [], 0
-        now = next(self._clock)
+        node, slots = self.root, []
         self.host_path = []
-        while i < len(tokens):
-            child = at.children.get(tokens[i])
-            if child is None:
-                break
-            n = _common_len(child.tokens, tokens, i)
-            if n < len(child.tokens):
-                child = self._split(child, n)
-            child.last_used = now
+        for child in self._walk(tokens):
             if child.on_host:
                 self.host_path.append(child)
             else:
                 slots.extend(child.slots)
                 node = child
-            at, i = child, i + n
         return slots, node
 
     def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:

@@ -59,19 +59,26 @@ class PrefixTree:
     def match(self, tokens: Sequence[int]) -> tuple[list[int], Node]:
         """The slots of the longest cached prefix of `tokens`, and the node it ends at (a node is
         split when the prefix ends inside its edge, so the caller can lock exactly that prefix)."""
-        node, slots, i = self.root, [], 0
+        node, slots = self.root, []
+        for node in self._walk(tokens):
+            slots.extend(node.slots)
+        return slots, node
+
+    def _walk(self, tokens: Sequence[int]) -> Iterator[Node]:
+        """The nodes of the longest cached prefix of `tokens`, from the root down, each marked used now
+        (the last one split first where the prefix ends inside its edge)."""
+        node, i = self.root, 0
         now = next(self._clock)
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
-                break
+                return
             n = _common_len(child.tokens, tokens, i)
             if n < len(child.tokens):
                 child = self._split(child, n)
             child.last_used = now
-            slots.extend(child.slots)
+            yield child
             node, i = child, i + n
-        return slots, node
 
     def insert(self, tokens: Sequence[int], slots: Sequence[int]) -> int:
         """Cache `tokens` with their `slots`. Returns how many leading tokens were cached already:
