@@ -15,7 +15,6 @@ import base64
 import io
 import json
 import re
-import time
 import wave
 from typing import Optional
 
@@ -122,23 +121,6 @@ def is_opening(line: str) -> bool:
         return False
     return bool(choices) and all(not (c.get("delta") or {}).get("content") and c.get("finish_reason") is None
                                  and "role" in (c.get("delta") or {}) for c in choices)
-
-
-async def send_chat(client, args, prompt: list[int], max_tokens: int, timer_cls, error_types) -> object:
-    payload = chat_payload(args, prompt, max_tokens)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    timer = timer_cls(len(prompt), time.perf_counter())
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                return timer.finish(error=f"HTTP {resp.status_code}: {body[:300]}")
-            async for line in resp.aiter_lines():
-                if not is_opening(line):
-                    timer.on_line(line, time.perf_counter())
-    except error_types as e:
-        return timer.finish(error=f"{type(e).__name__}: {e}")
-    return timer.finish()
 
 
 def image_counts(metrics_text: str) -> Optional[tuple[float, float, float]]:

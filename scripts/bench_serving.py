@@ -67,24 +67,28 @@ import bench_images  # noqa: E402 (--images-per-request: chat completions with i
 async def send_request(client: "httpx.AsyncClient", args: argparse.Namespace, prompt: list[int],
                        max_tokens: Optional[int] = None) -> RequestOutput:
     max_tokens = args.output_len if max_tokens is None else max_tokens
+    opening = None  # a chat stream's role-only first chunk: not a token
     if bench_images.is_chat(args):
-        return await bench_images.send_chat(client, args, prompt, max_tokens, StreamTimer,
-                                            (httpx.HTTPError, json.JSONDecodeError))
-    payload = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-               "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    if args.multi_turn > 1:
-        payload["return_token_ids"] = True  # the next turn's history holds the answer's tokens
-    if args.response_format is not None:
-        payload["response_format"] = fresh_schema(args) if args.fresh_schemas else args.response_format
+        route, payload, opening = "/v1/chat/completions", bench_images.chat_payload(args, prompt, max_tokens), \
+            bench_images.is_opening
+    else:
+        route = "/v1/completions"
+        payload = {"model": args.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                   "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        if args.multi_turn > 1:
+            payload["return_token_ids"] = True  # the next turn's history holds the answer's tokens
+        if args.response_format is not None:
+            payload["response_format"] = fresh_schema(args) if args.fresh_schemas else args.response_format
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timer = StreamTimer(len(prompt), time.perf_counter())
     try:
-        async with client.stream("POST", "/v1/completions", json=payload, headers=headers) as resp:
+        async with client.stream("POST", route, json=payload, headers=headers) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 return timer.finish(error=f"HTTP {resp.status_code}: {body[:300]}")
             async for line in resp.aiter_lines():
-                timer.on_line(line, time.perf_counter())
+                if opening is None or not opening(line):
+                    timer.on_line(line, time.perf_counter())
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         return timer.finish(error=f"{type(e).__name__}: {e}")
     return timer.finish()
