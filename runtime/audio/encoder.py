@@ -8,7 +8,7 @@ import torch
 
 from llaunch.runtime.ipc.messages import ImageRef
 from llaunch.runtime.models.audio_qwen2 import Qwen2AudioTower
-from llaunch.runtime.visual.embed_cache import EmbedCache
+from llaunch.runtime.visual.encoder import CachedEncoder
 
 
 @torch.inference_mode()
@@ -19,20 +19,9 @@ def encode_clips(tower: Qwen2AudioTower, clips: list[ImageRef]) -> list[torch.Te
     return tower(features, [c.grid[0] for c in clips])
 
 
-class InProcessAudioEmbeds:
-    """`embeddings(clips)` encoded here, misses of one call in one batch, hits from an LRU cache."""
+class InProcessAudioEmbeds(CachedEncoder):
+    """Clips encoded here by the audio tower."""
 
     def __init__(self, tower: Qwen2AudioTower, cache_bytes: int):
+        super().__init__(lambda clips: encode_clips(tower, clips), cache_bytes)
         self.tower = tower
-        self.cache = EmbedCache(cache_bytes)
-        self.encoded_clips = 0
-
-    def embeddings(self, clips: list[ImageRef]) -> list[torch.Tensor]:
-        found = {c.hash: self.cache.get(c.hash) for c in clips}
-        missing = list({c.hash: c for c in clips if found[c.hash] is None}.values())
-        if missing:
-            for c, emb in zip(missing, encode_clips(self.tower, missing)):
-                found[c.hash] = emb
-                self.cache.put(c.hash, emb)
-            self.encoded_clips += len(missing)
-        return [found[c.hash] for c in clips]

@@ -3,6 +3,8 @@ frontend's image processor) in one forward pass, and an in-process encoder with 
 (tests, and anything that runs the model without a visual server)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -32,21 +34,31 @@ def encode(tower: Qwen2VisionTower, images: list[ImageRef], before_forward=None)
     return list(out.split(sizes))
 
 
-class InProcessEmbeds:
-    """`embeddings(images)` encoded here, misses of one call in one batch, hits from an LRU cache."""
+class CachedEncoder:
+    """`embeddings(items)` (images or clips): the misses of one call encoded together by `encode`, the
+    hits from an LRU cache keyed by content hash (tests, and anything that runs a model without a
+    visual server)."""
+
+    def __init__(self, encode: Callable[[list[ImageRef]], list[torch.Tensor]], cache_bytes: int):
+        self._encode = encode
+        self.cache = EmbedCache(cache_bytes)
+        self.encoded = 0  # items encoded (not served from the cache)
+
+    def embeddings(self, items: list[ImageRef]) -> list[torch.Tensor]:
+        found = {it.hash: self.cache.get(it.hash) for it in items}
+        missing = list({it.hash: it for it in items if found[it.hash] is None}.values())
+        if missing:
+            for it, emb in zip(missing, self._encode(missing)):
+                found[it.hash] = emb
+                self.cache.put(it.hash, emb)
+            self.encoded += len(missing)
+        return [found[it.hash] for it in items]
+
+
+class InProcessEmbeds(CachedEncoder):
+    """Images encoded here by the vision tower."""
 
     def __init__(self, tower: Qwen2VisionTower, cache_bytes: int):
+        super().__init__(lambda images: encode(tower, images), cache_bytes)
         self.tower = tower
         self.merge = tower.arch.spatial_merge_size
-        self.cache = EmbedCache(cache_bytes)
-        self.encoded_images = 0
-
-    def embeddings(self, images: list[ImageRef]) -> list[torch.Tensor]:
-        found = {im.hash: self.cache.get(im.hash) for im in images}
-        missing = list({im.hash: im for im in images if found[im.hash] is None}.values())
-        if missing:
-            for im, emb in zip(missing, encode(self.tower, missing)):
-                found[im.hash] = emb
-                self.cache.put(im.hash, emb)
-            self.encoded_images += len(missing)
-        return [found[im.hash] for im in images]

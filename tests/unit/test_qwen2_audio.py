@@ -74,7 +74,7 @@ def test_greedy_matches_transformers(setup, seconds):
     # the logprobs too: a clip spliced at the wrong tokens could keep a random model's greedy tokens
     assert logprobs == pytest.approx(expected_logprobs, abs=2e-3)
     if len(seconds) == 2:
-        assert refs[0].grid != refs[1].grid and clips.encoded_clips >= 2
+        assert refs[0].grid != refs[1].grid and clips.encoded >= 2
 
 
 def test_tower_matches_transformers(setup):
@@ -92,10 +92,10 @@ def test_tower_matches_transformers(setup):
 def test_repeated_clip_is_not_encoded_again(setup):
     oracle, features, runner, clips = setup
     prompt, refs = features.splice(oracle.prompt_ids(messages_with(1)), [features.process(clip(1.0, 7))])
-    before, hits = clips.encoded_clips, clips.cache.hits
+    before, hits = clips.encoded, clips.cache.hits
     first = generate(runner, prompt, refs, 3)
     second = generate(runner, prompt, refs, 3)
     assert first == second
-    assert clips.encoded_clips == before + 1 and clips.cache.hits == hits + 1
+    assert clips.encoded == before + 1 and clips.cache.hits == hits + 1
     other, refs = features.splice(oracle.prompt_ids(messages_with(1)), [features.process(clip(1.0, 8))])
     assert generate(runner, other, refs, 3)[1] != pytest.approx(first[1], abs=2e-3)  # the clip matters

@@ -63,7 +63,7 @@ def test_greedy_matches_transformers(setup, sizes):
     assert generate(runner, prompt, refs, len(sizes), slots) == expected
     if len(sizes) == 2:  # a grid of different height and width: positions after it are M-RoPE's
         assert refs[0].grid != refs[1].grid
-        assert images.encoded_images >= 2
+        assert images.encoded >= 2
 
 
 def test_repeated_image_is_not_encoded_again(setup):
@@ -72,8 +72,8 @@ def test_repeated_image_is_not_encoded_again(setup):
     rendered = oracle.inputs([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "-"}}]}],
                              [])["input_ids"]
     prompt, refs = inputs.splice(rendered, [inputs.process(png, "image")])
-    before, hits = images.encoded_images, images.cache.hits
+    before, hits = images.encoded, images.cache.hits
     first = generate(runner, prompt, refs, 3, list(range(400, 400 + len(prompt) + MAX_NEW)))
     second = generate(runner, prompt, refs, 3, list(range(400, 400 + len(prompt) + MAX_NEW)))
     assert first == second
-    assert images.encoded_images == before + 1 and images.cache.hits == hits + 1
+    assert images.encoded == before + 1 and images.cache.hits == hits + 1
