@@ -11,6 +11,7 @@ from llaunch.launcher import gpus
 from llaunch.launcher.rule_registry import get, rule
 from llaunch.launcher.rules_model import SERVING_MODES
 from llaunch.runtime.config import Device, LlaunchConfig
+from llaunch.runtime.encoder_servers import encoder_servers, multimodal
 from llaunch.runtime.models.memory import GiB, RankMemory, rank_memory
 
 _ARCH = ("model.family", "model.hidden_size", "model.intermediate_size", "model.num_hidden_layers",
@@ -70,7 +71,10 @@ def summary(cfg: LlaunchConfig) -> Optional[str]:
 
 def _embed_caches(cfg) -> str:
     """The visual servers' embed caches (multimodal models): shared memory on node 0."""
-    return f"; embed cache {cfg.visual.embed_cache_mib} MiB x {cfg.visual.dp} visual server(s)" if cfg.model.vision or cfg.model.audio else ""
+    if not multimodal(cfg):
+        return ""
+    e = encoder_servers(cfg)
+    return f"; embed cache {e.embed_cache_mib} MiB x {e.dp} {e.kind} server(s)"
 
 
 @rule(needs=_ARCH, live="warn")

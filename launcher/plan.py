@@ -19,12 +19,15 @@ A multimodal model (model.vision, or model.audio) adds visual.{v} (visual.dp of 
 send EncodeImages there; it answers on each router's results, connecting ready.{d}) and embeds (its
 embed cache's shared-memory file path); every router connects visual.{v}, every worker embeds.{v}.
 visual.tp > 1 adds visual.{v}.{r} (r = 1 .. visual.tp-1), binding nothing: with visual.{v} they dial dist.
+An audio model (model.audio) names them audio.{a} (audio.dp, audio.devices; runtime/encoder_servers.py);
+routers and workers still connect visual.{a} and embeds.{a}.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from llaunch.launcher.ports import EndpointAllocator
 from llaunch.runtime.cache.host_pool import index_path, pool_path
+from llaunch.runtime.encoder_servers import encoder_servers, multimodal
 from llaunch.runtime.visual.embed_shm import embeds_path
 from llaunch.runtime.config import Device, KvTransport, LlaunchConfig, Mode, ProcessGraph, ProcessSpec, ZmqMode
 
@@ -173,18 +176,19 @@ def _kv_hosts(cfg: LlaunchConfig, workers: list[ProcessSpec], instance: str, rou
 def _visual_servers(cfg: LlaunchConfig, local, routers: list[ProcessSpec], workers: list[ProcessSpec],
                     instance: str, endpoints: EndpointAllocator) -> list[ProcessSpec]:
     """A multimodal model: visual.dp visual servers (runtime/visual/process.py), each on its GPU
-    (visual.devices, else the node's GPUs in turn), with its embed cache's file."""
-    if not (cfg.model.vision or cfg.model.audio):  # Qwen2-Audio's clips are encoded by the same servers
+    (visual.devices, else the node's GPUs in turn), with its embed cache's file. An audio model: audio.dp
+    of the same process, named audio.{a} (audio.devices); routers still dial them as visual.{a}."""
+    if not multimodal(cfg):
         return []
-    v, p = cfg.visual, cfg.parallel
+    v, p = encoder_servers(cfg), cfg.parallel
     per_node = max(p.tp * p.dp // max(p.nnodes, 1), 1)
     servers = []
     for i in range(v.dp):
         gpus = [[v.devices[i * v.tp + r] if v.devices else (i * v.tp + r) % per_node] if cfg.device == Device.cuda
                 else [] for r in range(v.tp)]
         dist = {"dist": f"tcp://127.0.0.1:{endpoints.free_port('127.0.0.1')}"} if v.tp > 1 else {}
-        server = ProcessSpec(name=f"visual.{i}", role="visual", index=i, gpus=gpus[0],
-                             binds={"encode": local(f"visual.{i}.encode"), "embeds": embeds_path(instance, i)},
+        server = ProcessSpec(name=f"{v.kind}.{i}", role="visual", index=i, gpus=gpus[0],
+                             binds={"encode": local(f"{v.kind}.{i}.encode"), "embeds": embeds_path(instance, i)},
                              connects={f"ready.{r.dp_rank}": r.binds["results"] for r in routers}
                              | {"control": instance} | dist)
         for r in routers:
@@ -192,7 +196,7 @@ def _visual_servers(cfg: LlaunchConfig, local, routers: list[ProcessSpec], worke
         for w in workers:
             w.connects[f"embeds.{i}"] = server.binds["embeds"]
         # visual.tp > 1: the followers of visual.{i}, its tower split over them (runtime/visual/tower_tp.py)
-        followers = [ProcessSpec(name=f"visual.{i}.{r}", role="visual", index=i, tp_rank=r, gpus=gpus[r],
+        followers = [ProcessSpec(name=f"{v.kind}.{i}.{r}", role="visual", index=i, tp_rank=r, gpus=gpus[r],
                                  connects={"control": instance} | dist) for r in range(1, v.tp)]
         servers += [server, *followers]
     return servers

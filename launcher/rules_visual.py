@@ -1,39 +1,60 @@
-"""The start-up rules of the visual servers (the visual group, multimodal models): their count, batch
-and GPUs, and the deployments where their shared-memory embed cache reaches every worker."""
+"""The start-up rules of the encoder servers of multimodal models (the visual group; audio models: the
+audio group, runtime/encoder_servers.py): their count, batch and GPUs, the group that matches the model,
+and the deployments where their shared-memory embed cache reaches every worker."""
 from __future__ import annotations
 
 from llaunch.launcher.rule_registry import rule
-from llaunch.runtime.config import Device, Mode
+from llaunch.runtime.config import AudioConfig, Device, Mode, VisualConfig
+from llaunch.runtime.encoder_servers import multimodal
 
-
-def multimodal(cfg) -> bool:
-    return bool(cfg.model.vision or cfg.model.audio)  # Qwen2-Audio: the visual servers encode its clips
+SERVER_KEYS = ("dp", "batch_size", "devices", "embed_cache_mib")  # in both groups, same meaning
+WHAT = {"visual": "images", "audio": "clips"}
 
 
 @rule()
 def visual_settings_valid(cfg):
-    v = cfg.visual
-    if v.dp < 1:
-        yield ("visual.dp",), f"visual.dp={v.dp}: give the number of visual server processes (>= 1)"
-    if v.batch_size < 1:
-        yield ("visual.batch_size",), f"visual.batch_size={v.batch_size}: give the images per encode (>= 1)"
-    if v.embed_cache_mib < 1:
-        yield ("visual.embed_cache_mib",), (f"visual.embed_cache_mib={v.embed_cache_mib}: the embed cache holds "
-                                            "the embeddings every request reads; give at least 1 MiB")
+    for kind, g in (("visual", cfg.visual), ("audio", cfg.audio)):
+        if g.dp < 1:
+            yield (f"{kind}.dp",), f"{kind}.dp={g.dp}: give the number of {kind} server processes (>= 1)"
+        if g.batch_size < 1:
+            yield (f"{kind}.batch_size",), f"{kind}.batch_size={g.batch_size}: give the {WHAT[kind]} per encode (>= 1)"
+        if g.embed_cache_mib < 1:
+            yield (f"{kind}.embed_cache_mib",), (f"{kind}.embed_cache_mib={g.embed_cache_mib}: the embed cache holds "
+                                                 "the embeddings every request reads; give at least 1 MiB")
 
 
 @rule()
 def visual_devices_valid(cfg):
-    v = cfg.visual
-    if v.devices is None:
+    for kind, g, tp in (("visual", cfg.visual, cfg.visual.tp), ("audio", cfg.audio, 1)):
+        if g.devices is None:
+            continue
+        if cfg.device == Device.cpu:
+            yield (f"{kind}.devices", "device"), (f"{kind}.devices names GPUs, but device=cpu: leave {kind}.devices "
+                                                  f"null (the {kind} servers run on the CPU)")
+        elif len(g.devices) != g.dp * tp or min(g.devices, default=0) < 0:
+            keys = (f"{kind}.devices", f"{kind}.dp") + (("visual.tp",) if kind == "visual" else ())
+            per = "visual.dp × visual.tp of them, server by server" if kind == "visual" else "audio.dp of them"
+            yield keys, (f"{kind}.devices={list(g.devices)} with " + ", ".join(f"{k}={v}" for k, v in
+                         zip(keys[1:], (g.dp, tp))) + f": give one GPU index (>= 0) per {kind} process ({per})")
+
+
+@rule()
+def encoder_group_matches_model(cfg):
+    """An audio model's servers read audio.*, a vision model's visual.*: the other group's keys would be ignored."""
+    if cfg.model.audio and not cfg.model.vision:
+        used, other, default = "audio", cfg.visual, VisualConfig()
+    elif cfg.model.vision and not cfg.model.audio:
+        used, other, default = "visual", cfg.audio, AudioConfig()
+    else:
         return
-    if cfg.device == Device.cpu:
-        yield ("visual.devices", "device"), ("visual.devices names GPUs, but device=cpu: leave visual.devices "
-                                             "null (the visual servers run on the CPU)")
-    elif len(v.devices) != v.dp * v.tp or min(v.devices, default=0) < 0:
-        yield ("visual.devices", "visual.dp", "visual.tp"), (
-            f"visual.devices={list(v.devices)} with visual.dp={v.dp}, visual.tp={v.tp}: give one GPU index (>= 0) "
-            "per visual process (visual.dp × visual.tp of them, server by server)")
+    unused = "visual" if used == "audio" else "audio"
+    model = "an audio model (model.audio)" if used == "audio" else "a vision model (model.vision)"
+    for k in SERVER_KEYS:
+        value = getattr(other, k)
+        if value != getattr(default, k):
+            shown = list(value) if k == "devices" else value
+            yield (f"{unused}.{k}",), (f"{unused}.{k}={shown} with {model}: its encoder servers read {used}.*; "
+                                       f"set {used}.{k}={shown} instead")
 
 
 @rule()
@@ -46,8 +67,9 @@ def visual_tp_valid(cfg):
     if v.tp == 1 or not multimodal(cfg):
         return
     if cfg.model.audio:
-        yield ("visual.tp", "model.audio"), (f"visual.tp={v.tp} with an audio model (model.audio): the audio tower "
-                                             "is not split over processes; use visual.tp=1 (and visual.dp for more)")
+        yield ("visual.tp", "model.audio", "audio.dp"), (
+            f"visual.tp={v.tp} with an audio model (model.audio): the audio tower is not split over processes; "
+            "use visual.tp=1 (and audio.dp for more audio servers)")
     elif cfg.model.vision:
         heads, e = cfg.model.vision["num_heads"], cfg.model.vision["embed_dim"]
         hidden = int(e * float(cfg.model.vision.get("mlp_ratio", 4)))

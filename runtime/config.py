@@ -189,7 +189,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class VisualConfig:
-    """Images of multimodal models (Qwen2-VL): what a request may send, and the embed cache."""
+    """Images of multimodal models (Qwen2-VL): what a request may send, and the visual servers (audio models: audio.*)."""
 
     max_images_per_request: int = 8  # image_url parts per chat request; more: 400
     max_image_bytes: int = 20 * 2**20  # encoded bytes of one image (after base64 decoding); more: 400
@@ -206,12 +206,15 @@ class VisualConfig:
 
 @dataclass(frozen=True)
 class AudioConfig:
-    """Audio clips of Qwen2-Audio: what a request may send. The clips are encoded by the visual servers
-    (visual.dp, visual.batch_size, visual.devices, visual.embed_cache_mib serve audio models too)."""
+    """Audio clips of Qwen2-Audio: what a request may send, and its audio servers (runtime/encoder_servers.py)."""
 
     max_clip_seconds: float = 30.0  # one clip's duration after decoding; longer: 400 (the encoder reads 30 s)
     max_clip_bytes: int = 10 * 2**20  # encoded bytes of one clip (after base64 decoding); more: 400
     max_clips_per_request: int = 4  # input_audio / audio_url parts per chat request; more: 400
+    embed_cache_mib: int = 512  # each audio server's embed cache (LRU of clip embeddings by sample hash, shared memory)
+    dp: int = 1  # audio server processes (each with its own embed cache; a clip goes to the one its hash picks)
+    batch_size: int = 8  # clips an audio server encodes in one forward pass
+    devices: Optional[List[int]] = None  # GPU of each audio process (audio.dp of them); None: GPU a % node GPUs
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A visual server process (visual.{v}, visual.dp of them): loads the model's vision tower (Qwen2-Audio:
-its audio tower, encoding clips the same way: a clip travels as an ImageRef), owns one
+audio.{a}, audio.dp of them, its audio tower encoding clips the same way: a clip travels as an ImageRef), owns one
 shared-memory embed cache (runtime/visual/embed_store.py), and answers the routers' EncodeImages,
-encoding images in batches of up to visual.batch_size (runtime/visual/batcher.py). Workers read the
+encoding images in batches of up to visual.batch_size / audio.batch_size (runtime/visual/batcher.py). Workers read the
 embeddings from the cache; the routers hold a request until its images are there
 (runtime/router/image_gate.py). Its death takes the graph down (the launcher supervises it).
 visual.tp > 1: visual.{v} leads visual.{v}.1.. (its tower split over them, runtime/visual/tower_tp.py)."""
@@ -17,6 +17,7 @@ from llaunch.runtime import bootstrap
 from llaunch.runtime.detokenizer.process import StopFlag
 from llaunch.runtime.ipc.sockets import Receiver, Sender
 from llaunch.runtime.models.layers import TpGroup
+from llaunch.runtime.encoder_servers import encoder_servers
 from llaunch.runtime.visual import tower_tp
 from llaunch.runtime.visual.batcher import VisualBatcher
 from llaunch.runtime.visual.tower_tp import TowerLeader
@@ -68,7 +69,8 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # the workers have the cores
-    tp, headers = tower_tp.join(cfg.visual.tp, spec.tp_rank, spec.connects.get("dist"), device)
+    servers = encoder_servers(cfg)  # visual.* or audio.*, by the model's kind
+    tp, headers = tower_tp.join(servers.tp, spec.tp_rank, spec.connects.get("dist"), device)
     stage("loading the audio tower" if cfg.model.audio else "loading the vision tower")
     if spec.tp_rank > 0:  # a follower of visual.{index}: no sockets, no cache
         tower = build_tower(cfg.model, device, DTYPES[cfg.model.dtype.value], tp)
@@ -80,17 +82,17 @@ def main() -> None:
         return
     leader = tower_tp.TowerLeader(headers, device) if tp.size > 1 else None
     encode = tower_encoder(cfg.model, device, DTYPES[cfg.model.dtype.value], tp, leader)
-    store = EmbedStore(spec.binds["embeds"], num_blocks(cfg.visual.embed_cache_mib))
+    store = EmbedStore(spec.binds["embeds"], num_blocks(servers.embed_cache_mib))
     stop = StopFlag().install()
     try:
         def encode_bytes(images):
             return [e.contiguous().view(torch.uint8).flatten().cpu().numpy() for e in encode(images)]
 
-        batcher = VisualBatcher(store, encode_bytes, cfg.visual.batch_size, replica=spec.index)
+        batcher = VisualBatcher(store, encode_bytes, servers.batch_size, replica=spec.index)
         inbox = Receiver(ctx, spec.binds["encode"], VisualInbound)
         routers = {int(k.split(".")[1]): Sender(ctx, addr) for k, addr in spec.connects.items() if k.startswith("ready.")}
-        bootstrap.report_ready(ctx, cfg, spec, device=str(device), cache_mib=cfg.visual.embed_cache_mib,
-                               batch=cfg.visual.batch_size)
+        bootstrap.report_ready(ctx, cfg, spec, device=str(device), cache_mib=servers.embed_cache_mib,
+                               batch=servers.batch_size)
         serve(batcher, inbox, routers, stop)
     except KeyboardInterrupt:
         pass

@@ -30,6 +30,7 @@ from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
 from llaunch.runtime.worker.constraint_prep import ConstraintPrep
 from llaunch.runtime.worker.image_rows import ImageRows
 from llaunch.runtime.models.vision_qwen2 import VisionArch
+from llaunch.runtime.encoder_servers import encoder_servers, multimodal
 from llaunch.runtime.visual.embed_reader import ShmEmbeds, image_tokens
 from llaunch.runtime.worker.audio_rows import AudioRows
 from llaunch.runtime.models.audio_qwen2 import audio_tokens
@@ -155,7 +156,7 @@ def main() -> None:
     model = build_model(cfg.model, device=device, dtype=dtype, tp_rank=spec.tp_rank, tp_size=cfg.parallel.tp,
                         process_group=group, progress=stage.fraction(loading))
     images = None
-    embeds = [spec.connects[f"embeds.{v}"] for v in range(cfg.visual.dp)] if cfg.model.vision or cfg.model.audio else []
+    embeds = [spec.connects[f"embeds.{v}"] for v in range(encoder_servers(cfg).dp)] if multimodal(cfg) else []
     if cfg.model.vision:  # image embeddings come from the visual servers' embed cache (runtime/visual/)
         arch = VisionArch.from_dict(cfg.model.vision)
         images = ImageRows(ShmEmbeds(embeds, image_tokens(arch.spatial_merge_size), arch.hidden_size, dtype, device,

@@ -1,7 +1,7 @@
 """Qwen2-Audio through the real HTTP API with the openai client: greedy chat answers token-identical to
 transformers' generate with 0, 1 and 2 clips (base64 WAV input_audio parts, and a data: audio_url);
-clip tokens counted in usage; a repeated clip is an embed-cache hit and not encoded again (the visual
-server encodes clips too); a FLAC clip answers as transformers does and as the same clip in WAV (which
+clip tokens counted in usage; the audio server audio.0 runs with the audio.* keys; a repeated clip is an
+embed-cache hit and not encoded again; a FLAC clip answers as transformers does and as the same clip in WAV (which
 then hits the embed cache: the same waveform); bad, corrupt, mislabelled, too long, too large and too
 many clips are 400s."""
 from __future__ import annotations
@@ -28,7 +28,8 @@ def audio(tmp_path_factory):
     path = write_tiny_qwen2_audio(tmp_path_factory.mktemp("tiny-qwen2-audio"))
     with start_server(tmp_path_factory, "tiny-qwen2-audio", [
             "model=qwen2", f"model.path={path}", "model.name=tiny-audio", "audio.max_clips_per_request=2",
-            "audio.max_clip_seconds=3", "audio.max_clip_bytes=200000"]) as server:
+            "audio.max_clip_seconds=3", "audio.max_clip_bytes=200000", "audio.batch_size=2",
+            "audio.embed_cache_mib=16"]) as server:
         yield server, AudioOracle(path), OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
@@ -78,6 +79,14 @@ def test_greedy_matches_transformers(audio, seconds):
     answer = ask(client, parts)
     assert answer.choices[0].model_extra["token_ids"] == expected
     assert answer.usage.prompt_tokens == prompt_len  # clip tokens included
+
+
+def test_the_audio_server_runs_with_the_audio_keys(audio):
+    """The clips' encoder process is audio.0, started with audio.batch_size and audio.embed_cache_mib."""
+    server, _, _ = audio
+    ready = [line for line in server.output().splitlines() if "ready" in line and " audio.0 " in line]
+    assert ready and "cache_mib=16" in ready[0] and "batch=2" in ready[0], server.output()[-2000:]
+    assert " visual.0 " not in server.output()
 
 
 def test_repeated_clip_hits_the_embed_cache(audio):

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from llaunch.launcher import derive, plan, rules, store
+from llaunch.launcher import derive, memory_plan, plan, rules, store
 from llaunch.launcher.main import run_config_of, write_run_config
 from llaunch.launcher.ports import LOCK_DIR, EndpointAllocator, _lock_port, _unlock_port
 from llaunch.runtime.bootstrap import find_spec, load_run_config
+from llaunch.runtime.encoder_servers import EncoderServers, encoder_servers
 
 
 @pytest.fixture
@@ -295,6 +296,23 @@ def test_a_multimodal_model_adds_its_visual_servers(planned):
     check_wiring(g)
     _, text = planned("device=cuda", "dry_run=true")
     assert not [p for p in text.processes if p.role == "visual"]  # a text model has none
+
+
+def test_an_audio_model_plans_audio_dp_servers_on_audio_devices(planned):
+    cfg, g = planned("model=qwen2-audio-7b", "model.load_format=dummy", "device=cuda", "dry_run=true", "parallel=dp2",
+                     "audio.dp=2", "audio.devices=[1,0]", "audio.batch_size=4", "audio.embed_cache_mib=64")
+    spec = {p.name: p for p in g.processes}
+    assert [p.name for p in g.processes if p.role == "visual"] == ["audio.0", "audio.1"]  # the visual.* keys unused
+    assert [spec["audio.0"].gpus, spec["audio.1"].gpus] == [[1], [0]]
+    for a in (0, 1):
+        server = spec[f"audio.{a}"]
+        for name in ("router.0", "router.1"):  # routers and workers dial them as any encoder server
+            assert spec[name].connects[f"visual.{a}"] == server.binds["encode"]
+        for name in ("worker.0.0", "worker.1.0"):
+            assert spec[name].connects[f"embeds.{a}"] == server.binds["embeds"]
+    check_wiring(g)
+    assert encoder_servers(cfg) == EncoderServers("audio", 2, 1, 4, (1, 0), 64)  # what the servers and workers read
+    assert "embed cache 64 MiB x 2 audio server(s)" in memory_plan.summary(cfg)  # the dry run's memory line
 
 
 def test_visual_tp_adds_followers_on_their_own_gpus_sharing_a_rendezvous(planned):
