@@ -173,6 +173,8 @@ class GenerateApi:
         if isinstance(req.inputs, str):
             check_prompt_text(req.inputs, self.limits, param="inputs")
         text_ids = self.tokenizer.encode(req.inputs) if isinstance(req.inputs, str) else list(req.inputs)
+        for t in text_ids:  # ids past the vocabulary stand for images below: a client's own would reach the model
+            check_token_id(t, self.limits, "inputs")
         prompt_ids, images = generate_images(self.images, req.multimodal_params, text_ids)
         if req.parameters.token_healing:
             raise bad_request("token_healing is not supported with images.", param="parameters.token_healing")

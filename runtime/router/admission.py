@@ -28,13 +28,23 @@ def _within(value: float, low: float, high: float) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high
 
 
+def _images_only_past_vocab(prompt: list[int], images, vocab_size: int) -> bool:
+    """Is every id past the vocabulary part of an image's run of tokens (one id repeated from the
+    image's offset on)? Nothing else has an embedding row to read."""
+    starts = {im.offset for im in images}
+    for i, t in enumerate(prompt):
+        if t >= vocab_size and i not in starts and (i == 0 or prompt[i - 1] != t):
+            return False
+    return True
+
+
 def refusal(msg: AddRequest, limits: AdmissionLimits) -> Optional[str]:
     """Why the request cannot run, or None."""
     s, prompt = msg.sampling, msg.prompt_ids
     if not prompt:
         return "the prompt is empty"
     # an image's tokens are vocab_size + its hash (runtime/http/images.py)
-    if any(t < 0 for t in prompt) or (not msg.images and any(t >= limits.vocab_size for t in prompt)):
+    if any(t < 0 for t in prompt) or not _images_only_past_vocab(prompt, msg.images, limits.vocab_size):
         return f"a prompt token id is outside the vocabulary [0, {limits.vocab_size})"
     if not 1 <= s.max_new_tokens <= INT32_MAX or len(prompt) + s.max_new_tokens > limits.max_model_len:
         return (f"{len(prompt)} prompt tokens + max_new_tokens {s.max_new_tokens} do not fit the context of "

@@ -54,6 +54,7 @@ def limits_from(cfg: RunConfig, ready: WorkerReady, spec=None) -> SchedulerLimit
         pipeline_depth=PIPELINE_DEPTH,
         prompt_cache=cfg.cache.prompt_cache,
         host_kv_tokens=cfg.cache.cpu_tokens,
+        vocab_size=cfg.model.vocab_size,
         dp_fetch=(spec.dp_rank, tuple(path for _, path in indexes)) if indexes else (),
         pd_role=PD_ROLES.get(cfg.mode.kind),
         max_waiting=r.max_waiting_requests,

@@ -62,6 +62,7 @@ class SchedulerLimits:
     # requests that ask prefill in chunks of at most this many (the memory plan counts them)
     prompt_logprob_tokens: int = PROMPT_LOGPROB_TOKENS
     spec: Optional[object] = None  # runtime.config.SpecConfig: speculative decoding (None: off)
+    vocab_size: int = 2**62  # ids at or past it are images' tokens (vocab + hash): never proposed
     host_kv_tokens: int = 0  # slots of the host KV tier below the prompt cache (cache.cpu_tokens; 0: none)
     dp_fetch: tuple = ()  # cache.dp_fetch: (own dp rank, every replica's host index file); (): off
 
@@ -84,7 +85,7 @@ class Scheduler(PdTransfers):
         self.awaiting_kv: deque[Request] = deque()  # decode instance: waiting for slots to receive into
         self.transfers: dict[str, Request] = {}  # request id → request whose KV is being sent / received
         self.kv_commands: list = []  # SendKv / ReceiveKv / CancelKv for the worker, taken by the router
-        self.spec = SpecDecoding(limits.spec)
+        self.spec = SpecDecoding(limits.spec, limits.vocab_size)
         self.sharing = PromptSharing(limits.diverse_mode and limits.prompt_cache and limits.pd_role is None, self.cache)
 
     # ---- requests in -----------------------------------------------------------------------

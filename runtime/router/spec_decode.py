@@ -70,8 +70,9 @@ class SpecDecoding:
     """Per scheduler: which decode rows verify proposals this step, and the verdicts' bookkeeping.
     `sched` below is the Scheduler that owns it (not imported: it imports this module)."""
 
-    def __init__(self, cfg: Optional["SpecConfig"]):
+    def __init__(self, cfg: Optional["SpecConfig"], vocab_size: int = 2**62):
         self.cfg = cfg
+        self.vocab_size = vocab_size  # an image's tokens (ids past it) have no embedding row: never proposed
         self.enabled = cfg is not None and getattr(cfg.method, "value", cfg.method) == "ngram"
         self._out: dict[int, list[_Verifying]] = {}  # step → its verify rows, in plan order
         self.proposed = 0  # since start: tokens proposed to verification
@@ -103,6 +104,7 @@ class SpecDecoding:
             room = min(self.cfg.num_tokens, req.max_new_tokens - len(req.output_ids) - 1,
                        lim.max_model_len - req.num_tokens - 1)
             proposal = propose(req.prompt_ids + req.output_ids, room, self.cfg.ngram_min, self.cfg.ngram_max)
+            proposal = proposal[:next((i for i, t in enumerate(proposal) if t >= self.vocab_size), len(proposal))]
             if proposal:
                 proposals[req.row] = proposal
                 self._missed.pop(req.row, None)

@@ -158,6 +158,12 @@ def test_generate_bad_images_are_400(vl):
         r = generate(server, placeholder, images)
         assert r.status_code == 400, (images, r.text)
         assert r.json()["error"]["param"] == param and why in r.json()["error"]["message"], r.text
+    # token ids past the vocabulary are what images become: a client's own are refused, not spliced
+    ids = oracle.tokenizer(placeholder)["input_ids"] + [10**8]
+    r = httpx.post(server.url + "/generate", timeout=60, json={
+        "inputs": ids, "parameters": {"max_new_tokens": MAX_NEW}, "multimodal_params": {"images": [good]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "inputs", r.text
+    assert "outside the vocabulary" in r.json()["error"]["message"], r.text
     assert generate(server, placeholder, [good]).status_code == 200  # still serving
 
 

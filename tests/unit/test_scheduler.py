@@ -299,3 +299,22 @@ def test_admission_refuses_crafted_healing_and_prompt_logprob_fields():
     assert why(heal_ids=[3, 99], prompt_logprobs=20) is None
     assert "outside the vocabulary" in why(heal_ids=[3, 100])
     assert "prompt_logprobs" in why(prompt_logprobs=21) and "prompt_logprobs" in why(prompt_logprobs=-2)
+
+
+def test_admission_takes_ids_past_the_vocabulary_only_as_an_image_s_run():
+    """An image's tokens are one id past the vocabulary repeated from its offset; any other such id
+    would index past the embedding table in a worker."""
+    from llaunch.runtime.ipc.messages import AddRequest, ImageRef, SamplingParams
+    from llaunch.runtime.router.admission import AdmissionLimits, refusal
+
+    limits = AdmissionLimits(vocab_size=100, max_model_len=64, max_stop_strings=4, max_stop_string_chars=16)
+    image = ImageRef(hash="h", offset=2, grid=[1, 4, 4])
+
+    def why(prompt, images=(image,)):
+        return refusal(AddRequest(request_id="r", frontend=0, prompt_ids=prompt, arrival_time=0.0,
+                                  sampling=SamplingParams(max_new_tokens=4), images=list(images)), limits)
+
+    assert why([1, 2, 105, 105, 105, 105, 3]) is None
+    assert "outside the vocabulary" in why([1, 2, 105, 105, 105, 105, 3, 107])  # a stray id after it
+    assert "outside the vocabulary" in why([1, 107, 105, 105, 105, 105, 3])  # before the image's offset
+    assert "outside the vocabulary" in why([1, 2, 105, 3], images=())

@@ -57,10 +57,11 @@ def test_greedy_output_is_token_identical_with_speculation(model):
     assert sched.spec.accepted <= sched.spec.proposed
 
 
-def _rows(kv_slots: int, max_batch: int):
+def _rows(kv_slots: int, max_batch: int, vocab_size: int = 2**62):
     limits = SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=256, chunked_prefill=True,
                              chunked_prefill_size=256, max_wait_tokens=1, token_ratio=0.0, max_model_len=MAX_LEN,
-                             eos_ids=(EOS,), spec=SpecConfig(method=SpecMethod.ngram, max_batch=max_batch))
+                             eos_ids=(EOS,), spec=SpecConfig(method=SpecMethod.ngram, max_batch=max_batch),
+                             vocab_size=vocab_size)
     sched = Scheduler(limits)
     reqs = [Request(AddRequest(str(i), 0, p, sp, 0.0), sp) for i, (p, sp) in enumerate(greedy_requests(4))]
     for row, r in enumerate(reqs):
@@ -75,6 +76,14 @@ def test_speculation_is_off_above_max_batch():
     assert sched.spec.split(sched, reqs) == (reqs, {})  # 4 rows > max_batch 3: no row verifies
     plain, proposals = sched.spec.split(sched, reqs[:3])
     assert plain == [] and sorted(proposals) == [0, 1, 2] and proposals[0][0] == 41
+
+
+def test_proposals_stop_before_an_image_token():
+    """An image's prompt tokens are vocab_size + a hash, with no embedding row: a proposal copying the
+    prompt ends before the first of them (a verify step with one would index past the embeddings)."""
+    for vocab, want in ((2**62, [41, 42, 60, 40]), (60, [41, 42]), (41, None)):
+        sched, reqs = _rows(SLOTS, max_batch=16, vocab_size=vocab)
+        assert sched.spec.split(sched, reqs[:1])[1].get(0) == want, vocab
 
 
 def test_no_speculation_unless_every_peak_fits():
