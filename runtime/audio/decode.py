@@ -16,6 +16,9 @@ FORMATS = ("wav", "flac", "mp3", "ogg")  # what decode() reads; the API's input_
 CONTAINERS = {"WAV": "wav", "WAVEX": "wav", "RF64": "wav", "W64": "wav", "FLAC": "flac", "MP3": "mp3", "OGG": "ogg"}
 
 
+MAX_FILTER_TAPS = 1 << 22  # 32 MiB of float64 filter taps
+
+
 class AudioDecodeError(ValueError):
     """The bytes are not audio we can read (the frontend answers 400 with this message)."""
 
@@ -58,6 +61,11 @@ def resample(samples: np.ndarray, source: int, target: int, width: int = 6, roll
     orig, new = source // g, target // g
     base = min(orig, new) * rolloff
     half = math.ceil(width * orig / base)
+    # one filter per output phase: a rate sharing few factors with the target (a header may say 44,101 Hz)
+    # would make gigabytes of them; every common rate (8 to 192 kHz) needs under 0.3 M taps for 16 kHz
+    if new * (2 * half + orig) > MAX_FILTER_TAPS:
+        raise AudioDecodeError(f"a sample rate of {source} Hz cannot be resampled to {target} Hz here: use a "
+                               "common rate (8, 11.025, 16, 22.05, 24, 32, 44.1, 48, 96 kHz, ...)")
     idx = torch.arange(-half, half + orig, dtype=torch.float64)[None, None] / orig
     t = (torch.arange(0, -new, -1, dtype=torch.float64)[:, None, None] / new + idx) * base
     t = t.clamp(-width, width)

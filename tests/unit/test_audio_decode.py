@@ -96,3 +96,10 @@ def test_too_long_is_known_from_the_header():
         decode(data, "flac", max_seconds=2.0)
     assert e.value.seconds == pytest.approx(3.0)
     assert len(decode(data, "flac", max_seconds=3.0)) == 48000
+
+
+@pytest.mark.parametrize("rate", [44101, 1000003])
+def test_an_odd_sample_rate_is_refused_not_a_memory_bomb(rate):
+    """44,101 Hz shares no factor with 16 kHz: its resampling filters would take 5.6 GB (1 MHz+3: 128 GB)."""
+    with pytest.raises(AudioDecodeError, match=f"sample rate of {rate} Hz"):
+        decode(wav_bytes(tone(rate, 0.01)[:, None], rate, 2), "wav")
