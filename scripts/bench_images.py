@@ -45,8 +45,9 @@ def is_chat(args) -> bool:
     return bool(args.images_per_request or args.audio_per_request)
 
 
-def image_url(size: int, seed: int) -> str:
-    """A size x size PNG as a data: URL, its pixels fixed by `seed` (smooth: small, yet distinct per seed)."""
+def image_url(size: int, seed: int, keep: bool = True) -> str:
+    """A size x size PNG as a data: URL, its pixels fixed by `seed` (smooth: small, yet distinct per seed);
+    `keep` False: the last use of it (a new image is sent once), so it leaves the store."""
     key = (size, seed)
     if key not in _urls:
         from PIL import Image
@@ -58,11 +59,12 @@ def image_url(size: int, seed: int) -> str:
         buf = io.BytesIO()
         Image.fromarray(pixels).save(buf, format="PNG")
         _urls[key] = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    return _urls[key]
+    return _urls[key] if keep else _urls.pop(key)
 
 
-def wav_clip(seconds: float, rate: int, seed: int) -> str:
-    """A 16-bit mono WAV of a chirp plus noise fixed by `seed` (distinct per seed), base64."""
+def wav_clip(seconds: float, rate: int, seed: int, keep: bool = True) -> str:
+    """A 16-bit mono WAV of a chirp plus noise fixed by `seed` (distinct per seed), base64; `keep` as
+    image_url's."""
     key = (seconds, rate, seed)
     if key not in _clips:
         rng = np.random.default_rng(seed)
@@ -73,10 +75,8 @@ def wav_clip(seconds: float, rate: int, seed: int) -> str:
         with wave.open(buf, "wb") as w:
             w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
             w.writeframes((np.clip(wave_, -1, 1) * 32767).astype("<i2").tobytes())
-        if len(_clips) > 64:  # new clips are sent once: keep only a few
-            _clips.clear()
         _clips[key] = base64.b64encode(buf.getvalue()).decode()
-    return _clips[key]
+    return _clips[key] if keep else _clips.pop(key)
 
 
 def pregenerate(args, requests: int) -> None:
@@ -100,10 +100,10 @@ def chat_payload(args, prompt: list[int], max_tokens: int) -> dict:
     words = " ".join(f"w{t}" for t in prompt)
     n = _requests[0]  # this request's media (pregenerate made them for the same numbers)
     _requests[0] += 1
-    content = [{"type": "image_url", "image_url": {"url": image_url(args.image_size, 1000 + s)}}
+    content = [{"type": "image_url", "image_url": {"url": image_url(args.image_size, 1000 + s, args.repeat_images)}}
                for s in media_seeds(args, args.images_per_request, args.repeat_images, n)]
-    content += [{"type": "input_audio", "input_audio": {"data": wav_clip(args.audio_seconds, args.audio_rate, s),
-                                                        "format": "wav"}}
+    content += [{"type": "input_audio", "input_audio": {
+                    "data": wav_clip(args.audio_seconds, args.audio_rate, s, args.repeat_audio), "format": "wav"}}
                 for s in media_seeds(args, args.audio_per_request, args.repeat_audio, n)]
     return {"model": args.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True},

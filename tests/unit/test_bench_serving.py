@@ -355,25 +355,29 @@ def test_response_format_from_a_file_and_fresh_schemas_never_repeat(bench):
         bench.parse_args(["--model", "m", "--response-format", '{"type": "json_object"}', "--fresh-schemas"])
 
 
-def test_chat_media_are_made_before_the_run_and_each_request_gets_its_own():
+def test_chat_media_are_made_before_the_run_and_each_request_gets_its_own(bench, monkeypatch):
     """Images and clips are encoded by pregenerate, not while requests are sent (a PNG held the
-    client's event loop for up to a third of a second); new media per request, repeated ones shared."""
+    client's event loop for up to a third of a second), however many the run sends; a new one leaves
+    the store once sent, repeated ones are shared."""
     import argparse
 
-    import bench_images
-
+    bench_images = bench.bench_images
     ap = argparse.ArgumentParser()
     bench_images.add_args(ap)
-    args = ap.parse_args(["--images-per-request", "2", "--image-size", "32", "--audio-per-request", "1",
-                          "--audio-seconds", "0.1"])
+    args = ap.parse_args(["--images-per-request", "2", "--image-size", "16", "--audio-per-request", "1",
+                          "--audio-seconds", "0.01"])
     args.seed, args.model = 5, "m"
-    bench_images.pregenerate(args, 3)
-    made = (len(bench_images._urls), len(bench_images._clips))
-    payloads = [bench_images.chat_payload(args, [1, 2], 4) for _ in range(3)]
-    assert (len(bench_images._urls), len(bench_images._clips)) == made  # nothing encoded while sending
-    media = [[p.get("image_url", p.get("input_audio")) for p in pl["messages"][0]["content"][:3]] for pl in payloads]
-    flat = [json.dumps(m) for request in media for m in request]
-    assert len(set(flat)) == 9  # 3 requests x (2 images + 1 clip), all distinct
+    bench_images.pregenerate(args, 80)
+
+    def no_encoding(*a):
+        raise AssertionError("a medium was encoded while sending")
+
+    monkeypatch.setattr(bench_images.np.random, "default_rng", no_encoding)
+    payloads = [bench_images.chat_payload(args, [1, 2], 4) for _ in range(80)]
+    media = [json.dumps(p.get("image_url", p.get("input_audio"))) for pl in payloads for p in pl["messages"][0]["content"][:3]]
+    assert len(set(media)) == 240  # 80 requests x (2 images + 1 clip), all distinct
+    assert not bench_images._urls and not bench_images._clips  # each sent once, then dropped
+    monkeypatch.undo()
     args.repeat_images = True
     bench_images.pregenerate(args, 2)
     twice = [bench_images.chat_payload(args, [1], 4)["messages"][0]["content"][:2] for _ in range(2)]
