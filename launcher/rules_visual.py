@@ -64,7 +64,12 @@ def visual_tp_valid(cfg):
     if v.tp < 1:
         yield ("visual.tp",), f"visual.tp={v.tp}: give the processes of one visual server (>= 1)"
         return
-    if v.tp == 1 or not multimodal(cfg):
+    if v.tp == 1:
+        return
+    if not multimodal(cfg):  # no visual server runs: the setting would be silently ignored
+        yield ("visual.tp", "model.vision"), (
+            f"visual.tp={v.tp} with a text-only model (no model.vision): there is no vision tower to split; "
+            "use visual.tp=1")
         return
     if cfg.model.audio:
         yield ("visual.tp", "model.audio", "audio.dp"), (

@@ -42,7 +42,7 @@ def tower_encoder(model, device: torch.device, dtype: torch.dtype, tp: TpGroup =
         audio_tower = build_audio_tower(model, device, dtype)
         return lambda clips: encode_clips(audio_tower, clips)
     tower = build_tower(model, device, dtype, tp)
-    return lambda images: encode_images(tower, images, leader.hand_over if leader else None)
+    return (lambda images: leader.encode(tower, images)) if leader else (lambda images: encode_images(tower, images))
 
 
 def serve(batcher: VisualBatcher, inbox: Receiver, routers: dict[int, Sender], stop: StopFlag) -> None:

@@ -2,22 +2,62 @@
 (runtime/models/vision_qwen2.py). Rank 0 (visual.{v}) serves the routers and writes the embed cache;
 before each forward pass it hands the batch (grids, then pixels) to the other ranks (visual.{v}.{r}),
 which only follow: the same forward pass, their all-reduces meeting rank 0's. The batch's header
-travels on a gloo group with no practical timeout, so an idle follower waits as long as it takes."""
+travels on a gloo group with no practical timeout, so an idle follower waits as long as it takes.
+A batch that fails on any rank (an out-of-memory one, say) fails only its requests: the rank that
+failed still issues the rest of the forward pass's all-reduces, then every rank agrees on the outcome
+(`_settle`), so the next batch's collectives pair up as before."""
 from __future__ import annotations
 
 import datetime
 import logging
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from llaunch.runtime.models.layers import TpGroup
+from llaunch.runtime.ipc.messages import ImageRef
+from llaunch.runtime.models.layers import RowParallelLinear, TpGroup
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower
+from llaunch.runtime.visual.encoder import encode
 
 log = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # followers wait for the next batch between requests
 BATCH, STOP = 1, 0  # header kinds
+
+
+@dataclass(frozen=True)
+class CountingTpGroup(TpGroup):
+    """A TpGroup that counts the all-reduces this rank issued since `issued[0]` was last reset."""
+
+    issued: list = field(default_factory=lambda: [0], compare=False)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        super().all_reduce(x)
+        self.issued[0] += 1
+        return x
+
+
+def _attempt(tower: Qwen2VisionTower, forward: Callable):
+    """(forward(), None), or (None, the exception) when it raised part-way."""
+    tower.tp.issued[0] = 0
+    try:
+        return forward(), None
+    except Exception as e:
+        return None, e.with_traceback(None)  # its frames hold the batch's activations: free them for the drain
+
+
+def _settle(tower: Qwen2VisionTower, headers, patches: int, failed: bool) -> bool:
+    """After this rank's forward pass over a batch of `patches`: whether every rank ran it whole.
+    A rank that failed first issues the all-reduces it still owed (each RowParallelLinear issues one
+    [patches, out] per pass), zeros, which its peers' pending ones pair with."""
+    if failed:
+        rows = [m for m in tower.modules() if isinstance(m, RowParallelLinear)]
+        for m in rows[tower.tp.issued[0]:]:
+            tower.tp.all_reduce(torch.zeros(patches, m.full_shape[0], dtype=m.weight.dtype, device=m.weight.device))
+    ok = torch.tensor([0 if failed else 1])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=headers)
+    return bool(ok.item())
 
 
 def join(tp: int, rank: int, init_method: Optional[str], device: torch.device) -> tuple[TpGroup, object]:
@@ -31,21 +71,40 @@ def join(tp: int, rank: int, init_method: Optional[str], device: torch.device) -
                             world_size=tp, rank=rank)
     headers = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     log.info("visual tp rank %d/%d joined %s", rank, tp, init_method)
-    return TpGroup(rank=rank, size=tp), headers
+    return CountingTpGroup(rank=rank, size=tp), headers
 
 
 class TowerLeader:
-    """Rank 0's side: `hand_over(pixels, grids)` before its own forward pass; `stop()` at exit."""
+    """Rank 0's side: `encode(tower, images)` runs a batch with the followers; `stop()` at exit."""
 
     def __init__(self, headers, device: torch.device):
         self.headers, self.device = headers, device
+        self.patches: Optional[int] = None  # the batch's patches once the followers have it
 
     def hand_over(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        dist.broadcast(torch.tensor([BATCH, pixels.shape[0], len(grids)]), 0, group=self.headers)
-        dist.broadcast(torch.tensor(grids, dtype=torch.int64), 0, group=self.headers)
+        # all that can fail comes before the first broadcast: a batch failing here never reaches the followers
         pixels = pixels.to(self.device).contiguous()
+        header = torch.tensor([BATCH, pixels.shape[0], len(grids)])
+        grid_rows = torch.tensor(grids, dtype=torch.int64).view(len(grids), 3)
+        dist.broadcast(header, 0, group=self.headers)
+        dist.broadcast(grid_rows, 0, group=self.headers)
         dist.broadcast(pixels, 0)
+        self.patches = pixels.shape[0]
         return pixels
+
+    def encode(self, tower: Qwen2VisionTower, images: list[ImageRef]) -> list[torch.Tensor]:
+        """Each image's embeddings, the followers running the same pass; raises when any rank failed
+        the batch, leaving every rank ready for the next."""
+        self.patches = None
+        out, error = _attempt(tower, lambda: encode(tower, images, self.hand_over))
+        if self.patches is None:  # failed before the hand-over: the followers never saw this batch
+            raise error
+        ok = _settle(tower, self.headers, self.patches, error is not None)
+        if error is not None:
+            raise error
+        if not ok:
+            raise RuntimeError("another visual.tp rank of this server failed the batch (its log says why)")
+        return out
 
     def stop(self) -> None:
         try:
@@ -56,7 +115,8 @@ class TowerLeader:
 
 @torch.inference_mode()
 def follow(tower: Qwen2VisionTower, headers) -> None:
-    """A follower rank's loop: run each batch rank 0 hands over, until it says stop."""
+    """A follower rank's loop: run each batch rank 0 hands over, until it says stop. A batch that
+    fails here is logged and reported to rank 0, which fails its requests."""
     a = tower.arch
     width = a.in_channels * a.temporal_patch_size * a.patch_size ** 2
     while True:
@@ -69,4 +129,9 @@ def follow(tower: Qwen2VisionTower, headers) -> None:
         dist.broadcast(grids, 0, group=headers)
         pixels = torch.empty(patches, width, dtype=torch.float32, device=tower.device)
         dist.broadcast(pixels, 0)
-        tower(pixels, [tuple(g) for g in grids.tolist()])
+        grid_list = [tuple(g) for g in grids.tolist()]
+        error = _attempt(tower, lambda: tower(pixels, grid_list))[1]
+        if error is not None:
+            log.warning("visual tp rank %d: a batch of %d images failed: %s: %s", tower.tp.rank, images,
+                        type(error).__name__, error)
+        _settle(tower, headers, patches, error is not None)

@@ -43,7 +43,6 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from llaunch.runtime.visual import tower_tp
-    from llaunch.runtime.visual.encoder import encode
 
     device = torch.device("cuda", rank)
     group, headers = tower_tp.join(2, rank, f"tcp://127.0.0.1:{port}", device)
@@ -53,7 +52,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
             tower_tp.follow(tower, headers)
             return
         leader = tower_tp.TowerLeader(headers, device)
-        split = [e.float().cpu() for e in encode(tower, _images(tower), leader.hand_over)]
+        split = [e.float().cpu() for e in leader.encode(tower, _images(tower))]
         leader.stop()
         torch.save(split, out)
     finally:

@@ -1,9 +1,12 @@
 """visual.tp: the vision tower of a tiny Qwen2-VL checkpoint split over two gloo processes (a leader
 handing its batches to a follower, runtime/visual/tower_tp.py) gives the embeddings of the whole tower
-(float32, CPU), for a batch of two images of different sizes and then a batch of one."""
+(float32, CPU), for a batch of two images of different sizes and then a batch of one; a batch that
+fails on one rank (or both) mid-forward, or on the leader before the hand-over, fails on the leader
+and the batch after it still gives the whole tower's embeddings."""
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,16 +25,41 @@ from tests.fixtures.tiny_models import model_config_from_folder
 from tests.fixtures.tiny_vl import write_tiny_qwen2_vl
 
 TP = 2
-GRIDS = [[(1, 4, 6), (1, 8, 4)], [(1, 6, 6)]]  # two batches, (t, h, w) in patches
+# (t, h, w) in patches; 16 patches fail on the follower, 8 on the leader, inside block 1 (FAIL_AT);
+# "short": pixels one value short (the leader fails before the hand-over); "mismatch": 8 patches of
+# pixels for a 16-patch grid (both ranks fail inside block 0)
+GRIDS = [[(1, 4, 6), (1, 8, 4)], [(1, 4, 4)], [(1, 6, 6)], [(1, 2, 4)], [(1, 6, 2)], ["short", (1, 2, 2)],
+         [(1, 2, 6)], ["mismatch", (1, 4, 4)], [(1, 6, 4)]]
+FAIL_AT = {1: 16, 0: 8}  # rank → the patches of the batch whose block 1 raises there
+FAILED = [1, 3, 5, 7]
 
 
 def batches(cfg) -> list[list[ImageRef]]:
     v = cfg.vision
     width = v.get("in_channels", 3) * v["temporal_patch_size"] * v["patch_size"] ** 2
     gen = torch.Generator().manual_seed(1)
-    return [[ImageRef(hash=f"{b}.{i}", offset=0, grid=list(g),
-                      pixels=torch.randn(g[0] * g[1] * g[2], width, generator=gen).numpy().tobytes())
-             for i, g in enumerate(grids)] for b, grids in enumerate(GRIDS)]
+    out = []
+    for b, grids in enumerate(GRIDS):
+        kind, g = grids if isinstance(grids[0], str) else ("", None)
+        pixels = [torch.randn(t * h * w, width, generator=gen).numpy().tobytes() for t, h, w in ([g] if g else grids)]
+        if kind == "short":
+            pixels = [pixels[0][:-4]]
+        elif kind == "mismatch":
+            pixels = [pixels[0][:len(pixels[0]) // 2]]
+        out.append([ImageRef(hash=f"{b}.{i}", offset=0, grid=list(grid), pixels=px)
+                    for i, (grid, px) in enumerate(zip([g] if g else grids, pixels))])
+    return out
+
+
+def fail_in_block_1(tower, patches: int) -> None:
+    block = tower.blocks[1]
+    forward = block.forward
+
+    def failing(x, *args):
+        if x.shape[0] == patches:
+            raise RuntimeError("injected failure")
+        return forward(x, *args)
+    block.forward = failing
 
 
 def rank_main(rank: int, cfg, address: str, out_dir: str) -> None:
@@ -39,11 +67,17 @@ def rank_main(rank: int, cfg, address: str, out_dir: str) -> None:
     group, headers = tower_tp.join(TP, rank, address, torch.device("cpu"))
     try:
         tower = build_tower(cfg, torch.device("cpu"), torch.float32, group)
+        fail_in_block_1(tower, FAIL_AT[rank])
         if rank > 0:
             tower_tp.follow(tower, headers)  # returns at the leader's stop
             return
         leader = tower_tp.TowerLeader(headers, torch.device("cpu"))
-        outs = [encode(tower, images, leader.hand_over) for images in batches(cfg)]
+        outs = []
+        for images in batches(cfg):
+            try:
+                outs.append(leader.encode(tower, images))
+            except Exception as e:
+                outs.append(f"{type(e).__name__}: {e}")
         leader.stop()
         torch.save(outs, Path(out_dir) / "tp2.pt")
     finally:
@@ -58,16 +92,29 @@ def runs(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(cfg, f"tcp://127.0.0.1:{port}", str(root)), nprocs=TP, join=True)
+    ranks = mp.spawn(rank_main, args=(cfg, f"tcp://127.0.0.1:{port}", str(root)), nprocs=TP, join=False)
+    deadline = time.monotonic() + 60
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:  # ranks out of step block in a collective: fail, not hang
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail("the visual tp ranks hung")
     whole = build_tower(cfg, torch.device("cpu"), torch.float32)
-    return [encode(whole, images) for images in batches(cfg)], torch.load(root / "tp2.pt")
+    return [None if b in FAILED else encode(whole, images) for b, images in enumerate(batches(cfg))], \
+        torch.load(root / "tp2.pt")
 
 
 @pytest.mark.timeout(300)
 def test_tp2_tower_embeddings_equal_the_whole_tower(runs):
     whole, split = runs
-    assert [[e.shape for e in batch] for batch in split] == [[e.shape for e in batch] for batch in whole]
+    assert [b for b, out in enumerate(split) if isinstance(out, str)] == FAILED
+    assert "injected failure" not in split[1]  # the follower failed: rank 0 says another rank did
+    assert "another visual.tp rank" in split[1]
+    assert "injected failure" in split[3] and "reshape" in split[5] and "another" not in split[3] + split[5]
     for batch_whole, batch_split in zip(whole, split):
+        if batch_whole is None:
+            continue
+        assert [e.shape for e in batch_split] == [e.shape for e in batch_whole]
         for a, b in zip(batch_whole, batch_split):
             assert a.abs().max() > 0.1  # embeddings that carry the image, not zeros
             np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-4)
