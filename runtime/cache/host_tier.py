@@ -37,6 +37,7 @@ class TieredPrefixTree(PrefixTree):
         self._dropping = False  # flush: evicted GPU nodes are dropped, not demoted
         self._host_heap: list | None = None  # host leaves by age, during one evict (see _drop_host)
         self.on_demote = None  # called with each node demoted (cache.dp_fetch publishes its keys)
+        self.on_short = None  # called when the host pool lacks room (cache.dp_fetch frees held slots no pin holds)
 
     # ---- lookup -----------------------------------------------------------------------------------
 
@@ -115,10 +116,12 @@ class TieredPrefixTree(PrefixTree):
 
     def _demote_or_drop(self, node: Node) -> None:
         n = len(node.slots)
-        room = self.host.num_free
-        if room < n and not self._dropping:
-            room += self._drop_host(n - room)
-        if room < n or self._dropping:  # the host tier cannot take it: gone, with the host nodes under it
+        if not self._dropping and self.host.num_free < n and self.on_short is not None:
+            self.on_short()
+        # room is measured, not counted: a dropped slot another dp replica has pinned is not free yet
+        while not self._dropping and self.host.num_free < n and self._drop_host(n - self.host.num_free):
+            pass
+        if self._dropping or self.host.num_free < n:  # the host tier cannot take it: gone, with the host nodes under it
             self.allocator.free(node.slots)
             self.dropped += n
             self._remove(node)

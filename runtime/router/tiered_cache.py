@@ -39,6 +39,7 @@ class TieredPromptCache(PromptCache):
         self.tree = TieredPrefixTree(kv, self.host)
         if fetch is not None:
             self.tree.on_demote = fetch.demoted
+            self.tree.on_short = fetch.host.free_unpinned  # an idle owner's held slots come back too
         self.host_hits = 0  # of `hits`: tokens admitted requests found in the host tier
         self._promoted: dict[str, int] = {}  # request id → tokens its lend promoted
 
