@@ -46,6 +46,13 @@ def encoder_group_matches_model(cfg):
     elif cfg.model.vision and not cfg.model.audio:
         used, other, default = "visual", cfg.audio, AudioConfig()
     else:
+        if not cfg.model.vision and not cfg.model.audio:  # a text model runs no encoder server
+            for group, values, default in (("visual", cfg.visual, VisualConfig()), ("audio", cfg.audio, AudioConfig())):
+                for k in SERVER_KEYS:
+                    if getattr(values, k) != getattr(default, k):
+                        yield (f"{group}.{k}", "model"), (
+                            f"{group}.{k} is set, but the model takes no images or audio (no model.vision or "
+                            f"model.audio), so no encoder server runs: leave {group}.{k} at its default")
         return
     unused = "visual" if used == "audio" else "audio"
     model = "an audio model (model.audio)" if used == "audio" else "a vision model (model.vision)"

@@ -41,6 +41,8 @@ def tiny_llama_folder(path, **overrides):
     return path
 
 
+VL = ("model=qwen2-vl-7b", "model.load_format=dummy", "dry_run=true")  # a model with visual servers
+AU = ("model=qwen2-audio-7b", "model.load_format=dummy", "dry_run=true")  # with audio servers
 # rule -> overrides that break it alone (after `resolved`'s base)
 BREAKS = {
     "mem_fraction_in_range": [["cache.mem_fraction=1.5"], ["cache.mem_fraction=0"]],
@@ -104,10 +106,10 @@ BREAKS = {
     "spec_settings_valid": [["spec=ngram", "spec.num_tokens=0"], ["spec=ngram", "spec.ngram_min=4"],
                             ["spec=ngram", "spec.max_batch=0"]],
     "spec_method_available": [["spec=draft"]],
-    "visual_settings_valid": [["visual.dp=0"], ["visual.batch_size=0"], ["visual.embed_cache_mib=0"],
-                              ["audio.dp=0"], ["audio.batch_size=0"], ["audio.embed_cache_mib=0"]],
-    "visual_devices_valid": [["visual.devices=[0]"], ["device=cuda", "visual.devices=[0,1]", "dry_run=true"],
-                             ["audio.devices=[0]"], ["device=cuda", "audio.devices=[0,1]", "dry_run=true"]],
+    "visual_settings_valid": [[*VL, "visual.dp=0"], [*VL, "visual.batch_size=0"], [*VL, "visual.embed_cache_mib=0"],
+                              [*AU, "audio.dp=0"], [*AU, "audio.batch_size=0"], [*AU, "audio.embed_cache_mib=0"]],
+    "visual_devices_valid": [[*VL, "visual.devices=[0]"], ["device=cuda", *VL, "visual.devices=[0,1]"],
+                             [*AU, "audio.devices=[0]"], ["device=cuda", *AU, "audio.devices=[0,1]"]],
     "encoder_group_matches_model": [["model=qwen2-audio-7b", "model.load_format=dummy", "visual.dp=2", "dry_run=true"],
                                     ["model=qwen2-audio-7b", "model.load_format=dummy", "visual.batch_size=4",
                                      "dry_run=true"],
@@ -115,7 +117,8 @@ BREAKS = {
                                      "dry_run=true"],
                                     ["device=cuda", "model=qwen2-audio-7b", "model.load_format=dummy",
                                      "visual.devices=[0]", "dry_run=true"],
-                                    ["model=qwen2-vl-7b", "model.load_format=dummy", "audio.dp=2", "dry_run=true"]],
+                                    ["model=qwen2-vl-7b", "model.load_format=dummy", "audio.dp=2", "dry_run=true"],
+                                    ["visual.dp=2"], ["audio.batch_size=4"]],  # a text model: no encoder server
     "visual_tp_valid": [["visual.tp=0"], ["model=qwen2-vl-7b", "model.load_format=dummy", "visual.tp=3", "dry_run=true"],
                         ["device=cuda", "model=qwen2-vl-7b", "model.load_format=dummy", "visual.tp=2", "dry_run=true"],
                         ["device=cuda", "model=qwen2-vl-7b", "model.load_format=dummy", "visual.tp=2",
