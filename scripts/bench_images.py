@@ -14,11 +14,12 @@ from __future__ import annotations
 import base64
 import io
 import json
-import re
 import wave
 from typing import Optional
 
 import numpy as np
+
+from bench_workload import series_totals
 
 IMAGE_SERIES = ("images_encoded", "mm_cache_queries", "mm_cache_hits")
 _requests = [0]  # chat requests made so far: request n's media come from seeds of n
@@ -125,21 +126,7 @@ def is_opening(line: str) -> bool:
 
 def image_counts(metrics_text: str) -> Optional[tuple[float, float, float]]:
     """(images encoded, embed cache queries, hits) summed over series; None when not exposed."""
-    found = dict.fromkeys(IMAGE_SERIES, 0.0)
-    pattern = r"^\w+:(%s)_total(?:\{[^}]*\})? (\S+)$" % "|".join(IMAGE_SERIES)
-    matches = re.findall(pattern, metrics_text, re.M)
-    for name, value in matches:
-        found[name] += float(value)
-    return tuple(found.values()) if {n for n, _ in matches} == set(IMAGE_SERIES) else None
-
-
-async def fetch_image_counts(client, api_key: Optional[str]):
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = await client.get("/metrics", headers=headers)
-    except Exception:  # a server without /metrics: no figures, not a failed benchmark
-        return None
-    return image_counts(resp.text) if resp.status_code == 200 else None
+    return series_totals(metrics_text, IMAGE_SERIES)
 
 
 def image_result(before, after, duration: float, media: str = "images") -> dict[str, float]:

@@ -55,9 +55,10 @@ except ImportError:
 # the workload, stream timing and metrics live beside this script; run as a script or loaded by path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_workload import (CacheCounts, RequestOutput, StreamTimer, arrival_offsets,  # noqa: E402
-                            compute_metrics, conversation_turns, prefix_cache_counts, random_prompts)
+                            compute_metrics, conversation_turns, fetch_metrics, prefix_cache_counts,
+                            random_prompts)
 from bench_trace import prompts_of_lengths, read_trace, sharegpt_lengths, trace_workload  # noqa: E402
-from bench_spec import copy_prompts, fetch_spec_counts, spec_result  # noqa: E402
+from bench_spec import copy_prompts, spec_counts, spec_result  # noqa: E402
 from bench_table import print_table  # noqa: E402
 import bench_images  # noqa: E402 (--images-per-request: chat completions with images)
 
@@ -142,13 +143,13 @@ async def run_arrivals(send, conversations: list, offsets: list[float],
 METRICS_SETTLE_S = 1.0
 
 
-async def fetch_prefix_cache_counts(client: "httpx.AsyncClient", args: argparse.Namespace) -> CacheCounts:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    try:
-        resp = await client.get("/metrics", headers=headers)
-    except httpx.HTTPError:
-        return None
-    return prefix_cache_counts(resp.text) if resp.status_code == 200 else None
+async def counters(client: "httpx.AsyncClient", args: argparse.Namespace) -> tuple:
+    """(prefix cache, speculative decoding, images) counters from one /metrics read; each None when the
+    server does not expose it."""
+    text = await fetch_metrics(client, args.api_key)
+    if text is None:
+        return None, None, None
+    return prefix_cache_counts(text), spec_counts(text), bench_images.image_counts(text)
 
 
 def build_workload(args: argparse.Namespace) -> tuple[list, list[float], Optional[list[int]]]:
@@ -191,18 +192,14 @@ async def run_benchmark(args: argparse.Namespace, transport: Any = None) -> tupl
         if any(not o.success for o in warm):
             print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)
         await asyncio.sleep(METRICS_SETTLE_S)
-        cache_before = await fetch_prefix_cache_counts(client, args)
-        args.spec_before = await fetch_spec_counts(client, args.api_key)
-        args.images_before = await bench_images.fetch_image_counts(client, args.api_key)
+        cache_before, args.spec_before, args.images_before = await counters(client, args)
         start = time.perf_counter()
         outputs = [o for conversation in await run_arrivals(capped, conversations, offsets, out_lens)
                    for o in conversation]
         duration = time.perf_counter() - start
         await asyncio.sleep(METRICS_SETTLE_S)
-        args.spec_after = await fetch_spec_counts(client, args.api_key)
-        args.images_after = await bench_images.fetch_image_counts(client, args.api_key)
-        cache_after = await fetch_prefix_cache_counts(client, args) if cache_before is not None else None
-        cache = None if cache_after is None else tuple(a - b for a, b in zip(cache_after, cache_before))
+        cache_after, args.spec_after, args.images_after = await counters(client, args)
+        cache = None if None in (cache_before, cache_after) else tuple(a - b for a, b in zip(cache_after, cache_before))
         return outputs, duration, cache
 
 
@@ -244,11 +241,11 @@ def run_benchmark_procs(args: argparse.Namespace) -> tuple[list[RequestOutput], 
             if any(not o.success for o in warm):
                 print(f"warm-up failed: {next(o.error for o in warm if not o.success)}", file=sys.stderr)
             await asyncio.sleep(METRICS_SETTLE_S)
-            before = await fetch_prefix_cache_counts(client, args)
+            before, args.spec_before, args.images_before = await counters(client, args)
             outputs, duration = await asyncio.get_running_loop().run_in_executor(None, measured)
             await asyncio.sleep(METRICS_SETTLE_S)
-            after = await fetch_prefix_cache_counts(client, args) if before is not None else None
-            return outputs, duration, None if after is None else tuple(a - b for a, b in zip(after, before))
+            after, args.spec_after, args.images_after = await counters(client, args)
+            return outputs, duration, None if None in (before, after) else tuple(a - b for a, b in zip(after, before))
 
     def measured():
         start_at = time.time() + 1.0  # every process is up and waiting by then

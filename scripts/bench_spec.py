@@ -2,10 +2,11 @@
 `<prefix>:spec_decode_*` counters over the measured run (proposals, their tokens, those accepted)."""
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import numpy as np
+
+from bench_workload import series_totals
 
 SPEC_SERIES = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
@@ -21,22 +22,7 @@ def copy_prompts(num: int, input_len: int, vocab_size: int, seed: int, low: int 
 
 def spec_counts(metrics_text: str) -> Optional[tuple[float, float, float]]:
     """(proposals, proposed tokens, accepted tokens) summed over series; None when not exposed."""
-    found = dict.fromkeys(SPEC_SERIES, 0.0)
-    seen = set()
-    pattern = r"^\w+:(%s)_total(?:\{[^}]*\})? (\S+)$" % "|".join(SPEC_SERIES)
-    for name, value in re.findall(pattern, metrics_text, re.M):
-        found[name] += float(value)
-        seen.add(name)
-    return tuple(found.values()) if seen == set(SPEC_SERIES) else None
-
-
-async def fetch_spec_counts(client, api_key: Optional[str]) -> Optional[tuple[float, float, float]]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = await client.get("/metrics", headers=headers)
-    except Exception:  # a server without /metrics: no figures, not a failed benchmark
-        return None
-    return spec_counts(resp.text) if resp.status_code == 200 else None
+    return series_totals(metrics_text, SPEC_SERIES)
 
 
 def spec_result(before, after) -> dict[str, float]:

@@ -44,20 +44,34 @@ CacheCounts = Optional[tuple[float, ...]]
 HOST_TIER_SERIES = ("prefix_cache_host_hits", "kv_promoted_tokens", "kv_demoted_tokens", "dp_fetched_tokens")
 
 
+def series_totals(metrics_text: str, series: Sequence[str], every: bool = True) -> Optional[tuple[float, ...]]:
+    """Each `<prefix>:<name>_total` counter of `series` from Prometheus text, summed over its labels, in
+    `series` order; None when `every` and one is not exposed (a missing one counts 0 otherwise)."""
+    found, seen = dict.fromkeys(series, 0.0), set()
+    pattern = r"^\w+:(%s)_total(?:\{[^}]*\})? (\S+)$" % "|".join(map(re.escape, series))
+    for name, value in re.findall(pattern, metrics_text, re.M):
+        found[name] += float(value)
+        seen.add(name)
+    return tuple(found.values()) if seen == set(series) or not every else None
+
+
+async def fetch_metrics(client: Any, api_key: Optional[str]) -> Optional[str]:
+    """The server's /metrics text, or None (a server without it: no figures, not a failed benchmark)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = await client.get("/metrics", headers=headers)
+    except Exception:
+        return None
+    return resp.text if resp.status_code == 200 else None
+
+
 def prefix_cache_counts(metrics_text: str) -> CacheCounts:
     """(queries, hits) in tokens from Prometheus text, summed over series; None when not exposed."""
-    found = {"queries": 0.0, "hits": 0.0}
-    seen = set()
-    for kind, value in re.findall(r"^\w+:prefix_cache_(queries|hits)_total(?:\{[^}]*\})? (\S+)$", metrics_text, re.M):
-        found[kind] += float(value)
-        seen.add(kind)
-    if seen != {"queries", "hits"}:
+    base = series_totals(metrics_text, ("prefix_cache_queries", "prefix_cache_hits"))
+    if base is None:
         return None
-    host = {name: 0.0 for name in HOST_TIER_SERIES}
-    for name, value in re.findall(r"^\w+:(%s)_total(?:\{[^}]*\})? (\S+)$" % "|".join(HOST_TIER_SERIES), metrics_text, re.M):
-        host[name] += float(value)
     tiered = re.search(r"^\w+:prefix_cache_host_hits_total", metrics_text, re.M) is not None
-    return (found["queries"], found["hits"]) + (tuple(host.values()) if tiered else ())
+    return base + (series_totals(metrics_text, HOST_TIER_SERIES, every=False) if tiered else ())
 
 
 def arrival_offsets(num: int, request_rate: float, seed: int) -> list[float]:
