@@ -82,7 +82,8 @@ class LlaunchServer:
         raise TimeoutError(f"llaunch not healthy after {self.ready_timeout}s:\n{self.output()}")
 
     def output(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # stop() closes it: a timed-out start reports its log after stopping
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def children(self) -> list[int]:
