@@ -150,7 +150,7 @@ class Qwen2VisionTower(nn.Module):
         a = self.arch
         # The patch embedding is a Conv3d whose kernel equals its stride: a linear map of each flattened
         # patch, run here as one GEMM, as vLLM and SGLang do. cuDNN's Conv3d for this shape is known to be
-        # very slow in bf16 (transformers issue 45750); with it the H200 server encoded 1.6 images/s.
+        # very slow in bf16 (transformers issue 45750). Not measured here on its own.
         proj = self.patch_embed.proj
         x = F.linear(pixel_values.to(self.device, self.dtype).view(-1, proj.weight[0].numel()),
                      proj.weight.view(a.embed_dim, -1), proj.bias)
