@@ -38,6 +38,8 @@ class TieredPrefixTree(PrefixTree):
         self._host_heap: list | None = None  # host leaves by age, during one evict (see _drop_host)
         self.on_demote = None  # called with each node demoted (cache.dp_fetch publishes its keys)
         self.on_short = None  # called when the host pool lacks room (cache.dp_fetch frees held slots no pin holds)
+        self.peer_pinned = None  # whether another replica pins any of these host slots (cache.dp_fetch)
+        self._host_room: int | None = None  # host slots drops can free at most, once one evict found it short
 
     # ---- lookup -----------------------------------------------------------------------------------
 
@@ -102,7 +104,7 @@ class TieredPrefixTree(PrefixTree):
         it). Returns the GPU slots freed."""
         heap = [(n.last_used, n.id, n) for n in self.nodes() if self._gpu_evictable(n)]
         heapq.heapify(heap)
-        self._host_heap = None  # built once per call, when the host tier first needs room
+        self._host_heap, self._host_room = None, None  # built once per call, when the host tier first needs room
         freed = 0
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
@@ -135,30 +137,52 @@ class TieredPrefixTree(PrefixTree):
         if self.on_demote is not None:
             self.on_demote(node)
 
-    def _drop_host(self, num_tokens: int) -> int:
+    def _drop_host(self, num_tokens: int, whole: bool = True) -> int:
         """Free at least `num_tokens` host slots, least recently used host leaves first. The queue
         persists through one `evict` (one scan of the tree, not one per demotion); an entry that stopped
-        being a droppable leaf meanwhile is skipped."""
+        being a droppable leaf meanwhile is skipped. `whole` (a demotion's room): all or nothing, checked
+        before anything is dropped, so a demotion that cannot fit drops no cached entry for nothing; a
+        leaf another replica pins is kept (dropping it frees no slot while the pin lasts)."""
+        if whole and self._host_room is not None and num_tokens > self._host_room:
+            return 0
         if self._host_heap is None:
             self._host_heap = [(n.last_used, n.id, n) for n in self.nodes() if self._droppable(n)]
             heapq.heapify(self._host_heap)
         heap = self._host_heap
+        chosen: list[Node] = []
+        kept: list = []
+        gone: set[int] = set()
         freed = 0
         while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
-            if not self._droppable(leaf):
+            entry = heapq.heappop(heap)
+            leaf = entry[2]
+            if not self._droppable(leaf, gone):
                 continue
+            if whole and self.peer_pinned is not None and self.peer_pinned(leaf.slots):
+                kept.append(entry)
+                continue
+            chosen.append(leaf)
+            gone.add(leaf.id)
             freed += len(leaf.slots)
+            if self._droppable(leaf.parent, gone):
+                heapq.heappush(heap, (leaf.parent.last_used, leaf.parent.id, leaf.parent))
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        if whole and freed < num_tokens:  # it cannot fit: keep every entry
+            for leaf in chosen:
+                heapq.heappush(heap, (leaf.last_used, leaf.id, leaf))
+            self._host_room = freed
+            return 0
+        for leaf in chosen:  # leaves before their parents
             self.dropped += len(leaf.slots)
-            parent = leaf.parent
             self._remove(leaf)
-            if self._droppable(parent):
-                heapq.heappush(heap, (parent.last_used, parent.id, parent))
+        if self._host_room is not None:
+            self._host_room -= freed
         return freed
 
-    def _droppable(self, node: Node) -> bool:
-        """A host leaf still in the tree, not being promoted."""
-        return (node.on_host and not node.children and node.id not in self._pinned
+    def _droppable(self, node: Node, gone: set[int] = frozenset()) -> bool:
+        """A host leaf still in the tree (once the nodes in `gone` are dropped), not being promoted."""
+        return (node.on_host and all(c.id in gone for c in node.children.values()) and node.id not in self._pinned
                 and node.parent is not None and node.parent.children.get(node.tokens[0]) is node)
 
     def _remove(self, node: Node) -> None:
@@ -183,8 +207,8 @@ class TieredPrefixTree(PrefixTree):
             freed = self.evict(self.num_evictable)
         finally:
             self._dropping = False
-        self._host_heap = None
-        self._drop_host(self.host_tokens)
+        self._host_heap, self._host_room = None, None
+        self._drop_host(self.host_tokens, whole=False)
         return freed
 
     def take_moves(self) -> list[Move]:

@@ -66,12 +66,15 @@ class DpFetch:
 
     # ---- fetching ---------------------------------------------------------------------------------
 
-    def lend(self, request_id: str, prompt: list[int], have: int, want: int, room: int, alloc) -> list[int]:
-        """GPU slots holding tokens prompt[have:have+n] once the next plan's copies ran (n ≤ room),
+    def lend(self, req, have: int, want: int, room: int, alloc) -> list[int]:
+        """GPU slots holding tokens req.prompt_ids[have:have+n] once the next plan's copies ran (n ≤ room),
         fetched from the replica holding the longest such run; [] when none holds a block's worth."""
         if want - have < BLOCK or room < BLOCK:
             return []
-        keys = token_keys(prompt, want)[have:]
+        if req.prefix_keys is None or len(req.prefix_keys) != want:  # hashed once: a waiting request retries every step
+            req.prefix_keys = token_keys(req.prompt_ids, want)
+        keys = req.prefix_keys[have:]
+        request_id = req.id
         best, replica, source = 0, -1, None
         for r, index in enumerate(self.indexes):
             if r != self.rank:
@@ -101,6 +104,14 @@ class DpFetch:
             self._admitted.append(fetch)
             self.fetched += len(fetch.gpu_slots)
 
+    def abandon(self) -> None:
+        """The worker is gone (the scheduler failed every request): no plan out will return, so give
+        the other replicas back every pin this one holds, or their slots stay held for good."""
+        for fetch in [*self._lent.values(), *self._admitted, *(f for fs, _ in self._in_flight for f in fs)]:
+            self.indexes[fetch.replica].unpin(self.rank, fetch.host_slots)
+        self._lent, self._admitted, self._demoted = {}, [], []  # demotions not seen done are never published
+        self._in_flight.clear()
+
     # ---- the own pool -------------------------------------------------------------------------------
 
     def demoted(self, node: Node) -> None:
@@ -112,6 +123,11 @@ class DpFetch:
         tokens = [t for part in reversed(parts) for t in part]
         slots = np.asarray(node.slots, dtype=np.int64)
         self._demoted.append((slots, self.generation[slots].copy(), token_keys(tokens)[len(tokens) - len(slots):]))
+
+    def peer_pinned(self, slots: list[int]) -> bool:
+        """Whether another replica's fetch holds any of these own host slots now (read without the lock:
+        a pin taken just after is still honoured, the slot then waits in `held`)."""
+        return bool(self.own.pins[:, np.asarray(slots, dtype=np.int64)].any())
 
     # ---- per plan ---------------------------------------------------------------------------------
 

@@ -68,6 +68,9 @@ class NoPromptCache:
     def returned(self) -> None:
         """The oldest plan out returned, its copies done (cache.dp_fetch: runtime/router/dp_fetch.py)."""
 
+    def abandon(self) -> None:
+        """The worker is gone: no plan out returns (cache.dp_fetch gives back its pins on other replicas)."""
+
 
 class PromptCache(NoPromptCache):
     def __init__(self, kv: KvAllocator):

@@ -363,6 +363,7 @@ class Scheduler(PdTransfers):
         self.sharing.clear()
         self._in_flight.clear()
         self._in_flight_all.clear()
+        self.cache.abandon()  # cache.dp_fetch: pins on other replicas' host pools go back
         return deltas
 
     def _finish(self, req: Request, reason: str) -> TokenDelta:

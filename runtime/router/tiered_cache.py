@@ -40,6 +40,7 @@ class TieredPromptCache(PromptCache):
         if fetch is not None:
             self.tree.on_demote = fetch.demoted
             self.tree.on_short = fetch.host.free_unpinned  # an idle owner's held slots come back too
+            self.tree.peer_pinned = fetch.peer_pinned
         self.host_hits = 0  # of `hits`: tokens admitted requests found in the host tier
         self._promoted: dict[str, int] = {}  # request id → tokens its lend promoted
 
@@ -72,7 +73,7 @@ class TieredPromptCache(PromptCache):
         self._promoted[req.id] = promoted
         if self.fetch is not None and (not path or node is path[-1]):  # the whole local prefix is on the GPU
             # fetched slots are the request's own (computed, not cached): they join the tree at release
-            fetched = self.fetch.lend(req.id, req.prompt_ids, len(slots), shared,
+            fetched = self.fetch.lend(req, len(slots), shared,
                                       self.kv.num_free + tree.num_evictable, self.alloc)
             req.slots = slots + fetched
             req.num_computed += len(fetched)
@@ -92,6 +93,10 @@ class TieredPromptCache(PromptCache):
     def returned(self) -> None:
         if self.fetch is not None:
             self.fetch.returned()
+
+    def abandon(self) -> None:
+        if self.fetch is not None:
+            self.fetch.abandon()
 
     def _duplicates(self, slots: list[int]) -> list[int]:
         adopted = self.tree.adopted  # they replaced host copies: the tree's now

@@ -1,12 +1,14 @@
 """cache.dp_fetch's pins against the owner's host tier (runtime/cache/host_tier.py, runtime/router/dp_fetch.py):
 replica 0's host tier is full, replica 1 pins its slots for a fetch, then replica 0 evicts a GPU node. The
-dropped host slots wait for the pin (not free), so the GPU node must be dropped, not demoted into slots
-that are not there; once the pin is gone the held slots serve the next demotion even while replica 0's
-own steps are idle. Every slot of both pools is accounted for throughout. Real index files, no model."""
+pinned host entry cannot make room (its slots would wait for the pin), so it is kept and the GPU node is
+dropped; a flush then drops the pinned entry, whose slots wait for the pin (not free); once the pin is
+gone the held slots serve the next demotion even while replica 0's own steps are idle. Every slot of both pools is accounted for throughout. Real index files, no model."""
 from llaunch.runtime.cache.host_index import index_bytes
 from llaunch.runtime.cache.host_pool import create_pool
 from llaunch.runtime.cache.kv_allocator import KvAllocator
+from llaunch.runtime.ipc.messages import AddRequest, SamplingParams
 from llaunch.runtime.router.dp_fetch import DpFetch
+from llaunch.runtime.router.request import Request
 from llaunch.runtime.router.tiered_cache import TieredPromptCache
 
 HOST = 16  # one 16-token block: the host tier is full with one demoted prefix
@@ -17,6 +19,11 @@ def replicas(tmp_path):
     for p in paths:
         create_pool(p, index_bytes(HOST, 2))
     return [TieredPromptCache(KvAllocator(64), HOST, DpFetch(r, paths, HOST)) for r in range(2)]
+
+
+def request(rid, prompt_ids):
+    msg = AddRequest(request_id=rid, frontend=0, prompt_ids=list(prompt_ids), sampling=SamplingParams(max_new_tokens=8), arrival_time=0.0)
+    return Request(msg, msg.sampling)
 
 
 def cache_prefix(cache, tokens):
@@ -40,13 +47,17 @@ def test_a_host_slot_pinned_by_the_peer_makes_the_owner_drop_not_crash(tmp_path)
     assert owner.tree.evict(16) == 16 and owner.tree.host_tokens == 16 and owner.host.num_free == 0
     owner.take_moves()
     owner.returned()  # the demotion's copy ran: its keys are published
-    got = peer.fetch.lend("r", first + [7], 0, 16, 64, peer.kv.alloc)  # the peer pins owner's 16 host slots
+    got = peer.fetch.lend(request("r", first + [7]), 0, 16, 64, peer.kv.alloc)  # the peer pins owner's 16 host slots
     assert len(got) == 16
 
     cache_prefix(owner, second)
     assert owner.tree.evict(16) == 16  # host tier full and its only entry pinned: second is dropped
-    assert owner.tree.host_tokens == 0 and len(owner.fetch.held) == 16 and owner.host.num_free == 0
     assert owner.tree.match(second)[0] == [] and not owner.tree.host_path  # gone from both tiers
+    # first stays cached: dropping it would free no slot while the pin lasts
+    assert owner.tree.host_tokens == 16 and owner.fetch.held == [] and owner.host.num_free == 0
+    assert_accounted(owner)
+    owner.tree.flush()  # dropped all the same: its slots wait for the pin (held, not free)
+    assert owner.tree.host_tokens == 0 and len(owner.fetch.held) == 16 and owner.host.num_free == 0
     assert_accounted(owner)
 
     peer.fetch.admitted("r")
