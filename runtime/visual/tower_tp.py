@@ -5,7 +5,9 @@ which only follow: the same forward pass, their all-reduces meeting rank 0's. Th
 travels on a gloo group with no practical timeout, so an idle follower waits as long as it takes.
 A batch that fails on any rank (an out-of-memory one, say) fails only its requests: the rank that
 failed still issues the rest of the forward pass's all-reduces, then every rank agrees on the outcome
-(`_settle`), so the next batch's collectives pair up as before."""
+(`_settle`), so the next batch's collectives pair up as before. A follower that cannot allocate the
+batch's pixels says so with the grids' exchange (an all-reduce that carries rank 0's grids and the
+count of such ranks): then no rank broadcasts the pixels or runs the batch, and rank 0 fails it."""
 from __future__ import annotations
 
 import datetime
@@ -47,6 +49,14 @@ def _attempt(tower: Qwen2VisionTower, forward: Callable):
         return None, e.with_traceback(None)  # its frames hold the batch's activations: free them for the drain
 
 
+def _attempt_alloc(patches: int, width: int, device: torch.device):
+    """(the pixel buffer, None), or (None, the exception) when it could not be allocated."""
+    try:
+        return pixel_buffer(patches, width, device), None
+    except Exception as e:
+        return None, e.with_traceback(None)
+
+
 def _settle(tower: Qwen2VisionTower, headers, patches: int, failed: bool) -> bool:
     """After this rank's forward pass over a batch of `patches`: whether every rank ran it whole.
     A rank that failed first issues the all-reduces it still owed (each RowParallelLinear issues one
@@ -58,6 +68,20 @@ def _settle(tower: Qwen2VisionTower, headers, patches: int, failed: bool) -> boo
     ok = torch.tensor([0 if failed else 1])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=headers)
     return bool(ok.item())
+
+
+def _grids_and_refusals(grids: torch.Tensor, refused: bool, headers) -> int:
+    """Rank 0's flat grids (others pass zeros) into `grids`, in place; returns how many ranks refused
+    the batch (one all-reduce: the refusal rides along with the grids, costing no extra round)."""
+    rows = torch.cat([grids, torch.tensor([int(refused)])])
+    dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=headers)
+    grids.copy_(rows[:-1])
+    return int(rows[-1])
+
+
+def pixel_buffer(patches: int, width: int, device: torch.device) -> torch.Tensor:
+    """A follower's buffer for the batch's pixels (the allocation that may fail on a loaded device)."""
+    return torch.empty(patches, width, dtype=torch.float32, device=device)
 
 
 def join(tp: int, rank: int, init_method: Optional[str], device: torch.device) -> tuple[TpGroup, object]:
@@ -85,9 +109,11 @@ class TowerLeader:
         # all that can fail comes before the first broadcast: a batch failing here never reaches the followers
         pixels = pixels.to(self.device).contiguous()
         header = torch.tensor([BATCH, pixels.shape[0], len(grids)])
-        grid_rows = torch.tensor(grids, dtype=torch.int64).view(len(grids), 3)
+        grid_rows = torch.tensor(grids, dtype=torch.int64).view(-1)
         dist.broadcast(header, 0, group=self.headers)
-        dist.broadcast(grid_rows, 0, group=self.headers)
+        if _grids_and_refusals(grid_rows, refused=False, headers=self.headers):
+            raise RuntimeError("another visual.tp rank of this server could not take the batch's pixels "
+                               "(its log says why)")
         dist.broadcast(pixels, 0)
         self.patches = pixels.shape[0]
         return pixels
@@ -125,11 +151,16 @@ def follow(tower: Qwen2VisionTower, headers) -> None:
         kind, patches, images = header.tolist()
         if kind == STOP:
             return
-        grids = torch.zeros(images, 3, dtype=torch.int64)
-        dist.broadcast(grids, 0, group=headers)
-        pixels = torch.empty(patches, width, dtype=torch.float32, device=tower.device)
+        pixels, error = _attempt_alloc(patches, width, tower.device)
+        if error is not None:
+            log.warning("visual tp rank %d: no room for a batch of %d images (%d patches): %s: %s", tower.tp.rank,
+                        images, patches, type(error).__name__, error)
+        grids = torch.zeros(images * 3, dtype=torch.int64)
+        if _grids_and_refusals(grids, refused=error is not None, headers=headers):
+            del pixels
+            continue  # some rank refused it: no rank runs it, rank 0 fails its requests
         dist.broadcast(pixels, 0)
-        grid_list = [tuple(g) for g in grids.tolist()]
+        grid_list = [tuple(g) for g in grids.view(images, 3).tolist()]
         error = _attempt(tower, lambda: tower(pixels, grid_list))[1]
         if error is not None:
             log.warning("visual tp rank %d: a batch of %d images failed: %s: %s", tower.tp.rank, images,

@@ -1,8 +1,9 @@
 """visual.tp: the vision tower of a tiny Qwen2-VL checkpoint split over two gloo processes (a leader
 handing its batches to a follower, runtime/visual/tower_tp.py) gives the embeddings of the whole tower
 (float32, CPU), for a batch of two images of different sizes and then a batch of one; a batch that
-fails on one rank (or both) mid-forward, or on the leader before the hand-over, fails on the leader
-and the batch after it still gives the whole tower's embeddings."""
+fails on one rank (or both) mid-forward, on the leader before the hand-over, or on the follower as it
+allocates the batch's pixels, fails on the leader and the batch after it still gives the whole tower's
+embeddings."""
 from __future__ import annotations
 
 import socket
@@ -27,11 +28,13 @@ from tests.fixtures.tiny_vl import write_tiny_qwen2_vl
 TP = 2
 # (t, h, w) in patches; 16 patches fail on the follower, 8 on the leader, inside block 1 (FAIL_AT);
 # "short": pixels one value short (the leader fails before the hand-over); "mismatch": 8 patches of
-# pixels for a 16-patch grid (both ranks fail inside block 0)
+# pixels for a 16-patch grid (both ranks fail inside block 0); 20 patches: the follower cannot allocate
+# the batch's pixel buffer (NO_ROOM)
 GRIDS = [[(1, 4, 6), (1, 8, 4)], [(1, 4, 4)], [(1, 6, 6)], [(1, 2, 4)], [(1, 6, 2)], ["short", (1, 2, 2)],
-         [(1, 2, 6)], ["mismatch", (1, 4, 4)], [(1, 6, 4)]]
+         [(1, 2, 6)], ["mismatch", (1, 4, 4)], [(1, 6, 4)], [(1, 2, 10)], [(1, 2, 2)]]
 FAIL_AT = {1: 16, 0: 8}  # rank → the patches of the batch whose block 1 raises there
-FAILED = [1, 3, 5, 7]
+NO_ROOM = 20  # patches of the batch whose pixel buffer the follower fails to allocate
+FAILED = [1, 3, 5, 7, 9]
 
 
 def batches(cfg) -> list[list[ImageRef]]:
@@ -62,6 +65,16 @@ def fail_in_block_1(tower, patches: int) -> None:
     block.forward = failing
 
 
+def no_room_for(patches: int) -> None:
+    allocate = tower_tp.pixel_buffer
+
+    def failing(n, *args):
+        if n == patches:
+            raise torch.OutOfMemoryError("injected: no room for the pixels")
+        return allocate(n, *args)
+    tower_tp.pixel_buffer = failing
+
+
 def rank_main(rank: int, cfg, address: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     group, headers = tower_tp.join(TP, rank, address, torch.device("cpu"))
@@ -69,6 +82,7 @@ def rank_main(rank: int, cfg, address: str, out_dir: str) -> None:
         tower = build_tower(cfg, torch.device("cpu"), torch.float32, group)
         fail_in_block_1(tower, FAIL_AT[rank])
         if rank > 0:
+            no_room_for(NO_ROOM)
             tower_tp.follow(tower, headers)  # returns at the leader's stop
             return
         leader = tower_tp.TowerLeader(headers, torch.device("cpu"))
@@ -111,6 +125,7 @@ def test_tp2_tower_embeddings_equal_the_whole_tower(runs):
     assert "injected failure" not in split[1]  # the follower failed: rank 0 says another rank did
     assert "another visual.tp rank" in split[1]
     assert "injected failure" in split[3] and "reshape" in split[5] and "another" not in split[3] + split[5]
+    assert "could not take the batch's pixels" in split[9]  # the follower lived on: batch 10 is whole
     for batch_whole, batch_split in zip(whole, split):
         if batch_whole is None:
             continue
