@@ -130,8 +130,9 @@ def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: Requ
             logprobs=stream or p.return_details or p.best_of > n,
             min_tokens=p.min_new_tokens if p.min_new_tokens > 1 else 0,
             allowed_ids=list(dict.fromkeys(p.allowed_token_ids or [])), constraint=constraint,
-            # server.return_all_prompt_logprobs: LightLLM returns them from /generate (not streamed)
-            prompt_logprobs=0 if limits.all_prompt_logprobs and not stream else -1))
+            # server.return_all_prompt_logprobs: LightLLM returns them from /generate (not streamed),
+            # once per response: the first sample computes them
+            prompt_logprobs=0 if limits.all_prompt_logprobs and not stream and i == 0 else -1))
     return prompt_ids, jobs
 
 

@@ -30,6 +30,7 @@ class PromptLogprobRows:
         self.request: list[str] = [""] * max_rows
         self.parts: list[list[PromptLogprobs]] = [[] for _ in range(max_rows)]
         self.asking: set[int] = set()  # rows whose prompt logprobs are not out yet: empty, a step pays nothing
+        self.positions = 0  # prompt positions whose logprobs were computed, since start
 
     def start(self, new: NewSeq) -> None:
         self.want[new.row] = new.sampling.prompt_logprobs
@@ -37,6 +38,13 @@ class PromptLogprobRows:
         self.parts[new.row] = []
         self.prompt[new.row] = new.prompt_ids if new.sampling.prompt_logprobs >= 0 else []
         (self.asking.add if new.sampling.prompt_logprobs >= 0 else self.asking.discard)(new.row)
+
+    def release(self, rows: list[int]) -> None:
+        """These rows' requests ended (StepPlan.release_rows): one that ended before its first token
+        would keep its prompt and parts here until its row was reused."""
+        for row in rows:
+            self.want[row], self.request[row], self.prompt[row], self.parts[row] = -1, "", [], []
+            self.asking.discard(row)
 
     def asks(self, row: int) -> bool:
         return self.want[row] >= 0
@@ -52,6 +60,7 @@ class PromptLogprobRows:
         device = logits.device
         targets = torch.tensor([t for row, start, n in plan_rows for t in self.prompt[row][start + 1:start + 1 + n]],
                                dtype=torch.int64).to(device)
+        self.positions += len(targets)
         lp = torch.log_softmax(logits.float(), dim=-1)
         chosen = lp.gather(1, targets[:, None]).squeeze(1)
         ranks = (lp > chosen[:, None]).sum(dim=-1) + 1

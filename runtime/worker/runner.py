@@ -123,6 +123,7 @@ class ModelRunner:
         return to_device(values, dtype, self.device)
 
     def _start_rows(self, plan: StepPlan) -> None:
+        self.prompt_logprobs.release(plan.release_rows)  # before `new`, which may reuse those rows
         vocab = self.model.arch.vocab_size  # an image's tokens (vocab + hash) take no part in penalties
         self.sampling.set_rows([(new.row, new.sampling, [t for t in new.prompt_ids if t < vocab] if new.images
                                  else new.prompt_ids) for new in plan.new])

@@ -161,6 +161,21 @@ def test_vllm_prompt_logprobs_on_completions_twice(client, oracle):
     assert plain.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_the_samples_of_a_prompt_share_its_prompt_logprobs(client, oracle):
+    """n=2 of best_of=3 samples (only the first computes the prompt's logprobs: the others get its): every
+    choice returned carries them, as its vLLM prompt_logprobs and as its echo's logprobs."""
+    text = prompt_text(oracle, 5)
+    ids = oracle.tokenizer.encode(text)
+    ref = chosen(reference(oracle, ids), ids)
+    out = client.completions.create(model=MODEL, prompt=text, max_tokens=2, n=2, best_of=3, echo=True, logprobs=1,
+                                    temperature=1.0, seed=11, extra_body={"prompt_logprobs": 1})
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        plp = choice.model_extra["prompt_logprobs"]
+        assert [plp[i][str(t)]["logprob"] for i, t in enumerate(ids[1:], start=1)] == pytest.approx(ref, abs=ATOL)
+        assert choice.logprobs.token_logprobs[1:len(ids)] == pytest.approx(ref, abs=ATOL)
+
+
 def test_vllm_prompt_logprobs_on_chat(client, oracle):
     messages = [{"role": "user", "content": prompt_text(oracle, 7)}]
     ids = list(oracle.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
