@@ -1,7 +1,8 @@
 """visual.tp=2 on two GPUs at Qwen2-VL-7B's vision shape (conf/model/qwen2-vl-7b.yaml, model.load_format=dummy
 weights, bfloat16): the tower split over two processes (NCCL all-reduces, the leader handing its batch of two
 1,024x1,024 images to the follower, runtime/visual/tower_tp.py) gives the whole tower's embeddings up to
-bfloat16 rounding (the sums run in another order)."""
+bfloat16 rounding (the sums run in another order), after a batch the follower had no memory for failed on the
+leader alone (NCCL kept in step: no rank broadcast its pixels)."""
 from __future__ import annotations
 
 import os
@@ -15,6 +16,7 @@ import torch
 from gpu.conftest import REPO
 
 GRID, IMAGES = [1, 74, 74], 2  # 1,024 px rounds to 1,036 = 74 patches of 14
+NO_ROOM = [1, 4, 4]  # a one-image batch whose pixel buffer the follower fails to allocate (injected)
 
 
 def _tower(tp, device):
@@ -29,14 +31,14 @@ def _tower(tp, device):
     return tower.eval()
 
 
-def _images(tower):
+def _images(tower, grid=GRID, count=IMAGES):
     from llaunch.runtime.ipc.messages import ImageRef
 
     a = tower.arch
     width = a.in_channels * a.temporal_patch_size * a.patch_size ** 2
     rng = np.random.default_rng(0)
-    return [ImageRef(hash=f"{i:064x}", offset=0, grid=GRID, pixels=rng.standard_normal(
-        (GRID[0] * GRID[1] * GRID[2], width), dtype=np.float32).tobytes()) for i in range(IMAGES)]
+    return [ImageRef(hash=f"{i:064x}", offset=0, grid=grid, pixels=rng.standard_normal(
+        (grid[0] * grid[1] * grid[2], width), dtype=np.float32).tobytes()) for i in range(count)]
 
 
 def _rank_main(rank: int, port: int, out: str) -> None:
@@ -49,9 +51,18 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     try:
         tower = _tower(group, device)
         if rank == 1:
+            allocate = tower_tp.pixel_buffer
+            no_room = NO_ROOM[0] * NO_ROOM[1] * NO_ROOM[2]
+            tower_tp.pixel_buffer = lambda n, *a: (allocate(n, *a) if n != no_room
+                                                   else torch.empty(1 << 40, device=device))  # 4 TiB: a real CUDA OOM
             tower_tp.follow(tower, headers)
             return
         leader = tower_tp.TowerLeader(headers, device)
+        try:  # the follower cannot take this batch: it fails here, and both ranks go on in step
+            leader.encode(tower, _images(tower, NO_ROOM, 1))
+            raise AssertionError("the batch the follower refused did not fail")
+        except RuntimeError as e:
+            assert "could not take the batch's pixels" in str(e), e
         split = [e.float().cpu() for e in leader.encode(tower, _images(tower))]
         leader.stop()
         torch.save(split, out)
