@@ -13,11 +13,11 @@ from pathlib import Path
 
 from llaunch.launcher import gpus
 from llaunch.runtime.config import (Device, DType, LlaunchConfig, LoadFormat, Mode, ModelConfig, ModelTask, ScoreHead,
-                                    RouterConfig)
+                                    RouterConfig, SpecMethod)
 from llaunch.runtime.models.checkpoint import (ARCH_FIELDS, Checkpoint, CheckpointError, checkpoint_dtype, is_gguf,
                                                read_checkpoint)
 
-__all__ = ["CheckpointError", "resolve", "resolve_model", "resolve_router", "detect_device"]
+__all__ = ["CheckpointError", "resolve", "resolve_draft", "resolve_model", "resolve_router", "detect_device"]
 
 # Every Qwen2 and Llama-3 checkpoint ships bf16; used on GPU when there is no checkpoint to ask.
 GPU_FALLBACK_DTYPE = DType.bfloat16
@@ -126,6 +126,15 @@ def resolve_router(router: RouterConfig, model: ModelConfig, mode: Mode) -> Rout
     # A decode node gets its prompts prefilled elsewhere: nothing to wait for (LightLLM: decode mode).
     max_wait_tokens = 0 if mode == Mode.pd_decode else router.max_wait_tokens
     return replace(router, batch_max_tokens=batch_max_tokens, max_wait_tokens=max_wait_tokens)
+
+
+def resolve_draft(cfg: LlaunchConfig) -> ModelConfig | None:
+    """spec.method=draft: the draft checkpoint's config, in the model's dtype and context length (the
+    draft computes every position the model does)."""
+    if cfg.spec.method != SpecMethod.draft or not cfg.spec.draft_model_path:
+        return None
+    draft = ModelConfig(path=cfg.spec.draft_model_path, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len)
+    return resolve_model(draft, cfg.device)
 
 
 def resolve(cfg: LlaunchConfig) -> LlaunchConfig:

@@ -41,7 +41,7 @@ _job_started = False  # Hydra exits 1 on composition errors, before the job; we 
 
 def run_config_of(cfg: LlaunchConfig, run_dir: Path, graph) -> RunConfig:
     return RunConfig(**{f.name: getattr(cfg, f.name) for f in fields(LlaunchConfig)}, run_dir=str(run_dir),
-                     graph=graph)
+                     graph=graph, draft_model=derive.resolve_draft(cfg))
 
 
 def write_run_config(run_config: RunConfig) -> Path:

@@ -5,12 +5,13 @@ GPU; on CPU: with the KV budget, within the host's memory)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Optional
 
-from llaunch.launcher import gpus
+from llaunch.launcher import derive, gpus
 from llaunch.launcher.rule_registry import get, rule
 from llaunch.launcher.rules_model import SERVING_MODES
-from llaunch.runtime.config import Device, LlaunchConfig
+from llaunch.runtime.config import Device, KvDType, LlaunchConfig
 from llaunch.runtime.encoder_servers import encoder_servers, multimodal
 from llaunch.runtime.models.memory import GiB, RankMemory, rank_memory
 
@@ -42,9 +43,20 @@ def _rank_memory(cfg: LlaunchConfig) -> Optional[RankMemory]:
     if cfg.mode.kind not in SERVING_MODES or any(get(cfg, k) is None for k in _ARCH):
         return None
     try:
-        return rank_memory(cfg)
+        mem = rank_memory(cfg)
+        draft = derive.resolve_draft(cfg)
     except (ValueError, KeyError):  # an unsupported family or dtype: family_supported & co. report it
         return None
+    if draft is None:
+        return mem
+    # spec.method=draft: every rank holds the whole draft and its KV for each slot (runtime/worker/drafter.py)
+    try:
+        d = rank_memory(replace(cfg, model=draft, parallel=replace(cfg.parallel, tp=1),
+                                cache=replace(cfg.cache, kv_dtype=KvDType.auto)))
+    except (ValueError, KeyError):  # spec_draft_model_usable says why
+        return mem
+    return replace(mem, weights=mem.weights + d.weights, kv_per_token=mem.kv_per_token + d.kv_per_token,
+                   weights_dtype=f"{mem.weights_dtype}, with the draft model's")
 
 
 def summary(cfg: LlaunchConfig) -> Optional[str]:

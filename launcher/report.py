@@ -70,8 +70,11 @@ def graph_tree(cfg: RunConfig) -> Tree:
                  "/get_score, /classify, /v1/score")
     spec = getattr(cfg, "spec", None)
     if spec is not None and spec.method.value != "none":  # runtime/router/spec_decode.py
+        draft = getattr(cfg, "draft_model", None)
+        source = (f"the draft model {escape(draft.path)}, in every worker" if draft is not None
+                  else f"suffixes of {spec.ngram_max}..{spec.ngram_min} tokens")
         tree.add(f"[dim]speculative decoding[/] {spec.method.value}: {spec.num_tokens} proposed tokens per row and "
-                 f"step (suffixes of {spec.ngram_max}..{spec.ngram_min} tokens), off above {spec.max_batch} decode rows")
+                 f"step ({source}), off above {spec.max_batch} decode rows")
     if cfg.parallel.cuda_mps:
         tree.add("[dim]cuda mps daemon[/] nvidia-cuda-mps-control -d, its pipe in a private directory under the "
                  "temp dir (started first, quit last)")

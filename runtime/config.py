@@ -318,7 +318,7 @@ class BenchConfig:
 class SpecMethod(str, Enum):
     none = "none"
     ngram = "ngram"  # proposals looked up in the prompt and output (runtime/router/spec_decode.py)
-    draft = "draft"  # a small draft model (not built yet: refused by rule spec_method_available)
+    draft = "draft"  # a small draft model of the same tokenizer (runtime/worker/drafter.py)
 
 
 @dataclass(frozen=True)
@@ -328,7 +328,7 @@ class SpecConfig:
     ngram_min: int = 1  # shortest prompt+output suffix looked up for a proposal
     ngram_max: int = 3  # longest suffix tried first
     max_batch: int = 16  # decode rows above which a step does not speculate (verify CUDA graphs cover max_batch x (num_tokens+1) tokens; scripts/bench_spec.sh c64 measures it)
-    draft_model_path: Optional[str] = None  # spec.method=draft: the draft checkpoint (same tokenizer)
+    draft_model_path: Optional[str] = None  # spec.method=draft: the draft checkpoint folder (the model's tokenizer; llama or qwen2 family)
 
 
 @dataclass(frozen=True)
@@ -386,3 +386,4 @@ class RunConfig(LlaunchConfig):
 
     run_dir: str = ""
     graph: Optional[ProcessGraph] = None
+    draft_model: Optional[ModelConfig] = None  # spec.method=draft: the draft checkpoint, resolved like model

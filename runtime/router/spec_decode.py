@@ -1,8 +1,9 @@
-"""Speculative decoding, the router's half: proposals and their verdicts (spec.method=ngram).
+"""Speculative decoding, the router's half: proposals and their verdicts (spec.method=ngram or draft).
 
 The router owns each request's token history, so it proposes: the longest suffix of the prompt +
 output (spec.ngram_max down to spec.ngram_min tokens) that occurred before is looked up, and the up
-to spec.num_tokens tokens that followed its latest earlier occurrence are the proposal. A proposing
+to spec.num_tokens tokens that followed its latest earlier occurrence are the proposal (with
+spec.method=draft the router plans placeholders and the worker's draft model fills them). A proposing
 row is planned as a VerifyChunk (its last token + the proposal, k+1 query tokens over its cached KV:
 the chunked-prefill path); the worker samples all k+1 positions, keeps the longest prefix the target
 agrees with plus one token of its own (runtime/worker/spec_verify.py), and the router frees the KV
@@ -73,7 +74,9 @@ class SpecDecoding:
     def __init__(self, cfg: Optional["SpecConfig"], vocab_size: int = 2**62):
         self.cfg = cfg
         self.vocab_size = vocab_size  # an image's tokens (ids past it) have no embedding row: never proposed
-        self.enabled = cfg is not None and getattr(cfg.method, "value", cfg.method) == "ngram"
+        method = getattr(cfg.method, "value", cfg.method) if cfg is not None else "none"
+        self.enabled = method in ("ngram", "draft")
+        self.drafted = method == "draft"  # the worker's draft model fills each proposal (runtime/worker/drafter.py)
         self._out: dict[int, list[_Verifying]] = {}  # step → its verify rows, in plan order
         self.proposed = 0  # since start: tokens proposed to verification
         self.accepted = 0  # of those, tokens the target agreed with
@@ -103,8 +106,11 @@ class SpecDecoding:
                 continue
             room = min(self.cfg.num_tokens, req.max_new_tokens - len(req.output_ids) - 1,
                        lim.max_model_len - req.num_tokens - 1)
-            proposal = propose(req.prompt_ids + req.output_ids, room, self.cfg.ngram_min, self.cfg.ngram_max)
-            proposal = proposal[:next((i for i, t in enumerate(proposal) if t >= self.vocab_size), len(proposal))]
+            if self.drafted:  # placeholders: the draft proposes on the worker
+                proposal = [0] * max(room, 0)
+            else:
+                proposal = propose(req.prompt_ids + req.output_ids, room, self.cfg.ngram_min, self.cfg.ngram_max)
+                proposal = proposal[:next((i for i, t in enumerate(proposal) if t >= self.vocab_size), len(proposal))]
             if proposal:
                 proposals[req.row] = proposal
                 self._missed.pop(req.row, None)

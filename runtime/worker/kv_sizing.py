@@ -26,11 +26,12 @@ def kv_link_reserve_bytes(cfg) -> int:
     return 0
 
 
-def kv_slots_for(cfg, model, device: torch.device, group=None) -> int:
+def kv_slots_for(cfg, model, device: torch.device, group=None, extra_per_token: int = 0) -> int:
     """Slots every rank of the replica can hold. Each rank sizes from its own memory; the MIN over
     the group is taken before the fit check, so all ranks agree and fail together (a lone rank that
-    raised would leave its peers waiting in the all-reduce)."""
-    per_token = model.kv_bytes_per_token
+    raised would leave its peers waiting in the all-reduce). `extra_per_token`: what else a slot
+    holds (a draft model's KV)."""
+    per_token = model.kv_bytes_per_token + extra_per_token
     used = 0
     if cfg.cache.max_total_tokens:
         budget = int(cfg.cache.max_total_tokens) * per_token

@@ -28,6 +28,7 @@ from llaunch.runtime.ipc.sockets import Receiver, Sender, SocketMonitor
 from llaunch.runtime.models.kv_fp8 import use_fp8_kv
 from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
 from llaunch.runtime.worker.constraint_prep import ConstraintPrep
+from llaunch.runtime.worker.drafter import Drafter, draft_kv_cache
 from llaunch.runtime.worker.image_rows import ImageRows
 from llaunch.runtime.models.vision_qwen2 import VisionArch
 from llaunch.runtime.encoder_servers import encoder_servers, multimodal
@@ -164,14 +165,19 @@ def main() -> None:
     elif cfg.model.audio:  # Qwen2-Audio: clip embeddings from the same servers' cache
         images = AudioRows(ShmEmbeds(embeds, lambda clip: audio_tokens(clip.grid[0]),
                                      int(cfg.model.audio["hidden_size"]), dtype, device, cfg.server.ready_timeout_s))
+    draft = None
+    if cfg.draft_model is not None:  # spec.method=draft: whole on every rank (small), before the KV is sized
+        stage("loading the draft model")
+        draft = build_model(cfg.draft_model, device=device, dtype=dtype)
     kv_calibration = use_fp8_kv(model, cfg.cache, cfg.run_dir)  # cache.kv_dtype=fp8_e4m3: before sizing
     if kv_calibration is not None:
         kv_calibration.start()
     stage("sizing the KV cache")
-    num_slots = kv_slots_for(cfg, model, device, group)
+    num_slots = kv_slots_for(cfg, model, device, group, extra_per_token=draft.kv_bytes_per_token if draft else 0)
     max_rows = cfg.router.max_running_requests
     # one extra row and slot: scratch space that padded CUDA-graph rows read and write
     kv = model.make_kv_cache(num_slots + 1, max_rows + 1, cfg.model.max_model_len)
+    drafter = Drafter(draft, draft_kv_cache(draft, kv), model.arch.vocab_size, device) if draft else None
     host_kv = None  # the host KV tier's pool (cache.cpu_tokens), made by the kv_host process
     if cfg.cache.cpu_tokens > 0:
         stage("mapping the host KV pool")
@@ -185,7 +191,7 @@ def main() -> None:
                          prefill_graph_tokens=cfg.model.prefill_graph_tokens,
                          timed=cfg.router.step_trace is not None, eos_ids=tuple(cfg.model.eos_token_ids or ()),
                          grammar=grammars, graph_max_len=cfg.model.graph_max_len_in_batch, images=images,
-                         verify_tokens=spec_step_tokens(cfg.spec, max_rows))
+                         verify_tokens=spec_step_tokens(cfg.spec, max_rows), drafter=drafter)
     log.info("model loaded: %s %s on %s, %d KV slots", cfg.model.name, dtype, device, num_slots)
     if watch is not None:
         watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up

@@ -45,17 +45,19 @@ class ModelRunner:
     def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device, cuda_graphs: bool = False,
                  prefill_graph_tokens: int = 0, timed: bool = False, eos_ids: tuple[int, ...] = (),
                  grammar: Optional[Callable] = None, graph_max_len: Optional[int] = None, images=None,
-                 verify_tokens: int = 0):
+                 verify_tokens: int = 0, drafter=None):
         """`kv` has one row and one slot more than the router uses: scratch space for padding.
         `prefill_graph_tokens`: with CUDA graphs, the longest chunk a lone prefill replays one for.
         `timed` (a step trace is on): on a GPU each step also reports its host and device time.
         `eos_ids`, `grammar`: what SamplingState needs for min_tokens and structured output.
         `graph_max_len`: the longest context a decode graph covers (None: every one the KV rows hold).
         `verify_tokens`: the most tokens a speculating step has (verify steps up to it are padded to
-        CUDA-graph buckets: runtime/worker/verify_graphs.py)."""
+        CUDA-graph buckets: runtime/worker/verify_graphs.py).
+        `drafter`: spec.method=draft's Drafter (runtime/worker/drafter.py), else None."""
         self.model = model
         self.kv = kv
         self.images = images  # ImageRows (runtime/worker/image_rows.py) of a multimodal model, else None
+        self.drafter = drafter
         self.device = device
         self.max_rows = max_rows
         self.sampling = SamplingState(max_rows, model.arch.vocab_size, device, eos_ids, grammar)
@@ -244,6 +246,8 @@ class ModelRunner:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         self._start_rows(plan)
+        if self.drafter is not None:
+            self._draft(plan)
         self._prompt_rows = []
         logits, rows, greedy = self._forward(plan)
         pending = PendingStep(plan.step, rows, None, None, None, t0, started, 0.0, start_event)
@@ -269,6 +273,15 @@ class ModelRunner:
             self._sample(pending, logits)
         pending.launch_s = time.perf_counter() - t0
         return pending
+
+    def _draft(self, plan: StepPlan) -> None:
+        """spec.method=draft: the draft fills the verify chunks' proposals, then computes the KV of the
+        step's tokens, as the model is about to (the eager batch of the step, whichever path the model takes)."""
+        self.drafter.propose(plan.verify)
+        seq_len = list(self.seq_len)
+        batch, _ = self.build_batch(plan)
+        self.seq_len[:] = seq_len  # the model's own step advances them
+        self.drafter.mirror(batch)
 
     @torch.inference_mode()
     def sample_deferred(self, pending: PendingStep) -> None:

@@ -1,4 +1,4 @@
-"""Speculative decoding (spec=ngram) through the whole process graph on SmolLM2's real weights: greedy
+"""Speculative decoding (spec=ngram and spec=draft) through the whole process graph on SmolLM2's real weights: greedy
 text equals transformers' generate at concurrency 1 and 16, with max_tokens and stop strings landing
 mid-proposal, and /metrics shows proposals were accepted (so speculation really ran)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from integration.conftest import start_server
+from integration.conftest import SMOLLM2_DIR, start_server
 from integration.server import metric_samples
 
 # Copy-heavy prompts: the continuation repeats text the prompt holds, so n-gram proposals are accepted.
@@ -22,9 +22,13 @@ PROMPTS = [
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with start_server(tmp_path_factory, "spec-ngram", ["spec=ngram", "spec.num_tokens=4"]) as s:
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def server(request, tmp_path_factory):
+    """Both proposers; the draft is SmolLM2 itself (the only real weights here): it proposes the model's
+    own next tokens, through its own KV cache in the worker."""
+    method = request.param
+    extra = [f"spec.draft_model_path={SMOLLM2_DIR}"] if method == "draft" else []
+    with start_server(tmp_path_factory, f"spec-{method}", [f"spec={method}", "spec.num_tokens=4", *extra]) as s:
         yield s
 
 
@@ -58,7 +62,7 @@ def accepted(server) -> tuple[float, float]:
             sum(metric_samples(server.url, "spec_decode_num_draft_tokens_total").values()))
 
 
-def test_greedy_equals_transformers_at_concurrency_1_and_16(server, expected):
+def test_greedy_equals_transformers_at_concurrency_1_and_16(server, expected, request):
     tokenizer, ids = expected
     for i, prompt in enumerate(PROMPTS):  # one stream at a time
         assert complete(server, prompt, MAX_NEW, None) == want_text(tokenizer, ids[i], MAX_NEW, None)
@@ -67,6 +71,8 @@ def test_greedy_equals_transformers_at_concurrency_1_and_16(server, expected):
         time.sleep(0.2)
     got, proposed = accepted(server)
     assert 0 < got <= proposed  # speculation ran and proposals were kept
+    if request.node.callspec.params["server"] == "draft":  # the model drafting for itself: its own next tokens
+        assert got >= 0.9 * proposed, (got, proposed)
 
     # 16 at once: max_tokens and stop strings (a word from the middle of the continuation) end outputs mid-proposal
     cases = []

@@ -10,6 +10,7 @@ from llaunch.runtime.config import SpecConfig, SpecMethod
 from llaunch.runtime.ipc.messages import AddRequest
 from llaunch.runtime.router.request import Request
 from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
+from llaunch.runtime.worker.drafter import Drafter, draft_kv_cache
 from llaunch.runtime.worker.runner import ModelRunner
 from llaunch.runtime.models.memory import spec_step_tokens
 
@@ -20,18 +21,24 @@ REPO = Path(__file__).resolve().parents[2]
 
 def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int = MAX_LEN,
           device: torch.device = torch.device("cpu"), cuda_graphs: bool = False, eos_ids: tuple = (EOS,),
-          step_tokens: int = 4096, runners: Optional[list] = None):
+          step_tokens: int = 4096, runners: Optional[list] = None, draft=None):
     """Run (prompt ids, SamplingParams) requests through a Scheduler and a ModelRunner:
     ({request index: (tokens, finish reason)}, scheduler). Every KV slot must be back at the end.
     `step_tokens`: the token budget of a step (small: prompts prefill in chunks beside verify rows).
-    `runners`: a list the ModelRunner is appended to (to look at its graphs)."""
-    cfg = SpecConfig(method=SpecMethod.ngram, num_tokens=4, max_batch=16) if spec else None
+    `runners`: a list the ModelRunner is appended to (to look at its graphs). `draft`: a draft model
+    (spec.method=draft) instead of n-gram proposals."""
+    method = SpecMethod.draft if draft is not None else SpecMethod.ngram
+    cfg = SpecConfig(method=method, num_tokens=4, max_batch=16) if spec else None
     sched = Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=step_tokens,
                                       chunked_prefill=True, chunked_prefill_size=step_tokens, max_wait_tokens=1, token_ratio=0.0,
                                       max_model_len=max_len, eos_ids=eos_ids, pipeline_depth=2, spec=cfg))
     # verify steps padded to buckets (CUDA graphs on a GPU) up to every row verifying 4 proposals, as a server's
-    runner = ModelRunner(model, model.make_kv_cache(kv_slots + 1, ROWS + 1, max_len), ROWS, device,
-                         cuda_graphs=cuda_graphs, eos_ids=eos_ids, verify_tokens=spec_step_tokens(cfg, ROWS) if spec else 0)
+    kv = model.make_kv_cache(kv_slots + 1, ROWS + 1, max_len)
+    drafter = None
+    if spec and draft is not None:
+        drafter = Drafter(draft, draft_kv_cache(draft, kv), model.arch.vocab_size, device)
+    runner = ModelRunner(model, kv, ROWS, device, cuda_graphs=cuda_graphs, eos_ids=eos_ids,
+                         verify_tokens=spec_step_tokens(cfg, ROWS) if spec else 0, drafter=drafter)
     if runners is not None:
         runners.append(runner)
     for i, (prompt, sp) in enumerate(requests):

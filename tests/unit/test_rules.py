@@ -105,7 +105,7 @@ BREAKS = {
                             "parallel.zmq_mode=tcp", "parallel.node_addrs=[a,b]", "parallel.master_port=29500"]],
     "spec_settings_valid": [["spec=ngram", "spec.num_tokens=0"], ["spec=ngram", "spec.ngram_min=4"],
                             ["spec=ngram", "spec.max_batch=0"]],
-    "spec_method_available": [["spec=draft"]],
+    "spec_draft_model_usable": [["spec=draft"]],
     "visual_settings_valid": [[*VL, "visual.dp=0"], [*VL, "visual.batch_size=0"], [*VL, "visual.embed_cache_mib=0"],
                               [*AU, "audio.dp=0"], [*AU, "audio.batch_size=0"], [*AU, "audio.embed_cache_mib=0"]],
     "visual_devices_valid": [[*VL, "visual.devices=[0]"], ["device=cuda", *VL, "visual.devices=[0,1]"],

@@ -146,9 +146,12 @@ def test_greedy_verdict_is_the_agreeing_prefix_and_one_more():
 
 def test_bench_reads_the_spec_counters_and_builds_copy_prompts():
     import importlib.util
+    import sys
 
     from unit.spec_support import REPO
 
+    if str(REPO / "scripts") not in sys.path:  # the script imports its siblings, as `python scripts/...` finds them
+        sys.path.insert(0, str(REPO / "scripts"))
     spec = importlib.util.spec_from_file_location("bench_spec", REPO / "scripts" / "bench_spec.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -190,3 +193,28 @@ def test_sampled_rows_verify_through_the_runner(model, request):
     again, _ = serve(model, requests, spec=True)
     assert first == again and all(len(tokens) == 30 for tokens, _ in first.values())
     assert sched.spec.verify_rows > 0
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A draft of another family, depth and seed than either target, with the same tokenizer."""
+    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-draft"), "llama", seed=7, num_hidden_layers=1)
+    return build_model(model_config_from_folder(folder), device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_a_draft_model_keeps_greedy_output_token_identical(model, other_draft):
+    """spec.method=draft: the same 16 requests as the n-gram case, stops and max_tokens mid-proposal,
+    prompts prefilling in chunks beside verifying rows. The model as its own draft proposes exactly
+    its next tokens, so nearly every proposal is accepted (the draft's KV follows the model's through
+    prefill chunks, decode steps and rejected tails); a different random draft has proposals rejected
+    and the output is the same."""
+    n = 16
+    plain, _ = serve(model, greedy_requests(n), spec=False, step_tokens=40)
+    stops = {i: [plain[i][0][-3]] for i in range(1, n, 2)}
+    want = {i: cut_at(plain[i][0], stops[i][0]) if i in stops else plain[i] for i in range(n)}
+    itself, sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40, draft=model)
+    assert itself == want
+    assert sched.spec.verify_rows > 0 and sched.spec.accepted >= 0.95 * sched.spec.proposed
+    other, sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40, draft=other_draft)
+    assert other == want
+    assert sched.spec.verify_rows > 0 and sched.spec.accepted < sched.spec.proposed  # rejected tails rolled back

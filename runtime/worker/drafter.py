@@ -1,0 +1,73 @@
+"""Speculative decoding with a draft model (spec.method=draft), the worker's half: a small model of
+the same tokenizer proposes each verifying row's next tokens; the target verifies them as it does
+n-gram proposals (runtime/worker/spec_verify.py).
+
+The draft keeps its own KV cache in the target's slot space: the same slot ids, the same
+`req_to_slots` table, its own K/V buffers. Every token the target computes, the draft computes
+too (`mirror`: the step's batch through the draft, logits dropped), so wherever the target has KV
+the draft has it as well: a prompt-cache hit, a shared prefix and a rejected proposal's freed slots
+need nothing of their own. To propose, the draft decodes greedily from the row's last token, one
+token a step for k steps, writing its KV into the slots the router allocated for the verify chunk;
+the step's mirror then writes the last proposal's too.
+
+The draft is replicated on every tp rank (it is small), so each rank proposes the same tokens. It
+runs eagerly (no CUDA graphs of its own yet), and reading its proposals back to build the verify
+step costs one device sync per speculating step."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from llaunch.runtime.ipc.messages import VerifyChunk
+from llaunch.runtime.models.batch import ForwardBatch, KvCache
+
+
+class Drafter:
+    def __init__(self, model, kv: KvCache, vocab_size: int, device: torch.device):
+        """`kv`: the draft's cache, sharing the target's req_to_slots. `vocab_size`: the target's
+        embedding rows (a larger draft vocabulary's extra ids are never proposed)."""
+        self.model, self.kv, self.device = model, kv, device
+        self.vocab_size = min(vocab_size, model.arch.vocab_size)
+
+    def _t(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    @torch.inference_mode()
+    def propose(self, chunks: list[VerifyChunk]) -> None:
+        """Fill each chunk's proposal (token_ids[1:], placeholders from the router) with the draft's
+        greedy continuation of its last token."""
+        if not chunks:
+            return
+        for c in chunks:  # the slots of the proposal's positions, which the draft's steps attend over
+            self.kv.req_to_slots[c.row, c.start:c.start + len(c.slots)] = self._t(c.slots).to(self.kv.req_to_slots.dtype)
+        wanted = [len(c.token_ids) - 1 for c in chunks]
+        current = self._t([c.token_ids[0] for c in chunks])  # each row's latest token, on the device
+        proposals = torch.zeros((len(chunks), max(wanted)), dtype=torch.int64, device=self.device)
+        for j in range(max(wanted)):
+            live = [i for i, n in enumerate(wanted) if j < n]  # a row stops at its own room
+            index = self._t(live)
+            lens = [chunks[i].start + j + 1 for i in live]
+            batch = ForwardBatch(
+                input_ids=current[index], positions=self._t([n - 1 for n in lens]),
+                out_slots=self._t([chunks[i].slots[j] for i in live]), decode_rows=self._t([chunks[i].row for i in live]),
+                decode_seq_lens=self._t(lens), prefill_rows=self._t([]), prefill_q_starts=self._t([]),
+                prefill_q_lens=self._t([]), prefill_prefix_lens=self._t([]), logits_index=self._t(range(len(live))),
+                num_decode=len(live), num_prefill_tokens=0, max_decode_len=max(lens), every_token=True)
+            nxt = torch.argmax(self.model.forward(batch, self.kv)[:, :self.vocab_size], dim=-1)
+            current[index] = nxt
+            proposals[index, j] = nxt
+        for c, n, row in zip(chunks, wanted, proposals.tolist()):  # one read of every proposal
+            c.token_ids[1:] = row[:n]
+
+    @torch.inference_mode()
+    def mirror(self, batch: ForwardBatch) -> None:
+        """The draft computes (and caches) the KV of every token of the target's step `batch`."""
+        if batch.num_tokens == 0:
+            return
+        self.model.forward(dataclasses.replace(batch, logits_index=batch.logits_index[:1], every_token=False), self.kv)
+
+
+def draft_kv_cache(draft, kv: KvCache) -> KvCache:
+    """The draft's K/V buffers for the model cache `kv`'s slots, indexed through its req_to_slots."""
+    return dataclasses.replace(draft.make_kv_cache(kv.num_slots, 1, 1), req_to_slots=kv.req_to_slots)
