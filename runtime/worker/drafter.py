@@ -29,6 +29,12 @@ class Drafter:
         embedding rows (a larger draft vocabulary's extra ids are never proposed)."""
         self.model, self.kv, self.device = model, kv, device
         self.vocab_size = min(vocab_size, model.arch.vocab_size)
+        self.embed_rows = model.arch.vocab_size
+
+    def _ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """A model with more embedding rows than the draft can sample an id the draft has no row for
+        (a padding id): the draft reads token 0 there (its proposals may then miss; the output cannot)."""
+        return torch.where(ids < self.embed_rows, ids, torch.zeros_like(ids))
 
     def _t(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -42,7 +48,7 @@ class Drafter:
         for c in chunks:  # the slots of the proposal's positions, which the draft's steps attend over
             self.kv.req_to_slots[c.row, c.start:c.start + len(c.slots)] = self._t(c.slots).to(self.kv.req_to_slots.dtype)
         wanted = [len(c.token_ids) - 1 for c in chunks]
-        current = self._t([c.token_ids[0] for c in chunks])  # each row's latest token, on the device
+        current = self._ids(self._t([c.token_ids[0] for c in chunks]))  # each row's latest token, on the device
         proposals = torch.zeros((len(chunks), max(wanted)), dtype=torch.int64, device=self.device)
         for j in range(max(wanted)):
             live = [i for i, n in enumerate(wanted) if j < n]  # a row stops at its own room
@@ -65,7 +71,8 @@ class Drafter:
         """The draft computes (and caches) the KV of every token of the target's step `batch`."""
         if batch.num_tokens == 0:
             return
-        self.model.forward(dataclasses.replace(batch, logits_index=batch.logits_index[:1], every_token=False), self.kv)
+        self.model.forward(dataclasses.replace(batch, input_ids=self._ids(batch.input_ids), logits_index=batch.logits_index[:1],
+                                               every_token=False), self.kv)
 
 
 def draft_kv_cache(draft, kv: KvCache) -> KvCache:

@@ -218,3 +218,14 @@ def test_a_draft_model_keeps_greedy_output_token_identical(model, other_draft):
     other, sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40, draft=other_draft)
     assert other == want
     assert sched.spec.verify_rows > 0 and sched.spec.accepted < sched.spec.proposed  # rejected tails rolled back
+
+
+def test_a_draft_with_fewer_embedding_rows_than_the_model(tmp_path, other_draft):
+    """The model's padded vocabulary (as Qwen2-7B's 152,064 rows against Qwen2-0.5B's 151,936): its
+    random weights sample ids the draft has no row for, and the draft reads past them unharmed."""
+    folder = write_tiny_checkpoint(tmp_path / "padded", "qwen2", seed=5, vocab_size=49152 + 4096)
+    padded = build_model(model_config_from_folder(folder), device=torch.device("cpu"), dtype=torch.float32)
+    plain, _ = serve(padded, greedy_requests(4), spec=False)
+    assert any(t >= 49152 for tokens, _ in plain.values() for t in tokens)  # the case arises
+    drafted, sched = serve(padded, greedy_requests(4), spec=True, draft=other_draft)
+    assert drafted == plain and sched.spec.verify_rows > 0
