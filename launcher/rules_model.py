@@ -9,7 +9,8 @@ from llaunch.launcher.rule_registry import rule
 from llaunch.runtime.config import Device, DType, LlaunchConfig, LoadFormat, Mode
 from llaunch.runtime.models.checkpoint import is_gguf, read_checkpoint
 
-FAMILIES = ("llama", "qwen2", "qwen2_vl")  # qwen2_vl: Qwen2-VL (images; runtime/models/vision_qwen2.py)
+FAMILIES = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl")  # qwen2_vl: Qwen2-VL (images; runtime/models/vision_qwen2.py),
+# qwen2_5_vl: Qwen2.5-VL (its window-attention tower: runtime/models/vision_qwen2_5.py)
 SIZED_PROFILES = "model=qwen2-0.5b | qwen2-7b | qwen2-72b | llama3-8b | tiny-qwen2 | tiny-llama"
 SERVING_MODES = (Mode.normal, Mode.pd_prefill, Mode.pd_decode)  # modes that run workers
 

@@ -84,7 +84,7 @@ def visual_tp_valid(cfg):
             "use visual.tp=1 (and audio.dp for more audio servers)")
     elif cfg.model.vision:
         heads, e = cfg.model.vision["num_heads"], cfg.model.vision["embed_dim"]
-        hidden = int(e * float(cfg.model.vision.get("mlp_ratio", 4)))
+        hidden = cfg.model.vision.get("intermediate_size") or int(e * float(cfg.model.vision.get("mlp_ratio", 4)))
         if heads % v.tp or hidden % v.tp:
             yield ("visual.tp",), (f"visual.tp={v.tp} does not divide the vision tower's {heads} attention heads "
                                    f"and {hidden} MLP features: give a divisor of both")

@@ -22,6 +22,7 @@
 #             256 output tokens, concurrency 16 / 64; vl16rep / vl64rep the same image every request (embed cache)
 #             SERVE="model=qwen2-vl-7b model.load_format=dummy router.max_running_requests=256 server.http_workers=4"
 #             CASES="vl16 vl64 vl16rep vl64rep" bash scripts/gpu_run.sh cases
+#             (Qwen2.5-VL-7B shape, its window-attention tower: SERVE="model=qwen2.5-vl-7b model.load_format=dummy ...")
 #             audio (Qwen2-Audio-7B shape): au16 chat with one new 30 s clip (16 kHz WAV input_audio) per request,
 #             128 output tokens, concurrency 16; au16rep the same clip every request (embed cache)
 #             SERVE="model=qwen2-audio-7b model.load_format=dummy router.max_running_requests=256 server.http_workers=4"

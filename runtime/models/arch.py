@@ -12,7 +12,7 @@ from typing import Any, Optional
 from llaunch.runtime.config import ModelConfig
 from llaunch.runtime.models.checkpoint import Checkpoint, parse_hf_config
 
-FAMILIES = ("llama", "qwen2", "qwen2_vl")
+FAMILIES = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl")
 
 _REQUIRED = ("family", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
              "max_position_embeddings")
@@ -39,7 +39,7 @@ class ModelArch:
     rope_scaling: Optional[dict[str, Any]] = None
     num_labels: Optional[int] = None  # a score head of this many outputs in place of the LM head (model.task=score)
     score_mlp: bool = False  # the score head is Linear + ReLU + Linear with biases (Qwen2ForRewardModel)
-    mrope_section: Optional[list[int]] = None  # qwen2_vl: M-RoPE's frequency runs (runtime/models/mrope.py)
+    mrope_section: Optional[list[int]] = None  # qwen2_vl, qwen2_5_vl: M-RoPE's frequency runs (runtime/models/mrope.py)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -100,7 +100,7 @@ class ModelArch:
         defaults = {"num_key_value_heads": fields["num_attention_heads"],
                     "head_dim": fields["hidden_size"] // fields["num_attention_heads"],
                     "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                    "attention_bias": family in ("qwen2", "qwen2_vl")}
+                    "attention_bias": family in ("qwen2", "qwen2_vl", "qwen2_5_vl")}
         fields.update({k: v for k, v in defaults.items() if fields[k] is None})
         fields["rope_theta"], fields["rms_norm_eps"] = float(fields["rope_theta"]), float(fields["rms_norm_eps"])
         return cls(family=family, rope_scaling=rope_scaling or None, num_labels=num_labels,

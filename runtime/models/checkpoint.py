@@ -131,7 +131,7 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
         "rope_scaling": rope_scaling or None,
         "rms_norm_eps": c.get("rms_norm_eps"),
         "tie_word_embeddings": c.get("tie_word_embeddings", top.get("tie_word_embeddings", False)),  # Llama/Qwen2 default
-        "attention_bias": True if family in ("qwen2", "qwen2_vl") else c.get("attention_bias", False),
+        "attention_bias": True if family in ("qwen2", "qwen2_vl", "qwen2_5_vl") else c.get("attention_bias", False),
         "mrope_section": list(mrope_section) if mrope_section else None,
         "vision": vision,
         "audio": audio_fields(top),  # Qwen2-Audio: its audio encoder and audio token id (runtime/models/audio_config.py)

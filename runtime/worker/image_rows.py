@@ -1,4 +1,4 @@
-"""The worker's side of images (Qwen2-VL): each row's image embeddings, M-RoPE
+"""The worker's side of images (Qwen2-VL, Qwen2.5-VL): each row's image embeddings, M-RoPE
 positions and image spans, and what a step's ForwardBatch needs of them.
 
 The vision tower runs in the visual server processes (runtime/visual/process.py): at the step that
@@ -17,6 +17,7 @@ from llaunch.runtime.models.batch import ForwardBatch
 from llaunch.runtime.models.layers import TpGroup
 from llaunch.runtime.models.mrope import rope_index
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
+from llaunch.runtime.models.vision_qwen2_5 import tower_class
 from llaunch.runtime.models.weights import load_checkpoint_module
 
 
@@ -29,7 +30,7 @@ class RowImages:
 
 def build_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TpGroup = TpGroup()) -> Qwen2VisionTower:
     arch = VisionArch.from_dict(cfg.vision)
-    tower = Qwen2VisionTower(arch, device, dtype, tp)
+    tower = tower_class(arch)(arch, device, dtype, tp)  # Qwen2-VL's or Qwen2.5-VL's
     return load_checkpoint_module(tower, cfg, device, arch.num_params)
 
 

@@ -124,6 +124,8 @@ BREAKS = {
                         ["device=cuda", "model=qwen2-vl-7b", "model.load_format=dummy", "visual.tp=2",
                          "visual.devices=[1,1]", "dry_run=true"],
                         ["model=qwen2-audio-7b", "model.load_format=dummy", "visual.tp=2", "dry_run=true"],
+                        # 16 heads split 8 ways, but not Qwen2.5-VL's 3420 MLP features (its intermediate_size)
+                        ["model=qwen2.5-vl-7b", "model.load_format=dummy", "visual.tp=8", "dry_run=true"],
                         ["visual.tp=2"]],
     "audio_limits_valid": [["audio.max_clip_seconds=31"], ["audio.max_clip_bytes=0"],
                            ["audio.max_clips_per_request=0"]],

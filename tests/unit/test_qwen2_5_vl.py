@@ -1,0 +1,66 @@
+"""Qwen2.5-VL's vision tower (runtime/models/vision_qwen2_5.py: RMSNorm, gated SiLU MLP, window attention
+with a full-attention block between windowed ones) against transformers' visual model on the same pixels,
+float32: one batch of images whose merged grids are odd in a side (windows cut short at the edge), of
+different sizes, and a larger one spanning several windows each way; the config.json reader's 2.5 fields."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from llaunch.runtime.config import VisualConfig
+from llaunch.runtime.http.images import ImageInputs
+from llaunch.runtime.models.checkpoint import read_checkpoint
+from llaunch.runtime.models.vision_qwen2 import VisionArch
+from llaunch.runtime.models.vision_qwen2_5 import Qwen2_5VisionTower, window_order
+from llaunch.runtime.visual.encoder import encode
+from llaunch.runtime.worker.image_rows import build_tower
+from tests.fixtures.tiny_models import model_config_from_folder
+from tests.fixtures.tiny_vl import image_png
+from tests.fixtures.tiny_vl25 import write_tiny_qwen2_5_vl
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    path = write_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"))
+    cfg = replace(model_config_from_folder(path), vision=read_checkpoint(str(path)).arch["vision"])
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return cfg, hf, ImageInputs(cfg, VisualConfig(max_image_pixels=10**6))
+
+
+def test_checkpoint_reads_the_windowed_tower(setup):
+    cfg, hf, _ = setup
+    v = hf.config.vision_config
+    assert cfg.family == "qwen2_5_vl" and cfg.mrope_section == [2, 3, 3]
+    arch = VisionArch.from_dict(cfg.vision)
+    assert (arch.embed_dim, arch.hidden_size, arch.mlp_features) == (v.hidden_size, v.out_hidden_size, v.intermediate_size)
+    assert (arch.window_size, arch.fullatt_block_indexes, arch.hidden_act) == (56, (1,), "silu")
+    assert arch.num_params == sum(p.numel() for p in hf.model.visual.parameters())
+
+
+def test_window_order_matches_transformers():
+    from transformers.vision_utils import get_vision_window_index
+
+    grids = [(1, 6, 10), (1, 8, 8), (2, 4, 6)]
+    order, lengths = window_order(grids, 2, 2)
+    want, cu = get_vision_window_index(torch.tensor(grids), spatial_merge_size=2, window_size=56, patch_size=14)
+    assert order.tolist() == want.tolist()
+    assert np.cumsum([0] + [4 * n for n in lengths]).tolist() == cu.tolist()
+
+
+@pytest.mark.parametrize("sizes", [[(90, 60), (60, 90), (120, 80)], [(250, 170)]], ids=["odd-grids", "many-windows"])
+def test_tower_matches_transformers(setup, sizes):
+    cfg, hf, inputs = setup
+    refs = [inputs.process(image_png(w, h, seed), "image") for seed, (w, h) in enumerate(sizes)]
+    grids = [tuple(r.grid) for r in refs]
+    assert any((h // 2) % 2 or (w // 2) % 2 for _, h, w in grids)  # a window cut short at an edge
+    tower = build_tower(cfg, torch.device("cpu"), torch.float32)
+    assert isinstance(tower, Qwen2_5VisionTower)
+    ours = torch.cat(encode(tower, refs))
+    pixels = torch.cat([torch.from_numpy(np.frombuffer(r.pixels, dtype=np.float32).copy()) for r in refs])
+    with torch.inference_mode():
+        want = hf.model.visual(pixels.view(ours.shape[0] * 4, -1), grid_thw=torch.tensor(grids)).pooler_output
+    assert ours.abs().max() > 0.1  # embeddings that carry the image
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
