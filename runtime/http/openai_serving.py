@@ -20,7 +20,7 @@ from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice, CompletionRequest, RequestLimits,
                                                   chat_choices, chat_prompt, check_model, completion_choices,
                                                   completion_prompts, decode_body)
-from llaunch.runtime.http.prompt_logprob_sharing import ask_once, share
+from llaunch.runtime.http.prompt_logprob_sharing import SharedPromptLogprobs, ask_once, relayed
 from llaunch.runtime.http.prompt_logprobs import echo_logprobs, echo_text_length, vllm_prompt_logprobs
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.sse import DONE, TrackedStream, sse_event, sse_response
@@ -77,9 +77,6 @@ class PromptLogprobsFormat:
     def finish_response(self, body: dict, states: list[ChoiceState]) -> None:
         pass
 
-    def shared(self, index: int, state: ChoiceState) -> None:
-        """The choice got its prompt logprobs from another sample of its prompt (prompt_logprob_sharing)."""
-
 
 class CompletionFormat(PromptLogprobsFormat):
     kind = "completion"
@@ -108,11 +105,6 @@ class CompletionFormat(PromptLogprobsFormat):
 
     def chunk_choices(self, index: int, text: str, logprobs: Optional[dict], finish_reason: Optional[str]) -> list:
         return [shapes.completion_choice(index, text, logprobs, finish_reason)]
-
-    def shared(self, index: int, state: ChoiceState) -> None:
-        if self.tracks is not None and self.echo_top is not None:  # the echoed prompt's logprobs lead
-            state.logprobs.insert(0, echo_logprobs(self.prompts[index], state.prompt_logprobs, self.echo_top,
-                                                   self.tokenizer))
 
     def final_choice(self, index: int, state: ChoiceState) -> dict:
         logprobs = shapes.merge_completion_logprobs(state.logprobs) if self.tracks is not None else None
@@ -266,21 +258,21 @@ class OpenAIServing:
                      fmt, images=()) -> Response:
         header = shapes.ResponseHeader(fmt.kind, self.limits.served_name)
         prompt_tokens = sum(len(p) for p in prompts)
-        asked = choices if req.stream else ask_once(choices)
+        asked = ask_once(choices)
+        relay = SharedPromptLogprobs(choices, asked)
         group = await self.engine.submit([(c.prompt_ids, c.sampling) for c in asked], lifecycle=self.lifecycle,
                                          images=list(images))
         if req.stream:
             await admitted(group)  # a refused request answers with its status, not a 200 stream
-            events = self._stream(group, header, choices, states, fmt, prompt_tokens, req.include_usage,
+            events = self._stream(group, relay, header, choices, states, fmt, prompt_tokens, req.include_usage,
                                   bool(req.return_token_ids))
             return sse_response(TrackedStream(events, group))
         try:
-            async for index, delta in group:
+            async for index, delta in relayed(group, relay):
                 states[index].add(delta)
                 fmt.logprobs_of(index, delta, states[index])
         finally:
             await group.close()  # aborts what an engine failure or a gone client left running
-        share(asked, states, fmt)
         picked = best_of(req, choices, states)
         final = [fmt.final_choice(i, states[i]) for i in picked]
         for k, (c, i) in enumerate(zip(final, picked)):
@@ -291,13 +283,14 @@ class OpenAIServing:
         fmt.finish_response(body, states)
         return json_response(body)
 
-    async def _stream(self, group: RequestGroup, header: shapes.ResponseHeader, choices: list[Choice],
+    async def _stream(self, group: RequestGroup, relay: SharedPromptLogprobs, header: shapes.ResponseHeader,
+                      choices: list[Choice],
                       states: list[ChoiceState], fmt, prompt_tokens: int, include_usage: bool,
                       token_ids: bool = False) -> AsyncIterator[bytes]:
         for choice in fmt.opening(len(states)):  # one choice per chunk, as OpenAI streams
             yield sse_event(header.chunk([choice], None, include_usage))
         try:
-            async for index, delta in group:
+            async for index, delta in relayed(group, relay):
                 text = states[index].add(delta)
                 logprobs = fmt.logprobs_of(index, delta, states[index])
                 chunk = fmt.chunk_choices(index, text, logprobs, delta.finish_reason)

@@ -134,6 +134,19 @@ def test_echo_streamed_carries_prompt_logprobs(client, oracle):
     assert got[1:len(ids)] == pytest.approx(chosen(reference(oracle, ids), ids), abs=ATOL)
 
 
+def test_echo_streamed_with_two_samples_leads_each_with_prompt_logprobs(client, oracle):
+    """Only the first sample computes them: the second's chunks wait for them, and still open with them."""
+    text = prompt_text(oracle, 7)
+    ids = oracle.tokenizer.encode(text)
+    chunks = list(client.completions.create(model=MODEL, prompt=text, max_tokens=2, echo=True, logprobs=0, n=2,
+                                            temperature=1.0, seed=3, stream=True))
+    for index in range(2):
+        got = [v for c in chunks for ch in c.choices if ch.index == index and ch.logprobs
+               for v in ch.logprobs.token_logprobs]
+        assert got[0] is None and len(got) == len(ids) + 2
+        assert got[1:len(ids)] == pytest.approx(chosen(reference(oracle, ids), ids), abs=ATOL)
+
+
 def test_vllm_prompt_logprobs_on_completions_twice(client, oracle):
     """The second request's prefix is in the prompt cache: it still gets every prompt logprob."""
     text = prompt_text(oracle, 9)

@@ -1,6 +1,6 @@
 """Prompt logprobs with the scheduler and the model runner in one process (tiny random Qwen2, float32):
-the samples of one prompt (n, best_of) compute them once and share them (runtime/http/prompt_logprob_sharing.py),
-and a request that ends before its first token leaves no row in the worker's prompt-logprob table."""
+the samples of one prompt (n, best_of) compute them once and share them (runtime/http/prompt_logprob_sharing.py:
+the others' deltas wait for the first sample's, then each opens with them), and a request that ends before its first token leaves no row in the worker's prompt-logprob table."""
 import random
 
 import pytest
@@ -8,8 +8,7 @@ import torch
 
 from fixtures.tiny_models import model_config_from_folder, write_tiny_checkpoint
 from llaunch.runtime.http.openai_protocol import Choice
-from llaunch.runtime.http.openai_serving import ChoiceState, CompletionFormat
-from llaunch.runtime.http.prompt_logprob_sharing import ask_once, share
+from llaunch.runtime.http.prompt_logprob_sharing import SharedPromptLogprobs, ask_once
 from llaunch.runtime.ipc.messages import AddRequest, SamplingParams
 from llaunch.runtime.models.loader import build_model
 from llaunch.runtime.router.request import Request
@@ -55,16 +54,17 @@ def test_the_samples_of_a_prompt_compute_its_logprobs_once(model):
         add(sched, str(c.index), c.sampling)
     deltas = run(sched, runner)
     assert runner.prompt_logprobs.positions == len(PROMPT) - 1  # one prompt's worth, not three
-    states = [ChoiceState() for _ in asked]
-    for c, state in zip(asked, states):
-        for d in deltas[str(c.index)]:
-            state.prompt_logprobs = d.prompt_logprobs or state.prompt_logprobs
-    share(asked, states, CompletionFormat(None, False, len(asked)))
+    relay = SharedPromptLogprobs(samples, asked)  # the others' deltas come first: held until sample 0's
+    out = [pair for c in reversed(asked) for d in deltas[str(c.index)] for pair in relay.feed(c.index, d)]
+    assert relay.drain() == []
+    got = [[d.prompt_logprobs for i, d in out if i == c.index] for c in asked]
+    assert [[d.token_ids for i, d in out if i == c.index] for c in asked] == \
+        [[d.token_ids for d in deltas[str(c.index)]] for c in asked]  # each sample's own tokens, in order
     alone_sched, alone = engine(model)
     add(alone_sched, "alone", samples[2].sampling)  # what a sample computes by itself
     want = next(d.prompt_logprobs for d in run(alone_sched, alone)["alone"] if d.prompt_logprobs is not None)
     assert len(want.logprobs) == len(PROMPT) - 1 and len(want.top_ids[0]) == 2
-    assert [s.prompt_logprobs for s in states] == [want] * 3
+    assert [g[0] for g in got] == [want] * 3 and not any(p for g in got for p in g[1:])  # with each first delta
 
 
 def test_a_request_that_ends_before_its_first_token_leaves_no_prompt_logprob_row(model):
