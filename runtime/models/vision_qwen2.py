@@ -10,7 +10,8 @@ so `checkpoint_layout` is a plain name map and runtime/models/weights.py loads i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +78,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Bidirectional attention within each segment of `lengths` ([tokens, heads, head_dim] in and out);
-    runs of equal-length segments (same-size images, Qwen2.5-VL's full windows) go as one batched call."""
+    runs of equal-length segments (same-size images) go as one batched call."""
     outs, start, i = [], 0, 0
     while i < len(lengths):
         n, j = lengths[i], i
@@ -129,16 +133,17 @@ class VisionBlock(nn.Module):
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp.fc2(self.act(self.mlp.fc1(x)))
 
-    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.attn.qkv(x).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # float32, as transformers' apply_rotary_pos_emb_vision
         q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
         k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
-        return self.attn.proj(segment_attention(q, k, v, lengths).reshape(n, -1))
+        return self.attn.proj(attend(q, k, v).reshape(n, -1))
 
-    def forward(self, x, cos, sin, lengths):
-        x = x + self.attention(self.norm1(x), cos, sin, lengths)
+    def forward(self, x, cos, sin, attend: Attend):
+        """`attend(q, k, v)`: attention within the segments this block attends over (frames, windows)."""
+        x = x + self.attention(self.norm1(x), cos, sin, attend)
         return x + self.feed_forward(self.norm2(x))
 
 
@@ -206,7 +211,7 @@ class Qwen2VisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         x = self.embed(pixel_values)
         cos, sin = self._rotary(grids)
-        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        frames = partial(segment_attention, lengths=[h * w for t, h, w in grids for _ in range(t)])
         for block in self.blocks:
-            x = block(x, cos, sin, lengths)
+            x = block(x, cos, sin, frames)
         return self.merge(x)

@@ -9,11 +9,14 @@ row-parallel with an all-reduce.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llaunch.runtime.models.layers import ColumnParallelLinear, RowParallelLinear, TpGroup
-from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch, VisionBlock
+from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch, VisionBlock, segment_attention
 
 
 class VisionRMSNorm(nn.Module):
@@ -71,6 +74,26 @@ def window_order(grids: list[tuple[int, int, int]], merge: int, window: int) -> 
     return torch.cat(order), lengths
 
 
+class PaddedWindows:
+    """Attention within windows of the given lengths (back to back) as one batched call: every window padded
+    to the longest, its padding masked out of the keys. One call per block instead of one per run of
+    equal windows (an image has a short window at the end of each window row)."""
+
+    def __init__(self, lengths: list[int], device):
+        size = max(lengths)
+        pos = torch.arange(size)
+        counts = torch.tensor(lengths)
+        starts = torch.cumsum(counts, 0) - counts
+        self.valid = (pos < counts[:, None]).to(device)  # [windows, size]
+        self.index = torch.where(self.valid.cpu(), starts[:, None] + pos, 0).to(device)  # padding reads row 0
+        self.mask = None if min(lengths) == size else self.valid[:, None, None, :]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qs, ks, vs = (t[self.index].transpose(1, 2) for t in (q, k, v))  # [windows, heads, size, head_dim]
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=self.mask)
+        return out.transpose(1, 2)[self.valid]  # the windows' tokens back to back, padding dropped
+
+
 class Qwen2_5VisionTower(Qwen2VisionTower):
     """Qwen2VisionTower's contract (pixel_values, grids → embeddings in image order)."""
 
@@ -85,8 +108,9 @@ class Qwen2_5VisionTower(Qwen2VisionTower):
         by_window = lambda t: t.view(-1, unit, t.shape[-1])[order].view(-1, t.shape[-1])  # noqa: E731
         x = by_window(self.embed(pixel_values))
         cos, sin = (by_window(t) for t in self._rotary(grids))
-        frames = [h * w for t, h, w in grids for _ in range(t)]  # each frame's windows stay inside it
-        windows = [n * unit for n in windows]
+        # each frame's windows stay inside it: the frames are whole, in order, after the reordering
+        frames = partial(segment_attention, lengths=[h * w for t, h, w in grids for _ in range(t)])
+        windows = PaddedWindows([n * unit for n in windows], self.device)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames if i in a.fullatt_block_indexes else windows)
         return self.merge(x)[torch.argsort(order)]

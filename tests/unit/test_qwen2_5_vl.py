@@ -64,3 +64,34 @@ def test_tower_matches_transformers(setup, sizes):
         want = hf.model.visual(pixels.view(ours.shape[0] * 4, -1), grid_thw=torch.tensor(grids)).pooler_output
     assert ours.abs().max() > 0.1  # embeddings that carry the image
     torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+
+
+# Qwen2.5-VL-7B-Instruct's config.json as transformers 4.x wrote it: the language model's keys at the top,
+# rope_scaling (type mrope), the vision tower's in_chans
+CONFIG_4X = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "vocab_size": 152064, "max_position_embeddings": 128000, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": 151645, "image_token_id": 151655,
+    "vision_start_token_id": 151652, "vision_end_token_id": 151653, "video_token_id": 151656,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
+}
+
+
+def test_transformers_4x_config_reads_as_the_7b_profile():
+    import yaml
+
+    from llaunch.runtime.models.checkpoint import parse_hf_config
+    from tests.fixtures.tiny_models import REPO
+
+    ckpt = parse_hf_config(CONFIG_4X)
+    profile = yaml.safe_load((REPO / "conf" / "model" / "qwen2.5-vl-7b.yaml").read_text())
+    assert ckpt.family == profile["family"] == "qwen2_5_vl"
+    assert ckpt.arch["vision"] == profile["vision"]
+    for key in ("hidden_size", "num_hidden_layers", "max_position_embeddings", "mrope_section", "attention_bias"):
+        assert ckpt.arch[key] == profile[key], key
+    assert ckpt.arch.get("rope_scaling") is None  # M-RoPE, not a scaling
