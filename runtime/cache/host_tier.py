@@ -182,7 +182,9 @@ class TieredPrefixTree(PrefixTree):
 
     def _droppable(self, node: Node, gone: set[int] = frozenset()) -> bool:
         """A host leaf still in the tree (once the nodes in `gone` are dropped), not being promoted."""
-        return (node.on_host and all(c.id in gone for c in node.children.values()) and node.id not in self._pinned
+        # `gone`: a parent queued again after its children were taken back can sit in the queue twice
+        return (node.on_host and node.id not in gone and all(c.id in gone for c in node.children.values())
+                and node.id not in self._pinned
                 and node.parent is not None and node.parent.children.get(node.tokens[0]) is node)
 
     def _remove(self, node: Node) -> None:

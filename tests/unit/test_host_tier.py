@@ -141,3 +141,31 @@ def test_multi_turn_traffic_through_both_tiers_reuses_only_correct_kv(depth):
     s.cache.flush()
     assert tree.num_tokens == 0 and tree.host_tokens == 0
     assert s.kv.num_free == s.kv.num_slots and s.cache.host.num_free == s.cache.host.num_slots
+
+
+def test_a_demotion_that_cannot_fit_then_a_smaller_one_in_the_same_eviction():
+    """A host parent used more recently than its children (a shared system prompt), a GPU entry too big
+    for the host pool, then a smaller one: the first demotion takes its candidates back, and the parent,
+    queued twice by then, is dropped once (it killed the router with an AttributeError)."""
+    from llaunch.runtime.cache.host_tier import TieredPrefixTree
+    from llaunch.runtime.cache.kv_allocator import KvAllocator
+
+    gpu, host = KvAllocator(512), KvAllocator(64)
+    tree = TieredPrefixTree(gpu, host)
+
+    def insert(tokens):
+        slots = gpu.alloc(len(tokens))
+        gpu.free(slots[:tree.insert(tokens, slots)])
+
+    shared, b, c, x = (list(range(s, s + 16)) for s in (100, 200, 300, 400))
+    insert(shared + b)
+    insert(shared + c)  # splits: the shared prefix is the parent of b's and c's tails
+    tree.match(shared + [999])  # the shared prefix is used again, after its children
+    insert(x)
+    tree.evict(tree.num_evictable)  # all four to the host pool (64 tokens)
+    insert(list(range(1000, 1080)))  # 80 tokens: more than the host pool holds
+    insert(list(range(2000, 2064)))
+    evicted = tree.evict(144)
+    assert evicted == 144 and gpu.num_free == 512
+    held = sum(len(n.slots) for n in tree.nodes() if n.on_host)
+    assert held == tree.host_tokens == 64 - host.num_free  # every host slot accounted for
