@@ -35,7 +35,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"]
 
 
-def hub_snapshot(repo_id: str) -> str:
+def hub_snapshot(repo_id: str, key: str = "model.path") -> str:
     """A Hugging Face Hub id as a local folder: the cache's snapshot, else downloaded (with progress)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -47,13 +47,22 @@ def hub_snapshot(repo_id: str) -> str:
     try:
         return snapshot_download(repo_id, allow_patterns=_HUB_FILES)
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
-        raise CheckpointError(f"model.path={repo_id} is neither a local path nor in the Hugging Face cache, and "
+        raise CheckpointError(f"{key}={repo_id} is neither a local path nor in the Hugging Face cache, and "
                               f"downloading it failed: {str(e).splitlines()[0]}") from None
 
 
+def _hub_id(path: str | None) -> str | None:
+    return path if path and not os.path.exists(path) and _HUB_ID.fullmatch(path) else None
+
+
+def local_path(path: str | None, key: str) -> str | None:
+    """A checkpoint path as a local folder: a Hub id through the cache (or a download), else absolute."""
+    return hub_snapshot(path, key) if _hub_id(path) else _absolute(path)
+
+
 def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
-    hub_id = model.path if model.path and not os.path.exists(model.path) and _HUB_ID.fullmatch(model.path) else None
-    path = hub_snapshot(hub_id) if hub_id else _absolute(model.path)
+    hub_id = _hub_id(model.path)
+    path = local_path(model.path, "model.path")
     ckpt = read_checkpoint(path) if path else None
     filled = {f: ckpt.arch[f] for f in ARCH_FIELDS
               if ckpt is not None and getattr(model, f) is None and f in ckpt.arch}
@@ -141,4 +150,7 @@ def resolve(cfg: LlaunchConfig) -> LlaunchConfig:
     """Fill every derived value; a field the profile or the command line set is kept."""
     device = detect_device() if cfg.device == Device.auto else cfg.device
     model = resolve_model(cfg.model, device)
-    return replace(cfg, device=device, model=model, router=resolve_router(cfg.router, model, cfg.mode.kind))
+    spec = cfg.spec
+    if spec.method == SpecMethod.draft and spec.draft_model_path:  # the rules and the workers read one folder
+        spec = replace(spec, draft_model_path=local_path(spec.draft_model_path, "spec.draft_model_path"))
+    return replace(cfg, device=device, model=model, router=resolve_router(cfg.router, model, cfg.mode.kind), spec=spec)

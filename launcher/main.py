@@ -57,7 +57,7 @@ def launch(composed: LlaunchConfig, run_dir: Path) -> int:
     try:
         cfg = derive.resolve(composed)
     except derive.CheckpointError as e:
-        report.print_error("cannot read model.path", str(e))
+        report.print_error("cannot read the checkpoint", str(e))  # the message names the key
         return EXIT_INVALID
     violations = rules.check_all(cfg)
     if violations:

@@ -10,9 +10,9 @@ need nothing of their own. To propose, the draft decodes greedily from the row's
 token a step for k steps, writing its KV into the slots the router allocated for the verify chunk;
 the step's mirror then writes the last proposal's too.
 
-The draft is replicated on every tp rank (it is small), so each rank proposes the same tokens. It
-runs eagerly (no CUDA graphs of its own yet), and reading its proposals back to build the verify
-step costs one device sync per speculating step."""
+The draft is replicated on every tp rank (it is small); the first rank's proposals are broadcast,
+so every rank verifies the same tokens. It runs eagerly (no CUDA graphs of its own yet), and reading
+its proposals back to build the verify step costs one device sync per speculating step."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,10 +24,11 @@ from llaunch.runtime.models.batch import ForwardBatch, KvCache
 
 
 class Drafter:
-    def __init__(self, model, kv: KvCache, vocab_size: int, device: torch.device):
+    def __init__(self, model, kv: KvCache, vocab_size: int, device: torch.device, group=None):
         """`kv`: the draft's cache, sharing the target's req_to_slots. `vocab_size`: the target's
-        embedding rows (a larger draft vocabulary's extra ids are never proposed)."""
-        self.model, self.kv, self.device = model, kv, device
+        embedding rows (a larger draft vocabulary's extra ids are never proposed). `group`: the
+        replica's tp ranks, which all verify the first rank's proposals."""
+        self.model, self.kv, self.device, self.group = model, kv, device, group
         self.vocab_size = min(vocab_size, model.arch.vocab_size)
         self.embed_rows = model.arch.vocab_size
 
@@ -63,6 +64,10 @@ class Drafter:
             nxt = torch.argmax(self.model.forward(batch, self.kv)[:, :self.vocab_size], dim=-1)
             current[index] = nxt
             proposals[index, j] = nxt
+        if self.group is not None:  # ranks verify the same tokens even if their drafts' roundings differed
+            import torch.distributed as dist
+
+            dist.broadcast(proposals, src=dist.get_global_rank(self.group, 0), group=self.group)
         for c, n, row in zip(chunks, wanted, proposals.tolist()):  # one read of every proposal
             c.token_ids[1:] = row[:n]
 

@@ -109,6 +109,8 @@ class ModelRunner:
                              prefill_q_lens=t([2]), prefill_prefix_lens=t([1]), logits_index=t([0, 2]),
                              num_decode=1, num_prefill_tokens=2, max_prefill_len=2, max_decode_len=2)
         logits = self.model.forward(batch, self.kv)
+        if self.drafter is not None:  # the draft's shapes differ from the model's: its kernels compile too
+            self.drafter.mirror(batch)
         if self.scores_only:
             torch.cuda.synchronize()
             return
