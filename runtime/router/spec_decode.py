@@ -59,6 +59,10 @@ def speculates(sp: SamplingParams, produced: int) -> bool:
 
 
 PROBE_EVERY = 8  # steps a row whose lookup found nothing decodes pipelined before it looks again
+# A verify step costs ~1.2 decode steps at batch 1 (docs/performance.md) and gives up pipelining; it
+# yields 1 + accepted tokens, so a row whose proposals keep failing loses. A row whose average of
+# accepted tokens per verify (halved each verify) falls below this backs off like a failed lookup.
+BACKOFF_BELOW = 0.5
 
 
 @dataclass
@@ -84,11 +88,14 @@ class SpecDecoding:
         # row → (request id, steps since its last lookup found nothing): such a row keeps pipelining and
         # looks again (waiting for its tokens once) every PROBE_EVERY steps
         self._missed: dict[int, tuple[str, int]] = {}
+        self._yield: dict[int, tuple[str, float]] = {}  # row → (request id, recent accepted tokens per verify)
+        self.backoffs = 0  # since start: rows that stopped proposing for a while (their proposals kept failing)
 
     def split(self, sched: Any, decoding: list[Request]) -> tuple[list[Request], dict[int, list[int]]]:
         """(rows that decode one token as usual, {row: proposal} for rows that verify one). A row that
         speculates and has a step in flight sits this step out (its last token is not known yet),
-        unless its last lookup found nothing: then it decodes pipelined until its next probe."""
+        unless its last lookup found nothing or its proposals kept failing: then it decodes pipelined
+        until its next probe."""
         if not self.enabled or len(decoding) > self.cfg.max_batch:
             return decoding, {}
         plain: list[Request] = []
@@ -98,11 +105,13 @@ class SpecDecoding:
             if not speculates(req.sampling, len(req.output_ids)):
                 plain.append(req)
                 continue
+            rid, quiet = self._missed.get(req.row, (None, 0))
+            quiet_now = rid == req.id and quiet < PROBE_EVERY  # after a failed lookup or a backoff
+            if quiet_now:
+                self._missed[req.row] = (rid, quiet + 1)
+                plain.append(req)
+                continue
             if req.steps_in_flight:
-                rid, quiet = self._missed.get(req.row, (None, 0))
-                if rid == req.id and quiet < PROBE_EVERY:
-                    self._missed[req.row] = (rid, quiet + 1)
-                    plain.append(req)
                 continue
             room = min(self.cfg.num_tokens, req.max_new_tokens - len(req.output_ids) - 1,
                        lim.max_model_len - req.num_tokens - 1)
@@ -149,6 +158,15 @@ class SpecDecoding:
             self._out[plan.step] = rows
         return [v.req for v in rows]
 
+    def _track_yield(self, req: Request, accepted: int) -> None:
+        """A row whose recent verifies accepted too little decodes pipelined until its next probe."""
+        rid, recent = self._yield.get(req.row, (req.id, 1.0))
+        recent = 0.5 * (recent if rid == req.id else 1.0) + 0.5 * accepted
+        self._yield[req.row] = (req.id, recent)
+        if recent < BACKOFF_BELOW:
+            self._missed[req.row] = (req.id, 0)
+            self.backoffs += 1
+
     def verified(self, sched: Any, result: StepResult) -> list:
         """The verdicts of a step's verify rows: free the rejected tail's KV, then append the tokens
         one at a time (a stop condition mid-proposal drops the rest). Returns the TokenDeltas."""
@@ -166,6 +184,7 @@ class SpecDecoding:
             self.verify_rows += 1
             if req.status is not Status.RUNNING:
                 continue  # ended while the step was out: its slots go back when it is released
+            self._track_yield(req, accepted)
             rejected = v.proposed - accepted
             if rejected:
                 sched.kv.free(req.slots[-rejected:])

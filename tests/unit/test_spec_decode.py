@@ -181,6 +181,33 @@ def test_a_row_without_proposals_keeps_pipelining_until_its_next_probe():
     assert sched.spec.split(sched, [r]) == ([], {})  # a row that found one waits for its verdict
 
 
+def test_a_row_whose_proposals_keep_failing_backs_off_until_its_next_probe():
+    """Two verifies that keep nothing (each yields one token for a verify step's cost): the row decodes
+    pipelined for PROBE_EVERY steps, then proposes again; one that keeps a token does not back off."""
+    from llaunch.runtime.ipc.messages import StepPlan, StepResult
+    from llaunch.runtime.router.spec_decode import PROBE_EVERY
+
+    sched, reqs = _rows(SLOTS, max_batch=16)
+    r = reqs[0]
+
+    def verify(step: int, kept: list[int]) -> None:
+        plan = StepPlan(step=step)
+        sched.spec.plan(sched, plan, sched.spec.split(sched, [r])[1])
+        assert len(plan.verify) == 1
+        sched.spec.verified(sched, StepResult(step=step, rows=[], token_ids=[], verified=[kept]))
+        r.output_ids[-len(kept):] = [40]  # back to a last token whose lookup finds a proposal
+
+    verify(1, [41, 42, 7])  # two of four kept: its recent yield (1.0 at first) is 1.5
+    verify(2, [7])  # none kept: 0.75, still above the bar
+    assert sched.spec.backoffs == 0
+    verify(3, [7])  # none kept again: 0.375, it backs off
+    assert sched.spec.backoffs == 1
+    r.steps_in_flight = 1
+    assert [sched.spec.split(sched, [r])[0] for _ in range(PROBE_EVERY + 1)] == [[r]] * PROBE_EVERY + [[]]
+    r.steps_in_flight = 0
+    assert sched.spec.split(sched, [r])[1].get(0)  # its next probe proposes
+
+
 def test_sampled_rows_verify_through_the_runner(model, request):
     """temperature > 0 through the scheduler and runner: rows verify proposals (rejection sampling,
     test_rejection_sampling_keeps_the_target_distribution), lengths as asked, every KV slot back, and a
