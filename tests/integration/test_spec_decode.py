@@ -22,13 +22,16 @@ PROMPTS = [
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft"])
+@pytest.fixture(scope="module", params=["ngram", "draft", "draft-tp2"])
 def server(request, tmp_path_factory):
     """Both proposers; the draft is SmolLM2 itself (the only real weights here): it proposes the model's
-    own next tokens, through its own KV cache in the worker."""
-    method = request.param
+    own next tokens, through its own KV cache in the worker. Under tp2 each rank holds the whole draft
+    and the first rank's proposals are broadcast (SmolLM2's 9 / 3 heads padded to split)."""
+    method, _, tp = request.param.partition("-")
     extra = [f"spec.draft_model_path={SMOLLM2_DIR}"] if method == "draft" else []
-    with start_server(tmp_path_factory, f"spec-{method}", [f"spec={method}", "spec.num_tokens=4", *extra]) as s:
+    if tp:
+        extra += ["parallel=tp2", "parallel.pad_heads=true"]
+    with start_server(tmp_path_factory, f"spec-{request.param}", [f"spec={method}", "spec.num_tokens=4", *extra]) as s:
         yield s
 
 
@@ -71,7 +74,7 @@ def test_greedy_equals_transformers_at_concurrency_1_and_16(server, expected, re
         time.sleep(0.2)
     got, proposed = accepted(server)
     assert 0 < got <= proposed  # speculation ran and proposals were kept
-    if request.node.callspec.params["server"] == "draft":  # the model drafting for itself: its own next tokens
+    if request.node.callspec.params["server"].startswith("draft"):  # the model drafting for itself: its own next tokens
         assert got >= 0.9 * proposed, (got, proposed)
 
     # 16 at once: max_tokens and stop strings (a word from the middle of the continuation) end outputs mid-proposal
