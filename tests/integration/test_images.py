@@ -57,6 +57,11 @@ def ask(client, pngs, text="Describe."):
 
 @pytest.mark.parametrize("sizes", [[], [(90, 60)], [(60, 90), (120, 80)]], ids=["0-images", "1-image", "2-images"])
 def test_greedy_matches_transformers(vl, sizes):
+    assert_greedy_matches(vl, sizes)
+
+
+def assert_greedy_matches(vl, sizes: list[tuple[int, int]]) -> None:
+    """A chat with one image of each size, then text: the same tokens as transformers' greedy."""
     server, oracle, client = vl
     pngs = [image_png(w, h, 10 + seed) for seed, (w, h) in enumerate(sizes)]
     oracle_content = [*({"type": "image_url", "image_url": {"url": "-"}} for _ in pngs), {"type": "text", "text": "Describe."}]
