@@ -371,7 +371,7 @@ def logit_bias_of(bias: Optional[dict[str, float]], limits: RequestLimits) -> tu
         raise bad_request(f"`logit_bias` has {len(bias)} entries; at most {MAX_LOGIT_BIAS}.", param="logit_bias")
     ids = []
     for key in bias:
-        if not (key.isdigit() and int(key) < limits.vocab_size):
+        if not (key.isascii() and key.isdigit() and int(key) < limits.vocab_size):  # '²'.isdigit(), int('²') fails
             raise bad_request(f"`logit_bias` key {key!r} is not a token id in [0, {limits.vocab_size}).",
                               param="logit_bias")
         ids.append(int(key))

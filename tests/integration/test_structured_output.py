@@ -277,6 +277,7 @@ def test_logit_bias_bad_words_min_tokens_min_p_and_allowed_ids(server):
     ({"min_p": 1.5}, "min_p"),
     ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # isdigit() but not int(): once a 500
 ])
 def test_bad_structured_requests_get_a_400_naming_the_field(server, body, param):
     with pytest.raises(openai.BadRequestError) as e:
