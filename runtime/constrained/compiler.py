@@ -58,18 +58,29 @@ class GrammarCompiler:
             _check_schema(c.spec)
         try:
             if c.kind == "json_schema":
-                return comp.compile_json_schema(c.spec, any_whitespace=False, strict_mode=True)
-            if c.kind == "json_object":  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
-                return comp.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            if c.kind == "regex":
-                return comp.compile_regex(c.spec)
-            if c.kind == "grammar":
-                return comp.compile_grammar(c.spec)
-            return comp.compile_structural_tag(json.loads(c.spec))
+                compiled = comp.compile_json_schema(c.spec, any_whitespace=False, strict_mode=True)
+            elif c.kind == "json_object":  # an object, as OpenAI's json_object means (the builtin grammar takes any value)
+                compiled = comp.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            elif c.kind == "regex":
+                compiled = comp.compile_regex(c.spec)
+            elif c.kind == "grammar":
+                compiled = comp.compile_grammar(c.spec)
+            else:
+                compiled = comp.compile_structural_tag(json.loads(c.spec))
         except ConstraintError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError/its own errors on bad specs
             raise ConstraintError(f"the {c.kind.replace('_', ' ')} cannot be used: {str(e).strip()[:500]}") from None
+        self._check_matches_something(compiled, c.kind)
+        return compiled
+
+    def _check_matches_something(self, compiled, kind: str) -> None:
+        """xgrammar compiles a spec no text can match (`[^\\s\\S]`, a rule that only refers to itself);
+        its first mask allows nothing and the sampler would draw from all -inf logits."""
+        mask = self._xgr.allocate_token_bitmask(1, self.info.vocab_size)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        if not bool(mask.any()):
+            raise ConstraintError(f"the {kind.replace('_', ' ')} matches no text")
 
 
 def _check_schema(spec: str) -> None:

@@ -50,6 +50,8 @@ class StepMasks:
         for i, constraint, generated in constraints:
             if constraint.has_extras(generated):
                 constraint.fill_extras(words[i], generated)
+            else:
+                constraint.end_if_empty(words[i])
         if self.device.type != "cuda":
             return host  # sampled from before the next step fills the other buffer (CPU steps are synchronous)
         mask = host.to(self.device, non_blocking=True)

@@ -119,7 +119,12 @@ class RowConstraint:
                 clear_bits(row, seq[-1:])
         if generated < self.min_tokens:
             clear_bits(row, self.stop_ids)
-        if not row.any():  # the exclusions leave nothing (allowed ids all banned, say): the output ends
+        self.end_if_empty(row)
+
+    def end_if_empty(self, row: np.ndarray) -> None:
+        """A row that allows nothing (allowed ids all banned, a grammar at a dead end) ends the output:
+        sampling from all -inf logits would draw garbage."""
+        if not row.any():
             set_bits(row, self.stop_ids or range(len(row) * 32))
 
     def accept(self, token: int) -> bool:

@@ -106,6 +106,13 @@ def test_json_object_regex_choice_and_grammar(server):
                                  extra_body={"guided_grammar": grammar})
     assert re.fullmatch(r"The answer is [1-9][0-9]?\.", out.choices[0].text), out.choices[0].text
 
+    # a grammar that dead-ends after "Yes" (its rule b only refers to itself): the output ends there,
+    # sampled too (a row with no allowed token once drew garbage from all -inf logits)
+    for temperature in (0, 1.0):
+        out = api.completions.create(model=MODEL, prompt="Is the sea blue?", temperature=temperature, seed=1,
+                                     max_tokens=10, extra_body={"guided_grammar": 'root ::= "Yes" b\nb ::= b'})
+        assert (out.choices[0].text, out.choices[0].finish_reason) == ("Yes", "stop")
+
 
 def test_sampled_choices_each_keep_to_the_schema(server):
     schema = SCHEMAS[11][1]  # the shopping list: arrays of objects
@@ -278,6 +285,8 @@ def test_logit_bias_bad_words_min_tokens_min_p_and_allowed_ids(server):
     ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # isdigit() but not int(): once a 500
+    ({"guided_regex": "[^\\s\\S]"}, "guided_regex"),  # matches no text: once a mask of nothing (garbage out)
+    ({"guided_grammar": "root ::= a\na ::= a"}, "guided_grammar"),
 ])
 def test_bad_structured_requests_get_a_400_naming_the_field(server, body, param):
     with pytest.raises(openai.BadRequestError) as e:

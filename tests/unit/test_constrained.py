@@ -219,3 +219,24 @@ def test_a_step_mask_equals_its_rows_filled_one_by_one(compiler, tok):
         for r, token in zip(rows, tokens):
             if twins[r] is not None:
                 twins[r].accept(token)
+
+
+def test_a_constraint_no_text_can_match_is_refused_and_a_dead_end_ends_the_output(compiler, tok):
+    """A spec that allows no first token (a regex of an empty class, a rule that only refers to itself)
+    is a ConstraintError, not a mask of nothing the sampler draws garbage from; a grammar that dead-ends
+    after its first token ends the output there (only the stop tokens are left), in the step's batched
+    mask as in the row's own fill."""
+    for bad in (Constraint("regex", "[^\\s\\S]"), Constraint("grammar", "root ::= a\na ::= a")):
+        with pytest.raises(ConstraintError, match="no text"):
+            compiler.compile(bad)
+    dead = SamplingParams(max_new_tokens=8, constraint=Constraint("grammar", 'root ::= "a" b\nb ::= b'))
+    rc = RowConstraint(dead, compiler.compile_async(dead.constraint), [EOS])
+    [a] = tok.encode_plain("a")
+    assert a in _fill(rc, 0)
+    rc.accept(a)
+    assert _fill(rc, 1) == {EOS}
+    state = _state(compiler, rows=1)
+    state.set_rows([(0, dead, [])])
+    state.advance([0])
+    state.accept([0], [a])
+    assert _allowed(state.bitmask([0]).clone(), 0) == {EOS}
