@@ -86,9 +86,11 @@ class GrammarCompiler:
 def _check_schema(spec: str) -> None:
     try:
         schema = json.loads(spec)
+        unenforced = unenforced_keywords(schema)
     except ValueError:
         raise ConstraintError("the JSON schema is not JSON") from None
-    unenforced = unenforced_keywords(schema)
+    except RecursionError:
+        raise ConstraintError("the JSON schema nests too deeply") from None
     if unenforced:
         raise ConstraintError(f"the JSON schema uses keywords structured output cannot enforce: "
                               f"{', '.join(unenforced[:20])}")

@@ -72,5 +72,5 @@ def chat_messages(req, fmt: str, template_has_tools: bool,
 def _arguments(text: str, i: int) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's decoder recurses
         raise bad_request(f"messages[{i}].tool_calls: arguments are not JSON.", param=f"messages[{i}].tool_calls") from None

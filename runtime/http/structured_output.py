@@ -19,9 +19,14 @@ def _schema(value: Any, param: str) -> Constraint:
             value = json.loads(value)
         except ValueError:
             raise bad_request(f"`{param}` is not JSON.", param=param) from None
+        except RecursionError:  # JSON text may nest deeper than the body's decoder allows
+            raise bad_request(f"`{param}` nests arrays or objects too deeply.", param=param) from None
     if not isinstance(value, dict):
         raise bad_request(f"`{param}` must be a JSON schema object.", param=param)
-    return Constraint("json_schema", json.dumps(value))  # key order kept: properties come in it
+    try:
+        return Constraint("json_schema", json.dumps(value))  # key order kept: properties come in it
+    except RecursionError:
+        raise bad_request(f"`{param}` nests arrays or objects too deeply.", param=param) from None
 
 
 def _choice(values: list[str], param: str) -> Constraint:

@@ -102,7 +102,7 @@ class ParsedCall:
 def _call_of(fmt: str, body: str) -> Optional[ParsedCall]:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # the model's output may nest deeper than the decoder recurses
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None

@@ -287,6 +287,11 @@ def test_logit_bias_bad_words_min_tokens_min_p_and_allowed_ids(server):
     ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # isdigit() but not int(): once a 500
     ({"guided_regex": "[^\\s\\S]"}, "guided_regex"),  # matches no text: once a mask of nothing (garbage out)
     ({"guided_grammar": "root ::= a\na ::= a"}, "guided_grammar"),
+    # JSON text nested deeper than Python's decoder recurses: once a 500 (RecursionError)
+    ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]},
+     "messages[1].tool_calls"),
 ])
 def test_bad_structured_requests_get_a_400_naming_the_field(server, body, param):
     with pytest.raises(openai.BadRequestError) as e:

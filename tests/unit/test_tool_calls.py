@@ -66,3 +66,13 @@ def test_calls_and_content_of_whole_text():
     assert parse_tool_calls(" \n", "hermes") == ("", [])
     content, calls = parse_tool_calls(TEXTS["llama3_json"][0], "llama3_json")
     assert content is None and json.loads(calls[0].arguments) == WEATHER  # "parameters" read as arguments
+
+
+def test_a_call_nested_deeper_than_the_json_decoder_recurses_is_content():
+    """A model may write thousands of brackets inside a call; the response keeps them as text (once a
+    RecursionError, a 500)."""
+    text = "<tool_call>" + "[" * 5000 + "</tool_call>"
+    assert parse_tool_calls(text, "hermes") == (text, [])
+    stream = ToolCallStream("hermes")
+    deltas = stream.feed(text) + stream.finish()
+    assert "".join(d.get("content") or "" for d in deltas) == text
