@@ -11,6 +11,8 @@ from llaunch.runtime.http.audio import AUDIO_PARTS, audio_placeholder, audio_sou
 from llaunch.runtime.http.images import IMAGE_PLACEHOLDER, image_url_of
 from llaunch.runtime.http.tool_calls import call_text, openai_tools
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
 
 def message_text(m, i: int, image_urls: Optional[list] = None) -> str:
     """The message's text; a multimodal model's image_url parts become Qwen2-VL's image placeholder and
@@ -44,6 +46,9 @@ def chat_messages(req, fmt: str, template_has_tools: bool,
     system message, earlier calls written out in the call format and tool results as tool turns."""
     messages, tools = [], openai_tools(req) or None
     for i, m in enumerate(req.messages):
+        if m.role not in ROLES:
+            raise bad_request(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}.",
+                              param=f"messages[{i}].role")
         out: dict[str, Any] = {"role": m.role, "content": message_text(m, i, image_urls)}
         if m.tool_calls:
             calls = [(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls]

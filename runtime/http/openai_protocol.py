@@ -238,10 +238,6 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: PromptTokenizer, limits: 
         raise bad_request("`messages` must not be empty.", param="messages")
     if not tokenizer.has_chat_template:
         raise bad_request("The served model's tokenizer has no chat template; use /v1/completions.")
-    for i, m in enumerate(req.messages):
-        if m.role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, developer, user, "
-                              "assistant, tool.", param=f"messages[{i}].role")
     messages, tools = chat_messages(req, tokenizer.tool_format, tokenizer.template_has_tools, image_urls)
     check_prompt_text("".join(m["content"] for m in messages), limits, param="messages")
     try:

@@ -227,6 +227,10 @@ def test_bad_requests_over_http(server):
     with pytest.raises(openai.BadRequestError):
         server.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=2)
     assert server.raw("GET", "/no/such/route")[0] == 404
+    # /tokenize refuses a role the chat route refuses (it once rendered it through the template)
+    got, _, data = server.raw("POST", "/tokenize", b'{"messages": [{"role": "bogus", "content": "x"}]}',
+                              {"Content-Type": "application/json"})
+    assert got == 400 and json.loads(data)["error"]["param"] == "messages[0].role"
     assert server.raw("GET", "/v1/completions")[0] == 405
     assert server.openai().completions.create(model=MODEL, prompt="x", max_tokens=1).choices[0].text
 
