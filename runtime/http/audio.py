@@ -74,6 +74,7 @@ class AudioInputs:
     def clip(self, source: AudioSource, param: str):
         from llaunch.runtime.audio.decode import AudioDecodeError, ClipTooLong, decode
         from llaunch.runtime.audio.features import SAMPLING_RATE
+        from llaunch.runtime.models.audio_qwen2 import audio_tokens
 
         limit = self.audio.max_clip_bytes
         if len(source.data) * 3 // 4 > limit:
@@ -92,7 +93,11 @@ class AudioInputs:
         if seconds > self.audio.max_clip_seconds:
             raise bad_request(f"The audio clip lasts {seconds:.1f} s, longer than audio.max_clip_seconds="
                               f"{self.audio.max_clip_seconds}.", param=param)
-        return self.features.process(waveform)
+        clip = self.features.process(waveform)
+        if audio_tokens(clip.frames) < 1:  # the encoder has no output for it (and failed its whole batch)
+            raise bad_request(f"The audio clip is too short: {seconds * 1000:.0f} ms gives the audio encoder no "
+                              "output (it needs 3 mel frames, about 25 ms at 16 kHz).", param=param)
+        return clip
 
     def chat(self, req, prompt_ids: list[int], parts: Optional[list]) -> tuple[list[int], list[ImageRef]]:
         """A chat request's prompt with its clips spliced in (unchanged without clips)."""
