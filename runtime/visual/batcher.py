@@ -86,6 +86,10 @@ class VisualBatcher:
             embeds = self.encode(images)
         except Exception as e:  # a bad image (or an out-of-memory batch) fails its requests, not the server
             # (at visual.tp > 1 too: tower_tp keeps the ranks in step and raises on rank 0 when any failed)
+            if len(images) > 1:  # one bad image must not fail the requests batched with it
+                for im in images:
+                    self._encode([im])
+                return
             self._fail({im.hash for im in images}, f"encoding the image failed: {type(e).__name__}: {e}")
             return
         self.encoded += len(images)

@@ -91,6 +91,19 @@ def test_a_failing_encode_fails_its_requests_only(store):
     assert "bad pixels" in answers["bad"].error and answers["bad"].images == []
 
 
+def test_a_failing_batch_is_encoded_again_one_image_at_a_time(store):
+    """One bad image in a batch fails only the requests that sent it: the others' images are encoded
+    again alone (a bad clip once failed every request batched with it)."""
+    enc = Encoder(fail="0b")
+    b = VisualBatcher(store, enc, batch_size=3)
+    for rid, key in (("ok", "0a"), ("bad", "0b"), ("ok2", "0c")):
+        b.add(EncodeImages(request_id=rid, router=0, images=[image(key)]))
+    answers = {a.request_id: a for _, a in b.step()}
+    assert answers["ok"].error is None and answers["ok2"].error is None and "bad pixels" in answers["bad"].error
+    assert enc.batches == [["0a", "0b", "0c"], ["0a"], ["0b"], ["0c"]]
+    assert "0a" in store and "0c" in store and "0b" not in store
+
+
 def test_the_gate_holds_a_request_until_every_replica_answered_and_releases_after_the_steps(store):
     keys = ["00000000", "00000001"]  # replicas 0 and 1 of 2
     assert [replica_of(k, 2) for k in keys] == [0, 1]
