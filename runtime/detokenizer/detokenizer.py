@@ -55,7 +55,8 @@ class Detokenizer:
         if msg.request_id in self.requests:
             log.warning("request %s opened twice; starting it over", msg.request_id)
         decoder = IncrementalDecoder(self.tokenizer, msg.sampling.skip_special_tokens, msg.sampling.stop,
-                                     msg.sampling.heal_text, msg.sampling.include_stop_str_in_output)
+                                     msg.sampling.heal_text, msg.sampling.include_stop_str_in_output,
+                                     msg.sampling.min_tokens)
         self.requests[msg.request_id] = OpenRequest(msg, decoder)
         return {}
 

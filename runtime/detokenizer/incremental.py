@@ -41,9 +41,10 @@ class IncrementalDecoder:
     """Token ids in, text out; stops at the first stop string (see StopStringMatcher)."""
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 heal_text: str = "", keep_stop: bool = False):
+                 heal_text: str = "", keep_stop: bool = False, min_tokens: int = 0):
         """`heal_text`: token healing's backed-off text, which the first tokens repeat: left out before
-        the stop strings see the text, so they match only what the client gets. `keep_stop`: the stop string that ends the text is part of it."""
+        the stop strings see the text, so they match only what the client gets. `keep_stop`: the stop string that ends the text is part of it.
+        `min_tokens`: stop strings end the text only in the tokens after these (vLLM's rule)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
@@ -52,6 +53,7 @@ class IncrementalDecoder:
         self._settled = 0  # the text of ids[:settled] has been handed to the stop matcher
         self.matcher = StopStringMatcher(stop, keep_stop)
         self.strip = PrefixStrip(heal_text)
+        self.min_tokens = min_tokens
 
     @property
     def stopped(self) -> bool:
@@ -64,11 +66,11 @@ class IncrementalDecoder:
         if piece is None:
             return ""
         self._settled = len(self.ids)
-        return self.matcher.feed(self.strip(piece))
+        return self.matcher.feed(self.strip(piece), armed=len(self.ids) > self.min_tokens)
 
     def flush(self) -> str:
         """The request is over: release incomplete characters and held-back stop prefixes."""
-        text = self.matcher.feed(self.strip(self._held_text()))
+        text = self.matcher.feed(self.strip(self._held_text()), armed=len(self.ids) > self.min_tokens)
         return text if self.stopped else text + self.matcher.flush()
 
     def _held_text(self) -> str:

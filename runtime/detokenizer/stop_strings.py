@@ -39,8 +39,9 @@ class StopStringMatcher:
         self.held = ""
         self.stopped: str | None = None  # the stop string that ended the text
 
-    def feed(self, piece: str) -> str:
-        """Append `piece`; returns the newly released text (after a stop: the text before it)."""
+    def feed(self, piece: str, armed: bool = True) -> str:
+        """Append `piece`; returns the newly released text (after a stop: the text before it). Not
+        `armed` (min_tokens not out yet): a stop string that completes does not stop, nothing is held."""
         if self.stopped is not None:
             return ""
         text = self.held + piece
@@ -56,10 +57,11 @@ class StopStringMatcher:
                 self._state[i] = k
                 if k == len(s) and (done is None or len(s) > len(done)):
                     done = s
-            if done is not None:
+            if done is not None and armed:
                 self.stopped, self.held = done, ""
-                return text[:base + offset + 1 - (0 if self.keep else len(done))]
-        keep = max(self._state, default=0)
+                # (a stop string that began in text released before it was armed: the cut is at the start)
+                return text[:max(0, base + offset + 1 - (0 if self.keep else len(done)))]
+        keep = max(self._state, default=0) if armed else 0
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]
 

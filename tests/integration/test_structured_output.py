@@ -258,6 +258,11 @@ def test_logit_bias_bad_words_min_tokens_min_p_and_allowed_ids(server):
     longer = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say OK."}],
                                          temperature=0, max_tokens=40, extra_body={"min_tokens": 20})
     assert longer.usage.completion_tokens >= 20
+    # stop strings count only once min_tokens are out (vLLM's rule); a stop on every space once ended it at once
+    spaced = api.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=[" "],
+                                    extra_body={"min_tokens": 6})
+    text = spaced.choices[0].text
+    assert spaced.usage.completion_tokens > 6 and plain.text.startswith(text) and " " in text.strip(), text
 
     # min_p = 1 keeps only the most likely token: sampling at temperature 1 is then greedy
     sampled = api.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=3, max_tokens=12,

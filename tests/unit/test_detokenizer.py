@@ -168,6 +168,26 @@ def test_stop_prefixes_are_held_back_exactly_until_disambiguated(tokenizer):
     assert decoder.flush() == "three"
 
 
+def test_stop_strings_count_only_once_min_tokens_are_out(tokenizer):
+    """vLLM's rule: a stop string ends the output only from the token after the first min_tokens
+    (they once ended it at the first token that held one, min_tokens or not)."""
+    text = "one, two, three, four, five, six"
+    ids = tokenizer.encode(text)
+    for min_tokens in (0, 1, 3, 5):
+        decoder = IncrementalDecoder(tokenizer, stop=[","], min_tokens=min_tokens)
+        sent, used = "", 0
+        for token_id in ids:
+            sent += decoder.push(token_id)
+            used += 1
+            if decoder.stopped:
+                break
+        # the oracle: the first "," in a token past the first min_tokens, the text before it
+        first = next(k for k in range(min_tokens, len(ids)) if "," in tokenizer.decode(ids[k:k + 1]))
+        before = tokenizer.decode(ids[:first + 1])
+        assert decoder.stopped and used == first + 1, (min_tokens, used)
+        assert sent == before[:before.rindex(",")], (min_tokens, sent)
+
+
 def test_stop_matcher_is_independent_of_how_text_is_split():
     text = "a stop, a halt, a pause"
     stops = ["halt", " a h", "pause"]
