@@ -304,6 +304,8 @@ def _choices(req: _GenerationRequest, prompts: list[list[int]], limits: RequestL
              max_tokens: Optional[int], max_tokens_param: str, logprobs: bool, top_logprobs: int,
              prompt_logprobs: int = -1, samples: Optional[int] = None) -> list[Choice]:
     """`samples`: engine requests per prompt (best_of), default n."""
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM: not silently ignored
+        raise bad_request("`stream_options` needs `stream` set to true.", param="stream_options")
     n = samples or (1 if req.n is None else req.n)
     check_fan_out(len(prompts), n, limits)
     base = _sampling_fields(req, limits, tokenizer)

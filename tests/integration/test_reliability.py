@@ -73,6 +73,7 @@ HOSTILE = [
     # a field llaunch does not implement is refused, not ignored
     ('{"model": "tiny-qwen2", "prompt": "x", "suffix": "y"}', "suffix"),
     ('{"model": "tiny-qwen2", "prompt": "x", "prompt_logprobs": 21}', "prompt_logprobs"),  # at most 20
+    ('{"model": "tiny-qwen2", "prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
     # nesting deep enough to overflow a recursive decoder
     ('{"model": "tiny-qwen2", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", None),
 ]
