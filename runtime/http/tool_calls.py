@@ -66,9 +66,14 @@ def tools_constraint(req, fmt: str) -> Optional[Constraint]:
         if req.tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice needs `tools`.", param="tool_choice")
         return None
-    for t in req.tools:
+    names = set()
+    for i, t in enumerate(req.tools):
         if t.type != "function":
             raise bad_request(f"tools of type {t.type!r} are not supported (function only).", param="tools")
+        if not t.function.name or t.function.name in names:  # a call names the function it calls
+            raise bad_request(f"tools[{i}].function.name {t.function.name!r} is empty or given twice.",
+                              param=f"tools[{i}].function.name")
+        names.add(t.function.name)
     choice = tool_choice_of(req)
     if choice == "none":
         return None

@@ -292,6 +292,9 @@ def test_logit_bias_bad_words_min_tokens_min_p_and_allowed_ids(server):
     ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # isdigit() but not int(): once a 500
     ({"guided_regex": "[^\\s\\S]"}, "guided_regex"),  # matches no text: once a mask of nothing (garbage out)
     ({"guided_grammar": "root ::= a\na ::= a"}, "guided_grammar"),
+    # a call must name one function: nameless or twice-named tools were once served
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER_TOOL, TIME_TOOL, WEATHER_TOOL]}, "tools[2].function.name"),
     # JSON text nested deeper than Python's decoder recurses: once a 500 (RecursionError)
     ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
