@@ -4,6 +4,8 @@ of several) or refuses output that keeps them (`contains`, `patternProperties`);
 gets a 400 naming each, as a JSON pointer, instead of output that does not validate.
 tests/unit/test_constrained.py checks each entry against xgrammar itself.
 
+A `$ref` outside the schema (a URL, another file) is refused too: it is never fetched.
+
 `oneOf` is served as `anyOf` (output matches at least one branch; the branches of the schemas
 clients send are disjoint in practice) and an unknown `format` is an annotation, as the spec says."""
 from __future__ import annotations
@@ -22,6 +24,9 @@ def unenforced_keywords(schema: Any, path: str = "") -> list[str]:
     if not isinstance(schema, dict):
         return []
     found = [f"{path}/{key}" for key in UNENFORCED if key in schema]
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):  # never fetched: xgrammar takes any value there
+        found.append(f"{path}/$ref")
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         found.append(f"{path}/allOf")  # only its first schema is applied
     for key in _SCHEMA_MAPS:

@@ -240,3 +240,16 @@ def test_a_constraint_no_text_can_match_is_refused_and_a_dead_end_ends_the_outpu
     state.advance([0])
     state.accept([0], [a])
     assert _allowed(state.bitmask([0]).clone(), 0) == {EOS}
+
+
+def test_a_ref_outside_the_schema_is_refused(compiler):
+    """xgrammar does not fetch `$ref: http://...` and lets any value through in its place (the output
+    once was `""` for a ref to an integer schema): refused, naming it; a local ref is served."""
+    for ref in ("http://example.com/int.json", "other.json#/x", "urn:x"):
+        schema = {"type": "object", "properties": {"a": {"$ref": ref}}, "required": ["a"]}
+        with pytest.raises(ConstraintError, match="/properties/a/\\$ref"):
+            compiler.compile(Constraint("json_schema", json.dumps(schema)))
+    local = {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"],
+             "$defs": {"n": {"type": "integer"}}}
+    compiler.compile(Constraint("json_schema", json.dumps(local)))
+    assert _xgrammar_accepts(compiler, local, {"a": 1}) and not _xgrammar_accepts(compiler, local, {"a": "x"})
