@@ -33,7 +33,10 @@ def message_text(m, i: int, image_urls: Optional[list] = None) -> str:
             image_urls.append((image_url_of(part, f"messages[{i}].content[{j}]"), f"messages[{i}].content[{j}]"))
             parts.append(IMAGE_PLACEHOLDER)
             continue
-        if part.type != "text" or part.text is None:
+        if part.type == "text" and part.text is None:
+            raise bad_request(f"messages[{i}].content[{j}]: a text part needs `text`.",
+                              param=f"messages[{i}].content[{j}].text")
+        if part.type != "text":
             raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type!r}.",
                               param=f"messages[{i}].content")
         parts.append(part.text)

@@ -169,6 +169,9 @@ BAD_CHATS = [
     (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
      "messages[0].content"),
     (b'{"model": "x", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    # a text part without text: once "only text content parts are supported, got 'text'"
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}', 400,
+     "messages[0].content[0].text"),
     (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400,
      "top_logprobs"),
     (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "x"}], "logprobs": 1}', 400, "logprobs"),
