@@ -113,7 +113,10 @@ def _grammar(grammar: Optional[TgiGrammar]) -> dict[str, Any]:
         return {}
     if grammar.type == "json":
         return {"guided_json": grammar.value}
-    if grammar.type == "regex" and isinstance(grammar.value, str):
+    if grammar.type == "regex":
+        if not isinstance(grammar.value, str):
+            raise bad_request("`parameters.grammar.value` of a regex grammar must be a string (the pattern).",
+                              param="parameters.grammar.value")
         return {"regular_constraint": grammar.value}
     raise bad_request(f"`parameters.grammar` of type {grammar.type!r} is not supported: use json (a schema) or "
                       "regex (a pattern).", param="parameters.grammar")

@@ -132,7 +132,9 @@ def test_unimplemented_or_unknown_fields_are_400_naming_them(tgi_server):
         hf(tgi_server).text_generation(PROMPTS[0], max_new_tokens=4, watermark=True)
     for parameters, field in [({"typical_p": 0.5}, "typical_p"), ({"best_of": 2}, "best_of"),
                               ({"max_new_tokens": 2, "nonsense": 1}, "nonsense"),
-                              ({"grammar": {"type": "lark", "value": "x"}}, "grammar")]:
+                              ({"grammar": {"type": "lark", "value": "x"}}, "grammar"),
+                              # once "type 'regex' is not supported: use ... regex"
+                              ({"grammar": {"type": "regex", "value": {"a": 1}}}, "grammar.value")]:
         r = httpx.post(tgi_server.url + "/generate", json={"inputs": "hi", "parameters": parameters}, headers=auth())
         assert r.status_code == 400, parameters
         assert field in r.json()["error"] and r.json()["error_type"] == "validation"
