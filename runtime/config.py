@@ -275,6 +275,10 @@ class ServerConfig:
     max_choices_per_request: int = 256  # prompts × n: the engine requests one HTTP request may start
     max_stop_strings: int = 32  # stop strings (and stop token ids, bad words) per request
     max_stop_string_chars: int = 512  # characters of one stop string
+    # A structured output's spec (schema, regex, grammar, choices, tools) compiles in the frontend: these
+    # bound its size and a JSON schema's nesting, so no request holds the compiler for seconds.
+    max_constraint_chars: int = 131072  # characters of the spec, as compiled (a choice list's grammar, a schema's JSON)
+    max_schema_depth: int = 64  # nesting of a JSON schema's objects and arrays
     ready_timeout_s: float = 900.0  # launch: how long the graph may take until every process is ready
     # How the model writes tool calls (OpenAI `tools`); None: the one its chat template speaks.
     tool_call_format: Optional[ToolCallFormat] = None

@@ -246,7 +246,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: PromptTokenizer, limits: 
         raise bad_request(f"The chat template rejected the messages: {e}", param="messages") from None
 
 
-def constraint_of(req: _GenerationRequest, tokenizer: PromptTokenizer) -> Optional[Constraint]:
+def constraint_of(req: _GenerationRequest, tokenizer: PromptTokenizer, limits: RequestLimits) -> Optional[Constraint]:
     """The request's structured output: its response_format / guided_* field, or its tools."""
     sources = openai_sources(req)
     if isinstance(req, ChatCompletionRequest):
@@ -255,7 +255,7 @@ def constraint_of(req: _GenerationRequest, tokenizer: PromptTokenizer) -> Option
             if sources:
                 raise bad_request("Give `tools` or a structured output, not both.", param=sources[0][0])
             sources = [("tools", tools)]
-    return one_constraint(sources, tokenizer.grammar)
+    return one_constraint(sources, tokenizer.grammar, limits)
 
 
 def completion_choices(req: CompletionRequest, prompts: list[list[int]], limits: RequestLimits,
@@ -357,7 +357,7 @@ def _sampling_fields(req: _GenerationRequest, limits: RequestLimits, tokenizer: 
     if req.allowed_token_ids is not None and not req.allowed_token_ids:
         raise bad_request("`allowed_token_ids` must not be empty.", param="allowed_token_ids")
     fields["allowed_ids"] = list(dict.fromkeys(req.allowed_token_ids or []))
-    fields["constraint"] = constraint_of(req, tokenizer)
+    fields["constraint"] = constraint_of(req, tokenizer, limits)
     return fields
 
 

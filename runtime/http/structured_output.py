@@ -29,6 +29,18 @@ def _schema(value: Any, param: str) -> Constraint:
         raise bad_request(f"`{param}` nests arrays or objects too deeply.", param=param) from None
 
 
+def _depth(value: Any) -> int:
+    """Nesting of JSON objects and arrays (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            stack.extend((c, level + 1) for c in children)
+    return deepest
+
+
 def _choice(values: list[str], param: str) -> Constraint:
     if not values or not all(isinstance(v, str) and v for v in values):
         raise bad_request(f"`{param}` must be a non-empty list of non-empty strings.", param=param)
@@ -79,14 +91,21 @@ def constraint_from(kind: str, value: Any, param: str) -> Constraint:
     return Constraint("regex" if kind == "regex" else "grammar", value)
 
 
-def one_constraint(sources: list[tuple[str, Constraint]], compiler) -> Optional[Constraint]:
-    """The request's one constraint, compiled once here to refuse a bad spec with a 400."""
+def one_constraint(sources: list[tuple[str, Constraint]], compiler, limits) -> Optional[Constraint]:
+    """The request's one constraint, compiled once here to refuse a bad spec with a 400 (and one the
+    compiler would take seconds over: larger or deeper than `limits` allow)."""
     if not sources:
         return None
     if len(sources) > 1:
         names = ", ".join(name for name, _ in sources)
         raise bad_request(f"Give one structured output, not several ({names}).", param=sources[1][0])
     param, constraint = sources[0]
+    if len(constraint.spec) > limits.max_constraint_chars:
+        raise bad_request(f"`{param}` is {len(constraint.spec)} characters as compiled; at most "
+                          f"{limits.max_constraint_chars} (server.max_constraint_chars).", param=param)
+    if constraint.kind == "json_schema" and _depth(json.loads(constraint.spec)) > limits.max_schema_depth:
+        raise bad_request(f"`{param}` nests objects and arrays more than {limits.max_schema_depth} deep "
+                          "(server.max_schema_depth).", param=param)
     try:
         compiler.compile(constraint)
     except ConstraintError as e:

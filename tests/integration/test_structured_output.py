@@ -5,6 +5,7 @@ re, the JSON decoder); the token-level options against the unconstrained greedy 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import time
@@ -297,6 +298,10 @@ def test_logit_bias_bad_words_min_tokens_min_p_and_allowed_ids(server):
     ({"tools": [WEATHER_TOOL, TIME_TOOL, WEATHER_TOOL]}, "tools[2].function.name"),
     # JSON text nested deeper than Python's decoder recurses: once a 500 (RecursionError)
     ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json"),
+    # specs the compiler would take seconds over (server.max_schema_depth, server.max_constraint_chars)
+    ({"guided_json": functools.reduce(lambda s, _: {"type": "array", "items": s}, range(100), {"type": "string"})},
+     "guided_json"),
+    ({"guided_choice": [f"choice {i}" for i in range(20000)]}, "guided_choice"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]},
      "messages[1].tool_calls"),
