@@ -278,7 +278,7 @@ class ServerConfig:
     # A structured output's spec (schema, regex, grammar, choices, tools) compiles in the frontend: these
     # bound its size and a JSON schema's nesting, so no request holds the compiler for seconds.
     max_constraint_chars: int = 131072  # characters of the spec, as compiled (a choice list's grammar, a schema's JSON)
-    max_schema_depth: int = 64  # nesting of a JSON schema's objects and arrays
+    max_constraint_depth: int = 64  # nesting of a JSON schema's objects and arrays
     ready_timeout_s: float = 900.0  # launch: how long the graph may take until every process is ready
     # How the model writes tool calls (OpenAI `tools`); None: the one its chat template speaks.
     tool_call_format: Optional[ToolCallFormat] = None

@@ -56,7 +56,7 @@ class FrontendSettings:
         limits = RequestLimits(served_name=m.name, max_model_len=max_len, vocab_size=m.vocab_size or tokenizer.vocab_size,
                                max_prompts=s.max_prompts_per_request, max_choices=s.max_choices_per_request,
                                max_stop_strings=s.max_stop_strings, max_stop_string_chars=s.max_stop_string_chars,
-                               max_constraint_chars=s.max_constraint_chars, max_schema_depth=s.max_schema_depth,
+                               max_constraint_chars=s.max_constraint_chars, max_constraint_depth=s.max_constraint_depth,
                                max_chars_per_token=tokenizer.max_token_chars,
                                sampling_defaults=dict(m.sampling_defaults),
                                prompt_logprobs=cfg.mode.kind not in (Mode.pd_prefill, Mode.pd_decode),

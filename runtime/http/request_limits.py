@@ -49,7 +49,7 @@ class RequestLimits:
     max_stop_strings: int = 32
     max_stop_string_chars: int = 512
     max_constraint_chars: int = 131072  # a structured output's compiled spec (server.max_constraint_chars)
-    max_schema_depth: int = 64  # a JSON schema's nesting of objects and arrays (server.max_schema_depth)
+    max_constraint_depth: int = 64  # a JSON schema's nesting of objects and arrays (server.max_constraint_depth)
     # the longest token of the vocabulary, in characters: a prompt text longer than this many
     # characters per context token tokenizes into more tokens than the context holds, so it is
     # refused without being tokenized (PromptTokenizer.max_token_chars)

@@ -103,9 +103,9 @@ def one_constraint(sources: list[tuple[str, Constraint]], compiler, limits) -> O
     if len(constraint.spec) > limits.max_constraint_chars:
         raise bad_request(f"`{param}` is {len(constraint.spec)} characters as compiled; at most "
                           f"{limits.max_constraint_chars} (server.max_constraint_chars).", param=param)
-    if constraint.kind == "json_schema" and _depth(json.loads(constraint.spec)) > limits.max_schema_depth:
-        raise bad_request(f"`{param}` nests objects and arrays more than {limits.max_schema_depth} deep "
-                          "(server.max_schema_depth).", param=param)
+    if constraint.kind == "json_schema" and _depth(json.loads(constraint.spec)) > limits.max_constraint_depth:
+        raise bad_request(f"`{param}` nests objects and arrays more than {limits.max_constraint_depth} deep "
+                          "(server.max_constraint_depth).", param=param)
     try:
         compiler.compile(constraint)
     except ConstraintError as e:

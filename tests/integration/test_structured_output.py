@@ -298,7 +298,7 @@ def test_logit_bias_bad_words_min_tokens_min_p_and_allowed_ids(server):
     ({"tools": [WEATHER_TOOL, TIME_TOOL, WEATHER_TOOL]}, "tools[2].function.name"),
     # JSON text nested deeper than Python's decoder recurses: once a 500 (RecursionError)
     ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json"),
-    # specs the compiler would take seconds over (server.max_schema_depth, server.max_constraint_chars)
+    # specs the compiler would take seconds over (server.max_constraint_depth, server.max_constraint_chars)
     ({"guided_json": functools.reduce(lambda s, _: {"type": "array", "items": s}, range(100), {"type": "string"})},
      "guided_json"),
     ({"guided_choice": [f"choice {i}" for i in range(20000)]}, "guided_choice"),
