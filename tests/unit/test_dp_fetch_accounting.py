@@ -17,6 +17,7 @@ from llaunch.runtime.router.dp_fetch import DpFetch
 from llaunch.runtime.router.request import Request
 from llaunch.runtime.router.scheduler import Scheduler, SchedulerLimits
 from llaunch.runtime.router.tiered_cache import TieredPromptCache
+from unit import test_host_tier as host_tier
 
 HOST = 32
 FIRST = [100 + i for i in range(32)]  # two 16-token blocks, cached by replica 0 only
@@ -57,13 +58,8 @@ def answer(s, plan):
 
 
 def assert_accounted(s):
-    """GPU slots: free, the tree's or a live request's own; host slots: free or the tree's; each once."""
-    tree = s.cache.tree
-    gpu = [x for n in tree.nodes() if not n.on_host for x in n.slots]
-    host = [x for n in tree.nodes() if n.on_host for x in n.slots]
-    own = [x for r in s.running.values() for x in r.slots[r.num_cached:]]
-    assert sorted(s.kv._free + gpu + own) == list(range(s.kv.num_slots))
-    assert sorted(s.cache.host._free + host + s.cache.fetch.held) == list(range(HOST))
+    host_tier.assert_accounted(s, held=s.cache.fetch.held)
+    assert s.cache.host.num_slots == HOST
 
 
 @pytest.mark.parametrize("end", ["abort", "finish", "fail_all"])

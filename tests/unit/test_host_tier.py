@@ -81,14 +81,15 @@ def run_to_end(s, pools, depth=1):
     raise AssertionError("did not finish")
 
 
-def assert_accounted(s):
-    """GPU slots: free, the tree's, or a live request's own, each once; host slots: free or the tree's."""
+def assert_accounted(s, held: list = ()):
+    """GPU slots: free, the tree's, or a live request's own, each once; host slots: free, the tree's or
+    `held` (cache.dp_fetch: dropped while a peer replica pinned them)."""
     tree = s.cache.tree
     gpu_tree = [x for n in tree.nodes() if not n.on_host for x in n.slots]
     host_tree = [x for n in tree.nodes() if n.on_host for x in n.slots]
     own = [x for r in s.running.values() for x in r.slots[r.num_cached:]]
     assert sorted(s.kv._free + gpu_tree + own) == list(range(s.kv.num_slots))
-    assert sorted(s.cache.host._free + host_tree) == list(range(s.cache.host.num_slots))
+    assert sorted(s.cache.host._free + host_tree + list(held)) == list(range(s.cache.host.num_slots))
     assert tree.num_tokens == len(gpu_tree) and tree.host_tokens == len(host_tree)
     for n in tree.nodes():  # GPU nodes are closed upwards; host nodes are never held
         assert not (n.on_host and n.refs), n
