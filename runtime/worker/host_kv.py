@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Optional
 
 import torch
@@ -37,8 +38,15 @@ def wait_for_pool(path: str, timeout_s: float) -> int:
     return os.path.getsize(path)
 
 
+def _unregister(ptrs: list[int]) -> None:
+    # before the mapping goes: a later mmap at the same address would find it still registered (error 712)
+    while ptrs:
+        torch.cuda.cudart().cudaHostUnregister(ptrs.pop())
+
+
 class HostKvPool:
-    """`peers` (cache.dp_fetch): dp replica → its pool file for this tp rank, read by fetch moves."""
+    """`peers` (cache.dp_fetch): dp replica → its pool file for this tp rank, read by fetch moves.
+    Its registrations end with `close()` or when the pool is collected, whichever comes first."""
 
     def __init__(self, kv: KvCache, path: str, num_slots: int, device: torch.device, timeout_s: float = 300.0,
                  peers: Optional[dict[int, str]] = None):
@@ -46,6 +54,8 @@ class HostKvPool:
         self.device = device
         self.num_slots = num_slots
         self._mapped: list[torch.Tensor] = []
+        self._registered: list[int] = []
+        self._unregister = weakref.finalize(self, _unregister, self._registered)
         self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pool = self._map(path, timeout_s)
         self.peers = {d: self._map(p, timeout_s) for d, p in (peers or {}).items()}
@@ -65,10 +75,20 @@ class HostKvPool:
             err = torch.cuda.cudart().cudaHostRegister(ptr, need, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of the host KV pool ({need} bytes) failed: error {int(err)}")
+            self._registered.append(ptr)
             raw = torch.as_tensor(_CudaView(ptr, need), device=device)
         else:
             raw = mapped
         return raw.view(kv.k[0].dtype).view(shape)
+
+    def close(self) -> None:
+        """Unregister and unmap the pools (the copies in flight finish first)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self._unregister()
+        self.pool = None
+        self.peers = {}
+        self._mapped.clear()
 
     @torch.inference_mode()
     def apply(self, moves: list[KvMove]) -> None:

@@ -47,6 +47,8 @@ def test_a_fetch_copies_another_replicas_host_slots_in_stream_order():
         torch.cuda.synchronize()
         for layer in range(LAYERS):
             assert torch.equal(got_k[layer], want_k[layer]) and torch.equal(got_v[layer], want_v[layer])
+        zero.close()
+        one.close()
     finally:
         for path in paths:
             remove_pool(path)

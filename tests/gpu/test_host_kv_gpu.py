@@ -46,5 +46,31 @@ def test_demote_then_promote_round_trips_and_orders_with_the_compute_stream():
         view = torch.from_file(path, shared=True, size=nbytes // 2, dtype=torch.bfloat16).view(
             2, LAYERS, HOST_SLOTS, HEADS, DIM)
         assert torch.equal(view[0, LAYERS - 1][torch.tensor(host)], before_k[LAYERS - 1].cpu())
+        pool.close()
+    finally:
+        remove_pool(path)
+
+
+def test_a_pool_mapped_again_registers_again():
+    """A pool dropped without close() and one closed both give their registrations back: mapping the
+    same file again (the same address, as a worker or a test process that builds a pool twice gets it)
+    registers again instead of failing with cudaErrorHostMemoryAlreadyRegistered (712)."""
+    import gc
+
+    dev = torch.device("cuda")
+    kv = KvCache(k=[torch.zeros(SLOTS, HEADS, DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)],
+                 v=[torch.zeros(SLOTS, HEADS, DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)],
+                 req_to_slots=torch.zeros((2, 16), dtype=torch.int32, device=dev))
+    path = os.path.join(SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp", f"llaunch-kv-test-{uuid.uuid4().hex}")
+    create_pool(path, 2 * LAYERS * HOST_SLOTS * HEADS * DIM * 2)
+    try:
+        for round_ in range(4):
+            pool = HostKvPool(kv, path, HOST_SLOTS, dev, timeout_s=5)
+            pool.apply([KvMove(to_host=True, gpu_slots=[round_], host_slots=[round_])])
+            if round_ % 2:
+                pool.close()
+            del pool
+            gc.collect()
+        torch.cuda.synchronize()
     finally:
         remove_pool(path)
