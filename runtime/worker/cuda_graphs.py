@@ -79,6 +79,7 @@ class DecodeGraphs:
         self.logits_index = torch.arange(n, dtype=torch.int64, device=device)
         self._empty = torch.zeros(0, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.replays = 0  # decode steps served from a graph (tests and traces read it)
 
     def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows, positions, slots, lens = self.inputs[: 4 * b].view(4, b)
@@ -133,4 +134,5 @@ class DecodeGraphs:
         self.inputs[: 4 * b].copy_(flat, non_blocking=True)
         graph, (logits, tokens) = self.graphs[b]
         graph.replay()
+        self.replays += 1
         return logits[:n], tokens[:n]

@@ -34,11 +34,11 @@ GREEDY = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
 class TieredEngine(Engine):
     """Engine with the host tier: its plans' moves are applied to a pool file before each step."""
 
-    def __init__(self, model, kv_slots: int, host_slots: int, pool_file: str):
-        super().__init__(model, True, kv_slots=kv_slots)
+    def __init__(self, model, kv_slots: int, host_slots: int, pool_file: str, cuda_graphs: bool = False):
+        super().__init__(model, True, kv_slots=kv_slots, cuda_graphs=cuda_graphs)
         self.sched = Scheduler(SchedulerLimits(**{**self.sched.limits.__dict__, "host_kv_tokens": host_slots}))
         create_pool(pool_file, host_slots * model.kv_bytes_per_token)
-        self.pool = HostKvPool(self.runner.kv, pool_file, host_slots, torch.device("cpu"), timeout_s=5)
+        self.pool = HostKvPool(self.runner.kv, pool_file, host_slots, self.runner.kv.k[0].device, timeout_s=5)
         execute = self.runner.execute
 
         def with_moves(plan):
@@ -55,8 +55,13 @@ def conversations(rng, n: int, turns: int):
 
 def test_same_tokens_with_eviction_through_both_tiers_in_process(tiny_dirs, tmp_path):
     model = build_model(model_config_from_folder(tiny_dirs["qwen2"]), device=torch.device("cpu"), dtype=torch.float32)
-    tiered = TieredEngine(model, kv_slots=110, host_slots=220, pool_file=str(tmp_path / "pool"))
-    big = Engine(model, True, kv_slots=1200)  # the prompt cache alone, never evicting: the reference KV
+    same_tokens_with_eviction_through_both_tiers(model, str(tmp_path / "pool"))
+
+
+def same_tokens_with_eviction_through_both_tiers(model, pool_file: str, cuda_graphs: bool = False) -> "TieredEngine":
+    """(tests/gpu runs it with the pool registered with CUDA and decode steps replayed from graphs)"""
+    tiered = TieredEngine(model, kv_slots=110, host_slots=220, pool_file=pool_file, cuda_graphs=cuda_graphs)
+    big = Engine(model, True, kv_slots=1200, cuda_graphs=cuda_graphs)  # the prompt cache alone: the reference KV
     convs = conversations(random.Random(3), n=6, turns=3)
     history = {i: [] for i in range(len(convs))}
     for turn in range(3):  # each turn's 6 histories (~45-70 tokens each) overflow 110 slots: evict
@@ -76,6 +81,8 @@ def test_same_tokens_with_eviction_through_both_tiers_in_process(tiny_dirs, tmp_
     assert sorted(gpu_held + s.kv._free) == list(range(110))
     assert sorted(host_held + s.cache.host._free) == list(range(220))
     assert s.cache.locked == 0
+    tiered.pool.close()
+    return tiered
 
 
 def path_tokens(node) -> list[int]:
@@ -92,7 +99,7 @@ def assert_same_kv(tiered: TieredEngine, big: Engine) -> None:
     for node in list(tiered.sched.cache.tree.nodes()):
         ref_slots = big.sched.cache.tree.match(path_tokens(node))[0][-len(node.slots):]
         assert len(ref_slots) == len(node.slots)
-        ref, mine = torch.tensor(ref_slots), torch.tensor(node.slots)
+        ref, mine = torch.tensor(ref_slots, device=kv.k[0].device), torch.tensor(node.slots, device=kv.k[0].device)
         for layer in (0, len(kv.k) - 1):
             for side, (ours, theirs) in enumerate(((kv.k[layer], ref_kv.k[layer]), (kv.v[layer], ref_kv.v[layer]))):
                 got = pool[side, layer][mine] if node.on_host else ours[mine]

@@ -36,13 +36,13 @@ class Engine:
     """Router logic and worker runner without processes: plans run in order as soon as they are
     made (as the worker does), results come back `depth` steps later (as the router sees them)."""
 
-    def __init__(self, model, prompt_cache: bool, kv_slots: int, depth: int = 2):
+    def __init__(self, model, prompt_cache: bool, kv_slots: int, depth: int = 2, cuda_graphs: bool = False):
         self.sched = Scheduler(SchedulerLimits(
             kv_slots=kv_slots, max_running=MAX_ROWS, batch_max_tokens=48, chunked_prefill=True,
             chunked_prefill_size=16, max_wait_tokens=2, token_ratio=0.0, max_model_len=256, eos_ids=(2,),
             pipeline_depth=depth, prompt_cache=prompt_cache))
         kv = model.make_kv_cache(kv_slots + 1, MAX_ROWS + 1, 256)
-        self.runner = ModelRunner(model, kv, MAX_ROWS, torch.device("cpu"))
+        self.runner = ModelRunner(model, kv, MAX_ROWS, kv.k[0].device, cuda_graphs=cuda_graphs)
         self.evicted = 0
         if prompt_cache:
             tree = self.sched.cache.tree
