@@ -1,6 +1,7 @@
 """What a checkpoint says about itself: one reader for config.json (+ generation_config.json) and one
 for GGUF metadata, used by the launcher's planner (derived values, rules) and by the worker (the
-architecture of a checkpoint it loads). No torch: the launcher imports this.
+architecture of a checkpoint it loads); and one map from the tensor names of every layout transformers
+has written to the names llaunch's modules read. No torch: the launcher imports this.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from llaunch.runtime.config import DType
 from llaunch.runtime.models.audio_config import audio_fields
@@ -36,6 +37,48 @@ DTYPE_NAMES = {
 
 class CheckpointError(ValueError):
     """model.path exists but cannot be read as a checkpoint."""
+
+
+# Where transformers has put each part of a served model: a checkpoint name's prefix → the name llaunch's
+# modules read, which is transformers 4.x's layout of Llama, Qwen2 and Qwen2-VL/2.5-VL (model., lm_head.,
+# visual.) with Qwen2-Audio's towers (audio_tower., multi_modal_projector.). The first prefix that matches
+# wins, so the longer come first. Which version writes which: tests/unit/test_checkpoint_layouts.py.
+TENSOR_PREFIXES = (
+    ("language_model.model.model.", "model."),  # Qwen2-Audio saved by transformers 5.10-5.20 (renamed twice on save)
+    ("language_model.model.", "model."),  # Qwen2-Audio saved by 4.x, 5.0, 5.24: a Qwen2ForCausalLM inside
+    ("language_model.lm_head.", "lm_head."),  # Qwen2-Audio, every version
+    # transformers' own module names since 4.52, written where save_pretrained's renaming back was skipped
+    # (Trainer/DeepSpeed saves of Qwen2-VL/2.5-VL); the names transformers 5 loads into without renaming
+    ("model.language_model.", "model."),
+    ("model.visual.", "visual."),
+    ("model.audio_tower.", "audio_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("language_model.", "model."),  # Qwen2VLModel (no LM head) saved alone by 5.x
+    # LlamaModel / Qwen2Model (no LM head) saved alone: without the base_model_prefix
+    ("embed_tokens.", "model.embed_tokens."),
+    ("layers.", "model.layers."),
+    ("norm.", "model.norm."),
+)
+
+
+def model_tensor_name(name: str) -> str:
+    """The name llaunch's modules read the checkpoint tensor `name` by, whichever layout it was saved in."""
+    for prefix, ours in TENSOR_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return name
+
+
+def model_tensor_names(names: Iterable[str]) -> dict[str, str]:
+    """{name llaunch's modules read: name in the checkpoint} for a checkpoint's tensor names."""
+    out: dict[str, str] = {}
+    for name in names:
+        ours = model_tensor_name(name)
+        if ours in out:
+            raise CheckpointError(f"checkpoint tensors {out[ours]} and {name} are both {ours} "
+                                  "(two layouts mixed in one checkpoint)")
+        out[ours] = name
+    return out
 
 
 @dataclass(frozen=True)

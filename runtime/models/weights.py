@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from llaunch.runtime.config import ModelConfig
-from llaunch.runtime.models.checkpoint import find_gguf, read_checkpoint
+from llaunch.runtime.models.checkpoint import find_gguf, model_tensor_names, read_checkpoint
 
 # Dummy weights of models up to this size are drawn as full tensors on CPU and then sliced, so any
 # tp size sees the same model (tests compare tp2 with tp1); larger ones draw each shard on the device.
@@ -46,11 +46,13 @@ def _check_shape(name: str, found, expected) -> None:
 
 
 class SafetensorsSource:
-    """A Hugging Face folder: *.safetensors, sharded per model.safetensors.index.json or not."""
+    """A Hugging Face folder: *.safetensors, sharded per model.safetensors.index.json or not, in any layout
+    transformers has written; read by the names llaunch's modules use (checkpoint.model_tensor_names)."""
 
     def __init__(self, folder: str):
         from safetensors import safe_open
 
+        self._folder = folder
         self._files = ExitStack()
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.exists(index):
@@ -65,27 +67,31 @@ class SafetensorsSource:
         handles = {f: self._files.enter_context(safe_open(os.path.join(folder, f), framework="pt")) for f in files}
         if weight_map is None:
             weight_map = {name: f for f, h in handles.items() for name in h.keys()}
-        self._where = {name: handles[f] for name, f in weight_map.items()}
-        # Qwen2-Audio keeps its language model under language_model.: read it by the decoder's names too
-        self._real = {n.removeprefix("language_model."): n for n in self._where
-                      if n.startswith("language_model.") and n.removeprefix("language_model.") not in self._where}
-        self._where.update({alias: self._where[n] for alias, n in self._real.items()})
+        self._file = {name: handles[f] for name, f in weight_map.items()}  # checkpoint name → its file
+        self._names = model_tensor_names(weight_map)  # our name → checkpoint name
 
     def has(self, name: str) -> bool:
-        return name in self._where
+        return name in self._names
+
+    def _tensor(self, name: str) -> tuple[str, object]:
+        """(the checkpoint's name for our `name`, its file)."""
+        if name not in self._names:
+            tops = sorted({n.split(".")[0] for n in self._file})
+            raise KeyError(f"checkpoint {self._folder} has no tensor {name} in any layout transformers has "
+                           f"written (its {len(self._file)} tensors' names begin with {', '.join(tops)})")
+        real = self._names[name]
+        return real, self._file[real]
 
     def read(self, shard) -> torch.Tensor:
-        if shard.name not in self._where:
-            raise KeyError(f"checkpoint has no tensor {shard.name}")
-        tensor = self._where[shard.name].get_slice(self._real.get(shard.name, shard.name))
-        _check_shape(shard.name, tensor.get_shape(), shard.full_shape)
+        real, file = self._tensor(shard.name)
+        tensor = file.get_slice(real)
+        _check_shape(real, tensor.get_shape(), shard.full_shape)
         return _slice(tensor, shard)
 
     def read_whole(self, name: str) -> torch.Tensor:
         """A whole tensor of any shape (0-d included): the small scales of an fp8 checkpoint."""
-        if name not in self._where:
-            raise KeyError(f"checkpoint has no tensor {name}")
-        return self._where[name].get_tensor(self._real.get(name, name))
+        real, file = self._tensor(name)
+        return file.get_tensor(real)
 
     def close(self) -> None:
         self._files.close()
