@@ -133,13 +133,16 @@ class VisionBlock(nn.Module):
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp.fc2(self.act(self.mlp.fc1(x)))
 
-    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.attn.qkv(x).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    def qkv_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [tokens, embed_dim] → q, k, v [tokens, heads, head_dim], q and k rotated."""
+        q, k, v = self.attn.qkv(x).reshape(x.shape[0], 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # float32, as transformers' apply_rotary_pos_emb_vision
         q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
         k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
-        return self.attn.proj(attend(q, k, v).reshape(n, -1))
+        return q, k, v
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        return self.attn.proj(attend(*self.qkv_rotary(x, cos, sin)).reshape(x.shape[0], -1))
 
     def forward(self, x, cos, sin, attend: Attend):
         """`attend(q, k, v)`: attention within the segments this block attends over (frames, windows)."""

@@ -95,3 +95,35 @@ def test_transformers_4x_config_reads_as_the_7b_profile():
     for key in ("hidden_size", "num_hidden_layers", "max_position_embeddings", "mrope_section", "attention_bias"):
         assert ckpt.arch[key] == profile[key], key
     assert ckpt.arch.get("rope_scaling") is None  # M-RoPE, not a scaling
+
+
+# merged grids 3x5 (windows cut both ways), 4x4 (whole windows only), 1x1 (less than a window), two frames of
+# 2x3, 5x2; windows of 2x2 merged tokens (16 patches)
+AWKWARD = [(1, 6, 10), (1, 8, 8), (1, 2, 2), (2, 4, 6), (1, 10, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_image_encodes_the_same_alone_and_in_any_batch(dtype):
+    """Bit for bit, whatever it is batched with: in bfloat16 the 7B tower's 32 blocks amplify any rounding
+    difference to ~2.5% of the embeddings. On a GPU a GEMM's rounding may depend on its row count (cuBLAS picks
+    its kernel by shape), which this CPU cannot show: every linear sees one image's rows."""
+    arch = VisionArch(depth=4, embed_dim=32, hidden_size=24, num_heads=2, mlp_ratio=4, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, hidden_act="silu", intermediate_size=48,
+                      window_size=56, fullatt_block_indexes=(1,))
+    torch.manual_seed(0)
+    tower = Qwen2_5VisionTower(arch, "cpu", dtype).eval()
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name or "ln_q" in name else 0.2 * torch.randn_like(p))
+    pixels = [torch.randn(t * h * w, 3 * 2 * 14 * 14) for t, h, w in AWKWARD]
+    rows = []
+    for m in tower.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    batched = tower(torch.cat(pixels), AWKWARD).split([t * h * w // 4 for t, h, w in AWKWARD])
+    assert set(rows) == {t * h * w // d for t, h, w in AWKWARD for d in (1, 4)}  # patches, merged tokens
+    backwards = tower(torch.cat(pixels[::-1]), AWKWARD[::-1]).split([t * h * w // 4 for t, h, w in AWKWARD[::-1]])
+    for image, grid, out, out_backwards in zip(pixels, AWKWARD, batched, backwards[::-1]):
+        alone = tower(image, [grid])
+        assert alone.abs().max() > 0.1
+        assert torch.equal(out, alone) and torch.equal(out_backwards, alone), grid
