@@ -17,7 +17,7 @@ import torch
 from llaunch.kernels import fp8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
-                   "silu_mul", "sampling", "greedy")
+                   "silu_mul", "sampling", "greedy", "fp8_block")
 
 
 def _use_triton(t) -> bool:
@@ -46,6 +46,7 @@ def triton_ops() -> types.SimpleNamespace:
         greedy_tokens=modules["greedy"].greedy_tokens,
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
+        fp8_block_linear=modules["fp8_block"].fp8_block_linear,
     )
 
 
@@ -124,8 +125,11 @@ def _one_row(x) -> bool:
 
 
 def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None):
-    """An fp8 layer (kernels/fp8.py): cuBLASLt's scaled GEMM on a GPU, its roundings in torch elsewhere."""
+    """An fp8 layer (kernels/fp8.py): on a GPU cuBLASLt's scaled GEMM, or for block-wise weights the
+    Triton block GEMM (kernels/fp8_block.py); their roundings in torch elsewhere."""
     if x.is_cuda and not settings.current.reference:
+        if weight.block is not None and weight.activations != fp8.NONE:
+            return triton_ops().fp8_block_linear(x, weight, bias)
         return fp8.scaled_mm_linear(x, weight, bias)
     return fp8.reference_linear(x, weight, bias)
 

@@ -1,11 +1,13 @@
-"""fp8 (e4m3) linear layers: weights stored as float8_e4m3fn with one float32 scale per output
-channel, activations quantized per token at run time (or with a checkpoint's static per-tensor scale,
-or not at all: weight-only).
+"""fp8 (e4m3) linear layers: weights stored as float8_e4m3fn with float32 scales, one per output
+channel (or per tensor, expanded to channels) or one per block of rows × columns (block-wise
+checkpoints); activations quantized at run time per token, or per token per block of columns for
+block-wise weights (or with a checkpoint's static per-tensor scale, or not at all: weight-only).
 
-GPU: torch._scaled_mm (cuBLASLt fp8 GEMM) with row-wise scales, activations [M, K] row-major and
-weights [N, K] row-major given as their column-major transpose. CPU: the reference, which performs
-the same roundings (activations to e4m3 and back, weights times scales) in the model's dtype, so CPU
-tests check the GPU path's numerics (up to the GEMM's accumulation order).
+GPU: per-channel layers through torch._scaled_mm (cuBLASLt fp8 GEMM) with row-wise scales,
+activations [M, K] row-major and weights [N, K] row-major given as their column-major transpose;
+block-wise layers through the Triton kernels of kernels/fp8_block.py. CPU: the reference, which
+performs the same roundings (activations to e4m3 and back, weights times scales) in the model's
+dtype, so CPU tests check the GPU path's numerics (up to the GEMM's accumulation order).
 """
 from __future__ import annotations
 
@@ -24,10 +26,13 @@ class Fp8Weight(NamedTuple):
     """What an fp8 linear layer hands the `linear` op in place of a weight tensor."""
 
     weight: torch.Tensor  # [N, K] float8_e4m3fn
-    scale: torch.Tensor  # [N] float32: row n of the real weight is weight[n] * scale[n]
-    activations: str = DYNAMIC  # dynamic (per token) | static (input_scale) | none (weight-only)
+    # float32, per channel [N]: row n of the real weight is weight[n] * scale[n]; block-wise
+    # [ceil(N / block[0]), ceil(K / block[1])]: weight[n, k] * scale[n // block[0], k // block[1]]
+    scale: torch.Tensor
+    activations: str = DYNAMIC  # dynamic (per token; per token per block[1] columns if block-wise) | static | none
     input_scale: Optional[torch.Tensor] = None  # static: [] float32
     scale_ub: Optional[float] = None  # dynamic: a token's absmax is clipped to this (FBGEMM's activation_scale_ub)
+    block: Optional[tuple[int, int]] = None  # block-wise: (rows, columns) one scale covers; None: per channel
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -43,9 +48,25 @@ def token_scales(x: torch.Tensor, scale_ub: Optional[float] = None) -> torch.Ten
     return (amax / FP8_MAX).clamp(min=MIN_SCALE)
 
 
+def group_scales(x: torch.Tensor, group: int) -> torch.Tensor:
+    """One float32 scale per `group` columns of each row of x [M, K] (the last group may be
+    narrower): their absmax / 448 → [M, ceil(K / group)]."""
+    m, k = x.shape
+    padded = F.pad(x.abs().float(), (0, -k % group))  # zeros never raise an absmax
+    return (padded.view(m, -1, group).amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
+
+
+def expand_columns(scales: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """Scales per group of columns [R, ceil(k / group)] → per column [R, k]."""
+    return scales.repeat_interleave(group, dim=1)[:, :k]
+
+
 def quantize_activations(x: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] → (e4m3 [M, K], float32 scales [M, 1]) as `w`'s activation mode says."""
-    if w.activations == STATIC:
+    """x [M, K] → (e4m3 [M, K], float32 scales) as `w`'s activation mode says: [M, 1] per token (or
+    static), [M, K] per column (block-wise: each token's block of columns has its own)."""
+    if w.block is not None:
+        scale = expand_columns(group_scales(x, w.block[1]), w.block[1], x.shape[1])
+    elif w.activations == STATIC:
         scale = w.input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     else:
         scale = token_scales(x, w.scale_ub)
@@ -58,12 +79,29 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(weight, scale[:, None]), scale
 
 
+def quantize_weight_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] → (e4m3 [N, K], float32 scale per block [ceil(N / rows), ceil(K / columns)]),
+    as block-wise checkpoints are written."""
+    n, k = weight.shape
+    rows, cols = block
+    padded = F.pad(weight.abs().float(), (0, -k % cols, 0, -n % rows))
+    amax = padded.view(padded.shape[0] // rows, rows, -1, cols).amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    return to_fp8(weight, expand_columns(scale.repeat_interleave(rows, dim=0)[:n], cols, k)), scale
+
+
 def dequantize_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
-    return (w.weight.float() * w.scale[:, None]).to(dtype)
+    if w.block is None:
+        return (w.weight.float() * w.scale[:, None]).to(dtype)
+    n, k = w.weight.shape
+    rows = torch.arange(n, device=w.scale.device) // w.block[0]
+    cols = torch.arange(k, device=w.scale.device) // w.block[1]
+    return (w.weight.float() * w.scale[rows[:, None], cols[None, :]]).to(dtype)
 
 
 def reference_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The roundings of the GPU path in plain torch: activations to e4m3 and back, dequantized weights."""
+    """The roundings of the GPU path in plain torch: activations to e4m3 and back, dequantized weights
+    (block-wise: the same sum as kernels/fp8_block.py's per-block float32 accumulation)."""
     if w.activations != NONE:
         flat = x.reshape(-1, x.shape[-1])
         q, scale = quantize_activations(flat, w)
@@ -73,7 +111,8 @@ def reference_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor]
 
 def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """cuBLASLt's fp8 GEMM with a scale per token (scale_a [M, 1]) and per channel (scale_b [1, N]).
-    Weight-only checkpoints (activations none) dequantize the weight and run the model dtype's GEMM."""
+    Weight-only checkpoints (activations none, also block-wise ones) dequantize the weight and run
+    the model dtype's GEMM."""
     if w.activations == NONE:
         return F.linear(x, dequantize_weight(w, x.dtype), bias)
     flat = x.reshape(-1, x.shape[-1])

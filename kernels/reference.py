@@ -23,29 +23,119 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
     return (out, h) if residual is not None else out
 
 
+def _default_inv_freq(theta: float, dim: int, device=None) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+
+
+def _llama3_inv_freq(theta, dim, s, device=None) -> torch.Tensor:
+    inv_freq = _default_inv_freq(theta, dim, device)
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def _yarn_inv_freq(theta, dim, s, max_position_embeddings, device=None) -> tuple[torch.Tensor, float]:
+    """transformers' _compute_yarn_parameters, step for step (the same float32 roundings)."""
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or max_position_embeddings / original
+
+    def mscale(scale, m=1):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1).to(device)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention
+
+
+def _dynamic_inv_freq(theta, dim, factor, trained, seq_len, device=None) -> torch.Tensor:
+    """transformers' _compute_dynamic_ntk_parameters for one sequence length: a Python int at load (its
+    base in float64), a tensor when the forward pass grows it (its base in float32)."""
+    seq_len = max(seq_len, trained) if isinstance(seq_len, int) else torch.maximum(seq_len, torch.tensor(trained))
+    base = theta * ((factor * seq_len / trained) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+
+
+def _longrope_inv_freq(theta, dim, ext_factors, device=None) -> torch.Tensor:
+    ext = torch.tensor(ext_factors, dtype=torch.float32, device=device)
+    return 1.0 / (ext * theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+
+
+def _longrope_attention(s, max_position_embeddings) -> float:
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or max_position_embeddings / original
+    if s.get("attention_factor") is not None:
+        return s["attention_factor"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling: Optional[dict] = None,
-                 device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_positions, head_dim // 2] in float32, with Llama-3 / linear rope scaling.
-    Computed in float32 as transformers does (the model then rounds them to its dtype, as transformers
-    does too), so a position's angle is the one the checkpoint's reference implementation uses."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-    if kind == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
+                 device=None, max_position_embeddings: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [max_positions, head_dim // 2] in float32 (times YaRN's / LongRoPE's attention
+    factor), with rope scaling (linear, llama3, yarn, dynamic, longrope) computed as transformers'
+    ROPE_INIT_FUNCTIONS do, so a position's angle is the one the checkpoint's reference implementation
+    uses (the model rounds the tables to its dtype, as transformers does too).
+
+    Dynamic NTK and LongRoPE change their frequencies with the sequence's length: transformers
+    recomputes them for a forward pass whose positions reach past the trained length (dynamic: past
+    max_position_embeddings, to the length's; LongRoPE: past original_max_position_embeddings, its long
+    factors), and cached keys keep the rotation they got. Row p holds what a token at position p gets
+    when it is the pass's last position, as in transformers' token-by-token decoding: greedy output
+    equals transformers' generate whenever the prompt fits the trained length. (transformers rotates a
+    longer prompt, prefilled at once, wholly with its length's frequencies; here each position keeps its
+    own, so a cached prefix and a chunked prefill rotate as one whole prefill does.)"""
+    s = scaling or {}
+    kind = s.get("rope_type", s.get("type")) or "default"
+    positions = torch.arange(max_positions, dtype=torch.int64, device=device).float()
+    attention = 1.0
+    if kind == "dynamic":
+        trained, factor = max_position_embeddings, s["factor"]
+        inv_freq = _dynamic_inv_freq(theta, head_dim, factor, trained, trained, device)
+        rows = [_dynamic_inv_freq(theta, head_dim, factor, trained, torch.tensor(p + 1), device)
+                for p in range(trained, max_positions)]
+        inv_freq = torch.cat([inv_freq.expand(min(trained, max_positions), -1), *[r[None] for r in rows]])
+    elif kind == "longrope":
+        original = s["original_max_position_embeddings"]
+        short = _longrope_inv_freq(theta, head_dim, s["short_factor"], device)
+        long = _longrope_inv_freq(theta, head_dim, s["long_factor"], device)
+        inv_freq = torch.where((positions >= original)[:, None], long, short)
+        attention = _longrope_attention(s, max_position_embeddings)
+    elif kind == "yarn":
+        inv_freq, attention = _yarn_inv_freq(theta, head_dim, s, max_position_embeddings, device)
     elif kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    elif kind not in (None, "default"):
-        raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
-    t = torch.arange(max_positions, dtype=torch.int64, device=device).float()
-    freqs = torch.outer(t, inv_freq)
-    return freqs.cos(), freqs.sin()
+        inv_freq = _llama3_inv_freq(theta, head_dim, s, device)
+    elif kind == "linear":
+        inv_freq = _default_inv_freq(theta, head_dim, device) / float(s["factor"])
+    elif kind == "default":
+        inv_freq = _default_inv_freq(theta, head_dim, device)
+    else:
+        raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn, dynamic, "
+                         "longrope)")
+    freqs = positions[:, None] * inv_freq if inv_freq.dim() == 2 else torch.outer(positions, inv_freq)
+    if attention == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * attention, freqs.sin() * attention
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

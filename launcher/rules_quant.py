@@ -1,6 +1,7 @@
 """The start-up rules about quantized weights and the fp8 KV cache: a checkpoint whose
 quantization_config llaunch does not implement is refused (read as plain weights it serves wrong
-text), and the fp8 switches are checked against each other (launcher/rules.py imports this module)."""
+text), as is a tensor-parallel split that cuts a block-wise checkpoint's blocks of input columns,
+and the fp8 switches are checked against each other (launcher/rules.py imports this module)."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,8 @@ from llaunch.launcher.rule_registry import rule
 from llaunch.launcher.rules_model import serves
 from llaunch.runtime.config import KvDType, LoadFormat, Mode
 from llaunch.runtime.models.checkpoint import read_checkpoint
-from llaunch.runtime.models.quant_scheme import SUPPORTED
+from llaunch.runtime.models.heads import HeadLayout
+from llaunch.runtime.models.quant_scheme import SUPPORTED, WeightQuant, splits_blocks
 
 
 @rule()
@@ -22,6 +24,41 @@ def checkpoint_quantization_supported(cfg):
             f"model.path={m.path} is quantized with {q.method} ({'; '.join(q.problems)}) per its config.json "
             f"quantization_config, which llaunch does not implement; llaunch serves {SUPPORTED}. Serve the "
             f"unquantized checkpoint instead (model.quantization=fp8 quantizes it at load)")
+    elif q is not None and q.block is not None:
+        yield from _blocks_split_whole(cfg, q)
+
+
+def _cut_layers(cfg, q: WeightQuant, tp: int) -> list[str]:
+    """The row-parallel layers whose input columns `tp` ranks would hold in pieces that cut q's blocks
+    (each rank quantizes its activations per block of columns: fp8_linear.Fp8RowParallelLinear)."""
+    m, cols = cfg.model, q.block[1]
+    layout = HeadLayout.of(m.num_attention_heads, m.num_key_value_heads, tp)
+    cut = []
+    if any(splits_blocks([(None if h is None else h * m.head_dim, n * m.head_dim) for h, n in layout.query_runs(r)],
+                         cols) for r in range(tp)):
+        heads = layout.heads_per_rank
+        cut.append(f"o_proj ({m.head_dim * heads} columns a rank: {heads} head{'s' * (heads != 1)} of {m.head_dim})")
+    if m.intermediate_size % tp == 0:
+        share = m.intermediate_size // tp
+        if any(splits_blocks([(r * share, share)], cols) for r in range(tp)):
+            cut.append(f"down_proj ({share} of intermediate_size={m.intermediate_size} a rank)")
+    return cut
+
+
+def _blocks_split_whole(cfg, q: WeightQuant):
+    m, p = cfg.model, cfg.parallel
+    dims = (m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.intermediate_size)
+    if None in dims or p.tp < 1 or m.num_attention_heads % m.num_key_value_heads:
+        return  # model_described and tp_splits_heads report these
+    cut = _cut_layers(cfg, q, p.tp)
+    if cut:
+        ok = [t for t in range(1, max(8, p.tp) + 1) if m.intermediate_size % t == 0 and not _cut_layers(cfg, q, t)
+              and (p.pad_heads or not HeadLayout.of(m.num_attention_heads, m.num_key_value_heads, t).padded)]
+        yield ("model.path", "parallel.tp"), (
+            f"model.path={m.path} holds fp8 weights in blocks of {q.block[0]}x{q.block[1]} (config.json "
+            f"quantization_config), and parallel.tp={p.tp} splits the input columns of {' and '.join(cut)} "
+            f"inside a block: each rank quantizes its activations per block of {q.block[1]} columns, so a rank's "
+            f"columns must begin on a block. Use parallel.tp of {', '.join(map(str, ok)) or 'none up to 8'}")
 
 
 @rule()

@@ -66,3 +66,27 @@ def test_an_fp8_checkpoint_serves_with_an_fp8_kv_cache_and_calibrates(tmp_path_f
     model = build_model(model_config_from_folder(root / "fp8"), device=torch.device("cpu"), dtype=torch.float32)
     use_fp8_kv(model, CacheConfig(kv_dtype=KvDType.fp8_e4m3))
     assert served == llaunch_greedy(model, prompt, 10)
+
+
+def test_a_block_wise_fp8_checkpoint_plans_and_a_tp_that_cuts_its_blocks_exits_2(tmp_path):
+    """Qwen2-7B's shape as a block-wise fp8 release (config.json alone: a dry run reads no weights):
+    tp2 plans with fp8 weights; tp8 splits down_proj's 18,944 input columns into 2,368 a rank, which
+    is not a whole number of 128-column blocks, so it is refused before anything starts."""
+    from gpu.conftest import profile_shape
+
+    folder = tmp_path / "qwen2-7b-fp8"
+    folder.mkdir()
+    block = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    config = profile_shape("qwen2-7b") | {"architectures": ["Qwen2ForCausalLM"], "torch_dtype": "bfloat16",
+                                          "quantization_config": block}
+    (folder / "config.json").write_text(json.dumps(config))
+    args = ("model=qwen2", f"model.path={folder}", "device=cuda", "dry_run=true")
+    ok = llaunch(tmp_path, *args, "parallel.tp=2")
+    assert ok.returncode == 0, ok.stderr
+    assert "fp8 linears" in ok.stderr, ok.stderr
+    (tmp_path / "tp8").mkdir()
+    cut = llaunch(tmp_path / "tp8", *args, "parallel.tp=8", "parallel.pad_heads=true")
+    assert cut.returncode == 2, (cut.stdout, cut.stderr)
+    assert "checkpoint_quantization_supported" in cut.stderr and "parallel.tp=8" in cut.stderr
+    assert "down_proj (2368 of intermediate_size=18944 a rank)" in cut.stderr
+    assert "Use parallel.tp of 1, 2, 4" in cut.stderr
