@@ -1,13 +1,34 @@
 """fp8 on the GPU: the scaled-matmul path of an fp8 linear layer (torch._scaled_mm, row-wise scales)
-against its dequantized reference on Qwen2-7B's linear shapes, batch 1 to a prefill chunk; a whole
-Qwen2-7B-shaped layer stack with model.quantization=fp8 against the bf16 model (prefill logits);
-and the fp8 KV cache's attention on CUDA tensors against the bf16 cache's Triton kernels."""
+against its dequantized reference on Qwen2-7B's linear shapes, batch 1 to a prefill chunk; a
+Qwen2-7B-shaped layer stack with model.quantization=fp8 against the float32 emulation of the same
+e4m3 roundings and the exact float32 model; real weights (SmolLM2) in fp8 against bf16, that
+emulation and transformers' float32; a block-wise fp8 checkpoint through the Triton block kernels
+(tests/kernels/test_kernel_fp8_block.py holds their kernel-level checks); and the fp8 KV cache's
+attention on CUDA tensors against the bf16 cache's Triton kernels.
+
+Why the 7B-shaped stack is not held to a cosine against bf16 (issue #35): its random weights
+(N(0, 0.02)) make every layer's output replace most of the residual, so any error compounds layer
+after layer. e4m3's 3-bit mantissa costs each linear 3.7% relative error (activations and weights
+2.65% each, with per-token and per-channel scales already), which 4 random layers turn into cosine
+0.963 min / 0.973 mean against the exact float32 model in the exact float32 emulation too (CPU, 128
+tokens): that bar measured e4m3, not the GPU path. Nor can the GPU path reach 0.99 against that
+emulation: bf16 activations (0.9997 alike to float32 ones through 4 layers) land a few values on
+the other side of an e4m3 rounding boundary, each such value moves by a whole e4m3 step, and the
+random layers compound those too (0.982 min / 0.987 mean, CPU emulation of _scaled_mm). So the stack
+checks what the GPU path decides: each fp8 linear on its own inputs against the emulation (0.999),
+and the whole model's distance to the exact answer against the emulation's (the same, within 10%:
+on CPU 0.0272 vs 0.0270 in mean 1 - cosine). The 0.99 bar against bf16 stays on real weights, as a
+mean over positions (SmolLM2's test says what e4m3 costs there).
+"""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from gpu.support import cosine_rows
+from gpu.support import agreement, cosine_rows
+from gpu.test_smollm2_agreement import llaunch_argmax, model_dir, reference  # noqa: F401 (fixtures)
 from llaunch.kernels import dispatch
 from llaunch.kernels.fp8 import DYNAMIC, NONE, STATIC, Fp8Weight, quantize_weight, reference_linear, scaled_mm_linear
 from llaunch.kernels.kv_fp8 import KvScales, store_kv
@@ -39,33 +60,196 @@ def test_scaled_mm_matches_the_dequantized_reference(rows, shape, activations):
     assert torch.equal(dispatch.linear(x, fp8, bias), got)  # the op the decoder calls takes this path
 
 
-def test_quantized_qwen2_7b_shape_prefill_close_to_bf16():
-    """4 layers of Qwen2-7B's shape, random weights: fp8 (quantized at load) vs bf16 prefill logits."""
-    from gpu.conftest import profile_shape
+def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
     from gpu.support import batch_of
+
+    n = len(ids)
+    kv = model.make_kv_cache(n + 1, 2, 4096)
+    kv.req_to_slots[0, :n] = torch.arange(n, dtype=torch.int32, device=model.device)
+    with torch.inference_mode():
+        return model.forward(batch_of(ids, list(range(n)), list(range(n)), [], [], prefill=0,
+                                      device=model.device), kv).float()
+
+
+def test_quantized_qwen2_7b_shape_is_as_close_to_exact_as_e4m3_allows(kernel_settings, monkeypatch):
+    """4 layers of Qwen2-7B's shape, random weights, 512 tokens prefilled. The bf16 model quantized
+    at load (model.quantization=fp8, _scaled_mm) vs the same weights in float32 run by the torch
+    references: unquantized (exact) and with the fp8 layers' e4m3 weights and scales (emulation)."""
+    from gpu.conftest import profile_shape
+    from llaunch.kernels import fp8
+    from llaunch.kernels.settings import Backend
     from llaunch.runtime.models.arch import ModelArch
     from llaunch.runtime.models.decoder import DecoderLM
     from llaunch.runtime.models.fp8_linear import quantize_linears
     from llaunch.runtime.models.layers import TpGroup
     from llaunch.runtime.models.weights import DummySource, load_from
 
-    shape = profile_shape("qwen2-7b") | {"num_hidden_layers": 4}
-    arch = ModelArch.from_hf_config(shape)
-    models = []
-    for quantize in (False, True):
-        model = DecoderLM(arch, TpGroup(), torch.device("cuda"), torch.bfloat16, 4096)
-        load_from(model, DummySource(0, torch.device("cuda"), full_tensors=False))
-        if quantize:
-            quantize_linears(model)
-        models.append(model.eval())
-    n = 512
-    ids = torch.randint(0, arch.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = []
-    for model in models:
-        kv = model.make_kv_cache(n + 1, 2, 4096)
-        kv.req_to_slots[0, :n] = torch.arange(n, dtype=torch.int32, device="cuda")
-        logits.append(model.forward(batch_of(ids, list(range(n)), list(range(n)), [], [], prefill=0), kv))
-    assert cosine_rows(logits[1], logits[0]).min().item() >= COSINE_MIN
+    arch = ModelArch.from_hf_config(profile_shape("qwen2-7b") | {"num_hidden_layers": 4})
+    cuda = torch.device("cuda")
+    gpu = DecoderLM(arch, TpGroup(), cuda, torch.bfloat16, 4096).eval()
+    load_from(gpu, DummySource(0, cuda, full_tensors=False))
+    wide = DecoderLM(arch, TpGroup(), cuda, torch.float32, 4096).eval()
+    with torch.no_grad():  # the same (bf16) weights, widened
+        for (_, w), (_, b) in zip(wide.named_parameters(), gpu.named_parameters(), strict=True):
+            w.copy_(b.float())
+    quantize_linears(gpu)
+    ids = torch.randint(0, arch.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    per_linear = []  # every fp8 linear call's worst row against the emulation on the same input
+    scaled_mm = dispatch.fp8_linear
+
+    def checked(x, w, bias=None):
+        y = scaled_mm(x, w, bias)
+        want = fp8.reference_linear(x.float(), w, None if bias is None else bias.float())
+        per_linear.append(cosine_rows(y, want).min().item())
+        return y
+
+    monkeypatch.setattr(dispatch, "fp8_linear", checked)
+    fp8_logits = _prefill_logits(gpu, ids)
+    monkeypatch.undo()
+    kernel_settings(backend=Backend.reference)  # float32 through the plain-torch ops, on the GPU
+    exact = _prefill_logits(wide, ids)
+    _same_fp8_weights(wide, gpu)
+    emulated = _prefill_logits(wide, ids)
+
+    gap = {name: (1 - cosine_rows(got, exact)).mean().item() for name, got in
+           (("fp8 GPU", fp8_logits), ("fp8 float32 emulation", emulated))}
+    both = cosine_rows(fp8_logits, emulated)
+    print(json.dumps({"fp8 linear calls": len(per_linear), "worst linear row cosine": round(min(per_linear), 6),
+                      "mean 1-cos to exact": {k: round(v, 5) for k, v in gap.items()},
+                      "GPU vs emulation cos min/mean": [round(both.min().item(), 4), round(both.mean().item(), 4)]}))
+    assert len(per_linear) == 4 * arch.num_hidden_layers and min(per_linear) >= 0.999
+    assert gap["fp8 GPU"] <= 1.1 * gap["fp8 float32 emulation"], gap
+
+
+def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kernel_settings, monkeypatch):  # noqa: F811
+    """Real weights: SmolLM2 with model.quantization=fp8 (quantized after loading, as the loader does)
+    on the 16 chats of test_smollm2_agreement, teacher-forced on transformers bf16's greedy
+    continuations, against llaunch bf16, the exact float32 model, and the float32 emulation of the
+    same e4m3 roundings on the same e4m3 weights (the plain-torch ops, on the GPU).
+
+    e4m3 itself is lossy on this model. On CPU (all 30 layers, 1,024 positions) the exact emulation
+    agrees with transformers float32 on 90.9% of top-1 tokens where llaunch bf16 agrees on 97.7%
+    (the bf16 + _scaled_mm path, emulated: 90.4%), and its logits' cosine to float32's is 0.87 at the
+    worst position, 0.991 on average. So issue #37's bar (fp8 within a point of bf16) and a minimum
+    cosine measure e4m3 on SmolLM2, not the GPU path. Held here: the logits' cosine to bf16's ≥ 0.99
+    on average over the scored positions (CPU: 0.9915, with all 30 layers; the mean, because the
+    minimum is set by the few positions whose logits e4m3 moves most, 0.78 on CPU); top-1 agreement
+    with float32 scored as served (one prefill, then 16-row decode steps) within two points of the
+    emulation's (the two round a few dozen near-tie positions differently, which moves either's
+    agreement by about a point both ways: 90.4% vs 90.9% on CPU over 16 chats, 91.8% vs 90.6% over 4);
+    and the logits' distance to float32 (mean 1 - cosine, which averages that noise out) within 10%
+    of the emulation's (CPU: 0.0085 vs 0.0087)."""
+    from llaunch.kernels.settings import Backend
+    from llaunch.runtime.models import weights
+    from llaunch.runtime.models.fp8_linear import Fp8Layer, quantize_linears
+
+    prompts, conts, _, exact = reference
+    cuda = torch.device("cuda", 0)
+    bf16_top = llaunch_argmax(model_dir, 0, 1, cuda, prompts, conts)
+    quantized = []
+    load = weights.load_from
+
+    def load_and_quantize(model, source, progress=None):  # llaunch_argmax loads through weights.load_from
+        load(model, source, progress)
+        quantize_linears(model)
+        quantized.append(sum(isinstance(m, Fp8Layer) for m in model.modules()))
+
+    monkeypatch.setattr(weights, "load_from", load_and_quantize)
+    fp8_top = llaunch_argmax(model_dir, 0, 1, cuda, prompts, conts)
+    monkeypatch.undo()
+    assert quantized and quantized[0] > 0  # the fp8 run was one
+
+    def scored(model) -> torch.Tensor:  # logits at the continuation positions, one prefill a chat
+        return torch.cat([_prefill_logits(model, p + c)[len(p) - 1: len(p) - 1 + len(c)]
+                          for p, c in zip(prompts, conts)])
+
+    gpu, wide = (_smollm2(model_dir, cuda, dtype) for dtype in (torch.bfloat16, torch.float32))
+    bf16 = scored(gpu)
+    quantize_linears(gpu)
+    fp8_logits = scored(gpu)
+    kernel_settings(backend=Backend.reference)  # float32 through the plain-torch ops, on the GPU
+    float32 = scored(wide)
+    _same_fp8_weights(wide, gpu)
+    emulated = scored(wide)
+    emulated_top = [t.argmax(-1).tolist() for t in emulated.split([len(c) for c in conts])]
+
+    to_bf16 = cosine_rows(fp8_logits, bf16)
+    gap = {name: (1 - cosine_rows(got, float32)).mean().item() for name, got in
+           (("fp8 GPU", fp8_logits), ("fp8 float32 emulation", emulated), ("bf16", bf16))}
+    agree = {"fp8 GPU (served)": agreement(fp8_top, exact), "fp8 float32 emulation": agreement(emulated_top, exact),
+             "bf16 (served)": agreement(bf16_top, exact)}
+    print(json.dumps({"top-1 agreement with transformers float32": {k: round(v, 4) for k, v in agree.items()},
+                      "fp8 vs bf16 logits cos min/mean": [round(x.item(), 4) for x in (to_bf16.min(), to_bf16.mean())],
+                      "mean 1-cos to float32": {k: round(v, 5) for k, v in gap.items()}, "positions": to_bf16.numel()}))
+    assert to_bf16.mean().item() >= COSINE_MIN
+    assert agree["fp8 GPU (served)"] >= agree["fp8 float32 emulation"] - 0.02, agree
+    assert gap["fp8 GPU"] <= 1.1 * gap["fp8 float32 emulation"], gap
+
+
+def _smollm2(model_dir: str, device: torch.device, dtype: torch.dtype):
+    from llaunch.runtime.models.arch import ModelArch
+    from llaunch.runtime.models.checkpoint import read_checkpoint
+    from llaunch.runtime.models.decoder import DecoderLM
+    from llaunch.runtime.models.layers import TpGroup
+    from llaunch.runtime.models.weights import SafetensorsSource, load_from
+
+    model = DecoderLM(ModelArch.from_checkpoint(read_checkpoint(model_dir)), TpGroup(), device, dtype, 4096)
+    source = SafetensorsSource(model_dir)
+    load_from(model, source)
+    source.close()
+    return model.eval()
+
+
+def _same_fp8_weights(wide, gpu) -> None:
+    """wide's linears to fp8 holding the GPU model's e4m3 weights and scales (not wide's own rounding)."""
+    from llaunch.runtime.models.fp8_linear import Fp8Layer, quantize_linears
+
+    quantize_linears(wide)
+    with torch.no_grad():
+        pairs = [(a, b) for a, b in zip(wide.modules(), gpu.modules(), strict=True) if isinstance(a, Fp8Layer)]
+        for a, b in pairs:
+            a.qweight.copy_(b.qweight)
+            a.weight_scale.copy_(b.weight_scale)
+
+
+@pytest.mark.parametrize("family, qkv_block", [("qwen2", (128, 128)), ("llama", (1, 128))])
+def test_block_fp8_checkpoint_runs_the_triton_kernels_as_its_reference(tmp_path, monkeypatch, family, qkv_block):
+    """A block-wise fp8 checkpoint (fixtures/fp8_checkpoints.py's wide tiny one, weight_scale_inv)
+    loaded on the GPU in bf16 as the worker loads it: every fp8 linear of a 300-token prefill and of
+    a 16-row decode step, through the Triton block kernels, against the float32 reference of the same
+    roundings on the same input. Qwen2's q‖k‖v holds a scale per block of rows, Llama's per row."""
+    from fixtures.fp8_checkpoints import WIDE, write_fp8_checkpoint
+    from fixtures.tiny_models import model_config_from_folder, write_tiny_checkpoint
+    from gpu.support import batch_of
+    from llaunch.kernels import fp8
+    from llaunch.runtime.models.fp8_linear import Fp8Layer
+    from llaunch.runtime.models.loader import build_model
+
+    float_dir = write_tiny_checkpoint(tmp_path / "float", family, seed=3, **WIDE)
+    write_fp8_checkpoint(float_dir, tmp_path / "fp8", tmp_path / "oracle", "fp8", "block", "dynamic")
+    model = build_model(model_config_from_folder(tmp_path / "fp8"), device=torch.device("cuda"), dtype=torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, Fp8Layer)]
+    assert len(layers) == 4 * model.arch.num_hidden_layers and layers[0].block == qkv_block
+    calls = []
+    kernel = dispatch.fp8_linear
+
+    def checked(x, w, bias=None):
+        y = kernel(x, w, bias)
+        want = fp8.reference_linear(x.float(), w, None if bias is None else bias.float())
+        calls.append((x.shape[0], w.block, cosine_rows(y, want).min().item()))
+        return y
+
+    monkeypatch.setattr(dispatch, "fp8_linear", checked)
+    ids = torch.randint(0, model.arch.vocab_size, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    _prefill_logits(model, ids)
+    kv = model.make_kv_cache(16 * 64, 17, 64)
+    kv.req_to_slots[:16] = torch.arange(16 * 64, dtype=torch.int32, device="cuda").view(16, 64)
+    rows = list(range(16))
+    with torch.inference_mode():
+        model.forward(batch_of(ids[:16], [0] * 16, [r * 64 for r in rows], rows, [1] * 16), kv)
+    assert sorted({m for m, *_ in calls}) == [16, 300] and all(block is not None for _, block, _ in calls)
+    assert min(c for *_, c in calls) >= 0.999, calls
 
 
 @pytest.mark.parametrize("seq_len", [1, 300, 2000])
