@@ -54,6 +54,11 @@ class ToolCallFormat(str, Enum):
     llama3_json = "llama3_json"  # {"name": ..., "parameters": {...}} (Llama 3)
 
 
+class UnknownFields(str, Enum):
+    warn = "warn"  # served without the field, which a log line and the X-Ignored-Fields header name (vLLM's way)
+    reject = "reject"  # a 400 naming the field
+
+
 class KvTransport(str, Enum):
     zmq = "zmq"  # pages through host memory over TCP: CPU, GPUs, across hosts
     nccl = "nccl"  # GPU to GPU through a NCCL pair group per prefill/decode rank pair (gloo on CPU)
@@ -101,7 +106,7 @@ class ModelConfig:
     # Served model name (the OpenAI `model` field). None: the checkpoint folder's (or .gguf file's)
     # name, as vLLM serves a path's last component; without a path, the family.
     name: Optional[str] = None
-    family: Optional[str] = None  # llama | qwen2; None: from config.json's model_type
+    family: Optional[str] = None  # llama | qwen2 | qwen3 | mistral | qwen2_vl | ...; None: from config.json's model_type
     path: Optional[str] = None  # Hugging Face folder (config.json, *.safetensors, tokenizer) or .gguf
     tokenizer: Optional[str] = None  # defaults to path
     load_format: LoadFormat = LoadFormat.auto  # auto: from path (.gguf or safetensors); dummy: random weights
@@ -131,7 +136,8 @@ class ModelConfig:
     vocab_size: Optional[int] = None  # architecture: embedding rows (may exceed the tokenizer's)
     max_position_embeddings: Optional[int] = None  # architecture: the trained context
     rope_theta: Optional[float] = None  # architecture: rotary base
-    rope_scaling: Optional[Dict[str, Any]] = None  # architecture: rope_scaling / rope_parameters (llama3, ...)
+    # architecture: rope_scaling / rope_parameters (linear, dynamic, yarn, longrope, llama3; null: plain RoPE)
+    rope_scaling: Optional[Dict[str, Any]] = None
     rms_norm_eps: Optional[float] = None  # architecture: RMSNorm epsilon
     tie_word_embeddings: Optional[bool] = None  # architecture: the LM head shares the embedding
     attention_bias: Optional[bool] = None  # q/k/v bias (Qwen2)
@@ -143,6 +149,8 @@ class ModelConfig:
     score_head: Optional[ScoreHead] = None  # task=score: the head's form; None: from config.json's architectures
     pad_token_id: Optional[int] = None  # task=score: trailing pad tokens are not pooled (transformers); config.json's
     mrope_section: Optional[List[int]] = None  # architecture: Qwen2-VL's M-RoPE runs of rotary frequencies (t, h, w)
+    # architecture: Mistral's attention window (tokens, every layer); a longer max_model_len is refused
+    sliding_window: Optional[int] = None
     vision: Optional[Dict[str, Any]] = None  # architecture: Qwen2-VL's vision tower and image token ids (config.json)
     audio: Optional[Dict[str, Any]] = None  # architecture: Qwen2-Audio's audio encoder and audio token id (config.json)
     # fp8: quantize a bf16/fp32 checkpoint's decoder linear weights to e4m3 at load (as vLLM's --quantization
@@ -293,6 +301,9 @@ class ServerConfig:
     tgi_api: bool = False
     metrics_port: Optional[int] = None  # /metrics also on this port, without the API key (LightLLM's metric_port); None: API port only
     metrics_host: str = "127.0.0.1"  # the interface of metrics_port's listener (0.0.0.0: every interface)
+    # A request field that no API llaunch speaks (OpenAI, vLLM, TGI, LightLLM) defines: warn (served
+    # without it; named in a log line and the X-Ignored-Fields response header) | reject (a 400 naming it).
+    unknown_fields: UnknownFields = UnknownFields.warn
 
 
 @dataclass(frozen=True)

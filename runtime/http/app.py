@@ -10,7 +10,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from quart import Quart, Response, request
 
-from llaunch.runtime.config import Mode, RunConfig
+from llaunch.runtime.config import Mode, RunConfig, UnknownFields
 from llaunch.runtime.http.audio import AudioInputs
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.http.engine_client import EngineClient, current_pd_link
@@ -26,6 +26,7 @@ from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.http.score_api import GENERATION_PATHS, ScoreApi, ScoreHead, score_model_refusal
 from llaunch.runtime.http.tgi_api import TgiApi, tgi_info
 from llaunch.runtime.http.tokenize_api import TokenizeApi
+from llaunch.runtime.http.unknown_fields import IGNORED_HEADER, begin_request, ignored_fields
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class FrontendSettings:
     score: Optional[ScoreHead] = None  # a score model (model.task=score): its head; None: a generating model
     tgi_info: Optional[dict] = None  # server.tgi_api: /generate* speak TGI, GET /info answers this
     images: Optional[object] = None  # a multimodal model: ImageInputs (runtime/http/images.py), or AudioInputs (audio.py)
+    warn_unknown_fields: bool = True  # server.unknown_fields=warn: served without them (runtime/http/unknown_fields.py)
 
     @staticmethod
     def from_run_config(cfg: RunConfig, tokenizer: PromptTokenizer, api_key: Optional[str] = None) -> "FrontendSettings":
@@ -64,6 +66,7 @@ class FrontendSettings:
                                all_prompt_logprobs=s.return_all_prompt_logprobs,
                                token_healing=s.token_healing)
         return FrontendSettings(limits=limits, api_key=api_key, max_body_bytes=s.max_body_bytes,
+                                warn_unknown_fields=s.unknown_fields is UnknownFields.warn,
                                 request_timeout_s=s.request_timeout_s, score=ScoreHead.of(m),
                                 tgi_info=tgi_info(cfg) if s.tgi_api else None,
                                 images=ImageInputs(m, cfg.visual) if m.vision
@@ -100,6 +103,19 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
 
     gatekeeper(app, settings.api_key, lifecycle, _OPEN_PATHS, _DRAIN_EXEMPT)
     json_errors(app, log)
+
+    @app.before_request
+    async def collect_unknown_fields() -> None:
+        begin_request(settings.warn_unknown_fields)
+
+    @app.after_request
+    async def name_ignored_fields(response: Response) -> Response:
+        ignored = ignored_fields()
+        if ignored:
+            log.warning("%s %s: fields no API defines were ignored (server.unknown_fields=warn): %s",
+                        request.method, request.path, ", ".join(ignored))
+            response.headers[IGNORED_HEADER] = ", ".join(ignored)
+        return response
     scoring = ScoreApi(engine, tokenizer, limits, lifecycle, settings.score)
 
     if settings.score is not None:
@@ -194,7 +210,8 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
                                            code="engine_stalled"))
         return json_response({"status": "ok", "running": engine.running, "stalled_replicas": stalled})
 
-    schema = openapi_document(limits, api_key=settings.api_key is not None, tgi=tgi)
+    schema = openapi_document(limits, api_key=settings.api_key is not None, tgi=tgi,
+                              warn_unknown_fields=settings.warn_unknown_fields)
 
     @app.get("/openapi.json")
     async def openapi() -> Response:

@@ -23,6 +23,7 @@ from llaunch.runtime.http.request_limits import (MAX_LOGIT_BIAS, ChoiceCount, Lo
                                                  greedy_temperature, max_new_tokens_for)
 from llaunch.runtime.http.structured_output import one_constraint, openai_sources
 from llaunch.runtime.http.tool_calls import tools_constraint
+from llaunch.runtime.http.unknown_fields import collecting_unknown, decode_without_unknown, unknown_field
 from llaunch.runtime.ipc.messages import Constraint, SamplingParams
 
 R = TypeVar("R")
@@ -30,6 +31,8 @@ R = TypeVar("R")
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None  # vLLM's: with include_usage, every chunk carries usage so far
+    include_obfuscation: Optional[bool] = None  # OpenAI's padding against length side channels: accepted, none added
 
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -93,6 +96,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats: usage in every chunk (only with include_usage, as vLLM)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=True):
@@ -181,9 +189,16 @@ def decode_body(body: bytes, request_type: Type[R]) -> R:
     if not body:
         raise bad_request("The request body is empty; send a JSON object.")
     try:
-        return msgspec.json.decode(body, type=request_type)
+        try:
+            return msgspec.json.decode(body, type=request_type)
+        except msgspec.ValidationError as e:
+            served = decode_without_unknown(body, request_type, e)  # server.unknown_fields=warn
+            if served is None:
+                raise
+            return served
     except msgspec.ValidationError as e:
-        raise bad_request(f"Invalid request: {e}", param=_param_of(str(e))) from None
+        hint = " (server.unknown_fields=reject)" if unknown_field(e) and not collecting_unknown() else ""
+        raise bad_request(f"Invalid request: {e}{hint}", param=_param_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"The body is not valid JSON: {e}") from None
     except RecursionError:

@@ -265,7 +265,7 @@ class OpenAIServing:
         if req.stream:
             await admitted(group)  # a refused request answers with its status, not a 200 stream
             events = self._stream(group, relay, header, choices, states, fmt, prompt_tokens, req.include_usage,
-                                  bool(req.return_token_ids))
+                                  bool(req.return_token_ids), req.continuous_usage)
             return sse_response(TrackedStream(events, group))
         try:
             async for index, delta in relayed(group, relay):
@@ -286,9 +286,13 @@ class OpenAIServing:
     async def _stream(self, group: RequestGroup, relay: SharedPromptLogprobs, header: shapes.ResponseHeader,
                       choices: list[Choice],
                       states: list[ChoiceState], fmt, prompt_tokens: int, include_usage: bool,
-                      token_ids: bool = False) -> AsyncIterator[bytes]:
+                      token_ids: bool = False, continuous_usage: bool = False) -> AsyncIterator[bytes]:
+        """`continuous_usage` (vLLM's continuous_usage_stats): every chunk carries the usage so far."""
+        def usage_now() -> Optional[dict]:
+            return _usage(choices, states, prompt_tokens) if continuous_usage else None
+
         for choice in fmt.opening(len(states)):  # one choice per chunk, as OpenAI streams
-            yield sse_event(header.chunk([choice], None, include_usage))
+            yield sse_event(header.chunk([choice], usage_now(), include_usage))
         try:
             async for index, delta in relayed(group, relay):
                 text = states[index].add(delta)
@@ -297,7 +301,7 @@ class OpenAIServing:
                 if token_ids and chunk:
                     chunk[0]["token_ids"] = delta.token_ids
                 for choice in chunk:
-                    yield sse_event(header.chunk([choice], None, include_usage))
+                    yield sse_event(header.chunk([choice], usage_now(), include_usage))
         except ApiError as e:
             yield sse_event(e.body())
             yield DONE

@@ -57,8 +57,11 @@ def _narrow(schema: dict[str, Any], field: str, **bounds: Any) -> None:
                 alternative.update(bounds)
 
 
-def openapi_document(limits: RequestLimits, api_key: bool, tgi: bool = False) -> dict[str, Any]:
-    """`tgi` (server.tgi_api): /generate, /generate_stream and / take TGI's request; GET /info."""
+def openapi_document(limits: RequestLimits, api_key: bool, tgi: bool = False,
+                     warn_unknown_fields: bool = True) -> dict[str, Any]:
+    """`tgi` (server.tgi_api): /generate, /generate_stream and / take TGI's request; GET /info.
+    `warn_unknown_fields` (server.unknown_fields=warn): objects may carry other properties (served
+    without them); else they are refused (additionalProperties false)."""
     native = TgiRequest if tgi else GenerateRequest
     bodies = {**_BODIES, "/generate": native, "/generate_stream": native, **({"/": native} if tgi else {})}
     gets = {**_GETS, **({"/info": "text-generation-inference's info."} if tgi else {})}
@@ -70,6 +73,9 @@ def openapi_document(limits: RequestLimits, api_key: bool, tgi: bool = False) ->
         for field in ("max_tokens", "max_completion_tokens"):
             _narrow(components[name], field, maximum=limits.max_model_len)
     _narrow(components["TgiParameters" if tgi else "GenerateParameters"], "max_new_tokens", maximum=limits.max_model_len)
+    if warn_unknown_fields:
+        for schema in components.values():
+            schema.pop("additionalProperties", None)
     ref = dict(zip(types, refs))
     paths: dict[str, Any] = {}
     for path, body in bodies.items():

@@ -37,7 +37,7 @@ def test_the_schema_describes_the_routes_with_their_bounds(server):
     assert doc["openapi"].startswith("3.1")
     assert {"/v1/completions", "/v1/chat/completions", "/generate", "/health/ready"} <= set(doc["paths"])
     completion = doc["components"]["schemas"]["CompletionRequest"]
-    assert completion["additionalProperties"] is False  # unknown fields are refused
+    assert "additionalProperties" not in completion  # server.unknown_fields=warn: other fields are served
     temperature = completion["properties"]["temperature"]["anyOf"][0]
     assert (temperature["minimum"], temperature["maximum"]) == (0.0, 100.0)
 

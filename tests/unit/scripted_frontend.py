@@ -89,12 +89,13 @@ class ScriptedEngine:
 class Server:
     """The app under Hypercorn in a thread with its own event loop."""
 
-    def __init__(self, tok: PromptTokenizer, api_key: str | None = None, replicas: int = 2):
+    def __init__(self, tok: PromptTokenizer, api_key: str | None = None, replicas: int = 2, **settings):
+        """`settings`: FrontendSettings fields (limits included) other than the defaults here."""
         self.engine = ScriptedEngine(tok)
         sock = listening_socket("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         self.fd = sock.detach()
-        self.settings = FrontendSettings(limits=LIMITS, api_key=api_key, heartbeat_max_age_s=1.0)
+        self.settings = FrontendSettings(**{"limits": LIMITS, "api_key": api_key, "heartbeat_max_age_s": 1.0, **settings})
         self.replicas = replicas
         self.tok = tok
         self.loop = asyncio.new_event_loop()

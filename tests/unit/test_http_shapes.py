@@ -44,7 +44,6 @@ def test_model_card_tokenize_and_detokenize(server, tok):
     assert out["token_strs"] is None
     assert post("/detokenize", {"model": MODEL, "tokens": out["tokens"]}) == (200, {"prompt": want})
     for path, body, param in [("/detokenize", {"tokens": [10**9]}, "tokens"),
-                              ("/tokenize", {"prompt": "x", "made_up": 1}, "made_up"),
                               ("/tokenize", {"messages": []}, "messages"),
                               ("/tokenize", {"model": "gpt-9", "prompt": "x"}, "model")]:
         status, out = post(path, body)
