@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 import llaunch.launcher
 from llaunch.runtime import config as schema
 
+# A checkout's root; in an installed wheel site-packages/llaunch, where conf/ is package data (pyproject.toml)
 REPO_ROOT = Path(llaunch.launcher.__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
 GROUPS = ("model", "parallel", "cache", "mode", "router", "server", "kernels", "visual", "audio", "spec", "bench")
