@@ -161,17 +161,20 @@ class EngineClient:
         return math.inf if self._last_heartbeat is None else time.monotonic() - self._last_heartbeat
 
     async def submit(self, jobs: list[tuple[list[int], SamplingParams]], pd: Optional[PdLink] = None,
-                     lifecycle: Optional[Lifecycle] = None, images: Optional[list] = None) -> RequestGroup:
+                     lifecycle: Optional[Lifecycle] = None, images: Optional[list] = None, priority: int = 0,
+                     replica: Optional[int] = None) -> RequestGroup:
         """`pd` (default: `current_pd_link`): the pd_master's transfer link of this HTTP request on a pd
         instance; choice c's engine request gets `<id>.<c>`. With a `lifecycle`, the HTTP request
         counts as in flight from here until the group's `close`. A failure part-way (a message that
         cannot be sent) leaves nothing behind: the group's routes and counts are undone and what was
-        sent is aborted."""
+        sent is aborted. `priority`: vLLM's (lower first); `replica`: LightLLM's suggested_dp_index
+        (one out of range is ignored, as LightLLM does)."""
         pd = pd if pd is not None else current_pd_link.get()
         if lifecycle is not None:
             lifecycle.begin()
         # One replica for the whole group: the n samples of a prompt share its prefix cache there.
-        replica = self.choose_replica(jobs[0][0])
+        if replica is None or not 0 <= replica < len(self.outstanding):
+            replica = self.choose_replica(jobs[0][0])
         ids = [f"{self.frontend_index}-{next(self._counter)}" for _ in jobs]
         group = RequestGroup(self, ids, replica, lifecycle, self.request_timeout_s)
         sent: list[str] = []
@@ -180,7 +183,7 @@ class EngineClient:
             for choice, (request_id, (prompt_ids, sampling)) in enumerate(zip(ids, jobs)):
                 link = None if pd is None else PdLink(id=f"{pd.id}.{choice}", decode_kv=pd.decode_kv)
                 msg = AddRequest(request_id=request_id, frontend=self.frontend_index, prompt_ids=prompt_ids,
-                                 sampling=sampling, arrival_time=now, pd=link, images=images or [])
+                                 sampling=sampling, arrival_time=now, pd=link, images=images or [], priority=priority)
                 # registered before it is sent: its answer may come back before post returns
                 tokens = len(prompt_ids) + sampling.max_new_tokens
                 self._routes[request_id] = _Route(group, choice, tokens, len(prompt_ids))

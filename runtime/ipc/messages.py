@@ -99,6 +99,7 @@ class AddRequest(_Msg):
     arrival_time: float  # time.time() at the frontend, for TTFT / e2e latency
     pd: Optional[PdLink] = None  # set on pd_prefill / pd_decode instances for the master's requests
     images: list[ImageRef] = []  # multimodal models: the prompt's images
+    priority: int = 0  # vLLM's: the router admits lower values first, in arrival order within one
 
 
 class AbortRequest(_Msg):

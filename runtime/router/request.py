@@ -21,7 +21,7 @@ class Status(enum.Enum):
 class Request:
     __slots__ = ("id", "frontend", "prompt_ids", "sampling", "arrival_time", "status", "row", "slots",
                  "num_computed", "num_planned", "steps_in_flight", "output_ids", "finish_reason", "num_cached",
-                 "prefix_node", "pd", "kv_ready", "scheduled_time", "images", "prefix_keys")
+                 "prefix_node", "pd", "kv_ready", "scheduled_time", "images", "prefix_keys", "priority")
 
     def __init__(self, msg: AddRequest, sampling: SamplingParams):
         self.id = msg.request_id
@@ -44,6 +44,7 @@ class Request:
         self.scheduled_time = 0.0  # when it got its row (wall clock, as the frontend stamps arrival)
         self.images = msg.images  # multimodal: handed to the worker with the request's row
         self.prefix_keys = None  # cache.dp_fetch: the prompt's token keys (runtime/cache/prefix_keys.py), hashed once
+        self.priority = msg.priority  # vLLM's: lower values are admitted first
 
     @property
     def prompt_len(self) -> int:

@@ -1,5 +1,6 @@
 """Continuous batching: each step runs every decoding request, continues chunked prefills and admits
-waiting requests FIFO while the token budget, the row limit and the KV budget allow.
+waiting requests while the token budget, the row limit and the KV budget allow: lower `priority`
+first (vLLM's), first come first served within a priority.
 
 Steps may be pipelined: with `pipeline_depth` 2 the router plans step N+1 before step N's tokens are
 back (the worker feeds each row its own last sampled token), so the GPU never waits for the host.
@@ -102,9 +103,16 @@ class Scheduler(PdTransfers):
         if req.pd is not None and self.limits.pd_role == "decode":
             self.awaiting_kv.append(req)
         else:
-            self.waiting.append(req)
+            self._enqueue(req)
         self.by_id[req.id] = req
         return None
+
+    def _enqueue(self, req: Request) -> None:
+        """Into the wait queue behind every request of its priority or a lower (more urgent) one."""
+        at = len(self.waiting)
+        while at and self.waiting[at - 1].priority > req.priority:
+            at -= 1
+        self.waiting.insert(at, req)
 
     def overloaded(self, request_id: str) -> TokenDelta:
         return TokenDelta(request_id=request_id, token_ids=[], finish_reason="overloaded",

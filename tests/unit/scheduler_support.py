@@ -14,9 +14,9 @@ def make(kv_slots=64, max_running=4, batch_max_tokens=16, chunked=True, chunk=8,
                                      pipeline_depth=depth, prompt_cache=prompt_cache, pd_role=pd_role))
 
 
-def req(rid, prompt_len, max_new, pd=None, **sp):
+def req(rid, prompt_len, max_new, pd=None, priority=0, **sp):
     msg = AddRequest(request_id=rid, frontend=0, prompt_ids=list(range(10, 10 + prompt_len)),
-                     sampling=SamplingParams(max_new_tokens=max_new, **sp), arrival_time=0.0, pd=pd)
+                     sampling=SamplingParams(max_new_tokens=max_new, **sp), arrival_time=0.0, pd=pd, priority=priority)
     return Request(msg, msg.sampling)
 
 

@@ -318,3 +318,17 @@ def test_admission_takes_ids_past_the_vocabulary_only_as_an_image_s_run():
     assert "outside the vocabulary" in why([1, 2, 105, 105, 105, 105, 3, 107])  # a stray id after it
     assert "outside the vocabulary" in why([1, 107, 105, 105, 105, 105, 3])  # before the image's offset
     assert "outside the vocabulary" in why([1, 2, 105, 3], images=())
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    """vLLM's priority: a lower value is admitted first; within one priority, first come first served."""
+    s = make(max_running=1, batch_max_tokens=64)
+    for rid, priority in [("late", 5), ("a", 0), ("urgent", -3), ("b", 0), ("later", 5), ("c", 0)]:
+        assert s.add(req(rid, 4, 1, priority=priority)) is None
+    assert [r.id for r in s.waiting] == ["urgent", "a", "b", "c", "late", "later"]
+    admitted = []
+    while s.waiting or s.num_running:
+        plan = s.schedule()
+        admitted += [n.request_id for n in plan.new]
+        answer(s, plan)
+    assert admitted == ["urgent", "a", "b", "c", "late", "later"]
