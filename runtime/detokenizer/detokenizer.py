@@ -39,6 +39,7 @@ class Detokenizer:
         self.requests: dict[str, OpenRequest] = {}
         self.last_snapshot = float("-inf")
         self.finished_since_snapshot = False
+        self._spaced: dict[str, dict[int, str]] = {}
         self._handlers: dict[type, Callable[[Any, float], dict[int, TextBatch]]] = {
             RequestOpened: self._open,
             TokenBatch: self._tokens,
@@ -54,11 +55,22 @@ class Detokenizer:
     def _open(self, msg: RequestOpened, now: float) -> dict[int, TextBatch]:
         if msg.request_id in self.requests:
             log.warning("request %s opened twice; starting it over", msg.request_id)
-        decoder = IncrementalDecoder(self.tokenizer, msg.sampling.skip_special_tokens, msg.sampling.stop,
-                                     msg.sampling.heal_text, msg.sampling.include_stop_str_in_output,
-                                     msg.sampling.min_tokens)
+        sp = msg.sampling
+        decoder = IncrementalDecoder(self.tokenizer, sp.skip_special_tokens, sp.stop, sp.heal_text,
+                                     sp.include_stop_str_in_output, sp.min_tokens,
+                                     self._spaced_tokens(sp.skip_special_tokens) if sp.spaces_between_special_tokens
+                                     else None)
         self.requests[msg.request_id] = OpenRequest(msg, decoder)
         return {}
+
+    def _spaced_tokens(self, skip_special: bool) -> dict[int, str]:
+        """spaces_between_special_tokens: the added tokens that stay in the text, by id → their text."""
+        key = "skip" if skip_special else "keep"
+        if key not in self._spaced:
+            special = set(getattr(self.tokenizer, "all_special_ids", ()))
+            added = getattr(self.tokenizer, "added_tokens_decoder", {})
+            self._spaced[key] = {i: t.content for i, t in added.items() if not (skip_special and i in special)}
+        return self._spaced[key]
 
     def _tokens(self, msg: TokenBatch, now: float) -> dict[int, TextBatch]:
         out: dict[int, list[TextDelta]] = {}
@@ -83,9 +95,13 @@ class Detokenizer:
         req.scheduled_time = delta.scheduled_time or req.scheduled_time
         pieces: list[str] = []
         used = 0
-        for token_id in delta.token_ids:
-            pieces.append(req.decoder.push(token_id))
+        # the eos / stop token that ends the output: its text only where asked (vLLM's include_stop_str_in_output)
+        silent = len(delta.token_ids) - 1 if delta.finish_reason == "stop" and not req.opened.sampling.stop_token_text else -1
+        for k, token_id in enumerate(delta.token_ids):
             used += 1
+            if k == silent:
+                break
+            pieces.append(req.decoder.push(token_id))
             if req.decoder.stopped:
                 break  # tokens after the stop string are not part of the output
         finish = "stop" if req.decoder.stopped else delta.finish_reason

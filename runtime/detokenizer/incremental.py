@@ -9,7 +9,7 @@ at the end, what is still held is decoded against the tokens before it.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from tokenizers.decoders import DecodeStream
 
@@ -41,10 +41,14 @@ class IncrementalDecoder:
     """Token ids in, text out; stops at the first stop string (see StopStringMatcher)."""
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 heal_text: str = "", keep_stop: bool = False, min_tokens: int = 0):
+                 heal_text: str = "", keep_stop: bool = False, min_tokens: int = 0,
+                 spaced_tokens: Optional[Mapping[int, str]] = None):
         """`heal_text`: token healing's backed-off text, which the first tokens repeat: left out before
         the stop strings see the text, so they match only what the client gets. `keep_stop`: the stop string that ends the text is part of it.
-        `min_tokens`: stop strings end the text only in the tokens after these (vLLM's rule)."""
+        `min_tokens`: stop strings end the text only in the tokens after these (vLLM's rule).
+        `spaced_tokens` (spaces_between_special_tokens): these tokens' texts (the added tokens kept in
+        the text) stand apart from the text around them by a space, as a slow tokenizer's decode joins
+        its runs of ordinary tokens and its added tokens."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
@@ -54,6 +58,9 @@ class IncrementalDecoder:
         self.matcher = StopStringMatcher(stop, keep_stop)
         self.strip = PrefixStrip(heal_text)
         self.min_tokens = min_tokens
+        self.spaced = spaced_tokens
+        self._spoken = False  # some text went out (a space then separates the next added token)
+        self._after_spaced = False  # the last token was a spaced one: the next text starts with a space
 
     @property
     def stopped(self) -> bool:
@@ -62,9 +69,17 @@ class IncrementalDecoder:
     def push(self, token_id: int) -> str:
         """Add one generated token; returns the text that can be sent now (may be empty)."""
         self.ids.append(token_id)
-        piece = self._stream.step(self._backend, token_id)
-        if piece is None:
-            return ""
+        if self.spaced is not None and token_id in self.spaced:
+            piece = (" " if self._spoken else "") + self.spaced[token_id]
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)  # the next run starts anew
+            self._after_spaced = True
+        else:
+            piece = self._stream.step(self._backend, token_id)
+            if piece is None:
+                return ""
+            if self._after_spaced and piece:
+                piece, self._after_spaced = " " + piece, False
+        self._spoken = self._spoken or bool(piece)
         self._settled = len(self.ids)
         return self.matcher.feed(self.strip(piece), armed=len(self.ids) > self.min_tokens)
 

@@ -39,6 +39,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     stop: list[str] = []  # stop strings: handled by the detokenizer, not returned
     include_stop_str_in_output: bool = False  # but the one that ended the text is returned (vLLM's field; TGI's way)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = False  # added tokens stand apart by a space (a slow tokenizer's decode)
+    stop_token_text: bool = True  # the text of the eos / stop token that ended the output is part of it
     logprobs: bool = False  # return the chosen token's logprob
     top_logprobs: int = 0  # and this many most likely alternatives
     min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one's probability

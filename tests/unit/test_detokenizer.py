@@ -319,6 +319,34 @@ def test_special_tokens_per_request(tokenizer):
     assert not any(d.stopped_by_string for d in out[0].deltas)
 
 
+def test_the_stop_token_text_only_where_asked(tokenizer):
+    """vLLM leaves the eos / stop token that ended the output out of the text unless
+    include_stop_str_in_output (LightLLM: print_eos_token); a token that did not end it stays."""
+    detok = Detokenizer(tokenizer, model_name="m")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode("ok") + [end]
+    for rid, keep in (("0-k", True), ("0-s", False)):
+        sampling = SamplingParams(max_new_tokens=9, skip_special_tokens=False, stop_token_text=keep)
+        detok.handle(RequestOpened(request_id=rid, frontend=0, prompt_len=3, sampling=sampling, arrival_time=0.0), 0.0)
+    out = detok.handle(TokenBatch(deltas=[TokenDelta("0-k", ids, finish_reason="stop"),
+                                          TokenDelta("0-s", ids, finish_reason="stop")]), 1.0)[0].deltas
+    assert [d.text for d in out] == ["ok<|im_end|>", "ok"]
+    assert [d.token_ids for d in out] == [ids, ids] and out[1].completion_tokens == len(ids)  # still counted
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_spaces_between_special_tokens_as_a_slow_tokenizer_joins_them(tokenizer, skip):
+    start, end = tokenizer.convert_tokens_to_ids("<|im_start|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = [start] + tokenizer.encode("user\nhi") + [end, start] + tokenizer.encode("bye")
+    spaced = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()
+              if not (skip and i in tokenizer.all_special_ids)}
+    decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip, spaced_tokens=spaced)
+    text = "".join(decoder.push(t) for t in ids) + decoder.flush()
+    assert text == ("user\nhibye" if skip else "<|im_start|> user\nhi <|im_end|> <|im_start|> bye")
+    plain = IncrementalDecoder(tokenizer, skip_special_tokens=skip)
+    assert "".join(plain.push(t) for t in ids) + plain.flush() == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
 def test_each_finished_request_is_one_log_line(tokenizer, caplog):
     detok = Detokenizer(tokenizer, model_name="smollm2")
     ids = tokenizer.encode("three more words")
