@@ -24,9 +24,10 @@ $(VENV)/.installed: pyproject.toml
 $(MODELS_DIR)/smollm2-135m/config.json: $(VENV)/.installed scripts/prepare_models.py
 	$(BIN)/python scripts/prepare_models.py --out $(MODELS_DIR)
 
-# Qwen2 / Llama-3 tokenizers for the sized profiles (qwen2-7b, ... with dummy weights)
+# Qwen2 / Llama-3 / Llama-2 tokenizers for the sized profiles (qwen2-7b, mistral-7b, ... with dummy weights)
 $(MODELS_DIR)/qwen2-tokenizer/tokenizer.json: $(VENV)/.installed scripts/prepare_tokenizers.py
 	$(BIN)/python scripts/prepare_tokenizers.py --out $(MODELS_DIR)
+	touch $@
 
 serve: setup
 	$(BIN)/llaunch

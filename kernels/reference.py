@@ -69,12 +69,20 @@ def _yarn_inv_freq(theta, dim, s, max_position_embeddings, device=None) -> tuple
     return inv_freq, attention
 
 
-def _dynamic_inv_freq(theta, dim, factor, trained, seq_len, device=None) -> torch.Tensor:
-    """transformers' _compute_dynamic_ntk_parameters for one sequence length: a Python int at load (its
-    base in float64), a tensor when the forward pass grows it (its base in float32)."""
-    seq_len = max(seq_len, trained) if isinstance(seq_len, int) else torch.maximum(seq_len, torch.tensor(trained))
-    base = theta * ((factor * seq_len / trained) - (factor - 1)) ** (dim / (dim - 2))
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+def _dynamic_inv_freq(theta, dim, factor, trained, lengths: Optional[torch.Tensor], device=None) -> torch.Tensor:
+    """transformers' _compute_dynamic_ntk_parameters: lengths None gives the load-time frequencies [dim/2]
+    (its base in float64); else a row per sequence length past `trained` [n, dim/2], as a forward pass
+    that grows the length computes them (its base a float32 tensor)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    if lengths is None:
+        base = theta * ((factor * trained / trained) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** exponents)
+    x = (factor * lengths / trained) - (factor - 1)
+    # a strided view keeps torch on its element-by-element pow, which one 0-dim length takes in
+    # transformers (its vectorized pow differs in the last bit)
+    x = torch.stack([x, x], 1)[:, 0]
+    base = theta * x ** (dim / (dim - 2))
+    return 1.0 / (base[:, None] ** exponents[None, :])
 
 
 def _longrope_inv_freq(theta, dim, ext_factors, device=None) -> torch.Tensor:
@@ -111,10 +119,10 @@ def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling: Optio
     attention = 1.0
     if kind == "dynamic":
         trained, factor = max_position_embeddings, s["factor"]
-        inv_freq = _dynamic_inv_freq(theta, head_dim, factor, trained, trained, device)
-        rows = [_dynamic_inv_freq(theta, head_dim, factor, trained, torch.tensor(p + 1), device)
-                for p in range(trained, max_positions)]
-        inv_freq = torch.cat([inv_freq.expand(min(trained, max_positions), -1), *[r[None] for r in rows]])
+        grown = torch.arange(trained + 1, max_positions + 1, device=device)  # row p: length p + 1
+        inv_freq = torch.cat([_dynamic_inv_freq(theta, head_dim, factor, trained, None, device)
+                              .expand(min(trained, max_positions), -1),
+                              _dynamic_inv_freq(theta, head_dim, factor, trained, grown, device)])
     elif kind == "longrope":
         original = s["original_max_position_embeddings"]
         short = _longrope_inv_freq(theta, head_dim, s["short_factor"], device)

@@ -14,6 +14,8 @@ from pathlib import Path
 from llaunch.launcher import gpus
 from llaunch.runtime.config import (Device, DType, LlaunchConfig, LoadFormat, Mode, ModelConfig, ModelTask, ScoreHead,
                                     RouterConfig, SpecMethod)
+from llaunch.runtime.models import rope
+from llaunch.runtime.models.arch import QKV_BIAS_FAMILIES
 from llaunch.runtime.models.checkpoint import (ARCH_FIELDS, Checkpoint, CheckpointError, checkpoint_dtype, is_gguf,
                                                read_checkpoint)
 
@@ -70,11 +72,11 @@ def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
     family = model.family or (ckpt.family if ckpt else None)
     if arch["head_dim"] is None and arch["hidden_size"] and arch["num_attention_heads"]:
         arch["head_dim"] = arch["hidden_size"] // arch["num_attention_heads"]
-    if family in ("llama", "qwen2"):
+    if family in ("llama", "mistral", "qwen2", "qwen3"):
         if arch["tie_word_embeddings"] is None:
             arch["tie_word_embeddings"] = False
         if arch["attention_bias"] is None:
-            arch["attention_bias"] = family == "qwen2"
+            arch["attention_bias"] = family in QKV_BIAS_FAMILIES
     load_format = model.load_format
     if load_format == LoadFormat.auto and path:
         load_format = LoadFormat.gguf if is_gguf(path) else LoadFormat.safetensors
@@ -91,8 +93,20 @@ def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
         model, **arch, **score_fields(model, ckpt, arch["num_labels"]), name=model.name or hub_id or served_name(path) or family, family=family, path=path, tokenizer=_absolute(model.tokenizer) or path,
         load_format=load_format, dtype=dtype, eos_token_ids=eos,
         sampling_defaults={**(ckpt.sampling if ckpt and model.generation_config else {}), **model.sampling_defaults},
-        max_model_len=model.max_model_len or arch["max_position_embeddings"],
+        max_model_len=model.max_model_len or default_context(arch),
     )
+
+
+def default_context(arch: dict) -> int | None:
+    """The context a checkpoint is served at unless model.max_model_len says otherwise: its trained
+    length, stretched by its rope scaling (YaRN, linear, dynamic), within its attention window
+    (Mistral's sliding_window: served exactly only up to it)."""
+    if arch["max_position_embeddings"] is None:
+        return None
+    longest = arch["max_position_embeddings"]
+    if not rope.rope_problems(arch["rope_scaling"], arch["head_dim"]):
+        longest = rope.context_length(longest, arch["rope_scaling"])
+    return min(longest, arch["sliding_window"] or longest)
 
 
 def score_fields(model: ModelConfig, ckpt: Checkpoint | None, num_labels: int | None) -> dict:

@@ -1,5 +1,5 @@
-"""The start-up rules about the model: its family, checkpoint, description, dtype and context (the
-others are launcher/rules.py's, which imports this module to register these)."""
+"""The start-up rules about the model: its family, checkpoint, description, dtype, rotary scaling and
+context (the others are launcher/rules.py's, which imports this module to register these)."""
 from __future__ import annotations
 
 import math
@@ -7,11 +7,13 @@ import os
 
 from llaunch.launcher.rule_registry import rule
 from llaunch.runtime.config import Device, DType, LlaunchConfig, LoadFormat, Mode
+from llaunch.runtime.models import rope
+from llaunch.runtime.models.arch import FAMILIES  # qwen2_vl / qwen2_5_vl: Qwen2-VL / Qwen2.5-VL (images)
 from llaunch.runtime.models.checkpoint import is_gguf, read_checkpoint
 
-FAMILIES = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl")  # qwen2_vl: Qwen2-VL (images; runtime/models/vision_qwen2.py),
-# qwen2_5_vl: Qwen2.5-VL (its window-attention tower: runtime/models/vision_qwen2_5.py)
-SIZED_PROFILES = "model=qwen2-0.5b | qwen2-7b | qwen2-72b | llama3-8b | tiny-qwen2 | tiny-llama"
+GGUF_FAMILIES = ("llama", "qwen2")  # GGUF's general.architecture that runtime/models/weights.py reads (Mistral's is llama)
+SIZED_PROFILES = ("model=qwen2-0.5b | qwen2-7b | qwen2-72b | qwen3-8b | llama3-8b | mistral-7b | tiny-qwen2 | "
+                  "tiny-llama")
 SERVING_MODES = (Mode.normal, Mode.pd_prefill, Mode.pd_decode)  # modes that run workers
 
 
@@ -23,7 +25,27 @@ def serves(cfg: LlaunchConfig) -> bool:
 def family_supported(cfg):
     if cfg.model.family not in FAMILIES:
         yield ("model.family",), (f"model.family={cfg.model.family!r} is not served; llaunch runs "
-                                  f"{' and '.join(FAMILIES)} checkpoints")
+                                  f"{', '.join(FAMILIES)} checkpoints (config.json's model_type)")
+
+
+@rule(needs=("model.family",))
+def gguf_family_served(cfg):
+    m = cfg.model
+    ckpt = read_checkpoint(m.path) if m.path and is_gguf(m.path) else None
+    if ckpt is not None and m.family not in GGUF_FAMILIES:
+        yield ("model.path", "model.family"), (
+            f"model.path={m.path} is a GGUF of model.family={m.family!r}; llaunch reads GGUF files of "
+            f"{' and '.join(GGUF_FAMILIES)} (Mistral's too); serve the Hugging Face checkpoint instead")
+
+
+@rule()
+def rope_scaling_supported(cfg):
+    m = cfg.model
+    if problems := rope.rope_problems(m.rope_scaling, m.head_dim):
+        yield ("model.rope_scaling",), (
+            f"model.rope_scaling={m.rope_scaling!r}: {'; '.join(problems)}; llaunch computes default, "
+            f"{', '.join(rope.ROPE_TYPES)} rotary tables (transformers' rope_type names): serve another "
+            "checkpoint, or fix model.rope_scaling (null: plain RoPE)")
 
 
 @rule()
@@ -94,7 +116,7 @@ def profile_matches_checkpoint(cfg):
 @rule()
 def checkpoint_features_supported(cfg):
     ckpt = read_checkpoint(cfg.model.path) if cfg.model.path and serves(cfg) else None
-    if ckpt is not None and ckpt.unsupported:
+    if ckpt is not None and ckpt.unsupported and cfg.model.family in FAMILIES:  # else family_supported says it
         yield ("model.path",), (f"model.path={cfg.model.path} uses {', '.join(ckpt.unsupported)}, which llaunch's "
                                 f"{ckpt.family} model does not implement; serve another checkpoint")
 
@@ -111,8 +133,24 @@ def checkpoint_dtype_supported(cfg):
 @rule(needs=("model.max_model_len", "model.max_position_embeddings"))
 def context_within_model(cfg):
     m = cfg.model
-    if not 1 <= m.max_model_len <= m.max_position_embeddings:
+    if rope.rope_problems(m.rope_scaling, m.head_dim):
+        return  # rope_scaling_supported says why
+    longest = rope.context_length(m.max_position_embeddings, m.rope_scaling)
+    if not 1 <= m.max_model_len <= longest:
+        scaled = f" stretched by model.rope_scaling ({rope.rope_type(m.rope_scaling)})" \
+            if longest != m.max_position_embeddings else ""
         yield ("model.max_model_len", "model.max_position_embeddings"), (
-            f"model.max_model_len={m.max_model_len} is outside 1..model.max_position_embeddings="
-            f"{m.max_position_embeddings}: the model was not trained for longer contexts; lower "
+            f"model.max_model_len={m.max_model_len} is outside 1..{longest} (model.max_position_embeddings="
+            f"{m.max_position_embeddings}{scaled}): the model was not trained for longer contexts; lower "
             f"model.max_model_len or leave it unset")
+
+
+@rule(needs=("model.max_model_len",))
+def context_within_sliding_window(cfg):
+    m = cfg.model
+    if m.sliding_window is not None and m.max_model_len > m.sliding_window:
+        yield ("model.max_model_len", "model.sliding_window"), (
+            f"model.max_model_len={m.max_model_len} is longer than the checkpoint's attention window "
+            f"model.sliding_window={m.sliding_window}; llaunch attends over the whole context, which equals "
+            f"windowed attention only up to the window: set model.max_model_len={m.sliding_window} (or leave it "
+            "unset: it defaults to the window)")

@@ -10,7 +10,7 @@ from llaunch.launcher.rule_registry import rule
 from llaunch.runtime.config import Mode, ModelTask, SpecMethod
 from llaunch.runtime.models.checkpoint import CheckpointError, read_checkpoint
 
-DRAFT_FAMILIES = ("llama", "qwen2")  # text-only causal LMs (runtime/models/decoder.py)
+DRAFT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # text-only causal LMs (runtime/models/decoder.py)
 
 MAX_SPEC_TOKENS = 16  # proposals per row and step; beyond, a verify step costs more than a miss saves
 

@@ -1,11 +1,11 @@
-"""Make the Qwen2 and Llama-3 tokenizers available offline, so the sized profiles (qwen2-7b,
-qwen2-72b, llama3-8b, ... with model.load_format=dummy) serve real text without a checkpoint.
+"""Make the Qwen2, Llama-3 and Llama-2 (SentencePiece) tokenizers available offline, so the sized profiles
+(qwen2-7b, qwen3-8b, llama3-8b, mistral-7b, ... with model.load_format=dummy) serve real text without a checkpoint.
 
 The source archive of llama-cpp-python carries llama.cpp's vocab-only GGUF files with reference
 token ids (`.inp` / `.out`); transformers converts each into a Hugging Face tokenizer folder:
 
     python scripts/prepare_tokenizers.py [--out DIR]     # DIR: $LLAUNCH_MODELS_DIR or <repo>/.models
-    -> DIR/qwen2-tokenizer, DIR/llama3-tokenizer (each with the reference cases beside it)
+    -> DIR/qwen2-tokenizer, DIR/llama3-tokenizer, DIR/llama-spm-tokenizer (each with the reference cases beside it)
 
 Idempotent; needs PyPI once (pip download of the archive), then nothing.
 """
@@ -22,7 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ARCHIVE = "llama-cpp-python==0.3.36"
-VOCABS = {"qwen2-tokenizer": "ggml-vocab-qwen2.gguf", "llama3-tokenizer": "ggml-vocab-llama-bpe.gguf"}
+VOCABS = {"qwen2-tokenizer": "ggml-vocab-qwen2.gguf", "llama3-tokenizer": "ggml-vocab-llama-bpe.gguf",
+          "llama-spm-tokenizer": "ggml-vocab-llama-spm.gguf"}
 
 
 def fetch_vocabs(work: Path) -> Path:

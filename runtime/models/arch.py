@@ -1,4 +1,4 @@
-"""The architecture of a Llama/Qwen2 decoder: every number the model code needs, nothing optional.
+"""The architecture of a Llama/Qwen2/Qwen3/Mistral decoder: every number the model code needs, nothing optional.
 
 The launcher fills `ModelConfig`'s architecture fields from the checkpoint (runtime/models/checkpoint.py)
 or a sized profile; `from_model_config` only reads them back. `from_checkpoint` / `from_hf_config` build
@@ -12,7 +12,8 @@ from typing import Any, Optional
 from llaunch.runtime.config import ModelConfig
 from llaunch.runtime.models.checkpoint import Checkpoint, parse_hf_config
 
-FAMILIES = ("llama", "qwen2", "qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")
+QKV_BIAS_FAMILIES = ("qwen2", "qwen2_vl", "qwen2_5_vl")  # q/k/v bias whatever config.json says, no o bias
 
 _REQUIRED = ("family", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
              "max_position_embeddings")
@@ -23,7 +24,7 @@ _ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_at
 
 @dataclass(frozen=True)
 class ModelArch:
-    family: str  # llama | qwen2 (Qwen2 = Llama with q/k/v bias)
+    family: str  # llama, mistral (Llama's shape) | qwen2 (+ q/k/v bias) | qwen3 (+ q/k RMSNorm per head)
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -35,7 +36,7 @@ class ModelArch:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool  # bias on q/k/v (and on o for Llama, as transformers' LlamaAttention does)
+    attention_bias: bool  # bias on q/k/v (and on o for Llama and Qwen3, as their transformers attention does)
     rope_scaling: Optional[dict[str, Any]] = None
     num_labels: Optional[int] = None  # a score head of this many outputs in place of the LM head (model.task=score)
     score_mlp: bool = False  # the score head is Linear + ReLU + Linear with biases (Qwen2ForRewardModel)
@@ -50,7 +51,12 @@ class ModelArch:
 
     @property
     def o_proj_bias(self) -> bool:
-        return self.family == "llama" and self.attention_bias
+        return self.family not in QKV_BIAS_FAMILIES and self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: q and k go through an RMSNorm over each head (weights [head_dim]) before rotary."""
+        return self.family == "qwen3"
 
     @property
     def num_params(self) -> int:
@@ -58,7 +64,7 @@ class ModelArch:
         attn = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
         if self.attention_bias:  # q, k, v biases (and o's for Llama)
             attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads) + (h if self.o_proj_bias else 0)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        layer = attn + 3 * h * self.intermediate_size + 2 * h + (2 * d if self.qk_norm else 0)
         heads = 1 if self.tie_word_embeddings or self.num_labels else 2
         score = (self.num_labels or 0) * h + ((h * h + h + self.num_labels) if self.score_mlp else 0)
         return self.num_hidden_layers * layer + heads * self.vocab_size * h + h + score
@@ -100,7 +106,7 @@ class ModelArch:
         defaults = {"num_key_value_heads": fields["num_attention_heads"],
                     "head_dim": fields["hidden_size"] // fields["num_attention_heads"],
                     "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                    "attention_bias": family in ("qwen2", "qwen2_vl", "qwen2_5_vl")}
+                    "attention_bias": family in QKV_BIAS_FAMILIES}
         fields.update({k: v for k, v in defaults.items() if fields[k] is None})
         fields["rope_theta"], fields["rms_norm_eps"] = float(fields["rope_theta"]), float(fields["rms_norm_eps"])
         return cls(family=family, rope_scaling=rope_scaling or None, num_labels=num_labels,

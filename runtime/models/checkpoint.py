@@ -13,6 +13,7 @@ from functools import lru_cache
 from typing import Any, Iterable, Optional
 
 from llaunch.runtime.config import DType
+from llaunch.runtime.models import rope
 from llaunch.runtime.models.audio_config import audio_fields
 from llaunch.runtime.models.vision_config import multimodal_fields
 from llaunch.runtime.models.quant_scheme import WeightQuant, checkpoint_weight_quant
@@ -22,7 +23,7 @@ ARCH_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
     "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "num_labels",
-    "mrope_section", "vision", "audio",
+    "mrope_section", "vision", "audio", "sliding_window",
 )
 # config.json architectures whose head scores a sequence instead of predicting tokens (model.task=score)
 SCORE_HEADS = ("ForSequenceClassification", "RewardModel")  # RewardModel: also *ForProcessRewardModel (refused)
@@ -158,16 +159,19 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
     if rope_scaling is None:
         rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
     mrope_section = (rope_scaling or rope_parameters).get("mrope_section") if vision is not None else None
-    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default", "mrope"):
-        rope_scaling = None  # plain RoPE
+    partial_rotary = c.get("partial_rotary_factor", (rope_scaling or rope_parameters).get("partial_rotary_factor", 1.0))
+    rope_scaling = rope.normalize(rope_scaling, c)  # None: plain RoPE
     heads = c.get("num_attention_heads")
+    head_dim = c.get("head_dim")
+    if head_dim is None and family == "qwen3":
+        head_dim = 128  # Qwen3Config's default: not hidden_size / heads
     arch = {
         "hidden_size": c.get("hidden_size"),
         "intermediate_size": c.get("intermediate_size"),
         "num_hidden_layers": c.get("num_hidden_layers"),
         "num_attention_heads": heads,
         "num_key_value_heads": c.get("num_key_value_heads") or heads,
-        "head_dim": c.get("head_dim"),
+        "head_dim": head_dim,
         "vocab_size": c.get("vocab_size"),
         "max_position_embeddings": c.get("max_position_embeddings"),
         "rope_theta": c.get("rope_theta", rope_parameters.get("rope_theta")),
@@ -178,12 +182,18 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
         "mrope_section": list(mrope_section) if mrope_section else None,
         "vision": vision,
         "audio": audio_fields(top),  # Qwen2-Audio: its audio encoder and audio token id (runtime/models/audio_config.py)
+        # Mistral attends within this many tokens in every layer (MistralConfig's default 4096 when unset)
+        "sliding_window": c.get("sliding_window", 4096) if family == "mistral" else None,
     }
     eos = _eos_list(c.get("eos_token_id"))
     if generation:  # generate() stops at these too: take the union
         eos += [t for t in _eos_list(generation.get("eos_token_id")) if t not in eos]
     dtype = c.get("torch_dtype", c.get("dtype", top.get("torch_dtype", top.get("dtype"))))
     unsupported = [f"{key}=true" for key in ("mlp_bias", "use_sliding_window") if c.get(key)]
+    if family != "mistral" and "sliding_attention" in (c.get("layer_types") or []):
+        unsupported.append("sliding_attention layers (layer_types)")
+    if partial_rotary != 1.0:
+        unsupported.append(f"partial_rotary_factor={partial_rotary} (rotary on part of each head)")
     sampling = {k: float(generation[k]) for k in SAMPLING_KEYS
                 if generation and isinstance(generation.get(k), (int, float)) and not isinstance(generation[k], bool)}
     architectures = [a for a in c.get("architectures") or [] if isinstance(a, str)]
@@ -245,8 +255,10 @@ def _from_gguf(path: str) -> Checkpoint:
         "vocab_size": vocab,
         "max_position_embeddings": key("context_length"),
         "rope_theta": _float32(key("rope.freq_base")) if key("rope.freq_base") else None,
-        "rope_scaling": ({"rope_type": scaling_type, "factor": key("rope.scaling.factor")}
-                         if scaling_type not in (None, "none") else None),
+        "rope_scaling": rope.normalize(
+            {"rope_type": scaling_type, "factor": key("rope.scaling.factor"),
+             "original_max_position_embeddings": key("rope.scaling.original_context_length")}
+            if scaling_type not in (None, "none") else None, {"max_position_embeddings": key("context_length")}),
         "rms_norm_eps": (_float32(key("attention.layer_norm_rms_epsilon"))
                          if key("attention.layer_norm_rms_epsilon") else None),
         "tie_word_embeddings": "output.weight" not in tensors,  # no LM head: it reuses the embedding
@@ -271,3 +283,30 @@ def checkpoint_dtype(ckpt: Optional[Checkpoint]) -> Optional[DType]:
     if ckpt is None or ckpt.dtype is None:
         return None
     return DTYPE_NAMES.get(ckpt.dtype.removeprefix("torch."))
+
+
+SAFETENSORS_HEADER_MAX = 100 << 20  # bytes of one file's JSON header; larger is not a safetensors file
+
+
+def safetensors_names(folder: str) -> Optional[list[str]]:
+    """The tensor names of a Hugging Face folder's weights, as saved (model_tensor_name maps them): its
+    model.safetensors.index.json's, else every *.safetensors file's JSON header (8 bytes of length, then
+    JSON), nothing loaded; None when it has no *.safetensors."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        return list(_read_json(index).get("weight_map") or {})
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        return None
+    names: list[str] = []
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                if not 2 <= size <= SAFETENSORS_HEADER_MAX:
+                    raise ValueError(f"a header of {size} bytes")
+                header = json.loads(f.read(size))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read the safetensors header of {path}: {e}") from e
+        names += [name for name in header if name != "__metadata__"]
+    return names

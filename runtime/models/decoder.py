@@ -1,4 +1,5 @@
-"""The one decoder for Llama and Qwen2 (Qwen2 = Llama + q/k/v bias), over the token-slot KV cache.
+"""The one decoder for Llama, Mistral, Qwen2 (Llama + q/k/v bias) and Qwen3 (Llama + an RMSNorm over each
+q and k head before rotary), over the token-slot KV cache.
 
 A forward step takes a decode-first ForwardBatch: decode tokens attend through `decode_attention`,
 prefill chunks (possibly continuing a cached prefix) through `prefill_attention`; every token's K/V
@@ -11,7 +12,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from llaunch.kernels import decode_attention, gated_linear, prefill_attention, qkv_rotary_store_kv, rope_cos_sin
+from llaunch.kernels import (decode_attention, gated_linear, linear, prefill_attention, qkv_rotary_store_kv, rmsnorm,
+                             rope_cos_sin, rotary_store_kv)
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.models.heads import HeadLayout
@@ -42,14 +44,26 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q_full, 0, 0, hidden, bias=arch.o_proj_bias, tp=tp,
                                         device=device, dtype=dtype,
                                         in_parts=[(None if h is None else h * d, n * d) for h, n in q_runs])
+        # Qwen3: RMSNorm over each q / k head (weights [head_dim], the same for every head: replicated)
+        self.q_norm = RMSNorm(f"{prefix}.q_norm", d, arch.rms_norm_eps, device, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(f"{prefix}.k_norm", d, arch.rms_norm_eps, device, dtype) if arch.qk_norm else None
         self.kv_scales = None  # an fp8 KV cache's scales for this layer (runtime/models/kv_fp8.py)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q, k, v = qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
-                                      batch.positions, cos, sin, k_cache, v_cache, batch.out_slots, self.kv_scales,
-                                      with_kv=True)  # k, v: an fp8 cache's chunk unrounded (None otherwise)
+        if self.q_norm is None:
+            q, k, v = qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads,
+                                          self.num_kv_heads, batch.positions, cos, sin, k_cache, v_cache,
+                                          batch.out_slots, self.kv_scales,
+                                          with_kv=True)  # k, v: an fp8 cache's chunk unrounded (None otherwise)
+        else:
+            q, k, v = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
+                [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+            q = self.q_norm(q.reshape(t, self.num_heads, d))
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, d))
+            q, k, v = rotary_store_kv(q, k, v.view(t, self.num_kv_heads, d), batch.positions, cos, sin, k_cache,
+                                      v_cache, batch.out_slots, self.kv_scales, with_kv=True)
         nd = batch.num_decode
         if not batch.num_prefill_tokens:  # a decode-only step: the attention output is the whole tensor
             out = decode_attention(q, k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
@@ -151,7 +165,8 @@ class DecoderLM(nn.Module):
             self.lm_head = head(arch.hidden_size, arch.num_labels, device, dtype)
         else:
             self.lm_head = ParallelLMHead("lm_head", self.embed_tokens, arch.tie_word_embeddings, device, dtype)
-        cos, sin = rope_cos_sin(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device=device)
+        cos, sin = rope_cos_sin(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device=device,
+                                max_position_embeddings=arch.max_position_embeddings)
         cos, sin = cos.to(dtype), sin.to(dtype)  # transformers rounds its tables to the model dtype too
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

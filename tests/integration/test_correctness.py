@@ -52,6 +52,17 @@ def test_tiny_models_greedy_equals_transformers(family, tmp_path_factory, tiny_d
         check_greedy(server, oracles(family), f"tiny-{family}", max_new=24, eos=set())
 
 
+# Qwen3 (q/k norms, head_dim 24 in a width of 64) found by model=auto, its 6 heads and 2 KV heads split over
+# two ranks; Mistral's 5 heads over 1 KV head padded to 6 at tp2
+@pytest.mark.parametrize("family,overrides", [("qwen3", ["model=auto", "parallel=tp2"]),
+                                              ("mistral", ["model=mistral", "parallel=tp2", "parallel.pad_heads=true"])])
+def test_qwen3_and_mistral_greedy_at_tp2_equals_transformers(family, overrides, tmp_path_factory, tiny_dirs, oracles):
+    overrides = [*overrides, f"model.path={tiny_dirs[family]}", f"model.name=tiny-{family}",
+                 "router.chunked_prefill_size=8", "router.batch_max_tokens=24"]  # force chunked prefill
+    with start_server(tmp_path_factory, f"greedy-{family}", overrides) as server:
+        check_greedy(server, oracles(family), f"tiny-{family}", max_new=24, eos=set())
+
+
 def test_smollm2_greedy_equals_transformers(smollm2_server, oracles):
     oracle = oracles("smollm2")
     eos = {oracle.tokenizer.convert_tokens_to_ids("<|im_end|>"), oracle.tokenizer.eos_token_id}

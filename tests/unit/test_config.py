@@ -199,7 +199,8 @@ def test_resolve_reads_older_spellings(tmp_path):
     checkpoint.read_checkpoint.cache_clear()
     m = derive.resolve_model(ModelConfig(path=str(tmp_path), max_model_len=100), Device.cuda)
     assert m.family == "llama" and m.dtype == DType.float16 and m.rope_theta == 10000.0
-    assert m.rope_scaling == {"rope_type": "llama3", "factor": 8.0}
+    # as transformers standardizes it: the pre-scaling length defaults to max_position_embeddings
+    assert m.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 256}
     assert m.eos_token_ids == [3, 4] and m.tie_word_embeddings is True and m.attention_bias is True
     assert m.max_model_len == 100  # set values are kept
 

@@ -38,7 +38,7 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor):
     assert diff <= tol, f"max |ours - transformers| = {diff:.3g} > {tol:.3g}"
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama", "smollm2"])
+@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-mistral", "smollm2"])
 def setup(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -63,7 +63,8 @@ BREAKS = {
     "sampling_defaults_valid": [["model.sampling_defaults={temperature:-1}"], ["model.sampling_defaults={beams:2}"]],
     "api_key_source": [["server.api_key=k", "server.api_key_file=/etc/hostname"],
                        ["server.api_key_file=/no/such/key"], ["server.api_key_file=/dev/null"]],
-    "family_supported": [["model.family=mistral"]],
+    "family_supported": [["model.family=gemma2"], ["model.family=qwen3_moe"]],
+    "context_within_sliding_window": [["model.sliding_window=256", "model.max_model_len=512"]],
     "zmq_mode_fits_nodes": [["parallel=dp2", "parallel.nnodes=2", "parallel.master_port=29000",
                              "parallel.node_addrs=[10.0.0.1,10.0.0.2]", "parallel.zmq_mode=ipc"]],
     "cuda_mps_needs_gpus": [["parallel.cuda_mps=true"]],
@@ -153,7 +154,8 @@ def test_every_rule_has_a_break_case():
                             "cuda_mps_daemon_installed",  # tests/unit/test_host_switches.py
                             "generate_needs_lm_head", "score_head_supported",  # tests/unit/test_score_model.py
                             "metrics_port_free",  # tests/integration/test_tgi_api.py
-                            "checkpoint_quantization_supported"}  # tests/unit/test_quant_rules.py
+                            "checkpoint_quantization_supported",  # tests/unit/test_quant_rules.py
+                            "gguf_family_served", "rope_scaling_supported"}  # tests/unit/test_model_families.py
     assert {r.name for r in rules.RULES} == tested
 
 

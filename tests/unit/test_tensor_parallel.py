@@ -1,6 +1,7 @@
 """Tensor parallelism: two gloo processes running tp2 give the logits of tp1 (float32, CPU) on
-mixed prefill/decode batches, for tiny Qwen2 (2 KV heads, untied, vocab not divisible by 2) and tiny
-Llama (1 KV head: replicated on both ranks; tied embeddings)."""
+mixed prefill/decode batches, for tiny Qwen2 (2 KV heads, untied, vocab not divisible by 2), tiny
+Llama (1 KV head: replicated on both ranks; tied embeddings), tiny Qwen3 (q/k norms, head_dim 24 in a
+width of 64, one KV head per rank) and tiny Mistral (5 query heads over 1 KV head: padded to 6)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,6 +50,8 @@ def tp_runs(tmp_path_factory):
     cfgs = {
         "qwen2": model_config_from_folder(write_tiny_checkpoint(root / "qwen2", "qwen2", vocab_size=49155)),
         "llama": model_config_from_folder(write_tiny_checkpoint(root / "llama", "llama")),
+        "qwen3": model_config_from_folder(write_tiny_checkpoint(root / "qwen3", "qwen3")),
+        "mistral": model_config_from_folder(write_tiny_checkpoint(root / "mistral", "mistral")),
     }
     mp.spawn(rank_main, args=(cfgs, str(root / "rendezvous"), str(root)), nprocs=TP, join=True)
     return root, cfgs
@@ -56,7 +59,7 @@ def tp_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["qwen2", "llama"])
+@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "mistral"])
 def test_tp2_logits_equal_tp1(tp_runs, name):
     root, cfgs = tp_runs
     single = run_steps(build_model(cfgs[name], device=torch.device("cpu"), dtype=torch.float32))
