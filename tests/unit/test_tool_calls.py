@@ -76,3 +76,30 @@ def test_a_call_nested_deeper_than_the_json_decoder_recurses_is_content():
     stream = ToolCallStream("hermes")
     deltas = stream.feed(text) + stream.finish()
     assert "".join(d.get("content") or "" for d in deltas) == text
+
+
+@pytest.mark.parametrize("fmt,text,name,arguments", [
+    ("hermes", "Sure. " + call_text("hermes", "a", {}) + '\n<tool_call>\n{"name": "cut", "arguments": {"x": [1, 2',
+     "cut", '{"x": [1, 2'),
+    ("hermes", 'Sure. <tool_call>\n{"na', None, None),
+    ("hermes", "Sure. <tool_", None, None),
+    ("llama3_json", 'Sure. {"name": "cut", "parameters": {"x"', "cut", '{"x"'),
+])
+def test_a_call_cut_by_the_length_limit_is_a_call_not_content(fmt, text, name, arguments):
+    """finish_reason length: an opened call that did not close is the call cut short (its name and the
+    arguments so far, as OpenAI returns one), or nothing when not even its name was written: its markup
+    is never content. Whole text and stream agree."""
+    content, calls = parse_tool_calls(text, fmt, cut=True)
+    assert content == "Sure."
+    cut = [c for c in calls if c.name == "cut"]
+    assert [(c.name, c.arguments) for c in cut] == ([(name, arguments)] if name else [])
+    for seed in range(3):
+        rng, stream, deltas, at = random.Random(seed), ToolCallStream(fmt), [], 0
+        while at < len(text):
+            step = rng.randint(1, 6)
+            deltas += stream.feed(text[at:at + step])
+            at += step
+        deltas += stream.finish(cut=True)
+        got_content, got_calls = _reassemble(deltas)
+        assert got_content == content
+        assert got_calls == [{"name": c.name, "arguments": c.arguments} for c in calls]
