@@ -304,6 +304,9 @@ class ServerConfig:
     # A request field that no API llaunch speaks (OpenAI, vLLM, TGI, LightLLM) defines: warn (served
     # without it; named in a log line and the X-Ignored-Fields response header) | reject (a 400 naming it).
     unknown_fields: UnknownFields = UnknownFields.warn
+    # A chat request's own `chat_template` (Jinja) is rendered (vLLM's --trust-request-chat-template);
+    # false: such a request is refused with a 400 (a template is code: loops can hold a frontend thread).
+    trust_request_chat_template: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from llaunch.runtime.http.errors import ApiError, draining, error_response, json
 from llaunch.runtime.http.generate_api import GenerateApi
 from llaunch.runtime.http.guards import gatekeeper, json_errors
 from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.http.lightllm_ops import TokensApi, lightllm_server_info, token_load
 from llaunch.runtime.http.openai_serving import OpenAIServing
 from llaunch.runtime.http.openapi import openapi_document
 from llaunch.runtime.http.pd_instance import PrefillServing, link_from_headers
@@ -31,7 +32,7 @@ from llaunch.runtime.http.unknown_fields import IGNORED_HEADER, begin_request, i
 log = logging.getLogger(__name__)
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_HEALTH_PATHS = ("/health", "/health/live", "/health/ready")
+_HEALTH_PATHS = ("/health", "/health/live", "/health/ready", "/healthz", "/liveness", "/readiness")  # LightLLM's too
 _OPEN_PATHS = (*_HEALTH_PATHS, "/openapi.json")  # no API key needed
 _DRAIN_EXEMPT = (*_HEALTH_PATHS, "/metrics")  # still answered while draining (ready then says 503)
 
@@ -47,6 +48,7 @@ class FrontendSettings:
     tgi_info: Optional[dict] = None  # server.tgi_api: /generate* speak TGI, GET /info answers this
     images: Optional[object] = None  # a multimodal model: ImageInputs (runtime/http/images.py), or AudioInputs (audio.py)
     warn_unknown_fields: bool = True  # server.unknown_fields=warn: served without them (runtime/http/unknown_fields.py)
+    server_info: Optional[dict] = None  # LightLLM's GET /get_server_info (runtime/http/lightllm_ops.py)
 
     @staticmethod
     def from_run_config(cfg: RunConfig, tokenizer: PromptTokenizer, api_key: Optional[str] = None) -> "FrontendSettings":
@@ -64,9 +66,11 @@ class FrontendSettings:
                                prompt_logprobs=cfg.mode.kind not in (Mode.pd_prefill, Mode.pd_decode),
                                token_healing_served=cfg.mode.kind not in (Mode.pd_prefill, Mode.pd_decode),
                                all_prompt_logprobs=s.return_all_prompt_logprobs,
-                               token_healing=s.token_healing)
+                               token_healing=s.token_healing, ignore_model_name=s.tgi_api,
+                               trust_request_chat_template=s.trust_request_chat_template)
         return FrontendSettings(limits=limits, api_key=api_key, max_body_bytes=s.max_body_bytes,
                                 warn_unknown_fields=s.unknown_fields is UnknownFields.warn,
+                                server_info=lightllm_server_info(cfg),
                                 request_timeout_s=s.request_timeout_s, score=ScoreHead.of(m),
                                 tgi_info=tgi_info(cfg) if s.tgi_api else None,
                                 images=ImageInputs(m, cfg.visual) if m.vision
@@ -209,6 +213,41 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
                                                 "(router.stall_timeout_s).", type="service_unavailable",
                                            code="engine_stalled"))
         return json_response({"status": "ok", "running": engine.running, "stalled_replicas": stalled})
+
+    # LightLLM's operations routes (runtime/http/lightllm_ops.py)
+    @app.route("/liveness", methods=["GET", "POST"])
+    async def lightllm_liveness() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.route("/readiness", methods=["GET", "POST"])
+    async def lightllm_readiness() -> Response:
+        answer = await ready()
+        return answer if answer.status_code != 200 else json_response({"status": "ok"})
+
+    @app.get("/healthz")
+    async def lightllm_healthz() -> Response:
+        ok = (await ready()).status_code == 200
+        return json_response({"message": "Ok" if ok else "Error"}, status=200 if ok else 503)
+
+    @app.get("/token_load")
+    async def lightllm_token_load() -> Response:
+        snapshot = engine.metrics
+        return json_response(token_load(snapshot.text if snapshot else None, len(engine.outstanding)))
+
+    @app.route("/get_model_name", methods=["GET", "POST"])
+    async def lightllm_model_name() -> Response:
+        return json_response({"model_name": limits.served_name})
+
+    @app.route("/get_server_info", methods=["GET", "POST"])
+    async def lightllm_server_info_route() -> Response:
+        return json_response(settings.server_info or {"model_name": limits.served_name,
+                                                      "max_req_total_len": limits.max_model_len})
+
+    token_counter = TokensApi(tokenizer, limits)
+
+    @app.route("/tokens", methods=["GET", "POST"])
+    async def lightllm_tokens() -> Response:
+        return json_response(await token_counter.count(await request.get_data()))
 
     schema = openapi_document(limits, api_key=settings.api_key is not None, tgi=tgi,
                               warn_unknown_fields=settings.warn_unknown_fields)

@@ -43,10 +43,55 @@ def message_text(m, i: int, image_urls: Optional[list] = None) -> str:
     return "".join(parts)
 
 
+# apply_chat_template's own arguments: a request sets them through its fields, not chat_template_kwargs
+_TEMPLATE_ARGUMENTS = {"add_generation_prompt": "add_generation_prompt", "continue_final_message":
+                       "continue_final_message", "tools": "tools", "documents": "documents",
+                       "chat_template": "chat_template", "messages": "messages", "conversation": "messages"}
+_TOKENIZER_ARGUMENTS = ("tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                        "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def template_options(req, trust_request_template: bool) -> dict[str, Any]:
+    """The chat template's arguments beyond messages and tools: vLLM's add_generation_prompt,
+    continue_final_message, documents, chat_template and chat_template_kwargs, LightLLM's role_settings
+    (the template's `role_setting`) and character_settings."""
+    kwargs: dict[str, Any] = {}
+    for key, value in (getattr(req, "chat_template_kwargs", None) or {}).items():
+        if key in _TEMPLATE_ARGUMENTS or key in _TOKENIZER_ARGUMENTS:
+            use = f"; set `{_TEMPLATE_ARGUMENTS[key]}` instead" if key in _TEMPLATE_ARGUMENTS else ""
+            raise bad_request(f"chat_template_kwargs.{key} is an argument of the template call, not a template "
+                              f"variable{use}.", param=f"chat_template_kwargs.{key}")
+        kwargs[key] = value
+    if getattr(req, "role_settings", None) is not None:
+        kwargs["role_setting"] = req.role_settings
+    if getattr(req, "character_settings", None) is not None:
+        kwargs["character_settings"] = req.character_settings
+    continue_final = bool(getattr(req, "continue_final_message", None))
+    add_generation = getattr(req, "add_generation_prompt", None)
+    if continue_final and add_generation:
+        raise bad_request("Set `continue_final_message` or `add_generation_prompt`, not both.",
+                          param="continue_final_message")
+    if continue_final and req.messages and req.messages[-1].role != "assistant":
+        raise bad_request("`continue_final_message` continues the last message, which must be the assistant's.",
+                          param="continue_final_message")
+    options: dict[str, Any] = {"add_generation_prompt": not continue_final if add_generation is None else add_generation,
+                               "continue_final_message": continue_final, "template_kwargs": kwargs}
+    if getattr(req, "documents", None) is not None:
+        options["documents"] = req.documents
+    if getattr(req, "chat_template", None) is not None:
+        if not trust_request_template:
+            raise bad_request("`chat_template`: this server renders only the model's own chat template "
+                              "(server.trust_request_chat_template=false).", param="chat_template")
+        options["chat_template"] = req.chat_template
+    return options
+
+
 def chat_messages(req, fmt: str, template_has_tools: bool,
                   image_urls: Optional[list] = None) -> tuple[list[dict], Optional[list[dict]]]:
     """(messages, tools) for the chat template. A template without tools gets them described in a
-    system message, earlier calls written out in the call format and tool results as tool turns."""
+    system message, earlier calls written out in the call format and tool results as tool turns.
+    TGI's `tool_prompt` introduces the tools: in that system message, or joining the system message
+    where the template writes the tools itself."""
     messages, tools = [], openai_tools(req) or None
     for i, m in enumerate(req.messages):
         if m.role not in ROLES:
@@ -65,16 +110,22 @@ def chat_messages(req, fmt: str, template_has_tools: bool,
             if not template_has_tools:
                 out["content"] = f"<tool_response>\n{out['content']}\n</tool_response>"
         messages.append(out)
+    intro = getattr(req, "tool_prompt", None)
     if tools and not template_has_tools:
         described = "\n".join(json.dumps(t["function"]) for t in tools)
         example = call_text(fmt, "<name>", {"<parameter>": "<value>"})
-        system = (f"You can call these tools:\n{described}\nTo call one, answer with:\n{example}")
-        if messages and messages[0]["role"] == "system":
-            messages[0] = dict(messages[0], content=f"{messages[0]['content']}\n\n{system}")
-        else:
-            messages.insert(0, {"role": "system", "content": system})
+        _join_system(messages, f"{intro or 'You can call these tools:'}\n{described}\nTo call one, answer with:\n{example}")
         tools = None
+    elif tools and intro:
+        _join_system(messages, intro)
     return messages, tools
+
+
+def _join_system(messages: list[dict], text: str) -> None:
+    if messages and messages[0]["role"] == "system":
+        messages[0] = dict(messages[0], content=f"{messages[0]['content']}\n\n{text}")
+    else:
+        messages.insert(0, {"role": "system", "content": text})
 
 
 def _arguments(text: str, i: int) -> Any:

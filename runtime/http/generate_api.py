@@ -23,6 +23,7 @@ from llaunch.runtime.http.request_limits import (MAX_TEMPERATURE, ChoiceCount, R
 from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
 from llaunch.runtime.http.token_healing import TokenHealer, healed, healing_of
 from llaunch.runtime.http.structured_output import constraint_from, one_constraint
+from llaunch.runtime.http.unserved_fields import refuse_unserved_lightllm
 from llaunch.runtime.ipc.messages import SamplingParams, TextDelta
 
 # LightLLM's own ranges (its SamplingParams.verify): penalties >= 0, repetition >= 1
@@ -54,6 +55,16 @@ class GenerateParameters(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     guided_json: Union[dict[str, Any], str, None] = None
     allowed_token_ids: Optional[list[TokenId]] = None
     token_healing: Optional[bool] = None  # back off the prompt's last token (server.token_healing when unset)
+    add_special_tokens: bool = True  # BOS and the like around a text prompt
+    add_spaces_between_special_tokens: Optional[bool] = None  # true: added tokens stand apart by a space
+    print_eos_token: bool = False  # the eos token's text ends the output (LightLLM leaves it out)
+    suggested_dp_index: Optional[int] = None  # the data-parallel replica to run on (out of range: the least loaded)
+    image_max_patch_num: int = -1  # InternVL's tiling: the served vision models (Qwen2-VL) have none to bound
+    # refused where they would change the result (runtime/http/unserved_fields.py)
+    input_penalty: Optional[bool] = None
+    exponential_decay_length_penalty: Optional[list[float]] = None
+    group_request_id: Optional[int] = None
+    move_kv_to_decode_node: Optional[dict[str, Any]] = None
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -87,6 +98,7 @@ def _stops(spec: Union[str, list[Any], None], tokenizer: PromptTokenizer, limits
 def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: RequestLimits,
                   stream: bool) -> tuple[list[int], list[SamplingParams]]:
     p = req.parameters
+    refuse_unserved_lightllm(p)
     if req.multimodal_params is not None and req.multimodal_params.images:  # GenerateApi splices them first
         raise bad_request("multimodal_params.images: images are not served here.", param="multimodal_params.images")
     n = p.best_of if p.n is None else p.n  # returned: the n of best_of samples with the highest cumulative logprob
@@ -100,7 +112,7 @@ def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: Requ
         raise bad_request("top_k must be -1 (disable) or at least 1, got 0.", param="parameters.top_k")
     if isinstance(req.inputs, str):
         check_prompt_text(req.inputs, limits, param="inputs")
-        prompt_ids = tokenizer.encode(req.inputs)
+        prompt_ids = tokenizer.encode(req.inputs) if p.add_special_tokens else tokenizer.encode_plain(req.inputs)
     else:
         prompt_ids = list(req.inputs)
     max_new = max_new_tokens_for(prompt_ids, p.max_new_tokens, "max_new_tokens", limits)
@@ -125,6 +137,7 @@ def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: Requ
             seed=None if p.seed is None else p.seed + i, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty,
             ignore_eos=p.ignore_eos, stop=stop, stop_token_ids=stop_ids, skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=bool(p.add_spaces_between_special_tokens), stop_token_text=p.print_eos_token,
             # LightLLM reports each token's logprob in streams and details.
             # best_of > n ranks the samples by their cumulative logprob
             logprobs=stream or p.return_details or p.best_of > n,
@@ -154,7 +167,8 @@ class GenerateApi:
 
     async def _submit(self, body: bytes, stream: bool) -> tuple[GenerateRequest, list[int], RequestGroup]:
         req, prompt_ids, jobs, images = await asyncio.to_thread(self._parse, body, stream)  # tokenizing: off the loop
-        group = await self.engine.submit([(prompt_ids, s) for s in jobs], lifecycle=self.lifecycle, images=images)
+        group = await self.engine.submit([(prompt_ids, s) for s in jobs], lifecycle=self.lifecycle, images=images,
+                                         replica=req.parameters.suggested_dp_index)
         return req, prompt_ids, group
 
     def _parse(self, body: bytes, stream: bool):

@@ -12,17 +12,18 @@ from typing import Any, Optional, Type, TypeVar, Union
 
 import msgspec
 
-from llaunch.runtime.http.chat_messages import chat_messages
+from llaunch.runtime.http.chat_messages import chat_messages, template_options
 from llaunch.runtime.http.errors import bad_request, model_not_found
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import (MAX_LOGIT_BIAS, ChoiceCount, LogitBias, MinTokens, Penalty,
-                                                 Probability, RepetitionPenalty, RequestLimits, Seed, Temperature,
-                                                 TokenCount, TokenId, TopK, TopLogprobs, TopP, check_fan_out,
-                                                 check_prompt_logprobs,
+                                                 Priority, Probability, RepetitionPenalty, RequestId, RequestLimits,
+                                                 Seed, Temperature, TokenCount, TokenId, TopK, TopLogprobs, TopP,
+                                                 TruncateTokens, check_fan_out, check_prompt_logprobs,
                                                  check_prompt_text, check_stop_strings, check_token_id,
                                                  greedy_temperature, max_new_tokens_for)
 from llaunch.runtime.http.structured_output import one_constraint, openai_sources
 from llaunch.runtime.http.tool_calls import tools_constraint
+from llaunch.runtime.http.unserved_fields import refuse_unserved
 from llaunch.runtime.http.unknown_fields import collecting_unknown, decode_without_unknown, unknown_field
 from llaunch.runtime.ipc.messages import Constraint, SamplingParams
 
@@ -43,8 +44,12 @@ class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
-    type: str  # text | json_object | json_schema
+    type: str  # text | json_object | json_schema; vLLM's structural_tag; TGI's json | regex (with `value`)
     json_schema: Optional[JsonSchemaFormat] = None
+    value: Union[dict[str, Any], str, None] = None  # TGI's grammar: a schema, a pattern, or {name, schema}
+    structures: Optional[list[dict[str, Any]]] = None  # vLLM's structural_tag: [{begin, schema, end}] ...
+    triggers: Optional[list[str]] = None  # ... each starting after one of these
+    format: Optional[dict[str, Any]] = None  # xgrammar's own structural tag format
 
 
 class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True):
@@ -75,7 +80,8 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     include_stop_str_in_output: Optional[bool] = None  # vLLM's extension: the matched stop string is returned
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
-    logit_bias: Optional[dict[str, LogitBias]] = None  # token id (a string, as JSON keys are) → bias
+    # token id (a string, as JSON keys are) → bias; TGI's list (which TGI ignores) is refused
+    logit_bias: Union[dict[str, LogitBias], list[Any], None] = None
     min_p: Optional[Probability] = None
     min_tokens: Optional[MinTokens] = None
     bad_words: Optional[list[str]] = None  # never generated (vLLM's extension)
@@ -92,6 +98,23 @@ class _GenerationRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     metadata: Optional[dict[str, str]] = None  # accepted, unused
     return_token_ids: Optional[bool] = None  # vLLM's extension: choices carry the generated token ids
     prompt_logprobs: Optional[TopLogprobs] = None  # vLLM's extension: each prompt token's logprob, plus this many top
+    # vLLM's extensions
+    priority: Optional[Priority] = None  # lower is served first (the router's wait queue; FCFS within one)
+    request_id: Optional[RequestId] = None  # the response's id is `chatcmpl-<it>` / `cmpl-<it>`
+    add_special_tokens: Optional[bool] = None  # BOS and the like around the prompt (completions: yes; chat: no)
+    truncate_prompt_tokens: Optional[TruncateTokens] = None  # keep only the prompt's last k tokens (-1: the context)
+    spaces_between_special_tokens: Optional[bool] = None  # true: added tokens stand apart by a space in the text
+    return_tokens_as_token_ids: Optional[bool] = None  # logprobs name tokens "token_id:<id>"
+    structural_tag: Optional[str] = None  # structured output: vLLM's structural tag (JSON)
+    do_sample: Optional[bool] = None  # LightLLM's: false samples greedily whatever the temperature
+    # refused where set (runtime/http/unserved_fields.py says why)
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    logits_processors: Optional[list[Any]] = None
+    cache_salt: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    vllm_xargs: Optional[dict[str, Any]] = None
+    guided_whitespace_pattern: Optional[str] = None
 
     @property
     def include_usage(self) -> bool:
@@ -110,6 +133,7 @@ class CompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fields=
     best_of: Optional[ChoiceCount] = None  # samples per prompt; the n with the highest cumulative logprob return
     suffix: Optional[str] = None
     token_healing: Optional[bool] = None  # back off the prompt's last token (server.token_healing when unset)
+    prompt_embeds: Union[str, list[Any], None] = None  # vLLM's: refused
 
 
 class ImageUrl(msgspec.Struct, forbid_unknown_fields=True):
@@ -173,6 +197,38 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fie
     tools: Optional[list[Tool]] = None
     tool_choice: Union[str, dict[str, Any], None] = None  # none | auto | required | {"type": "function", ...}
     parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list[FunctionDefinition]] = None  # OpenAI's older tools: one call, as `function_call`
+    function_call: Union[str, dict[str, Any], None] = None  # none | auto | {"name": ...}
+    best_of: Optional[ChoiceCount] = None  # vLLM's: samples; the n of the highest cumulative logprob return
+    # the chat template (vLLM's extensions; LightLLM's role_settings / character_settings; TGI's tool_prompt)
+    echo: Optional[bool] = None  # the last message, when it is the assistant's, leads the answer
+    add_generation_prompt: Optional[bool] = None
+    continue_final_message: Optional[bool] = None  # the answer continues the last (assistant) message
+    documents: Optional[list[dict[str, Any]]] = None
+    chat_template: Optional[str] = None  # server.trust_request_chat_template
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    role_settings: Optional[dict[str, Any]] = None
+    character_settings: Optional[list[dict[str, Any]]] = None
+    tool_prompt: Optional[str] = None
+    # OpenAI's, accepted without effect: storage, billing, caching and safety hints, a reasoning
+    # effort (the served models do not reason), a predicted output (a speed hint)
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    include_reasoning: Optional[bool] = None  # vLLM's
+    verbosity: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    prediction: Optional[dict[str, Any]] = None
+    # refused where set (runtime/http/unserved_fields.py says why)
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    moderation: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    media_io_kwargs: Optional[dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
@@ -217,24 +273,63 @@ def _param_of(message: str) -> Optional[str]:
 
 
 def check_model(requested: Optional[str], limits: RequestLimits) -> None:
-    if requested is not None and requested != limits.served_name:
+    """A 404 for another model's name, unless names are ignored (server.tgi_api: as TGI, where
+    huggingface_hub's InferenceClient sends `dummy`)."""
+    if requested is not None and requested != limits.served_name and not limits.ignore_model_name:
         raise model_not_found(requested)
+
+
+def adopt_functions(req: ChatCompletionRequest) -> None:
+    """OpenAI's older `functions` / `function_call`, served as tools with one call at most (the
+    answer then carries `function_call`, not `tool_calls`: runtime/http/openai_serving.py)."""
+    fc = req.function_call
+    if not req.functions:
+        if fc not in (None, "none", "auto"):  # LightLLM's chat sends "none"
+            raise bad_request("`function_call` names a function but no `functions` are given.", param="function_call")
+        return
+    if req.tools:
+        raise bad_request("Give `tools` or `functions`, not both.", param="functions")
+    if isinstance(fc, dict):
+        fc = {"type": "function", "function": {"name": fc.get("name")}}
+    elif fc not in (None, "none", "auto"):
+        raise bad_request(f"function_call {fc!r} is not one of none, auto or {{\"name\": ...}}.", param="function_call")
+    req.tools = [Tool(type="function", function=f) for f in req.functions]
+    req.tool_choice, req.parallel_tool_calls = fc or "auto", False
+
+
+def truncated(prompt_ids: list[int], keep: Optional[int], limits: RequestLimits) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the context holds)."""
+    if keep is None:
+        return prompt_ids
+    if keep == 0:
+        raise bad_request("`truncate_prompt_tokens` must be at least 1, or -1 for the context.",
+                          param="truncate_prompt_tokens")
+    keep = limits.max_model_len if keep == -1 else keep
+    return prompt_ids[-keep:]
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: PromptTokenizer, limits: RequestLimits) -> list[list[int]]:
     """A string, a list of token ids, or a list of either: one id list per prompt. Every text is
     checked against the context before it is tokenized, and the count against the fan-out limit."""
+    prompts = [truncated(ids, req.truncate_prompt_tokens, limits) for ids in _prompt_ids(req, tokenizer, limits)]
+    if req.truncate_prompt_tokens is not None and not all(prompts):
+        raise bad_request("The prompt is empty.", param="prompt")
+    return prompts
+
+
+def _prompt_ids(req: CompletionRequest, tokenizer: PromptTokenizer, limits: RequestLimits) -> list[list[int]]:
+    encode = tokenizer.encode_plain if req.add_special_tokens is False else tokenizer.encode
     p = req.prompt
     if isinstance(p, str):
         check_prompt_text(p, limits)
-        return [tokenizer.encode(p)]
+        return [encode(p)]
     if p and all(_is_token_id(t) for t in p):
         return [list(p)]
     if p and all(isinstance(x, str) for x in p):
         check_fan_out(len(p), req.n or 1, limits)
         for x in p:
             check_prompt_text(x, limits)
-        return [tokenizer.encode(x) for x in p]
+        return [encode(x) for x in p]
     if p and all(isinstance(x, list) and all(_is_token_id(t) for t in x) for x in p):
         check_fan_out(len(p), req.n or 1, limits)
         return [list(x) for x in p]
@@ -253,12 +348,27 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: PromptTokenizer, limits: 
         raise bad_request("`messages` must not be empty.", param="messages")
     if not tokenizer.has_chat_template:
         raise bad_request("The served model's tokenizer has no chat template; use /v1/completions.")
+    options = template_options(req, limits.trust_request_chat_template)
     messages, tools = chat_messages(req, tokenizer.tool_format, tokenizer.template_has_tools, image_urls)
     check_prompt_text("".join(m["content"] for m in messages), limits, param="messages")
     try:
-        return tokenizer.encode_chat(messages, tools)
+        ids = tokenizer.encode_chat(messages, tools, add_special_tokens=bool(req.add_special_tokens), **options)
     except Exception as e:  # the template itself may reject an order of roles
         raise bad_request(f"The chat template rejected the messages: {e}", param="messages") from None
+    if req.truncate_prompt_tokens is not None and image_urls:
+        raise bad_request("`truncate_prompt_tokens` is not supported with images or audio (it could cut one).",
+                          param="truncate_prompt_tokens")
+    return truncated(ids, req.truncate_prompt_tokens, limits)
+
+
+def chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text leads the answer when it is the assistant's."""
+    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+        return ""
+    content = req.messages[-1].content
+    if isinstance(content, list):
+        return "".join(part.text or "" for part in content if part.type == "text")
+    return content or ""
 
 
 def constraint_of(req: _GenerationRequest, tokenizer: PromptTokenizer, limits: RequestLimits) -> Optional[Constraint]:
@@ -275,19 +385,23 @@ def constraint_of(req: _GenerationRequest, tokenizer: PromptTokenizer, limits: R
 
 def completion_choices(req: CompletionRequest, prompts: list[list[int]], limits: RequestLimits,
                        tokenizer: PromptTokenizer) -> list[Choice]:
-    if req.suffix:
-        raise bad_request("`suffix` is not supported.", param="suffix")
+    best_of = samples_of(req)
+    want_logprobs = req.logprobs is not None
+    echo = req.logprobs if req.echo and want_logprobs else None  # the echoed prompt's tokens carry logprobs
+    # best_of ranks the samples by their logprobs: asked for internally, returned only where asked
+    return _choices(req, prompts, limits, tokenizer, req.max_tokens, "max_tokens", want_logprobs or best_of > (req.n or 1),
+                    req.logprobs or 0, prompt_logprobs_of(req, limits, echo), samples=best_of)
+
+
+def samples_of(req: _GenerationRequest) -> int:
+    """Engine requests per prompt: `best_of` (at least `n`; more is not streamed, as OpenAI), else `n`."""
     n = 1 if req.n is None else req.n
     best_of = n if req.best_of is None else req.best_of
     if best_of < n:
         raise bad_request(f"`best_of` ({best_of}) must be at least `n` ({n}).", param="best_of")
     if req.stream and best_of > n:  # the best are known only once every sample has finished (as OpenAI)
         raise bad_request("`best_of` greater than `n` cannot be streamed.", param="best_of")
-    want_logprobs = req.logprobs is not None
-    echo = req.logprobs if req.echo and want_logprobs else None  # the echoed prompt's tokens carry logprobs
-    # best_of ranks the samples by their logprobs: asked for internally, returned only where asked
-    return _choices(req, prompts, limits, tokenizer, req.max_tokens, "max_tokens", want_logprobs or best_of > n,
-                    req.logprobs or 0, prompt_logprobs_of(req, limits, echo), samples=best_of)
+    return best_of
 
 
 def chat_choices(req: ChatCompletionRequest, prompt_ids: list[int], limits: RequestLimits,
@@ -298,8 +412,9 @@ def chat_choices(req: ChatCompletionRequest, prompt_ids: list[int], limits: Requ
     max_tokens, param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
-    return _choices(req, [prompt_ids], limits, tokenizer, max_tokens, param, bool(req.logprobs), top or 0,
-                    prompt_logprobs_of(req, limits))
+    best_of = samples_of(req)
+    return _choices(req, [prompt_ids], limits, tokenizer, max_tokens, param, bool(req.logprobs) or best_of > (req.n or 1),
+                    top or 0, prompt_logprobs_of(req, limits), samples=best_of)
 
 
 def prompt_logprobs_of(req: _GenerationRequest, limits: RequestLimits, echo: Optional[int] = None) -> int:
@@ -319,6 +434,7 @@ def _choices(req: _GenerationRequest, prompts: list[list[int]], limits: RequestL
              max_tokens: Optional[int], max_tokens_param: str, logprobs: bool, top_logprobs: int,
              prompt_logprobs: int = -1, samples: Optional[int] = None) -> list[Choice]:
     """`samples`: engine requests per prompt (best_of), default n."""
+    refuse_unserved(req)
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM: not silently ignored
         raise bad_request("`stream_options` needs `stream` set to true.", param="stream_options")
     n = samples or (1 if req.n is None else req.n)
@@ -347,7 +463,7 @@ def _sampling_fields(req: _GenerationRequest, limits: RequestLimits, tokenizer: 
         given = getattr(req, name)
         return given if given is not None else defaults.get(name, off)
 
-    temperature = greedy_temperature(value("temperature", 1.0))
+    temperature = 0.0 if req.do_sample is False else greedy_temperature(value("temperature", 1.0))
     top_k = int(value("top_k", -1))
     top_k = -1 if top_k == 0 else top_k  # 0 and -1 both mean: no top-k
     fields = dict(temperature=temperature, top_p=value("top_p", 1.0),
@@ -361,8 +477,10 @@ def _sampling_fields(req: _GenerationRequest, limits: RequestLimits, tokenizer: 
                           "(server.max_stop_strings).", param="stop_token_ids")
     fields["stop_token_ids"] = list(req.stop_token_ids or [])
     fields["ignore_eos"] = bool(req.ignore_eos)
-    fields["include_stop_str_in_output"] = bool(req.include_stop_str_in_output)
+    # as vLLM: the stop string or the eos / stop token that ended the text is in it only when asked
+    fields["include_stop_str_in_output"] = fields["stop_token_text"] = bool(req.include_stop_str_in_output)
     fields["skip_special_tokens"] = True if req.skip_special_tokens is None else req.skip_special_tokens
+    fields["spaces_between_special_tokens"] = bool(req.spaces_between_special_tokens)
     fields["min_p"] = value("min_p", 0.0)
     fields["min_tokens"] = req.min_tokens or 0
     fields["bias_ids"], fields["bias_values"] = logit_bias_of(req.logit_bias, limits)

@@ -23,9 +23,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 class ResponseHeader:
     """What every object of one response repeats: id, object type, created, model."""
 
-    def __init__(self, kind: str, model: str):
+    def __init__(self, kind: str, model: str, request_id: Optional[str] = None):
+        """`request_id`: vLLM's, which names the response (`chatcmpl-<it>`); else a random one."""
         chat = kind == "chat"
-        self.id = new_response_id("chatcmpl" if chat else "cmpl")
+        prefix = "chatcmpl" if chat else "cmpl"
+        self.id = f"{prefix}-{request_id}" if request_id else new_response_id(prefix)
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.created = int(time.time())
@@ -46,21 +48,24 @@ class ResponseHeader:
 class CompletionLogprobs:
     """Legacy completions logprobs: parallel lists; text_offset counts characters of the output."""
 
-    def __init__(self, tokenizer: PromptTokenizer, start_offset: int = 0):
+    def __init__(self, tokenizer: PromptTokenizer, start_offset: int = 0, token_ids_as_tokens: bool = False):
+        """`token_ids_as_tokens` (vLLM's return_tokens_as_token_ids): tokens named "token_id:<id>"."""
         self.tokenizer = tokenizer
         self.offset = start_offset
+        self.token_ids_as_tokens = token_ids_as_tokens
 
     def of(self, delta: TextDelta) -> dict:
         tok = self.tokenizer
+        name = (lambda t: f"token_id:{t}") if self.token_ids_as_tokens else tok.token_text
         tokens, offsets, tops = [], [], []
         for i, token_id in enumerate(delta.token_ids):
             text = tok.token_text(token_id)
-            tokens.append(text)
+            tokens.append(name(token_id))
             offsets.append(self.offset)
             self.offset += len(text)
             ids = delta.top_ids[i] if i < len(delta.top_ids) else []
             lps = delta.top_logprobs[i] if i < len(delta.top_logprobs) else []
-            tops.append({tok.token_text(t): lp for t, lp in zip(ids, lps)})
+            tops.append({name(t): lp for t, lp in zip(ids, lps)})
         return {"tokens": tokens, "token_logprobs": list(delta.logprobs[:len(tokens)]),
                 "top_logprobs": tops, "text_offset": offsets}
 
@@ -73,10 +78,12 @@ def merge_completion_logprobs(parts: list[dict]) -> dict:
     return merged
 
 
-def chat_logprobs(delta: TextDelta, tokenizer: PromptTokenizer) -> list[dict]:
-    """Chat logprobs entries: token, logprob, bytes, top_logprobs [{token, logprob, bytes}]."""
+def chat_logprobs(delta: TextDelta, tokenizer: PromptTokenizer, token_ids_as_tokens: bool = False) -> list[dict]:
+    """Chat logprobs entries: token, logprob, bytes, top_logprobs [{token, logprob, bytes}];
+    `token_ids_as_tokens` (vLLM's return_tokens_as_token_ids): tokens named "token_id:<id>"."""
     def entry(token_id: int, logprob: float) -> dict:
-        return {"token": tokenizer.token_text(token_id), "logprob": logprob,
+        name = f"token_id:{token_id}" if token_ids_as_tokens else tokenizer.token_text(token_id)
+        return {"token": name, "logprob": logprob,
                 "bytes": list(tokenizer.token_bytes(token_id))}
 
     out = []

@@ -18,8 +18,8 @@ from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admit
 from llaunch.runtime.http.errors import ApiError, engine_failed, json_response
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice, CompletionRequest, RequestLimits,
-                                                  chat_choices, chat_prompt, check_model, completion_choices,
-                                                  completion_prompts, decode_body)
+                                                  adopt_functions, chat_choices, chat_echo, chat_prompt, check_model,
+                                                  completion_choices, completion_prompts, decode_body)
 from llaunch.runtime.http.prompt_logprob_sharing import SharedPromptLogprobs, ask_once, relayed
 from llaunch.runtime.http.prompt_logprobs import echo_logprobs, echo_text_length, vllm_prompt_logprobs
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
@@ -82,13 +82,15 @@ class CompletionFormat(PromptLogprobsFormat):
     kind = "completion"
 
     def __init__(self, tokenizer: PromptTokenizer, want_logprobs: bool, n: int, prompts: Optional[list[list[int]]] = None,
-                 echo_top: Optional[int] = None, top: Optional[int] = None):
+                 echo_top: Optional[int] = None, top: Optional[int] = None, token_ids_as_tokens: bool = False):
         """`prompts`: each choice's prompt ids; `echo_top`: an echo with logprobs (its top k), whose
-        prompt tokens lead the logprobs; `top`: vLLM's prompt_logprobs."""
+        prompt tokens lead the logprobs; `top`: vLLM's prompt_logprobs; `token_ids_as_tokens`: vLLM's
+        return_tokens_as_token_ids."""
         super().__init__(tokenizer, prompts or [], top)
         self.echo_top = echo_top
         start = [echo_text_length(p, tokenizer) if echo_top is not None else 0 for p in self.prompts] or [0] * n
-        self.tracks = [shapes.CompletionLogprobs(tokenizer, start[i]) for i in range(n)] if want_logprobs else None
+        self.tracks = ([shapes.CompletionLogprobs(tokenizer, start[i], token_ids_as_tokens) for i in range(n)]
+                       if want_logprobs else None)
 
     def opening(self, n: int) -> list[dict]:
         return []
@@ -118,12 +120,17 @@ class ChatFormat(PromptLogprobsFormat):
     kind = "chat"
 
     def __init__(self, tokenizer: PromptTokenizer, want_logprobs: bool, n: int, tool_format: Optional[str] = None,
-                 prompt_ids: Optional[list[int]] = None, top: Optional[int] = None):
+                 prompt_ids: Optional[list[int]] = None, top: Optional[int] = None, functions: bool = False,
+                 token_ids_as_tokens: bool = False):
         """`tool_format`: the call format when the request offers tools (its text is parsed for calls);
-        `top`: vLLM's prompt_logprobs, of `prompt_ids`."""
+        `top`: vLLM's prompt_logprobs, of `prompt_ids`; `functions`: the request gave OpenAI's older
+        `functions`, so its call comes back as `function_call`; `token_ids_as_tokens`: vLLM's
+        return_tokens_as_token_ids."""
         super().__init__(tokenizer, [prompt_ids or []] * n, top)
         self.want_logprobs = want_logprobs
         self.tool_format = tool_format
+        self.functions = functions
+        self.token_ids_as_tokens = token_ids_as_tokens
         self.streams = [ToolCallStream(tool_format) for _ in range(n)] if tool_format else None
 
     def opening(self, n: int) -> list[dict]:
@@ -133,7 +140,7 @@ class ChatFormat(PromptLogprobsFormat):
     def logprobs_of(self, index: int, delta: TextDelta, state: ChoiceState) -> Optional[list]:
         if not self.want_logprobs:
             return None
-        part = shapes.chat_logprobs(delta, self.tokenizer)
+        part = shapes.chat_logprobs(delta, self.tokenizer, self.token_ids_as_tokens)
         state.logprobs.extend(part)
         return part
 
@@ -143,8 +150,10 @@ class ChatFormat(PromptLogprobsFormat):
         stream = self.streams[index]
         deltas = stream.feed(text)
         if finish_reason is not None:
-            deltas += stream.finish()
-            finish_reason = _with_calls(finish_reason, stream.calls)
+            deltas += stream.finish(cut=finish_reason == "length")
+            finish_reason = _with_calls(finish_reason, stream.calls, self.functions)
+        if self.functions:
+            deltas = [_function_call_delta(d) for d in deltas]
         if not deltas:  # the text is held back as a possible call
             return [shapes.chat_chunk_choice(index, {}, logprobs, finish_reason)]
         last = len(deltas) - 1
@@ -155,9 +164,11 @@ class ChatFormat(PromptLogprobsFormat):
         text, logprobs = "".join(state.text), state.logprobs if self.want_logprobs else None
         if self.tool_format is None:
             return shapes.chat_choice(index, text, logprobs, state.finish_reason)
-        content, calls = parse_tool_calls(text, self.tool_format)
-        choice = shapes.chat_choice(index, content, logprobs, _with_calls(state.finish_reason, len(calls)))
-        if calls:
+        content, calls = parse_tool_calls(text, self.tool_format, cut=state.finish_reason == "length")
+        choice = shapes.chat_choice(index, content, logprobs, _with_calls(state.finish_reason, len(calls), self.functions))
+        if calls and self.functions:
+            choice["message"]["function_call"] = calls[0].openai()["function"]
+        elif calls:
             choice["message"]["tool_calls"] = [c.openai() for c in calls]
         return choice
 
@@ -187,9 +198,18 @@ def best_of(req, choices: list[Choice], states: list[ChoiceState]) -> list[int]:
     return [i for p in sorted(by_prompt) for i in sorted(by_prompt[p], key=lambda i: -states[i].cum_logprob)[:n]]
 
 
-def _with_calls(finish_reason: Optional[str], calls: int) -> Optional[str]:
-    """OpenAI's finish reason of an answer that called tools."""
-    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+def _with_calls(finish_reason: Optional[str], calls: int, functions: bool = False) -> Optional[str]:
+    """OpenAI's finish reason of an answer that called tools (or, given `functions`, a function)."""
+    if calls and finish_reason == "stop":
+        return "function_call" if functions else "tool_calls"
+    return finish_reason
+
+
+def _function_call_delta(delta: dict) -> dict:
+    """A tool-call stream delta as OpenAI streams a `functions` call: delta.function_call."""
+    if "tool_calls" not in delta:
+        return delta
+    return {"function_call": dict(delta["tool_calls"][0]["function"])}
 
 
 class OpenAIServing:
@@ -207,7 +227,7 @@ class OpenAIServing:
         states = [ChoiceState(echo[c.prompt] if echo else "") for c in choices]
         echo_top = req.logprobs if req.echo and req.logprobs is not None else None
         fmt = CompletionFormat(self.tokenizer, req.logprobs is not None, len(choices), [c.prompt_ids for c in choices],
-                               echo_top, req.prompt_logprobs)
+                               echo_top, req.prompt_logprobs, bool(req.return_tokens_as_token_ids))
         return await self._serve(req, choices, prompts, states, fmt)
 
     def _parse_completion(self, body: bytes):
@@ -227,14 +247,16 @@ class OpenAIServing:
 
     async def chat(self, body: bytes) -> Response:
         req, prompt_ids, choices, images = await asyncio.to_thread(self._parse_chat, body)
-        states = [ChoiceState() for _ in choices]
+        states = [ChoiceState(chat_echo(req)) for _ in choices]
         fmt = ChatFormat(self.tokenizer, bool(req.logprobs), len(choices), tool_format_of(req, self.tokenizer),
-                         prompt_ids, req.prompt_logprobs)
+                         prompt_ids, req.prompt_logprobs, functions=bool(req.functions),
+                         token_ids_as_tokens=bool(req.return_tokens_as_token_ids))
         return await self._serve(req, choices, [prompt_ids], states, fmt, images)
 
     def _parse_chat(self, body: bytes):
         req = decode_body(body, ChatCompletionRequest)
         check_model(req.model, self.limits)
+        adopt_functions(req)
         urls = None if self.images is None else MediaParts(self.images)
         prompt_ids = chat_prompt(req, self.tokenizer, self.limits, urls)
         prompt_ids, images = (self.images.chat(req, prompt_ids, urls) if urls is not None and urls.audio
@@ -256,12 +278,12 @@ class OpenAIServing:
 
     async def _serve(self, req, choices: list[Choice], prompts: list[list[int]], states: list[ChoiceState],
                      fmt, images=()) -> Response:
-        header = shapes.ResponseHeader(fmt.kind, self.limits.served_name)
+        header = shapes.ResponseHeader(fmt.kind, self.limits.served_name, req.request_id)
         prompt_tokens = sum(len(p) for p in prompts)
         asked = ask_once(choices)
         relay = SharedPromptLogprobs(choices, asked)
         group = await self.engine.submit([(c.prompt_ids, c.sampling) for c in asked], lifecycle=self.lifecycle,
-                                         images=list(images))
+                                         images=list(images), priority=req.priority or 0)
         if req.stream:
             await admitted(group)  # a refused request answers with its status, not a 200 stream
             events = self._stream(group, relay, header, choices, states, fmt, prompt_tokens, req.include_usage,

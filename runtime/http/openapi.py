@@ -8,6 +8,7 @@ from typing import Any, Optional
 import msgspec
 
 from llaunch.runtime.http.generate_api import GenerateRequest
+from llaunch.runtime.http.lightllm_ops import TokensRequest
 from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.http.tgi_api import TgiRequest
@@ -30,10 +31,15 @@ _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCom
            "/generate": GenerateRequest, "/generate_stream": GenerateRequest, "/tokenize": (TokenizeCompletion, TokenizeChat),
            "/detokenize": DetokenizeRequest,
            # a score model's (model.task=score); a generating model answers them with a 400
-           "/get_score": GetScoreRequest, "/classify": ClassifyRequest, "/v1/score": ScoreRequest}
+           "/get_score": GetScoreRequest, "/classify": ClassifyRequest, "/v1/score": ScoreRequest,
+           "/tokens": TokensRequest}
 _GETS = {"/v1/models": "The served model.", "/health": "Ready to serve (as /health/ready).",
          "/health/live": "The process answers.", "/health/ready": "Ready to serve new requests.",
-         "/metrics": "Prometheus metrics (text).", "/openapi.json": "This document."}
+         "/metrics": "Prometheus metrics (text).", "/openapi.json": "This document.",
+         # LightLLM's operations routes
+         "/healthz": "LightLLM's health: {message: Ok} (503: Error).", "/liveness": "LightLLM's liveness.",
+         "/readiness": "LightLLM's readiness.", "/token_load": "LightLLM's token load per replica.",
+         "/get_model_name": "LightLLM's model name.", "/get_server_info": "LightLLM's server settings."}
 
 
 def _responses(ok: str, content_types: tuple[str, ...] = ("application/json",)) -> dict[str, Any]:
@@ -66,7 +72,7 @@ def openapi_document(limits: RequestLimits, api_key: bool, tgi: bool = False,
     bodies = {**_BODIES, "/generate": native, "/generate_stream": native, **({"/": native} if tgi else {})}
     gets = {**_GETS, **({"/info": "text-generation-inference's info."} if tgi else {})}
     types = [CompletionRequest, ChatCompletionRequest, native, TokenizeCompletion, TokenizeChat,
-             DetokenizeRequest, GetScoreRequest, ClassifyRequest, ScoreRequest, ErrorBody]
+             DetokenizeRequest, GetScoreRequest, ClassifyRequest, ScoreRequest, TokensRequest, ErrorBody]
     refs, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         _narrow(components[name], "model", enum=[limits.served_name])
@@ -102,6 +108,6 @@ def openapi_document(limits: RequestLimits, api_key: bool, tgi: bool = False,
     if api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]
-        for path in ("/health", "/health/live", "/health/ready", "/openapi.json"):
+        for path in ("/health", "/health/live", "/health/ready", "/healthz", "/liveness", "/readiness", "/openapi.json"):
             doc["paths"][path]["get"]["security"] = []
     return doc

@@ -81,11 +81,16 @@ class PromptTokenizer:
             return list(self.hf(text, text_pair=pair, add_special_tokens=True)["input_ids"])
 
     def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None,
-                    add_generation_prompt: bool = True) -> list[int]:
-        # The template already writes BOS and role markers; encoding must not add them twice.
-        text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                           tokenize=False)
-        return self.encode_plain(text)
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    documents: Optional[list[dict]] = None, chat_template: Optional[str] = None,
+                    template_kwargs: Optional[dict] = None, add_special_tokens: bool = False) -> list[int]:
+        """`template_kwargs`: variables for the template (chat_template_kwargs); `add_special_tokens`:
+        BOS and the like on top of what the template writes (vLLM's chat default: no)."""
+        text = self.hf.apply_chat_template(messages, tools=tools, documents=documents, chat_template=chat_template,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, tokenize=False,
+                                           **(template_kwargs or {}))
+        return self.encode(text) if add_special_tokens else self.encode_plain(text)
 
     def decode(self, ids: list[int]) -> str:
         with self._lock:

@@ -37,6 +37,9 @@ Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 MinTokens = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]  # OpenAI's range
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+Priority = Annotated[int, msgspec.Meta(ge=-2**31, le=2**31 - 1)]  # vLLM's: lower is served first
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+TruncateTokens = Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]  # vLLM's truncate_prompt_tokens; -1: the context
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class RequestLimits:
     prompt_logprobs: bool = True  # false under prefill/decode disaggregation: asking for them is a 400
     token_healing_served: bool = True  # false under prefill/decode disaggregation (the prefill side would not heal)
     all_prompt_logprobs: bool = False  # server.return_all_prompt_logprobs: /generate returns them for every request
+    ignore_model_name: bool = False  # server.tgi_api: any `model` is this one (TGI serves one model whatever the name)
+    trust_request_chat_template: bool = False  # server.trust_request_chat_template: a request's chat_template is rendered
 
     @property
     def max_prompt_chars(self) -> int:

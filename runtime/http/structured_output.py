@@ -52,16 +52,15 @@ def openai_sources(req) -> list[tuple[str, Constraint]]:
     found: list[tuple[str, Constraint]] = []
     rf = req.response_format
     if rf is not None and rf.type != "text":
-        if rf.type == "json_object":
-            found.append(("response_format", Constraint("json_object")))
-        elif rf.type == "json_schema":
-            if rf.json_schema is None or rf.json_schema.schema is None:
-                raise bad_request("response_format of type json_schema needs json_schema.schema.",
-                                  param="response_format.json_schema")
-            found.append(("response_format", _schema(rf.json_schema.schema, "response_format.json_schema.schema")))
-        else:
-            raise bad_request(f"response_format.type {rf.type!r} is not one of text, json_object, json_schema.",
-                              param="response_format.type")
+        found.append(("response_format", _response_format(rf)))
+    if getattr(req, "structural_tag", None) is not None:
+        try:
+            tag = json.loads(req.structural_tag)
+        except (ValueError, RecursionError):
+            raise bad_request("`structural_tag` is not JSON.", param="structural_tag") from None
+        if not isinstance(tag, dict):
+            raise bad_request("`structural_tag` must be a JSON object.", param="structural_tag")
+        found.append(("structural_tag", _structural_tag(tag, "structural_tag")))
     so = req.structured_outputs
     if so is not None:
         for name, value in (("json", so.json), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar)):
@@ -78,6 +77,51 @@ def openai_sources(req) -> list[tuple[str, Constraint]]:
         raise bad_request(f"guided_decoding_backend {req.guided_decoding_backend!r} is not served (xgrammar only).",
                           param="guided_decoding_backend")
     return found
+
+
+def _response_format(rf) -> Constraint:
+    """OpenAI's json_object / json_schema, vLLM's structural_tag, TGI's json / regex / json_schema
+    (whose grammar is in `value`)."""
+    param = "response_format"
+    if rf.type in ("json", "json_object") and rf.value is not None:  # TGI: the schema in `value`
+        return _schema(rf.value, "response_format.value")
+    if rf.type == "json_object":
+        return Constraint("json_object")
+    if rf.type == "json_schema" and rf.json_schema is None and isinstance(rf.value, dict):  # TGI: {name, schema}
+        return _schema(rf.value.get("schema"), "response_format.value.schema")
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema.",
+                              param="response_format.json_schema")
+        return _schema(rf.json_schema.schema, "response_format.json_schema.schema")
+    if rf.type == "regex":
+        return constraint_from("regex", rf.value, "response_format.value")
+    if rf.type == "structural_tag":
+        return _structural_tag({"structures": rf.structures, "triggers": rf.triggers, "format": rf.format}, param)
+    raise bad_request(f"response_format.type {rf.type!r} is not one of text, json_object, json_schema, "
+                      "structural_tag (vLLM), json or regex (TGI).", param="response_format.type")
+
+
+def _structural_tag(tag: dict, param: str) -> Constraint:
+    """vLLM's structural tag: {structures: [{begin, schema, end}], triggers} (each structure's JSON
+    may follow the text once one of the triggers begins it), or xgrammar's {format: ...}."""
+    if tag.get("format") is not None:
+        return Constraint("structural_tag", json.dumps({"type": "structural_tag", "format": tag["format"]}))
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
+        raise bad_request(f"`{param}` needs `structures` ([{{begin, schema, end}}]) and `triggers`.", param=param)
+    tags = []
+    for i, item in enumerate(structures):
+        if not isinstance(item, dict) or not isinstance(item.get("begin"), str) or not isinstance(item.get("end"), str):
+            raise bad_request(f"`{param}.structures[{i}]` needs `begin`, `schema` and `end`.",
+                              param=f"{param}.structures[{i}]")
+        schema = json.loads(_schema(item.get("schema") or {}, f"{param}.structures[{i}].schema").spec)
+        tags.append({"type": "tag", "begin": item["begin"], "end": item["end"],
+                     "content": {"type": "json_schema", "json_schema": schema}})
+    if not all(isinstance(t, str) and t for t in triggers):
+        raise bad_request(f"`{param}.triggers` must be non-empty strings.", param=f"{param}.triggers")
+    return Constraint("structural_tag", json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": triggers, "tags": tags}}))
 
 
 def constraint_from(kind: str, value: Any, param: str) -> Constraint:

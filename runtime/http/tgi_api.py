@@ -149,7 +149,7 @@ def tgi_jobs(req: TgiRequest, tokenizer: PromptTokenizer, limits: RequestLimits,
     # TGI's generated_text keeps the stop sequence that ended it
     jobs = [msgspec.structs.replace(j, logprobs=j.logprobs or bool(top), top_logprobs=top,
                                     prompt_logprobs=0 if p.decoder_input_details and p.details else -1,
-                                    include_stop_str_in_output=True)
+                                    include_stop_str_in_output=True, stop_token_text=True)
             for j in jobs]
     return prompt_ids, jobs, seed
 

@@ -201,3 +201,14 @@ def test_dry_run_shows_the_metric_server_and_ports_are_checked(tmp_path, tiny_di
         held.listen()
         r = llaunch(tmp_path, *model, f"server.metrics_port={held.getsockname()[1]}")
     assert r.returncode == 2 and "metrics_port_free" in r.stderr, r.stderr
+
+
+def test_huggingface_hub_chat_completion_works_whatever_the_model_name(tgi_server, oracles):
+    """InferenceClient(base_url).chat_completion sends model "dummy"; TGI serves its one model anyway."""
+    oracle = oracles("qwen2")
+    messages = [{"role": "user", "content": "Hello"}]
+    out = hf(tgi_server).chat_completion(messages, max_tokens=5, temperature=0)
+    prompt = oracle.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    want = greedy_ids(oracle, oracle.tokenizer.decode(prompt), 5)
+    assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == len(want)
+    assert out.choices[0].message.content == oracle.tokenizer.decode(want, skip_special_tokens=True)
