@@ -54,6 +54,11 @@ class ToolCallFormat(str, Enum):
     llama3_json = "llama3_json"  # {"name": ..., "parameters": {...}} (Llama 3)
 
 
+class MetricsPrefix(str, Enum):
+    llaunch = "llaunch"  # llaunch:time_to_first_token_seconds, ...
+    vllm = "vllm"  # vllm:time_to_first_token_seconds, ...: vLLM's names, which its dashboards and autoscalers read
+
+
 class UnknownFields(str, Enum):
     warn = "warn"  # served without the field, which a log line and the X-Ignored-Fields header name (vLLM's way)
     reject = "reject"  # a 400 naming the field
@@ -301,6 +306,9 @@ class ServerConfig:
     tgi_api: bool = False
     metrics_port: Optional[int] = None  # /metrics also on this port, without the API key (LightLLM's metric_port); None: API port only
     metrics_host: str = "127.0.0.1"  # the interface of metrics_port's listener (0.0.0.0: every interface)
+    # /metrics series are named `<prefix>:...`; vllm: vLLM's names for the series vLLM has (its Grafana
+    # dashboards work unchanged), and llaunch's own series under the same prefix
+    metrics_prefix: MetricsPrefix = MetricsPrefix.llaunch
     # A request field that no API llaunch speaks (OpenAI, vLLM, TGI, LightLLM) defines: warn (served
     # without it; named in a log line and the X-Ignored-Fields response header) | reject (a 400 naming it).
     unknown_fields: UnknownFields = UnknownFields.warn

@@ -33,9 +33,10 @@ class OpenRequest:
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, model_name: str, dp: int = 1, max_model_len: int = 32768):
+    def __init__(self, tokenizer: Any, model_name: str, dp: int = 1, max_model_len: int = 32768,
+                 metrics_prefix: str = "llaunch:"):
         self.tokenizer = tokenizer
-        self.metrics = MetricsHub(model_name, dp=dp, max_model_len=max_model_len)
+        self.metrics = MetricsHub(model_name, dp=dp, max_model_len=max_model_len, prefix=metrics_prefix)
         self.requests: dict[str, OpenRequest] = {}
         self.last_snapshot = float("-inf")
         self.finished_since_snapshot = False

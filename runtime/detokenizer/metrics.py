@@ -1,4 +1,11 @@
-"""The metrics hub: vLLM's serving metrics (same names, meanings and buckets, `llaunch:` prefix).
+"""The metrics hub: vLLM's serving metrics (same names, meanings and buckets; `llaunch:` prefix by default).
+
+The prefix is server.metrics_prefix: `vllm` names every series `vllm:*`, so dashboards and autoscalers
+written for vLLM read the series both servers have unchanged (tests/unit/test_metrics_exposition.py lists
+them); llaunch's own series get the same prefix, so one dashboard (deploy/grafana/llaunch.json, its
+`metric_prefix` variable) reads either. vLLM's example dashboard also reads gpu_cache_usage_perc and
+time_per_output_token_seconds (vLLM's older names of kv_cache_usage_perc and inter_token_latency_seconds)
+and request_max_num_generation_tokens (the longest of n samples), which have no series here.
 
 The detokenizer is the one process that sees every request's tokens with their timing, so it owns
 these series and ships the rendered text to the frontends, which serve it at /metrics.
@@ -15,13 +22,12 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
-                               start_http_server)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from llaunch.runtime import metrics_exposition
 from llaunch.runtime.ipc.messages import RouterStats
 
 disable_created_metrics()  # no `_created` series: vLLM's dashboards do not read them
-PREFIX = "llaunch:"
 
 # vLLM v1 (vllm/v1/metrics/loggers.py) bucket boundaries.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -48,13 +54,14 @@ class MetricsHub:
     """Records request events and scheduler stats in a prometheus_client registry of its own;
     `render()` gives the Prometheus text the frontends serve."""
 
-    def __init__(self, model_name: str, dp: int = 1, max_model_len: int = 32768):
+    def __init__(self, model_name: str, dp: int = 1, max_model_len: int = 32768, prefix: str = "llaunch:"):
+        """`prefix`: of every series' name (server.metrics_prefix and a colon)."""
         self.registry = r = CollectorRegistry()
         self.model = (model_name,)
         m = ["model_name"]
 
         def histogram(name: str, doc: str, buckets, labels=m) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+            return Histogram(prefix + name, doc, labels, buckets=buckets, registry=r)
 
         self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               TTFT_BUCKETS)
@@ -76,56 +83,56 @@ class MetricsHub:
                                                "Number of prefill tokens processed.", tokens)
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Number of generation tokens processed.", tokens)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Number of prefill tokens processed.", m, registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Number of generation tokens processed.", m,
+        self.prompt_tokens = Counter(prefix + "prompt_tokens", "Number of prefill tokens processed.", m, registry=r)
+        self.generation_tokens = Counter(prefix + "generation_tokens", "Number of generation tokens processed.", m,
                                          registry=r)
-        self.request_success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
+        self.request_success = Counter(prefix + "request_success", "Count of successfully processed requests.",
                                        m + ["finished_reason"], registry=r)
         ranked = m + ["dp_rank"]
-        self.running = Gauge(PREFIX + "num_requests_running", "Number of requests in model execution batches.",
+        self.running = Gauge(prefix + "num_requests_running", "Number of requests in model execution batches.",
                              ranked, registry=r)
-        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Number of requests waiting to be processed.",
+        self.waiting = Gauge(prefix + "num_requests_waiting", "Number of requests waiting to be processed.",
                              ranked, registry=r)
-        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+        self.kv_usage = Gauge(prefix + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                               ranked, registry=r)
-        self.prefix_usage = Gauge(PREFIX + "prefix_cache_usage_perc",
+        self.prefix_usage = Gauge(prefix + "prefix_cache_usage_perc",
                                   "Share of KV-cache slots held by the prompt cache. 1 means 100 percent.", ranked,
                                   registry=r)
-        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries",
+        self.prefix_queries = Counter(prefix + "prefix_cache_queries",
                                       "Prefix cache queries, in terms of number of queried tokens.", m, registry=r)
-        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits",
+        self.prefix_hits = Counter(prefix + "prefix_cache_hits",
                                    "Prefix cache hits, in terms of number of cached tokens.", m, registry=r)
         # the host KV tier (cache.cpu_tokens): GPU-tier hits are prefix_cache_hits less these
-        self.host_hits = Counter(PREFIX + "prefix_cache_host_hits",
+        self.host_hits = Counter(prefix + "prefix_cache_host_hits",
                                  "Prefix cache hits found in the host KV tier, in tokens.", m, registry=r)
-        self.promoted = Counter(PREFIX + "kv_promoted_tokens", "Tokens of KV copied from the host tier to the GPU.",
+        self.promoted = Counter(prefix + "kv_promoted_tokens", "Tokens of KV copied from the host tier to the GPU.",
                                 m, registry=r)
-        self.demoted = Counter(PREFIX + "kv_demoted_tokens", "Tokens of KV copied from the GPU to the host tier.",
+        self.demoted = Counter(prefix + "kv_demoted_tokens", "Tokens of KV copied from the GPU to the host tier.",
                                m, registry=r)
-        self.dp_fetched = Counter(PREFIX + "dp_fetched_tokens", "Tokens of KV copied from another dp replica's "
+        self.dp_fetched = Counter(prefix + "dp_fetched_tokens", "Tokens of KV copied from another dp replica's "
                                   "host tier instead of computed (cache.dp_fetch).", m, registry=r)
-        self.host_usage = Gauge(PREFIX + "host_kv_cache_usage_perc",
+        self.host_usage = Gauge(prefix + "host_kv_cache_usage_perc",
                                 "Share of the host KV tier's slots the prompt cache holds. 1 means 100 percent.",
                                 ranked, registry=r)
-        self.stalled = Gauge(PREFIX + "engine_stalled",
+        self.stalled = Gauge(prefix + "engine_stalled",
                              "1 while the replica's engine is stalled (a step overdue, a worker gone).", ranked,
                              registry=r)
-        self.stalls = Counter(PREFIX + "engine_stalls", "Stalls the health monitor saw, per replica.", ranked,
+        self.stalls = Counter(prefix + "engine_stalls", "Stalls the health monitor saw, per replica.", ranked,
                               registry=r)
         # speculative decoding (vLLM's series): proposals verified, their tokens, and those accepted
-        self.spec_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Proposals verified (one per row and step).",
+        self.spec_drafts = Counter(prefix + "spec_decode_num_drafts", "Proposals verified (one per row and step).",
                                    m, registry=r)
-        self.spec_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Tokens proposed.", m, registry=r)
-        self.spec_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Proposed tokens accepted.", m,
+        self.spec_draft_tokens = Counter(prefix + "spec_decode_num_draft_tokens", "Tokens proposed.", m, registry=r)
+        self.spec_accepted = Counter(prefix + "spec_decode_num_accepted_tokens", "Proposed tokens accepted.", m,
                                      registry=r)
         # multimodal models: images looked up in the visual servers' embed cache (vLLM's mm_cache series),
         # and those encoded (a miss joining an encode already under way is not encoded again)
-        self.mm_queries = Counter(PREFIX + "mm_cache_queries", "Images looked up in the embed cache.", m, registry=r)
-        self.mm_hits = Counter(PREFIX + "mm_cache_hits", "Images found in the embed cache (not encoded again).", m,
+        self.mm_queries = Counter(prefix + "mm_cache_queries", "Images looked up in the embed cache.", m, registry=r)
+        self.mm_hits = Counter(prefix + "mm_cache_hits", "Images found in the embed cache (not encoded again).", m,
                                registry=r)
-        self.images_encoded = Counter(PREFIX + "images_encoded", "Images the visual servers encoded.", m, registry=r)
+        self.images_encoded = Counter(prefix + "images_encoded", "Images the visual servers encoded.", m, registry=r)
         # vLLM's series, for its dashboards; always 0 here: admission reserves a request's KV up front
-        self.preemptions = Counter(PREFIX + "num_preemptions", "Cumulative number of preemption from the engine.",
+        self.preemptions = Counter(prefix + "num_preemptions", "Cumulative number of preemption from the engine.",
                                    m, registry=r)
         for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
                        self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
@@ -216,4 +223,4 @@ class MetricsHub:
         key: Prometheus scrapes then share neither the API's port nor its auth. A port that cannot be
         bound raises here, so the detokenizer fails its start."""
         where = urlsplit(url)
-        start_http_server(where.port, where.hostname, registry=self.registry)
+        metrics_exposition.serve(where.hostname, where.port, self.render)

@@ -66,7 +66,8 @@ def main() -> None:
     receiver: Receiver = Receiver(ctx, spec.binds["tokens"], DetokenizerInbound)
     frontends = {i: Sender(ctx, addr) for i, addr in frontend_endpoints(spec).items()}
     detok = Detokenizer(tokenizer, model_name=cfg.model.name, dp=cfg.parallel.dp,
-                        max_model_len=cfg.model.max_model_len or 32768)
+                        max_model_len=cfg.model.max_model_len or 32768,
+                        metrics_prefix=f"{cfg.server.metrics_prefix.value}:")
     stop = StopFlag().install()
     if "metrics" in spec.binds:  # server.metrics_port
         detok.metrics.serve(spec.binds["metrics"])

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector
 from quart import Quart, Response, request
 
 from llaunch.runtime.config import Mode, RunConfig, UnknownFields
@@ -28,10 +28,10 @@ from llaunch.runtime.http.score_api import GENERATION_PATHS, ScoreApi, ScoreHead
 from llaunch.runtime.http.tgi_api import TgiApi, tgi_info
 from llaunch.runtime.http.tokenize_api import TokenizeApi
 from llaunch.runtime.http.unknown_fields import IGNORED_HEADER, begin_request, ignored_fields
+from llaunch.runtime.metrics_exposition import exposition
 
 log = logging.getLogger(__name__)
 
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _HEALTH_PATHS = ("/health", "/health/live", "/health/ready", "/healthz", "/liveness", "/readiness")  # LightLLM's too
 _OPEN_PATHS = (*_HEALTH_PATHS, "/openapi.json")  # no API key needed
 _DRAIN_EXEMPT = (*_HEALTH_PATHS, "/metrics")  # still answered while draining (ready then says 503)
@@ -271,6 +271,7 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
         if snapshot is None:
             return error_response(ApiError(503, "No metrics from the engine yet.", type="service_unavailable",
                                            code="engine_unavailable"))
-        return Response(snapshot.text + generate_latest(process).decode(), content_type=PROMETHEUS_CONTENT_TYPE)
+        body, content_type = exposition(snapshot.text, process, request.headers.get("Accept", ""))
+        return Response(body, content_type=content_type)
 
     return app

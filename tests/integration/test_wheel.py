@@ -65,10 +65,11 @@ def test_help_and_dry_run_from_the_installed_wheel(installed, tmp_path, elsewher
 
 
 def test_a_cpu_serve_from_the_installed_wheel_answers_a_completion(installed, tmp_path, elsewhere, tiny_dirs):
+    """Also: server.metrics_prefix=vllm reaches /metrics, in OpenMetrics for Prometheus' Accept header."""
     port = free_port()
     cmd = [installed / "llaunch", "device=cpu", "model=llama", f"model.path={tiny_dirs['llama']}",
            "model.name=tiny", "model.dtype=float32", "cache.max_total_tokens=4096", "router.max_running_requests=8",
-           f"server.port={port}", f"hydra.run.dir={tmp_path / 'run'}"]
+           "server.metrics_prefix=vllm", f"server.port={port}", f"hydra.run.dir={tmp_path / 'run'}"]
     log = (tmp_path / "llaunch.log").open("wb")
     proc = subprocess.Popen([str(c) for c in cmd], cwd=tmp_path, env=elsewhere, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -87,6 +88,9 @@ def test_a_cpu_serve_from_the_installed_wheel_answers_a_completion(installed, tm
                                                        "max_tokens": 4, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
+        metrics = httpx.get(url + "/metrics", headers={"Accept": "application/openmetrics-text;version=1.0.0"})
+        assert metrics.headers["content-type"].startswith("application/openmetrics-text")
+        assert 'vllm:generation_tokens_total{model_name="tiny"}' in metrics.text and "llaunch:" not in metrics.text
     finally:
         proc.send_signal(signal.SIGTERM)  # a container's stop: drain, then exit 0
         try:
