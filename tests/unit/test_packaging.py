@@ -23,3 +23,20 @@ def test_the_profiles_are_found_beside_the_launcher_package():
     """A checkout: <repo>/launcher and <repo>/conf; a wheel: site-packages/llaunch/{launcher,conf}."""
     assert store.CONF_DIR == Path(store.__file__).resolve().parent.parent / "conf"
     assert (store.CONF_DIR / "config.yaml").is_file()
+
+
+def test_without_the_tune_extra_hydras_plugin_scan_stays_quiet():
+    """The images install llaunch without [tune]: Hydra imports hydra_plugins.llaunch_tune at every start,
+    which warned 'Error importing ... No module named hydra_plugins.hydra_optuna_sweeper' each time."""
+    import subprocess
+    import sys
+
+    code = ("import sys, warnings\n"
+            "sys.modules['hydra_plugins.hydra_optuna_sweeper'] = None  # as if Optuna's sweeper were not installed\n"
+            "warnings.simplefilter('error')\n"
+            "from hydra.core.plugins import Plugins\n"
+            "from hydra.plugins.sweeper import Sweeper\n"
+            "names = [p.__name__ for p in Plugins.instance().discover(Sweeper)]\n"
+            "assert 'TuneSweeper' not in names, names\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
