@@ -27,7 +27,7 @@ from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.http.score_api import GENERATION_PATHS, ScoreApi, ScoreHead, score_model_refusal
 from llaunch.runtime.http.tgi_api import TgiApi, tgi_info
 from llaunch.runtime.http.tokenize_api import TokenizeApi
-from llaunch.runtime.http.unknown_fields import IGNORED_HEADER, begin_request, ignored_fields
+from llaunch.runtime.http.unknown_fields import IGNORED_HEADER, begin_request, header_value, ignored_fields
 from llaunch.runtime.metrics_exposition import exposition
 
 log = logging.getLogger(__name__)
@@ -117,8 +117,8 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
         ignored = ignored_fields()
         if ignored:
             log.warning("%s %s: fields no API defines were ignored (server.unknown_fields=warn): %s",
-                        request.method, request.path, ", ".join(ignored))
-            response.headers[IGNORED_HEADER] = ", ".join(ignored)
+                        request.method, request.path, header_value(ignored))
+            response.headers[IGNORED_HEADER] = header_value(ignored)
         return response
     scoring = ScoreApi(engine, tokenizer, limits, lifecycle, settings.score)
 

@@ -11,7 +11,7 @@ from llaunch.runtime.http.audio import AUDIO_PARTS, audio_placeholder, audio_sou
 from llaunch.runtime.http.images import IMAGE_PLACEHOLDER, image_url_of
 from llaunch.runtime.http.tool_calls import call_text, openai_tools
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: OpenAI's older tool turn
 
 
 def message_text(m, i: int, image_urls: Optional[list] = None) -> str:
@@ -97,14 +97,23 @@ def chat_messages(req, fmt: str, template_has_tools: bool,
         if m.role not in ROLES:
             raise bad_request(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}.",
                               param=f"messages[{i}].role")
-        out: dict[str, Any] = {"role": m.role, "content": message_text(m, i, image_urls)}
-        if m.tool_calls:
-            calls = [(c.function.name, _arguments(c.function.arguments, i)) for c in m.tool_calls]
+        if getattr(m, "audio", None) is not None:
+            raise bad_request(f"messages[{i}].audio is not supported: the served models output text only.",
+                              param=f"messages[{i}].audio")
+        role = "tool" if m.role == "function" else m.role
+        out: dict[str, Any] = {"role": role, "content": message_text(m, i, image_urls)}
+        called = [c.function for c in m.tool_calls or []]
+        if getattr(m, "function_call", None) is not None:  # OpenAI's older form of one call
+            called.append(m.function_call)
+        if called:
+            calls = [(c.name, _arguments(c.arguments, i)) for c in called]
             if template_has_tools:
                 out["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
             else:
                 out["content"] = "\n".join([out["content"], *(call_text(fmt, n, a) for n, a in calls)]).strip()
-        if m.role == "tool":
+        if role == "tool":
+            if m.role == "function" and m.name:
+                out["name"] = m.name
             if m.tool_call_id is not None:
                 out["tool_call_id"] = m.tool_call_id
             if not template_has_tools:

@@ -170,11 +170,16 @@ class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
+    role: str  # system | developer | user | assistant | tool | function (OpenAI's older tool turn)
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None  # an assistant turn that called tools
     tool_call_id: Optional[str] = None  # a tool turn: which call it answers
+    function_call: Optional[FunctionCall] = None  # an assistant turn that called a function (OpenAI's older form)
+    refusal: Optional[str] = None  # an assistant turn's refusal: the template takes content only
+    reasoning_content: Optional[str] = None  # vLLM's: a reasoning model's thoughts (the served models have none)
+    reasoning: Optional[str] = None
+    audio: Optional[dict[str, Any]] = None  # an earlier audio answer: refused (no audio output is served)
 
 
 class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True):
@@ -253,7 +258,7 @@ def decode_body(body: bytes, request_type: Type[R]) -> R:
                 raise
             return served
     except msgspec.ValidationError as e:
-        hint = " (server.unknown_fields=reject)" if unknown_field(e) and not collecting_unknown() else ""
+        hint = " (server.unknown_fields=reject)" if unknown_field(e) is not None and not collecting_unknown() else ""
         raise bad_request(f"Invalid request: {e}{hint}", param=_param_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"The body is not valid JSON: {e}") from None

@@ -3,12 +3,12 @@ vLLM's request and response shapes: clients count tokens and check templates wit
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 from quart import Response
 
-from llaunch.runtime.http.chat_messages import chat_messages
+from llaunch.runtime.http.chat_messages import chat_messages, template_options
 from llaunch.runtime.http.errors import bad_request, json_response
 from llaunch.runtime.http.openai_protocol import ChatMessage, Tool, check_model, decode_body
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
@@ -26,7 +26,12 @@ class TokenizeChat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
     model: Optional[str] = None
     tools: Optional[list[Tool]] = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: Optional[bool] = None  # default: true, unless continue_final_message
+    continue_final_message: Optional[bool] = None
+    chat_template: Optional[str] = None  # server.trust_request_chat_template
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    documents: Optional[list[dict[str, Any]]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None  # refused where set, as on chat completions
     add_special_tokens: bool = False  # the template writes them
     return_token_strs: bool = False
 
@@ -57,10 +62,14 @@ class TokenizeApi:
                 raise bad_request("`messages` must not be empty.", param="messages")
             if not tok.has_chat_template:
                 raise bad_request("The served model's tokenizer has no chat template.", param="messages")
+            if req.mm_processor_kwargs:
+                raise bad_request("`mm_processor_kwargs` is not supported: the image processor's settings are the "
+                                  "model's (visual.*).", param="mm_processor_kwargs")
+            options = template_options(req, self.limits.trust_request_chat_template)
             messages, tools = chat_messages(req, tok.tool_format, tok.template_has_tools)
             check_prompt_text("".join(m["content"] for m in messages), self.limits, param="messages")
             try:
-                ids = tok.encode_chat(messages, tools, add_generation_prompt=req.add_generation_prompt)
+                ids = tok.encode_chat(messages, tools, add_special_tokens=req.add_special_tokens, **options)
             except Exception as e:  # the template may reject an order of roles
                 raise bad_request(f"The chat template rejected the messages: {e}", param="messages") from None
         else:

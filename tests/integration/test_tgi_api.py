@@ -208,7 +208,11 @@ def test_huggingface_hub_chat_completion_works_whatever_the_model_name(tgi_serve
     oracle = oracles("qwen2")
     messages = [{"role": "user", "content": "Hello"}]
     out = hf(tgi_server).chat_completion(messages, max_tokens=5, temperature=0)
-    prompt = oracle.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    want = greedy_ids(oracle, oracle.tokenizer.decode(prompt), 5)
+    text = oracle.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = oracle.tokenizer(text, add_special_tokens=False)["input_ids"]
+    eos = oracle.model.config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    want = oracle.greedy(prompt, 5)
+    want = next((want[:i + 1] for i, t in enumerate(want) if t in eos), want)
     assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == len(want)
     assert out.choices[0].message.content == oracle.tokenizer.decode(want, skip_special_tokens=True)

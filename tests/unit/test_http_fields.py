@@ -66,6 +66,13 @@ def test_a_field_no_api_defines_is_served_and_named(server, tok, caplog):
     assert "X-Ignored-Fields" not in r.headers
     r = post(server, "/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 2, "mystery": 3}})
     assert r.status_code == 200 and r.headers["X-Ignored-Fields"] == "parameters.mystery"
+    # names a fuzzer finds: backticks, control characters, non-ASCII; the header stays ASCII
+    weird = {"f`N\u0000x": 1, "\u00e9\n` - at `$.messages": [1], "\u00ff\u0007": {}}
+    r = httpx.post(f"http://127.0.0.1:{server.port}/v1/chat/completions", timeout=10, headers={
+        "Content-Type": "application/json"}, content=json.dumps(
+        {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi", **weird}], **weird}))
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Ignored-Fields"].isascii() and r.headers["X-Ignored-Fields"].count("messages[0].") == 3
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": "three", "frobnicate": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # a wrong value is still refused
 
@@ -274,3 +281,22 @@ def test_huggingface_hub_chat_completion_under_the_tgi_api(server, tok):
         tgi.stop()
     r = post(server, "/v1/chat/completions", {"model": "dummy", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"  # elsewhere a name must be the model's
+
+
+def test_older_and_vllm_message_fields_reach_the_template(server, tok):
+    """An assistant turn with OpenAI's older `function_call` and its `function` result, a `refusal`, and
+    vLLM's /tokenize with the chat options of chat completions."""
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "refusal": None,
+                 "function_call": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+                {"role": "function", "name": "get_weather", "content": "sunny"}]
+    r = post(server, "/tokenize", {"model": MODEL, "messages": messages, "return_token_strs": False})
+    assert r.status_code == 200, r.text
+    text = tok.decode(r.json()["tokens"])
+    assert "get_weather" in text and "sunny" in text
+    r = post(server, "/tokenize", {"model": MODEL, "messages": [*messages[:1], {"role": "assistant", "content": "It is"}],
+                                   "continue_final_message": True})
+    assert r.status_code == 200 and tok.decode(r.json()["tokens"]).endswith("It is")
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "audio": {"id": "a1"}}, {"role": "user", "content": "y"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].audio"
