@@ -1,7 +1,7 @@
-"""The wheel runs outside the checkout, as the container images install it (docker/Dockerfile*): build
-it, install it into a fresh virtual environment, and from another directory run `llaunch --help`, a dry
-run and a CPU serve of a tiny model answering a completion. The profiles (conf/) travel in the wheel as
-package data; issue #42's wheel exited 2 with 'Primary config directory not found'.
+"""The wheel runs outside the checkout, as the container images install it (docker/Dockerfile*): build it
+from what the images copy, install it into a fresh virtual environment, and from another directory run
+`llaunch --help`, a dry run and a CPU serve of a tiny model answering a completion. The profiles (conf/)
+travel in the wheel as package data; issue #42's wheel exited 2 with 'Primary config directory not found'.
 
 The fresh environment sees this one's site-packages through a .pth line (the dependencies: torch and
 the rest are not downloaded again) but not its editable finder, so `llaunch` imports only from the
@@ -9,6 +9,7 @@ wheel; pip installs with --no-index, so the wheel's requirements must be met by 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,8 +34,17 @@ def installed(tmp_path_factory) -> Path:
     """The bin/ folder of a fresh environment with the wheel built from this checkout installed."""
     root = tmp_path_factory.mktemp("wheel")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    src = root / "src"  # what the images copy into their build stage, and nothing else
+    for line in (REPO / "docker" / "Dockerfile.cpu").read_text().splitlines():
+        if line.startswith("COPY ") and "--from" not in line:
+            path = line.split()[1]
+            if (REPO / path).is_dir():
+                shutil.copytree(REPO / path, src / path, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                src.mkdir(exist_ok=True)
+                shutil.copy(REPO / path, src / path)
     built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", root / "dist",
-                  REPO], cwd=root, env=env)
+                  src], cwd=root, env=env)
     assert built.returncode == 0, built.stderr[-3000:]
     wheel, = (root / "dist").glob("llaunch-*.whl")
     venv = root / "venv"
