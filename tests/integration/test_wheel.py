@@ -51,7 +51,8 @@ def installed(tmp_path_factory) -> Path:
     _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=root, env=env).check_returncode()
     site, = venv.glob("lib/python*/site-packages")
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    pip = _run([venv / "bin" / "python", "-m", "pip", "install", "--no-index", "--no-compile", wheel], cwd=root, env=env)
+    pip = _run([venv / "bin" / "python", "-m", "pip", "install", "--no-index", "--no-compile", wheel],
+               cwd=root, env=env)
     assert pip.returncode == 0, pip.stdout[-2000:] + pip.stderr[-3000:]
     where = _run([venv / "bin" / "python", "-c", "import llaunch.launcher as l; print(l.__file__)"], cwd=root, env=env)
     assert where.stdout.startswith(str(site)), where.stdout + where.stderr  # the wheel's copy, not the checkout
@@ -67,7 +68,8 @@ def elsewhere(tmp_path) -> dict:
 def test_help_and_dry_run_from_the_installed_wheel(installed, tmp_path, elsewhere):
     help_ = _run([installed / "llaunch", "--help"], cwd=tmp_path, env=elsewhere, timeout=100)
     assert help_.returncode == 0, help_.stderr
-    assert "  model: " in help_.stdout and "smollm2-135m" in help_.stdout and "  parallel: dp2, tp1, tp2" in help_.stdout
+    assert "  model: " in help_.stdout and "smollm2-135m" in help_.stdout
+    assert "  parallel: dp2, tp1, tp2" in help_.stdout
     dry = _run([installed / "llaunch", "dry_run=true", "parallel=dp2", "device=cpu"], cwd=tmp_path, env=elsewhere,
                timeout=100)
     assert dry.returncode == 0, dry.stderr
