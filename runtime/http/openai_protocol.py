@@ -234,6 +234,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fie
     moderation: Optional[dict[str, Any]] = None
     mm_processor_kwargs: Optional[dict[str, Any]] = None
     media_io_kwargs: Optional[dict[str, Any]] = None
+    token_healing: Optional[bool] = None  # llaunch's completions field: a chat prompt is never healed
 
 
 @dataclass(frozen=True)

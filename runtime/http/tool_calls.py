@@ -129,26 +129,11 @@ def _llama_calls(text: str) -> list[tuple[int, int, ParsedCall]]:
     return found
 
 
-_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-
-
-def _cut_call(fmt: str, text: str) -> Optional[ParsedCall]:
-    """A call the output's length limit cut off (`text` starts with its opener): its name, when that
-    was written whole, and the arguments as far as they go (OpenAI returns such a call so, with
-    finish_reason length); None when not even the name was."""
-    body = text[len("<tool_call>"):] if fmt == "hermes" else text
-    name = _NAME.search(body)
-    if name is None:
-        return None
-    key = re.search(r'"(?:%s|arguments)"\s*:\s*' % _ARGUMENTS_KEY[fmt], body[name.end():])
-    arguments = body[name.end() + key.end():].rstrip() if key else ""
-    return ParsedCall(json.loads(f'"{name.group(1)}"'), arguments)
-
-
 def parse_tool_calls(text: str, fmt: str, cut: bool = False) -> tuple[Optional[str], list[ParsedCall]]:
     """(the text that is not a call, or None when nothing else was said; the calls). `cut`: the
-    output ended at its length limit, so an opened call that did not close is a call cut short, not
-    content (see _cut_call)."""
+    output ended at its length limit, so an opened call that did not close is a call cut short: not
+    content, and not a call either (its arguments are not JSON, which clients parse and send back);
+    finish_reason length says what happened."""
     if fmt == "hermes":
         spans = [(m.start(), m.end(), _call_of(fmt, m.group(1))) for m in _HERMES_CALL.finditer(text)]
     else:
@@ -160,7 +145,7 @@ def parse_tool_calls(text: str, fmt: str, cut: bool = False) -> tuple[Optional[s
         if start < 0 and _longest_prefix_tail(text, opener):  # cut inside the opener itself
             start = len(text) - _longest_prefix_tail(text, opener)
         if start >= 0:
-            spans.append((start, len(text), _cut_call(fmt, text[start:])))
+            spans.append((start, len(text), None))
     if not spans:
         return text.strip(), []  # stripped as the stream sends it (whitespace may precede a call)
     rest, at = [], 0
@@ -240,11 +225,10 @@ class ToolCallStream:
 
     def finish(self, cut: bool = False) -> list[dict]:
         """The text is over: what was held back is content, except with `cut` (the length limit ended
-        it) a call that opened and did not close: that is a call cut short (see _cut_call)."""
+        it) a call that opened and did not close: a call cut short, dropped (see parse_tool_calls)."""
         text, self.buffer = self.buffer, ""
         if cut and (text.startswith(self.opener) or self.opener.startswith(text)):
-            call = _cut_call(self.fmt, text)
-            return self._call_deltas(call) if call is not None else []
+            return []
         return self._content(text)
 
 

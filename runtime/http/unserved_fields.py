@@ -27,11 +27,13 @@ _OPENAI: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mm_processor_kwargs": (bool, "the image processor's settings are the model's (visual.*)"),
     "media_io_kwargs": (bool, "media are decoded with the server's settings (visual.*, audio.*)"),
 }
+_CHAT_ONLY = {"token_healing": (bool, "a chat prompt ends with the template's assistant header, which is never healed "
+                                      "(completions and /generate heal)")}
 
 
 def refuse_unserved(req) -> None:
     """A 400 for the first field of an OpenAI-shaped request that asks for what is not served."""
-    for name, (asked, why) in _OPENAI.items():
+    for name, (asked, why) in {**_OPENAI, **(_CHAT_ONLY if hasattr(req, "messages") else {})}.items():
         value = getattr(req, name, None)
         if value is not None and asked(value):
             raise bad_request(f"`{name}` is not supported: {why}.", param=name)
