@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from llaunch.launcher import gpus, secrets, tune_objective
+from llaunch.launcher import config_changes, gpus, secrets, tune_objective
 from llaunch.launcher.bench_server import JobFailed, ServerProcess, die_with_parent, tail, wait_port_free
 from llaunch.runtime.config import BenchConfig, BenchLengths, Device, LlaunchConfig, RunConfig
 from llaunch.launcher.store import REPO_ROOT
@@ -216,6 +216,16 @@ def tuning(hydra_cfg) -> bool:
     return "llaunch_tune" in str(OmegaConf.select(hydra_cfg, "sweeper._target_", default=""))
 
 
+def bench_refusals(cfg: LlaunchConfig, changed: dict) -> list[str]:
+    """The rules over the bench group, which the job's server never sees (its overrides lose bench.*;
+    it checks the rest itself): the benchmark's settings, and bench keys that have no effect."""
+    from llaunch.launcher import rules, rules_effect
+
+    found = rules.bench_settings_valid(cfg) + rules_effect.keys_have_effect(
+        cfg, {k: v for k, v in changed.items() if k.startswith("bench.")})
+    return [v.message for v in found]
+
+
 def run_from_hydra(dict_cfg, hydra_cfg) -> Optional[float]:
     """The `llaunch` task function's branch for a config with a bench profile. A trial of a tuning sweep
     returns its score (0.0 when it failed: the study goes on); any other failed job raises BenchJobFailed."""
@@ -229,9 +239,12 @@ def run_from_hydra(dict_cfg, hydra_cfg) -> Optional[float]:
     progress = SweepProgress.shared(hydra_cfg)
     try:
         cfg = OmegaConf.to_object(dict_cfg)
+        refused = bench_refusals(cfg, config_changes.of_job(cfg, hydra_cfg))
     except OmegaConfBaseException as e:
-        status = {"status": "failed", "reason": f"invalid configuration: {e}", "overrides": job.overrides,
-                  "job_num": job.num}
+        refused = [str(e)]
+    if refused:
+        status = {"status": "failed", "reason": f"invalid configuration: {'; '.join(refused)}",
+                  "overrides": job.overrides, "job_num": job.num}
         write_status(job.job_dir, status)
         progress.finish_job(progress.start_job(job.num, job.overrides, STAGES), status)
     else:

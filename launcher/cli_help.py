@@ -19,8 +19,9 @@ Profiles compose the config; rules check it; a dry run prints the process graph.
   llaunch -m bench=smoke router.max_running_requests=4,8      a sweep: one server + benchmark per job
 """
 FOOTER = """\
-Exit codes: 0 ok; 2 invalid configuration (each violated rule or unknown key is named); else the
-serving graph's status. `--cfg job` prints the composed config; `--hydra-help` Hydra's own options."""
+Exit codes: 0 ok; 2 invalid configuration (each violated rule or unknown key is named, and each key
+set where nothing reads it, e.g. spec.num_tokens with spec=none); else the serving graph's status.
+`--cfg job` prints the composed config; `--hydra-help` Hydra's own options."""
 
 
 def version() -> str:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from dataclasses import fields
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import hydra
 import msgspec
@@ -24,8 +24,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from llaunch.launcher import (bench_job, cli_help, config_keys, derive, host_checks, memory_plan, plan, ports, report, rules,
-                              secrets, store)
+from llaunch.launcher import (bench_job, cli_help, config_changes, config_keys, derive, host_checks, memory_plan, plan,
+                              ports, report, rules, secrets, store)
 from llaunch.runtime.config import Device, LlaunchConfig, RunConfig
 
 EXIT_INVALID = 2
@@ -52,14 +52,15 @@ def write_run_config(run_config: RunConfig) -> Path:
     return path
 
 
-def launch(composed: LlaunchConfig, run_dir: Path) -> int:
-    """Everything after composition; returns the exit code."""
+def launch(composed: LlaunchConfig, run_dir: Path, changed: Mapping[str, Any] = rules.NOTHING_CHANGED) -> int:
+    """Everything after composition; returns the exit code. `changed`: the keys the user set away from
+    the profiles' values, with those values (launcher/config_changes.py): each must have an effect."""
     try:
         cfg = derive.resolve(composed)
     except derive.CheckpointError as e:
         report.print_error("cannot read the checkpoint", str(e))  # the message names the key
         return EXIT_INVALID
-    violations = rules.check_all(cfg)
+    violations = rules.check_all(cfg, changed)
     if violations:
         report.print_violations(violations)
         return EXIT_INVALID
@@ -113,7 +114,7 @@ def _hydra_app(dict_cfg: DictConfig) -> Optional[float]:
     except OmegaConfBaseException as e:
         report.print_error("invalid configuration", str(e))
         sys.exit(EXIT_INVALID)
-    code = launch(composed, Path(HydraConfig.get().runtime.output_dir))
+    code = launch(composed, Path(HydraConfig.get().runtime.output_dir), config_changes.of_job(composed, HydraConfig.get()))
     if code:  # on success return to Hydra, so a -m sweep goes on to its next job
         sys.exit(code)
 

@@ -1,12 +1,17 @@
 """The machinery of the start-up rules (launcher/rules.py holds the rules themselves): a rule is a
 registered check that yields (keys, message) pairs; `check_all`, `warnings` and `pending` run the
 registry for a resolved config, so a bad config lists every problem at once. The registry is filled
-when launcher/rules.py is imported: use the functions through that module."""
+when launcher/rules.py is imported: use the functions through that module.
+
+A rule registered with `changes=True` also gets the keys the user changed from what the profiles
+give, with the values given (launcher/config_changes.py); without them (a config built in a test) it
+sees none changed."""
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 from llaunch.runtime.config import LlaunchConfig
 
@@ -33,9 +38,11 @@ class Rule:
     check: Callable[[LlaunchConfig], list[Violation]]
     needs: tuple[str, ...]  # dotted keys that must be known (not None) for the check to mean anything
     live: str  # "": always; "skip": checks this machine, skipped by a dry run; "warn": a dry run warns
+    changes: bool = False  # the check takes (cfg, changed keys) instead of (cfg)
 
 
 RULES: list[Rule] = []
+NOTHING_CHANGED: Mapping[str, Any] = MappingProxyType({})
 
 
 def get(cfg: LlaunchConfig, key: str):
@@ -48,25 +55,29 @@ def _missing(cfg: LlaunchConfig, keys: tuple[str, ...]) -> list[str]:
     return [k for k in keys if get(cfg, k) is None]
 
 
-def rule(needs: tuple[str, ...] = (), live: str = ""):
-    """Register a check; it returns (keys, message) pairs, which become Violations named after it."""
+def rule(needs: tuple[str, ...] = (), live: str = "", changes: bool = False):
+    """Register a check; it returns (keys, message) pairs, which become Violations named after it.
+    changes=True: the check is called with the keys the user changed too."""
 
-    def register(fn: Callable[[LlaunchConfig], list[tuple[tuple[str, ...], str]]]):
+    def register(fn: Callable[..., list[tuple[tuple[str, ...], str]]]):
         @functools.wraps(fn)
-        def check(cfg: LlaunchConfig) -> list[Violation]:
+        def check(cfg: LlaunchConfig, changed: Mapping[str, Any] = NOTHING_CHANGED) -> list[Violation]:
             if _missing(cfg, needs):
                 return []
-            return [Violation(fn.__name__, tuple(keys), message) for keys, message in fn(cfg)]
+            found = fn(cfg, changed) if changes else fn(cfg)
+            return [Violation(fn.__name__, tuple(keys), message) for keys, message in found]
 
-        RULES.append(Rule(fn.__name__, check, needs, live))
+        RULES.append(Rule(fn.__name__, check, needs, live, changes))
         return check
 
     return register
 
 
-def check_all(cfg: LlaunchConfig) -> list[Violation]:
-    """Every violation; a dry run skips the rules about this machine (it plans for another one)."""
-    return [v for r in RULES if not (cfg.dry_run and r.live) for v in r.check(cfg)]
+def check_all(cfg: LlaunchConfig, changed: Mapping[str, Any] = NOTHING_CHANGED) -> list[Violation]:
+    """Every violation; a dry run skips the rules about this machine (it plans for another one).
+    `changed`: the keys the user set away from the profiles' values, with those values
+    (launcher/config_changes.py)."""
+    return [v for r in RULES if not (cfg.dry_run and r.live) for v in r.check(cfg, changed)]
 
 
 def warnings(cfg: LlaunchConfig) -> list[Violation]:

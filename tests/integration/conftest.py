@@ -34,9 +34,11 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
-def start_server(tmp_path_factory, name: str, overrides: list[str], **kw) -> LlaunchServer:
+def start_server(tmp_path_factory, name: str, overrides: list[str], base: list[str] = CPU_BASE, **kw) -> LlaunchServer:
+    """`base`: CPU_BASE for a serving instance; a pd_master or config server runs no model, and a key it
+    does not read is refused (launcher/rules_effect.py): give it ["device=cpu"]."""
     run_dir = tmp_path_factory.mktemp(f"run-{name}")
-    return LlaunchServer(CPU_BASE + overrides, run_dir=run_dir, **kw)
+    return LlaunchServer(base + overrides, run_dir=run_dir, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -54,11 +54,13 @@ def port_is_free(port: int) -> bool:
 
 
 class LlaunchServer:
-    def __init__(self, overrides: list[str], run_dir: Path, env: Optional[dict] = None, ready_timeout: float = 600):
+    def __init__(self, overrides: list[str], run_dir: Path, env: Optional[dict] = None, ready_timeout: float = 600,
+                 port_key: str = "server.port"):
+        """`port_key`: the key of the port /health is served on (a config server's: mode.config_server_port)."""
         self.port = free_port()
         self.run_dir = run_dir
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "llaunch.launcher.main", *overrides, f"server.port={self.port}",
+        cmd = [sys.executable, "-m", "llaunch.launcher.main", *overrides, f"{port_key}={self.port}",
                f"hydra.run.dir={run_dir}"]
         self.log_path = run_dir.parent / f"{run_dir.name}-launcher.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

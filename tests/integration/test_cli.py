@@ -2,6 +2,7 @@
 Every run is a subprocess in a temporary directory, so nothing lands in the repo."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -94,10 +95,27 @@ def test_heads_that_do_not_split_exit_2(tmp_path):
 
 
 def test_all_violations_are_listed_at_once(tmp_path):
-    r = llaunch(tmp_path, "cache.mem_fraction=1.5", "server.http_workers=0", "dry_run=true")
+    r = llaunch(tmp_path, "cache.mem_fraction=1.5", "server.http_workers=0", "device=cuda", "dry_run=true")
     assert r.returncode == 2
     assert "cache.mem_fraction=1.5" in r.stderr and "(0, 1)" in r.stderr
     assert "server.http_workers=0" in r.stderr and "2 rules violated" in r.stderr
+
+
+def test_a_key_set_where_nothing_reads_it_exits_2_and_a_profiles_keys_do_not(tmp_path):
+    r = llaunch(tmp_path, "spec.num_tokens=3", "router.dp_prefill_balance=true", "dry_run=true")
+    assert r.returncode == 2, r.stderr  # both keys listed at once
+    assert "spec.num_tokens=3 has no effect with spec.method=none" in r.stderr
+    assert "router.dp_prefill_balance=true has no effect with parallel.dp=1" in r.stderr
+    # a pd_master runs no model: the profile's model keys pass, a model key the user sets does not
+    assert llaunch(tmp_path, "mode=pd_master", "model=qwen2-7b", "dry_run=true").returncode == 0
+    r = llaunch(tmp_path, "mode=pd_master", "model=qwen2-7b", "model.max_model_len=4096", "dry_run=true")
+    assert r.returncode == 2 and "model.max_model_len=4096 has no effect with mode.kind=pd_master" in r.stderr
+    # a sweep's jobs are checked with their own overrides (a bench job's bench keys in the sweep process)
+    r = llaunch(tmp_path, "-m", "bench=c1", "bench.trace=/no/such.jsonl", "bench.request_rate=2,4",
+                f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert r.returncode == 2, r.stderr
+    reasons = [json.loads((tmp_path / "sweep" / str(i) / "status.json").read_text())["reason"] for i in (0, 1)]
+    assert all("bench.request_rate" in why and "has no effect with bench.trace" in why for why in reasons), reasons
 
 
 def test_composition_errors_exit_2_without_a_traceback(tmp_path):

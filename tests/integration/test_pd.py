@@ -21,6 +21,7 @@ from integration.conftest import start_server
 from integration.server import free_port
 from integration.test_parallel import GREEDY, model_overrides, start_all, stop_all
 
+MASTER_BASE = ["device=cpu"]  # a pd_master or config server runs no model: the model's keys would be refused
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived", "1, 2, 3, 4,"]
 
 
@@ -30,7 +31,7 @@ def pd_deployment(tmp_path_factory, tiny_dirs):
     pd = [f"mode.pd_master_port={register}"]
     model = model_overrides("qwen2", tiny_dirs)
     servers = start_all([
-        start_server(tmp_path_factory, "pd-master", model + ["mode=pd_master"] + pd),
+        start_server(tmp_path_factory, "pd-master", ["mode=pd_master"] + pd, base=MASTER_BASE),
         start_server(tmp_path_factory, "pd-prefill", model + ["mode=pd_prefill"] + pd),
         start_server(tmp_path_factory, "pd-decode-a", model + ["mode=pd_decode"] + pd),
         start_server(tmp_path_factory, "pd-decode-b", model + ["mode=pd_decode"] + pd),
@@ -115,13 +116,14 @@ def test_tensor_parallel_instances_move_each_ranks_kv_heads(transport, tmp_path_
     """tp2 prefill → tp2 decode: rank r ships its KV heads to rank r (Qwen2's 2 KV heads split), over
     ZMQ, and over a torch.distributed pair group per rank pair (NCCL on GPUs; gloo here)."""
     register = free_port()
-    common = model_overrides("qwen2", tiny_dirs) + [f"mode.pd_master_port={register}", "parallel=tp2",
-                                                    f"mode.kv_transport={transport}"]
+    common = model_overrides("qwen2", tiny_dirs) + [f"mode.pd_master_port={register}", "parallel=tp2"]
     servers = start_all([
-        start_server(tmp_path_factory, f"pd2-{transport}-master", model_overrides("qwen2", tiny_dirs)
-                     + ["mode=pd_master", f"mode.pd_master_port={register}"]),
+        start_server(tmp_path_factory, f"pd2-{transport}-master", ["mode=pd_master", f"mode.pd_master_port={register}"],
+                     base=MASTER_BASE),
         start_server(tmp_path_factory, f"pd2-{transport}-prefill", common + ["mode=pd_prefill"]),
-        start_server(tmp_path_factory, f"pd2-{transport}-decode", common + ["mode=pd_decode"]),
+        # the decode instance chooses the transport and advertises it (on a prefill instance the key is refused)
+        start_server(tmp_path_factory, f"pd2-{transport}-decode", common + ["mode=pd_decode",
+                                                                            f"mode.kv_transport={transport}"]),
     ])
     try:
         oracle = oracles("qwen2")
@@ -141,18 +143,17 @@ def test_instances_find_their_master_through_a_config_server(tmp_path_factory, t
     with every one it lists; nobody is told the master's address."""
     register = free_port()
     # the config server serves on the port the test harness gives it (and polls /health on)
-    servers = start_all([start_server(tmp_path_factory, "cs-registry", [
-        "mode=config_server", "mode.config_server_host=127.0.0.1", "mode.config_server_port=${server.port}"])])
+    servers = start_all([start_server(tmp_path_factory, "cs-registry", ["mode=config_server"], base=MASTER_BASE,
+                                      port_key="mode.config_server_port")])
     config_port = servers[0].port
     found_by_registry = ["mode.config_server_host=127.0.0.1", f"mode.config_server_port={config_port}"]
     model = model_overrides("qwen2", tiny_dirs)
     servers += start_all([
-        start_server(tmp_path_factory, "cs-master", model + ["mode=pd_master", f"mode.pd_master_port={register}"]
-                     + found_by_registry),
-        start_server(tmp_path_factory, "cs-prefill", model + ["mode=pd_prefill", "mode.pd_master_port=1"]
-                     + found_by_registry),
-        start_server(tmp_path_factory, "cs-decode", model + ["mode=pd_decode", "mode.pd_master_port=1"]
-                     + found_by_registry),
+        start_server(tmp_path_factory, "cs-master", ["mode=pd_master", f"mode.pd_master_port={register}"]
+                     + found_by_registry, base=MASTER_BASE),
+        # no mode.pd_master_port: with a config server named it would be refused as unread
+        start_server(tmp_path_factory, "cs-prefill", model + ["mode=pd_prefill"] + found_by_registry),
+        start_server(tmp_path_factory, "cs-decode", model + ["mode=pd_decode"] + found_by_registry),
     ])
     try:
         entries = httpx.get(f"http://127.0.0.1:{config_port}/registry", timeout=5).json()["entries"]
