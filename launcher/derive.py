@@ -29,8 +29,16 @@ def detect_device() -> Device:
     return Device.cuda if gpus.visible_count() > 0 else Device.cpu
 
 
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # s3://, hf://, https://: never fetched (rules_checkpoint.py)
+
+
+def is_url(path: str | None) -> bool:
+    return bool(path) and bool(_URL.match(path))
+
+
 def _absolute(path: str | None) -> str | None:
-    return os.path.abspath(os.path.expanduser(path)) if path else path
+    """A local path made absolute; a URL stays as given, for the rule that refuses it to name."""
+    return os.path.abspath(os.path.expanduser(path)) if path and not is_url(path) else path
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

@@ -19,6 +19,7 @@ from llaunch.launcher import rules_server  # noqa: F401 (metric server and TGI A
 from llaunch.launcher import rules_quant  # noqa: F401 (quantized checkpoints, fp8 KV cache)
 from llaunch.launcher import rules_visual  # noqa: F401 (the visual servers of multimodal models)
 from llaunch.launcher import rules_effect  # noqa: F401 (a key set where nothing reads it)
+from llaunch.launcher import rules_checkpoint  # noqa: F401 (checkpoints the worker cannot serve)
 # check_all, warnings, pending and RULES are called through this module, which fills the registry
 from llaunch.launcher.rule_registry import (NOTHING_CHANGED, RULES, check_all, get, pending, rule,  # noqa: F401
                                            warnings)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 
+from llaunch.launcher import store
+from llaunch.launcher.derive import is_url
 from llaunch.launcher.rule_registry import rule
 from llaunch.runtime.config import Device, DType, LlaunchConfig, LoadFormat, Mode
 from llaunch.runtime.models import rope
@@ -66,17 +68,28 @@ def weights_need_path(cfg):
             f"model.path is required with model.load_format={m.load_format.value}: give "
             f"model.path=/path/to/checkpoint, or random weights of a known size: {SIZED_PROFILES} with "
             f"model.load_format=dummy")
-    elif not os.path.exists(m.path):
-        yield ("model.path",), (f"model.path={m.path} does not exist (SmolLM2: run scripts/prepare_models.py; "
-                                "or set LLAUNCH_MODELS_DIR)")
+    elif not os.path.exists(m.path) and not is_url(m.path):  # a URL: rules_checkpoint.checkpoint_path_local
+        yield ("model.path",), f"model.path={m.path} does not exist: {missing_hint(m.path, 'checkpoint')}"
+
+
+def missing_hint(path: str, what: str) -> str:
+    """What to do about a checkpoint or tokenizer path that does not exist: the bundled models' folder
+    is filled by scripts/prepare_models.py; any other path is the user's to fix."""
+    if os.path.abspath(path).startswith(os.path.join(store.models_dir(), "")):
+        return (f"it is under the bundled models' folder {store.models_dir()}: run scripts/prepare_models.py "
+                "(make setup), or set LLAUNCH_MODELS_DIR to where they are")
+    if what == "tokenizer":
+        return "give a folder with tokenizer.json / tokenizer_config.json, or leave model.tokenizer unset (model.path's)"
+    return ("give a Hugging Face checkpoint folder (config.json, *.safetensors), a .gguf file, or a Hub id "
+            "(org/name, from the Hugging Face cache); relative paths are from the current directory")
 
 
 @rule(live="warn")
 def tokenizer_exists(cfg):
     t = cfg.model.tokenizer  # unset: the checkpoint's folder, or none at all for bare dummy weights
-    if cfg.mode.kind != Mode.config_server and t is not None and not os.path.exists(t):
-        yield ("model.tokenizer",), (f"model.tokenizer={t} does not exist (SmolLM2's: run "
-                                     "scripts/prepare_models.py; or set LLAUNCH_MODELS_DIR)")
+    if cfg.mode.kind != Mode.config_server and t is not None and not os.path.exists(t) and not is_url(t) \
+            and t != cfg.model.path:  # model.path's own: weights_need_path says it once
+        yield ("model.tokenizer",), f"model.tokenizer={t} does not exist: {missing_hint(t, 'tokenizer')}"
 
 
 REQUIRED_FIELDS = ("family", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

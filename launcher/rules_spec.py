@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from llaunch.launcher.derive import is_url
 from llaunch.launcher.rule_registry import rule
 from llaunch.runtime.config import Mode, ModelTask, SpecMethod
 from llaunch.runtime.models.checkpoint import CheckpointError, read_checkpoint
@@ -60,6 +61,8 @@ def spec_draft_model_usable(cfg):
 
 def draft_checkpoint_problems(path: str, model) -> list[str]:
     """Why the checkpoint at `path` cannot draft for `model` ([] if it can)."""
+    if is_url(path):
+        return []  # rules_checkpoint.checkpoint_path_local refuses it
     try:
         ckpt = read_checkpoint(path)
     except CheckpointError as e:

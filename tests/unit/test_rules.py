@@ -153,6 +153,7 @@ def test_every_rule_has_a_break_case():
                             "checkpoint_dtype_supported", "ports_distinct", "server_port_free",
                             "cuda_mps_daemon_installed",  # tests/unit/test_host_switches.py
                             "keys_have_effect",  # tests/unit/test_rules_effect.py
+                            "checkpoint_path_local", "checkpoint_has_lm_head",  # tests/unit/test_checkpoint_rules.py
                             "generate_needs_lm_head", "score_head_supported",  # tests/unit/test_score_model.py
                             "metrics_port_free",  # tests/integration/test_tgi_api.py
                             "checkpoint_quantization_supported",  # tests/unit/test_quant_rules.py
