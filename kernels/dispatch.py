@@ -17,7 +17,7 @@ import torch
 from llaunch.kernels import fp8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
-                   "silu_mul", "sampling", "greedy", "fp8_block")
+                   "silu_mul", "sampling", "greedy", "fp8_block", "fused_moe")
 
 
 def _use_triton(t) -> bool:
@@ -47,6 +47,8 @@ def triton_ops() -> types.SimpleNamespace:
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
         fp8_block_linear=modules["fp8_block"].fp8_block_linear,
+        moe_route=modules["fused_moe"].moe_route,
+        fused_moe=modules["fused_moe"].fused_moe,
     )
 
 
@@ -177,6 +179,20 @@ def silu_mul(x):
     if _use_triton(x):
         return triton_ops().silu_mul(x)
     return reference.silu_mul(x)
+
+
+def moe_route(router_logits, top_k: int, renormalize: bool):
+    """(weights [T, k] float32, experts [T, k] int32): the top-k of each token's router softmax."""
+    if _use_triton(router_logits):
+        return triton_ops().moe_route(router_logits, top_k, renormalize)
+    return reference.moe_route(router_logits, top_k, renormalize)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start: Optional[int] = None):
+    """The routed experts' SiLU-gated MLPs, weighted and summed per token (kernels/fused_moe.py)."""
+    if _use_triton(x):
+        return triton_ops().fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
+    return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
 
 
 def greedy_tokens(logits, rows, last_token):

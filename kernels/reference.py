@@ -255,6 +255,35 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate.float()).to(x.dtype) * up
 
 
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts from its router logits [T, E]: the top_k of their float32 softmax, renormalized to sum
+    to 1 where the model says so (Qwen's norm_topk_prob; Mixtral always). → (weights [T, k] float32, experts [T, k]
+    int32), in descending weight."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts.to(torch.int32)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, expert_start: Optional[int] = None) -> torch.Tensor:
+    """The routed experts' MLPs: token t goes through experts topk_ids[t] with weights topk_weights[t]. x [T, H];
+    w13 [E_local, 2I, H] (each expert's gate rows, then its up rows) and w2 [E_local, H, I] hold every expert
+    (expert_start None) or, expert parallel, experts expert_start .. expert_start + E_local - 1 of the ids (an
+    expert another rank holds adds nothing here). Each expert's
+    gate‖up product, silu_mul, down product and weighted row are rounded to x's dtype (as transformers' expert
+    loop); a token's k rows are summed in float32. → [T, H]."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w13.shape[0]):
+        token, slot = torch.where(topk_ids == (expert_start or 0) + e)
+        if token.numel() == 0:
+            continue
+        y = linear(silu_mul(linear(x[token], w13[e])), w2[e])
+        out.index_add_(0, token, (y.float() * topk_weights[token, slot, None].float()).to(x.dtype).float())
+    return out.to(x.dtype)
+
+
 def greedy_tokens(logits: torch.Tensor, rows: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first on ties), also recorded as last_token[rows]."""
     tokens = torch.argmax(logits, dim=-1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import List
+from typing import List, NamedTuple, Optional
 
 
 class Backend(str, Enum):
@@ -34,6 +34,22 @@ PDL_KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention", "greedy")
 MAX_TMA_BOX = 256  # elements per dimension of one TMA copy (the staged GEMV's tile bound)
 
 
+class MoeLaunch(NamedTuple):
+    """How kernels/fused_moe.py launches both grouped GEMMs of an MoE layer: tiles of BLOCK_M (token, expert) pairs
+    of one expert × BLOCK_N output columns, BLOCK_K inputs a step; GROUP_M row tiles share a column of weight tiles."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    group_m: int = 8
+
+
+# {(experts on the rank, intermediate columns on the rank, hidden): [(most tokens of a step or None, launch)]}
+MoeShapes = dict[tuple[int, int, int], list[tuple[Optional[int], MoeLaunch]]]
+
+
 @dataclass(frozen=True)
 class KernelSettings:
     backend: Backend = Backend.triton  # triton kernels, or the plain-torch references everywhere
@@ -43,6 +59,11 @@ class KernelSettings:
     # TMA-staged kernel, 0 on the LM head's shape keeps it on cuBLAS). Sweep candidates with
     # `llaunch -m bench=c1 kernels.gemv_shapes=...` on the GPU they are for.
     gemv_shapes: str = ""
+    # Launch shapes of the fused MoE layer's grouped GEMMs (kernels/fused_moe.py) per layer shape, overriding its
+    # defaults: comma-separated `ExIxH[@TOKENS]=BLOCK_M/BLOCK_N/BLOCK_K/WARPS/STAGES[/GROUP_M]` (E experts and I
+    # intermediate columns on one rank, H hidden; @TOKENS: for steps of at most that many tokens, the smallest bound
+    # that holds winning, none: any step). Sweep with `llaunch -m bench=c64 kernels.moe_shapes=...`.
+    moe_shapes: str = ""
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
     # after their own wait (late) instead of at their top: early triggering cascades resident grids,
@@ -57,10 +78,11 @@ class KernelSettings:
             unknown = sorted(set(getattr(self, key)) - set(PDL_KERNELS))
             if unknown:
                 found.append((f"kernels.{key}", f"kernels.{key}: {unknown} unknown; kernels are {', '.join(PDL_KERNELS)}"))
-        try:
-            parse_gemv_shapes(self.gemv_shapes)
-        except ValueError as e:
-            found.append(("kernels.gemv_shapes", str(e)))
+        for key, parse in (("gemv_shapes", parse_gemv_shapes), ("moe_shapes", parse_moe_shapes)):
+            try:
+                parse(getattr(self, key))
+            except ValueError as e:
+                found.append((f"kernels.{key}", str(e)))
         return found
 
 
@@ -89,6 +111,32 @@ def parse_gemv_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int, 
     return shapes
 
 
+def parse_moe_shapes(text: str) -> MoeShapes:
+    """`moe_shapes` as {(E, I, H): [(max tokens or None, MoeLaunch)]}, each list's bounds ascending, None last."""
+    shapes: MoeShapes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            key, value = item.split("=")
+            dims, _, tokens = key.partition("@")
+            e, i, h = (int(v) for v in dims.split("x"))
+            values = [int(v) for v in value.split("/")]
+            if len(values) not in (5, 6) or min(e, i, h) < 1 or (tokens and int(tokens) < 1):
+                raise ValueError
+            launch = MoeLaunch(*values)
+        except ValueError:
+            raise ValueError(f"kernels.moe_shapes: {item!r} is not ExIxH[@TOKENS]=BLOCK_M/BLOCK_N/BLOCK_K/WARPS/STAGES"
+                             "[/GROUP_M] (positive integers)") from None
+        powers = all(v > 0 and v & (v - 1) == 0 for v in (launch.block_m, launch.block_n, launch.block_k, launch.warps))
+        if not powers or min(launch.block_m, launch.block_n, launch.block_k) < 16 or launch.warps > 16 \
+                or launch.stages < 1 or launch.group_m < 1:
+            raise ValueError(f"kernels.moe_shapes: {item!r}: blocks are powers of two of at least 16 (tl.dot's "
+                             "smallest), warps a power of two up to 16, STAGES and GROUP_M at least 1")
+        shapes.setdefault((e, i, h), []).append((int(tokens) if tokens else None, launch))
+    for launches in shapes.values():
+        launches.sort(key=lambda bound: (bound[0] is None, bound[0] or 0))
+    return shapes
+
+
 class _Applied:
     """The settings in force in this process, with what the launches read parsed once."""
 
@@ -100,6 +148,7 @@ class _Applied:
         self.reference = Backend(settings.backend) == Backend.reference
         self.triton_gemv = Gemv(settings.gemv) == Gemv.triton
         self.gemv_shapes = parse_gemv_shapes(settings.gemv_shapes)
+        self.moe_shapes = parse_moe_shapes(settings.moe_shapes)
         self.pdl = Pdl(settings.pdl)
         self.pdl_kernels = frozenset(settings.pdl_kernels)
         self.pdl_late = frozenset(settings.pdl_late)
