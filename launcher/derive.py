@@ -15,7 +15,8 @@ from llaunch.launcher import gpus
 from llaunch.runtime.config import (Device, DType, LlaunchConfig, LoadFormat, Mode, ModelConfig, ModelTask, ScoreHead,
                                     RouterConfig, SpecMethod)
 from llaunch.runtime.models import rope
-from llaunch.runtime.models.arch import QKV_BIAS_FAMILIES
+from llaunch.runtime.models.arch import QKV_ONLY_BIAS_FAMILIES
+from llaunch.runtime.models.moe_config import MOE_FAMILIES
 from llaunch.runtime.models.checkpoint import (ARCH_FIELDS, Checkpoint, CheckpointError, checkpoint_dtype, is_gguf,
                                                read_checkpoint)
 
@@ -80,11 +81,11 @@ def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
     family = model.family or (ckpt.family if ckpt else None)
     if arch["head_dim"] is None and arch["hidden_size"] and arch["num_attention_heads"]:
         arch["head_dim"] = arch["hidden_size"] // arch["num_attention_heads"]
-    if family in ("llama", "mistral", "qwen2", "qwen3"):
+    if family in ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES):
         if arch["tie_word_embeddings"] is None:
             arch["tie_word_embeddings"] = False
         if arch["attention_bias"] is None:
-            arch["attention_bias"] = family in QKV_BIAS_FAMILIES
+            arch["attention_bias"] = family in QKV_ONLY_BIAS_FAMILIES
     load_format = model.load_format
     if load_format == LoadFormat.auto and path:
         load_format = LoadFormat.gguf if is_gguf(path) else LoadFormat.safetensors

@@ -65,7 +65,8 @@ def summary(cfg: LlaunchConfig) -> Optional[str]:
     if mem is None:
         return None
     graphs = " and graph pools" if cfg.device != Device.cpu else ""
-    line = (f"memory per rank (estimate): weights {_gib(mem.weights)} ({mem.weights_dtype}), a step's "
+    experts = f", routed experts {_gib(mem.experts)}" if mem.experts else ""
+    line = (f"memory per rank (estimate): weights {_gib(mem.weights)} ({mem.weights_dtype}{experts}), a step's "
             f"activations{graphs} {_gib(mem.activations)}, KV {mem.kv_per_token / 1024:.0f} KiB per token "
             f"({mem.kv_dtype})")
     device_bytes = gpus.memory_bytes() if cfg.device == Device.cuda else None

@@ -17,6 +17,7 @@ from llaunch.launcher import rules_score  # noqa: F401 (registers the score mode
 from llaunch.launcher import rules_spec  # noqa: F401 (speculative decoding's rules)
 from llaunch.launcher import rules_server  # noqa: F401 (metric server and TGI API rules)
 from llaunch.launcher import rules_quant  # noqa: F401 (quantized checkpoints, fp8 KV cache)
+from llaunch.launcher import rules_moe  # noqa: F401 (mixture-of-experts models; MLP widths split over tp)
 from llaunch.launcher import rules_visual  # noqa: F401 (the visual servers of multimodal models)
 from llaunch.launcher import rules_effect  # noqa: F401 (a key set where nothing reads it)
 from llaunch.launcher import rules_checkpoint  # noqa: F401 (checkpoints the worker cannot serve)

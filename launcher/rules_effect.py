@@ -213,7 +213,9 @@ def _each(contexts: tuple[Context, ...], *keys: str) -> dict[str, tuple[Context,
 _ARCHITECTURE = tuple(f"model.{f}" for f in (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings",
-    "attention_bias", "mrope_section", "vision", "audio", "sliding_window"))
+    "attention_bias", "mrope_section", "vision", "audio", "sliding_window", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers"))
 
 READ_WHERE: dict[str, tuple[Context, ...]] = {
     # read in every mode: the launcher plans, supervises and logs every graph with them
@@ -232,7 +234,8 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
     **_each((SERVING, GENERATES), "model.eos_token_ids", "model.generation_config", "model.sampling_defaults"),
     **_each((SERVING, SCORES), "model.num_labels", "model.labels", "model.score_head", "model.pad_token_id"),
     # parallel_sizes refuses node_rank outside 0..nnodes-1; cuda_mps_needs_gpus refuses cuda_mps on CPU
-    **_each((SERVING,), "parallel.tp", "parallel.dp", "parallel.nnodes", "parallel.node_rank", "parallel.cuda_mps"),
+    **_each((SERVING,), "parallel.tp", "parallel.dp", "parallel.nnodes", "parallel.node_rank", "parallel.cuda_mps",
+            "parallel.ep"),
     **_each((SERVING, RENDEZVOUS), "parallel.master_addr", "parallel.master_port"),
     **_each((SERVING, NODES), "parallel.node_addrs"),
     **_each((SERVING, TENSOR_PARALLEL), "parallel.pad_heads"),
@@ -265,7 +268,7 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
             "server.unknown_fields", "server.trust_request_chat_template", "server.metrics_prefix"),
     **_each((SERVING, METRICS), "server.metrics_host"),
     **_each((SERVING, CUDA_KERNELS), "kernels.backend", "kernels.gemv", "kernels.gemv_shapes", "kernels.pdl",
-            "kernels.pdl_kernels", "kernels.pdl_late"),
+            "kernels.pdl_kernels", "kernels.pdl_late", "kernels.moe_shapes"),
     # speculative decoding (spec_where_rows_decode refuses spec.method on pd nodes and score models)
     **_each((SERVING,), "spec.method"),
     **_each((SERVING, SPECULATES), "spec.num_tokens", "spec.max_batch"),

@@ -14,8 +14,8 @@ from llaunch.runtime.models.arch import FAMILIES  # qwen2_vl / qwen2_5_vl: Qwen2
 from llaunch.runtime.models.checkpoint import is_gguf, read_checkpoint
 
 GGUF_FAMILIES = ("llama", "qwen2")  # GGUF's general.architecture that runtime/models/weights.py reads (Mistral's is llama)
-SIZED_PROFILES = ("model=qwen2-0.5b | qwen2-7b | qwen2-72b | qwen3-8b | llama3-8b | mistral-7b | tiny-qwen2 | "
-                  "tiny-llama")
+SIZED_PROFILES = ("model=qwen2-0.5b | qwen2-7b | qwen2-72b | qwen3-8b | llama3-8b | mistral-7b | qwen3-30b-a3b | "
+                  "mixtral-8x7b | tiny-qwen2 | tiny-llama")
 SERVING_MODES = (Mode.normal, Mode.pd_prefill, Mode.pd_decode)  # modes that run workers
 
 

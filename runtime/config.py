@@ -158,6 +158,17 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     vision: Optional[Dict[str, Any]] = None  # architecture: Qwen2-VL's vision tower and image token ids (config.json)
     audio: Optional[Dict[str, Any]] = None  # architecture: Qwen2-Audio's audio encoder and audio token id (config.json)
+    # architecture, mixture of experts (qwen2_moe, qwen3_moe, mixtral; unset: a dense model): routed experts of an
+    # MoE layer (config.json's num_experts / num_local_experts)
+    num_experts: Optional[int] = None
+    num_experts_per_tok: Optional[int] = None  # architecture: top-k, the experts each token goes through
+    moe_intermediate_size: Optional[int] = None  # architecture: one expert's MLP width (Mixtral's intermediate_size)
+    norm_topk_prob: Optional[bool] = None  # architecture: the k routing weights renormalized to sum to 1 (Mixtral: yes)
+    # architecture: Qwen2-MoE's shared expert's MLP width (every token goes through it, gated); 0: none
+    shared_expert_intermediate_size: Optional[int] = None
+    # architecture: layer i is an MoE layer when (i + 1) % decoder_sparse_step == 0 and it is not in mlp_only_layers
+    decoder_sparse_step: Optional[int] = None
+    mlp_only_layers: Optional[List[int]] = None  # architecture: layers with a dense MLP (intermediate_size) among MoE
     # fp8: quantize a bf16/fp32 checkpoint's decoder linear weights to e4m3 at load (as vLLM's --quantization
     # fp8). None: as the checkpoint is (an fp8 checkpoint's quantization_config is always honoured).
     quantization: Optional[WeightQuantization] = None  # fp8 | None
@@ -173,6 +184,10 @@ class ParallelConfig:
     master_port: Optional[int] = None  # None: allocated
     node_addrs: List[str] = field(default_factory=list)  # nnodes > 1: every node's address, node 0 first
     pad_heads: bool = False  # allow zero heads when attention heads do not split over tp (exact, more work)
+    # Expert parallelism of MoE models: 1 splits every expert's intermediate columns over the tp ranks; parallel.tp
+    # gives each rank whole experts (num_experts / tp; vLLM's enable_expert_parallel). Either way a rank computes
+    # its share for every token of the step and one all-reduce sums the shares.
+    ep: int = 1
     zmq_mode: ZmqMode = ZmqMode.auto  # transport between the graph's processes: auto, ipc, tcp (LightLLM's zmq_mode)
     # Run the graph's GPU processes under a CUDA MPS daemon that llaunch starts and stops (LightLLM's enable_mps).
     cuda_mps: bool = False

@@ -1,4 +1,5 @@
-"""The architecture of a Llama/Qwen2/Qwen3/Mistral decoder: every number the model code needs, nothing optional.
+"""The architecture of a Llama/Qwen2/Qwen3/Mistral decoder, or of a mixture-of-experts one (Qwen2-MoE, Qwen3-MoE,
+Mixtral): every number the model code needs, nothing optional.
 
 The launcher fills `ModelConfig`'s architecture fields from the checkpoint (runtime/models/checkpoint.py)
 or a sized profile; `from_model_config` only reads them back. `from_checkpoint` / `from_hf_config` build
@@ -11,20 +12,27 @@ from typing import Any, Optional
 
 from llaunch.runtime.config import ModelConfig
 from llaunch.runtime.models.checkpoint import Checkpoint, parse_hf_config
+from llaunch.runtime.models.moe_config import MOE_FAMILIES, MOE_FIELDS, is_moe_layer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", *MOE_FAMILIES)
 QKV_BIAS_FAMILIES = ("qwen2", "qwen2_vl", "qwen2_5_vl")  # q/k/v bias whatever config.json says, no o bias
+# q/k/v bias by default, never on o: Qwen2 and Qwen2-MoE (whose config.json's qkv_bias may turn it off)
+QKV_ONLY_BIAS_FAMILIES = (*QKV_BIAS_FAMILIES, "qwen2_moe")
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 
 _REQUIRED = ("family", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
              "max_position_embeddings")
 _ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
-                "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mrope_section")
+                "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mrope_section", *MOE_FIELDS)
+# Dense models leave the MoE fields unset: no experts
+_DENSE = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0, "norm_topk_prob": False,
+          "shared_expert_intermediate_size": 0, "decoder_sparse_step": 1, "mlp_only_layers": ()}
 
 
 @dataclass(frozen=True)
 class ModelArch:
-    family: str  # llama, mistral (Llama's shape) | qwen2 (+ q/k/v bias) | qwen3 (+ q/k RMSNorm per head)
+    family: str  # llama, mistral (Llama's shape) | qwen2 (+ q/k/v bias) | qwen3 (+ q/k RMSNorm per head) | MoE ones
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -41,6 +49,14 @@ class ModelArch:
     num_labels: Optional[int] = None  # a score head of this many outputs in place of the LM head (model.task=score)
     score_mlp: bool = False  # the score head is Linear + ReLU + Linear with biases (Qwen2ForRewardModel)
     mrope_section: Optional[list[int]] = None  # qwen2_vl, qwen2_5_vl: M-RoPE's frequency runs (runtime/models/mrope.py)
+    # mixture of experts (runtime/models/moe.py); num_experts 0: a dense model
+    num_experts: int = 0  # routed experts of an MoE layer
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: the shared expert's width (0: none)
+    decoder_sparse_step: int = 1  # with mlp_only_layers: which layers are MoE (moe_config.is_moe_layer)
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -48,15 +64,34 @@ class ModelArch:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+        if self.family in MOE_FAMILIES and not (
+                self.num_experts > 0 and 1 <= self.num_experts_per_tok <= self.num_experts
+                and self.moe_intermediate_size > 0 and self.decoder_sparse_step >= 1):
+            raise ValueError(f"{self.family}: num_experts={self.num_experts}, num_experts_per_tok="
+                             f"{self.num_experts_per_tok}, moe_intermediate_size={self.moe_intermediate_size} and "
+                             f"decoder_sparse_step={self.decoder_sparse_step} do not describe a mixture of experts")
 
     @property
     def o_proj_bias(self) -> bool:
-        return self.family not in QKV_BIAS_FAMILIES and self.attention_bias
+        return self.family not in QKV_ONLY_BIAS_FAMILIES and self.attention_bias
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3: q and k go through an RMSNorm over each head (weights [head_dim]) before rotary."""
-        return self.family == "qwen3"
+        """Qwen3 and Qwen3-MoE: q and k go through an RMSNorm over each head (weights [head_dim]) before rotary."""
+        return self.family in QK_NORM_FAMILIES
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Layer `index` has routed experts (else a dense MLP of intermediate_size)."""
+        return is_moe_layer(index, self.num_experts, self.decoder_sparse_step, self.mlp_only_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def expert_params(self) -> int:
+        """The routed experts' weights over all layers (most of an MoE model; each token reads top-k of them)."""
+        return self.num_moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
 
     @property
     def num_params(self) -> int:
@@ -64,10 +99,14 @@ class ModelArch:
         attn = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
         if self.attention_bias:  # q, k, v biases (and o's for Llama)
             attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads) + (h if self.o_proj_bias else 0)
-        layer = attn + 3 * h * self.intermediate_size + 2 * h + (2 * d if self.qk_norm else 0)
+        layer = attn + 2 * h + (2 * d if self.qk_norm else 0)
+        moe = self.num_moe_layers
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        mlps = (self.num_hidden_layers - moe) * 3 * h * self.intermediate_size + self.expert_params \
+            + moe * (self.num_experts * h + shared)  # the router, the shared expert and its gate
         heads = 1 if self.tie_word_embeddings or self.num_labels else 2
         score = (self.num_labels or 0) * h + ((h * h + h + self.num_labels) if self.score_mlp else 0)
-        return self.num_hidden_layers * layer + heads * self.vocab_size * h + h + score
+        return self.num_hidden_layers * layer + mlps + heads * self.vocab_size * h + h + score
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig) -> "ModelArch":
@@ -106,13 +145,19 @@ class ModelArch:
         defaults = {"num_key_value_heads": fields["num_attention_heads"],
                     "head_dim": fields["hidden_size"] // fields["num_attention_heads"],
                     "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                    "attention_bias": family in QKV_BIAS_FAMILIES}
+                    "attention_bias": family in QKV_ONLY_BIAS_FAMILIES, **_DENSE}
         fields.update({k: v for k, v in defaults.items() if fields[k] is None})
         fields["rope_theta"], fields["rms_norm_eps"] = float(fields["rope_theta"]), float(fields["rms_norm_eps"])
+        fields["mlp_only_layers"] = tuple(fields["mlp_only_layers"])
         return cls(family=family, rope_scaling=rope_scaling or None, num_labels=num_labels,
                    score_mlp=bool(num_labels) and score_mlp, **fields)
 
     def model_config_fields(self) -> dict[str, Any]:
         """The ModelConfig fields this architecture fills (`dataclasses.replace(cfg, **fields)`)."""
-        return {"family": self.family, "rope_scaling": self.rope_scaling,
-                **{f: getattr(self, f) for f in _ARCH_FIELDS}}
+        fields = {"family": self.family, "rope_scaling": self.rope_scaling,
+                  **{f: getattr(self, f) for f in _ARCH_FIELDS}}
+        if self.num_experts:
+            fields["mlp_only_layers"] = list(self.mlp_only_layers)
+        else:  # a dense model leaves ModelConfig's MoE fields unset
+            fields.update(dict.fromkeys(MOE_FIELDS))
+        return fields

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional
 from llaunch.runtime.config import DType
 from llaunch.runtime.models import rope
 from llaunch.runtime.models.audio_config import audio_fields
+from llaunch.runtime.models.moe_config import MOE_FIELDS, moe_fields
 from llaunch.runtime.models.vision_config import multimodal_fields
 from llaunch.runtime.models.quant_scheme import WeightQuant, checkpoint_weight_quant
 
@@ -23,7 +24,7 @@ ARCH_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
     "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "num_labels",
-    "mrope_section", "vision", "audio", "sliding_window",
+    "mrope_section", "vision", "audio", "sliding_window", *MOE_FIELDS,
 )
 # config.json architectures whose head scores a sequence instead of predicting tokens (model.task=score)
 SCORE_HEADS = ("ForSequenceClassification", "RewardModel")  # RewardModel: also *ForProcessRewardModel (refused)
@@ -62,12 +63,36 @@ TENSOR_PREFIXES = (
 )
 
 
+# Mixtral's MoE block as transformers 4.x (and 5.x's save_pretrained) names it; transformers 5 calls it mlp, as Qwen's
+MIXTRAL_BLOCK = (".block_sparse_moe.", ".mlp.")
+
+
 def model_tensor_name(name: str) -> str:
     """The name llaunch's modules read the checkpoint tensor `name` by, whichever layout it was saved in."""
+    name = name.replace(*MIXTRAL_BLOCK)
     for prefix, ours in TENSOR_PREFIXES:
         if name.startswith(prefix):
             return ours + name[len(prefix):]
     return name
+
+
+# The experts of an MoE layer: llaunch reads transformers 5's stacked tensors, <layer>.mlp.experts.gate_up_proj
+# [E, 2I, H] (each expert's gate rows, then its up rows) and <layer>.mlp.experts.down_proj [E, H, I], which 5.x writes
+# with save_pretrained(save_original_format=False) (and offloaded saves). 4.x, and 5.x by default, write one tensor per
+# expert and projection: the loader stacks those. Per stacked tensor, its parts along dim 1 in each spelling.
+EXPERT_PARTS = {
+    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),  # Qwen2-MoE / Qwen3-MoE, Mixtral
+    "down_proj": (("down_proj",), ("w2",)),
+}
+
+
+def per_expert_names(stacked: str, expert: int) -> list[list[str]]:
+    """The per-expert tensors holding expert `expert`'s part of the stacked tensor `stacked` (in our names), one list
+    per spelling transformers has used, parts in the order they stack along dim 1; [] when `stacked` is no such name."""
+    module, _, kind = stacked.rpartition(".")
+    if not module.endswith(".experts") or kind not in EXPERT_PARTS:
+        return []
+    return [[f"{module}.{expert}.{part}.weight" for part in spelling] for spelling in EXPERT_PARTS[kind]]
 
 
 def model_tensor_names(names: Iterable[str]) -> dict[str, str]:
@@ -164,7 +189,11 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
     heads = c.get("num_attention_heads")
     head_dim = c.get("head_dim")
     if head_dim is None and family == "qwen3":
-        head_dim = 128  # Qwen3Config's default: not hidden_size / heads
+        head_dim = 128  # Qwen3Config's default: not hidden_size / heads (Qwen3MoeConfig has none: hidden / heads)
+    if family == "qwen2_moe":  # q/k/v bias as qkv_bias says (Qwen2MoeConfig's default: true), never on o
+        attention_bias = c.get("qkv_bias", True)
+    else:
+        attention_bias = True if family in ("qwen2", "qwen2_vl", "qwen2_5_vl") else c.get("attention_bias", False)
     arch = {
         "hidden_size": c.get("hidden_size"),
         "intermediate_size": c.get("intermediate_size"),
@@ -178,12 +207,14 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
         "rope_scaling": rope_scaling or None,
         "rms_norm_eps": c.get("rms_norm_eps"),
         "tie_word_embeddings": c.get("tie_word_embeddings", top.get("tie_word_embeddings", False)),  # Llama/Qwen2 default
-        "attention_bias": True if family in ("qwen2", "qwen2_vl", "qwen2_5_vl") else c.get("attention_bias", False),
+        "attention_bias": attention_bias,
         "mrope_section": list(mrope_section) if mrope_section else None,
         "vision": vision,
         "audio": audio_fields(top),  # Qwen2-Audio: its audio encoder and audio token id (runtime/models/audio_config.py)
-        # Mistral attends within this many tokens in every layer (MistralConfig's default 4096 when unset)
-        "sliding_window": c.get("sliding_window", 4096) if family == "mistral" else None,
+        # Mistral attends within this many tokens in every layer (MistralConfig's default 4096 when unset;
+        # MixtralConfig's: none)
+        "sliding_window": {"mistral": c.get("sliding_window", 4096), "mixtral": c.get("sliding_window")}.get(family),
+        **moe_fields(family, c),  # Qwen2-MoE, Qwen3-MoE, Mixtral (runtime/models/moe_config.py)
     }
     eos = _eos_list(c.get("eos_token_id"))
     if generation:  # generate() stops at these too: take the union
@@ -267,6 +298,9 @@ def _from_gguf(path: str) -> Checkpoint:
     # llama3's rope scaling travels as a tensor of frequency factors, which the model does not apply
     unsupported = ["a rope_freqs tensor (llama3 rope scaling; convert the Hugging Face checkpoint instead)"] \
         if "rope_freqs.weight" in tensors else []
+    if key("expert_count"):  # Mixtral's GGUF is a llama with ffn_*_exps tensors
+        unsupported.append(f"{key('expert_count')} experts (MoE GGUF files are not read; serve the Hugging Face "
+                           "checkpoint)")
     return Checkpoint(family=family, arch={k: v for k, v in arch.items() if v is not None},
                       eos_token_ids=_eos_list(meta.get("tokenizer.ggml.eos_token_id")), unsupported=unsupported)
 

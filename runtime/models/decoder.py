@@ -1,5 +1,6 @@
 """The one decoder for Llama, Mistral, Qwen2 (Llama + q/k/v bias) and Qwen3 (Llama + an RMSNorm over each
-q and k head before rotary), over the token-slot KV cache.
+q and k head before rotary), and their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE (an MoE block in
+place of the MLP: runtime/models/moe.py), over the token-slot KV cache.
 
 A forward step takes a decode-first ForwardBatch: decode tokens attend through `decode_attention`,
 prefill chunks (possibly continuing a cached prefix) through `prefill_attention`; every token's K/V
@@ -8,6 +9,7 @@ is stored into its slot first. Only the rows in `logits_index` go through the fi
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 from torch import nn
@@ -17,6 +19,7 @@ from llaunch.kernels import (decode_attention, gated_linear, linear, prefill_att
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.models.heads import HeadLayout
+from llaunch.runtime.models.moe import SparseMoe
 from llaunch.runtime.models.mrope import mrope_tables
 from llaunch.runtime.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear,
                                            Shard, TpGroup, VocabParallelEmbedding)
@@ -81,23 +84,26 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self, arch: ModelArch, prefix: str, tp: TpGroup, device, dtype):
+    """gate/up/down of `intermediate_size` (the dense layers' by default; Qwen2-MoE's shared expert's)."""
+
+    def __init__(self, arch: ModelArch, prefix: str, tp: TpGroup, device, dtype,
+                 intermediate_size: Optional[int] = None, what: str = "intermediate_size"):
         super().__init__()
-        full = arch.intermediate_size
-        start, local = tp.split(full, "intermediate_size")
+        full = intermediate_size or arch.intermediate_size
+        start, local = tp.split(full, what)
         self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, [
             (f"{prefix}.gate_proj", full, start, local), (f"{prefix}.up_proj", full, start, local),
         ], bias=False, device=device, dtype=dtype)
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", full, start, local, arch.hidden_size,
                                            bias=False, tp=tp, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         # gate_up's bias is always absent (Llama, Qwen2), so the fused gated GEMV needs none.
-        return self.down_proj(gated_linear(x, self.gate_up_proj.weight))
+        return self.down_proj(gated_linear(x, self.gate_up_proj.weight), reduce)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, index: int, tp: TpGroup, device, dtype):
+    def __init__(self, arch: ModelArch, index: int, tp: TpGroup, device, dtype, expert_parallel: bool = False):
         super().__init__()
         prefix = f"model.layers.{index}"
         eps = arch.rms_norm_eps
@@ -105,7 +111,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, f"{prefix}.self_attn", tp, device, dtype)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm", arch.hidden_size, eps,
                                                 device, dtype)
-        self.mlp = Mlp(arch, f"{prefix}.mlp", tp, device, dtype)
+        if arch.is_moe_layer(index):
+            shared = arch.shared_expert_intermediate_size
+            self.mlp = SparseMoe(arch, f"{prefix}.mlp", tp, expert_parallel, device, dtype, shared_expert=Mlp(
+                arch, f"{prefix}.mlp.shared_expert", tp, device, dtype, shared, "shared_expert_intermediate_size")
+                if shared else None)
+        else:
+            self.mlp = Mlp(arch, f"{prefix}.mlp", tp, device, dtype)
 
 
 class ScoreHead(nn.Module):
@@ -151,13 +163,15 @@ class DecoderLM(nn.Module):
     """Embedding → N × (norm, attention, norm, MLP) with fused residual adds → norm → LM head."""
 
     def __init__(self, arch: ModelArch, tp: TpGroup, device: torch.device, dtype: torch.dtype,
-                 max_positions: int):
+                 max_positions: int, expert_parallel: bool = False):
+        """expert_parallel: MoE layers give each tp rank whole experts instead of a slice of each (parallel.ep)."""
         super().__init__()
         self.arch, self.tp, self.device, self.dtype = arch, tp, torch.device(device), dtype
         self.kv_dtype = dtype  # the KV cache's (float8_e4m3fn: runtime/models/kv_fp8.py)
         self.embed_tokens = VocabParallelEmbedding("model.embed_tokens", arch.vocab_size, arch.hidden_size, tp,
                                                    device, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp, device, dtype) for i in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp, device, dtype, expert_parallel)
+                                    for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm("model.norm", arch.hidden_size, arch.rms_norm_eps, device, dtype)
         # a score model's rows go through its score head instead: [N, num_labels] instead of [N, vocab]
         if arch.num_labels:

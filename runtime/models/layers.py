@@ -123,7 +123,11 @@ class RowParallelLinear(nn.Module):
             shards["bias"] = [Shard(f"{self.name}.bias", (self.full_shape[0],))]
         return shards
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial sum, for a caller that adds others to it before one all-reduce
+        (an MoE block's shared expert); it adds the bias too, once, after reducing."""
+        if not reduce:
+            return linear(x, self.weight)
         y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 

@@ -15,13 +15,16 @@ from llaunch.runtime.models.weights import load_from, open_source, resolve_load_
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                process_group=None, progress: Optional[Callable[[float], None]] = None) -> DecoderLM:
+                process_group=None, progress: Optional[Callable[[float], None]] = None,
+                expert_parallel: bool = False) -> DecoderLM:
     """This rank's shard of the model `cfg` describes (architecture fields resolved), weights loaded
     per cfg.load_format. With tp_size > 1, torch.distributed must be initialised (process_group
-    None: the default group). `progress` gets the share of the weights loaded, as they load."""
+    None: the default group). `progress` gets the share of the weights loaded, as they load.
+    expert_parallel (parallel.ep = tp): an MoE model's ranks hold whole experts."""
     arch = ModelArch.from_model_config(cfg)
     max_positions = max(arch.max_position_embeddings, cfg.max_model_len or 0)
-    model = DecoderLM(arch, TpGroup(tp_rank, tp_size, process_group), torch.device(device), dtype, max_positions)
+    model = DecoderLM(arch, TpGroup(tp_rank, tp_size, process_group), torch.device(device), dtype, max_positions,
+                      expert_parallel)
     load_model_weights(model, cfg, progress)
     return model.eval()
 

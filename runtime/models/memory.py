@@ -25,6 +25,7 @@ class RankMemory:
     activations: int  # the peak transient memory of one step (on a GPU, CUDA graph pools included)
     weights_dtype: str = ""  # what the weights are stored in, for the dry run: "bfloat16", "fp8 linears + bfloat16"
     kv_dtype: str = ""  # the KV cache's element type
+    experts: int = 0  # of the weights, an MoE model's routed experts (parallel.ep: whole experts; else a slice of each)
 
     @property
     def before_kv(self) -> int:
@@ -40,10 +41,24 @@ def spec_step_tokens(spec, max_rows: int) -> int:
     return min(min(spec.max_batch, max_rows) * (spec.num_tokens + 1), MAX_VERIFY_GRAPH_TOKENS)
 
 
+def mlp_activations(cfg: LlaunchConfig, arch: ModelArch) -> int:
+    """Elements one token's MLP holds at once on a rank: a dense layer's gate‖up and product, or an MoE layer's
+    router logits and, for each of its k experts, the activated row (a slice of the expert's columns, or whole
+    ones under parallel.ep) and the weighted output row, beside the shared expert's."""
+    tp = cfg.parallel.tp
+    dense = 3 * arch.intermediate_size // tp if arch.num_moe_layers < arch.num_hidden_layers else 0
+    if not arch.num_experts:
+        return dense
+    inter = arch.moe_intermediate_size // (1 if cfg.parallel.ep > 1 else tp)
+    moe = (2 * arch.num_experts + arch.num_experts_per_tok * (inter + arch.hidden_size)
+           + 3 * arch.shared_expert_intermediate_size // tp)
+    return max(dense, moe)
+
+
 def activation_bytes(cfg: LlaunchConfig, arch: ModelArch) -> int:
     """Hidden states and MLP intermediates of batch_max_tokens tokens, the float32 logits and sampling
     buffers of the largest batch and of a step's prompt-logprob positions, and the graph pools."""
-    per_token = (6 * arch.hidden_size + 3 * arch.intermediate_size // cfg.parallel.tp) * 4
+    per_token = (6 * arch.hidden_size + mlp_activations(cfg, arch)) * 4
     logits = (max(cfg.router.max_running_requests, 1) + PROMPT_LOGPROB_TOKENS) * arch.vocab_size * 4 * 4
     graphs = GRAPH_POOL_BYTES if cfg.device != Device.cpu else 0
     if graphs:  # the verify graphs' own pool: their steps' activations and float32 logits
@@ -60,10 +75,11 @@ def fp8_weights(cfg: LlaunchConfig) -> bool:
 
 
 def linear_params(arch: ModelArch) -> int:
-    """The decoder layers' q/k/v/o and gate/up/down weights (what fp8 quantizes)."""
+    """The decoder layers' q/k/v/o and dense gate/up/down weights (what fp8 quantizes)."""
     h, d = arch.hidden_size, arch.head_dim
     attn = h * d * (2 * arch.num_attention_heads + 2 * arch.num_key_value_heads)
-    return arch.num_hidden_layers * (attn + 3 * h * arch.intermediate_size)
+    dense_layers = arch.num_hidden_layers - arch.num_moe_layers
+    return arch.num_hidden_layers * attn + dense_layers * 3 * h * arch.intermediate_size
 
 
 def rank_memory(cfg: LlaunchConfig) -> RankMemory:
@@ -80,4 +96,5 @@ def rank_memory(cfg: LlaunchConfig) -> RankMemory:
     dtype = cfg.model.dtype.value
     return RankMemory(weights=weights, kv_per_token=kv, activations=activation_bytes(cfg, arch),
                       weights_dtype=f"fp8 linears + {dtype}" if fp8 else dtype,
-                      kv_dtype="fp8_e4m3" if kv_itemsize == 1 else dtype)
+                      kv_dtype="fp8_e4m3" if kv_itemsize == 1 else dtype,
+                      experts=-(-arch.expert_params // tp) * itemsize)

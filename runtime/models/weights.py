@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from llaunch.runtime.config import ModelConfig
-from llaunch.runtime.models.checkpoint import find_gguf, model_tensor_names, read_checkpoint
+from llaunch.runtime.models.checkpoint import find_gguf, model_tensor_names, per_expert_names, read_checkpoint
 
 # Dummy weights of models up to this size are drawn as full tensors on CPU and then sliced, so any
 # tp size sees the same model (tests compare tp2 with tp1); larger ones draw each shard on the device.
@@ -71,7 +71,37 @@ class SafetensorsSource:
         self._names = model_tensor_names(weight_map)  # our name → checkpoint name
 
     def has(self, name: str) -> bool:
-        return name in self._names
+        return name in self._names or self._expert_parts(name, 0) is not None
+
+    def _expert_parts(self, stacked: str, expert: int) -> Optional[list[str]]:
+        """Our names of the per-expert tensors that hold `expert`'s part of the stacked tensor `stacked`, in the
+        spelling this checkpoint uses; None when it has none."""
+        return next((parts for parts in per_expert_names(stacked, expert) if parts[0] in self._names), None)
+
+    def _read_stacked(self, shard) -> torch.Tensor:
+        """A slice of a stacked experts tensor [E, R, C] from a checkpoint holding one tensor per expert and part
+        (the parts stacked along R), reading only the rows and columns the slice needs."""
+        experts, rows, cols = (range(n) for n in shard.full_shape)
+        picked = [experts, rows, cols]
+        if shard.dim is not None:
+            picked[shard.dim] = range(shard.start, shard.start + shard.size)
+        experts, rows, cols = picked
+        stacked = []
+        for e in experts:
+            parts = self._expert_parts(shard.name, e)
+            if parts is None:
+                self._tensor(per_expert_names(shard.name, e)[0][0])  # raises, naming the tensor
+            part_rows = shard.full_shape[1] // len(parts)
+            pieces = []
+            for p, name in enumerate(parts):
+                lo, hi = max(rows.start, p * part_rows), min(rows.stop, (p + 1) * part_rows)
+                if lo < hi:
+                    real, file = self._tensor(name)
+                    tensor = file.get_slice(real)
+                    _check_shape(real, tensor.get_shape(), (part_rows, shard.full_shape[2]))
+                    pieces.append(tensor[lo - p * part_rows: hi - p * part_rows, cols.start: cols.stop])
+            stacked.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+        return torch.stack(stacked)
 
     def _tensor(self, name: str) -> tuple[str, object]:
         """(the checkpoint's name for our `name`, its file)."""
@@ -83,6 +113,8 @@ class SafetensorsSource:
         return real, self._file[real]
 
     def read(self, shard) -> torch.Tensor:
+        if shard.name not in self._names and self._expert_parts(shard.name, 0) is not None:
+            return self._read_stacked(shard)
         real, file = self._tensor(shard.name)
         tensor = file.get_slice(real)
         _check_shape(real, tensor.get_shape(), shard.full_shape)

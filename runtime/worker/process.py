@@ -155,7 +155,7 @@ def main() -> None:
     loading = f"loading weights ({cfg.model.load_format.value}, {cfg.model.dtype.value})"
     stage(loading)
     model = build_model(cfg.model, device=device, dtype=dtype, tp_rank=spec.tp_rank, tp_size=cfg.parallel.tp,
-                        process_group=group, progress=stage.fraction(loading))
+                        process_group=group, progress=stage.fraction(loading), expert_parallel=cfg.parallel.ep > 1)
     images = None
     embeds = [spec.connects[f"embeds.{v}"] for v in range(encoder_servers(cfg).dp)] if multimodal(cfg) else []
     if cfg.model.vision:  # image embeddings come from the visual servers' embed cache (runtime/visual/)

@@ -63,6 +63,17 @@ def test_qwen3_and_mistral_greedy_at_tp2_equals_transformers(family, overrides, 
         check_greedy(server, oracles(family), f"tiny-{family}", max_new=24, eos=set())
 
 
+# The MoE families found by model=auto: Qwen3-MoE with each expert's columns split over two ranks, Qwen2-MoE (its
+# shared expert, a dense layer) likewise, Mixtral with two whole experts on each rank (parallel.ep=2)
+@pytest.mark.parametrize("family,overrides", [("qwen3_moe", ["parallel=tp2"]), ("qwen2_moe", ["parallel=tp2"]),
+                                              ("mixtral", ["parallel=tp2", "parallel.ep=2"])])
+def test_moe_greedy_equals_transformers(family, overrides, tmp_path_factory, tiny_dirs, oracles):
+    overrides = ["model=auto", *overrides, f"model.path={tiny_dirs[family]}", f"model.name=tiny-{family}",
+                 "router.chunked_prefill_size=8", "router.batch_max_tokens=24"]  # force chunked prefill
+    with start_server(tmp_path_factory, f"greedy-{family}", overrides) as server:
+        check_greedy(server, oracles(family), f"tiny-{family}", max_new=24, eos=set())
+
+
 def test_smollm2_greedy_equals_transformers(smollm2_server, oracles):
     oracle = oracles("smollm2")
     eos = {oracle.tokenizer.convert_tokens_to_ids("<|im_end|>"), oracle.tokenizer.eos_token_id}

@@ -15,6 +15,11 @@ What save_pretrained writes, observed with the fixtures' tiny models under trans
   model.language_model.*, lm_head.*, model.audio_tower.*, model.multi_modal_projector.*.
 - A base model saved alone, without an LM head: LlamaModel / Qwen2Model embed_tokens.*, layers.*, norm.*
   (every version); Qwen2VLModel language_model.*, visual.* (5.x). Greedy-tested with tied embeddings only.
+- MoE experts, observed under 5.24 (4.x writes the first layout too): one tensor per expert and projection,
+  Qwen2-MoE / Qwen3-MoE mlp.experts.{e}.gate_proj / up_proj / down_proj.weight, Mixtral
+  block_sparse_moe.experts.{e}.w1 / w3 / w2.weight and block_sparse_moe.gate.weight (save_pretrained's default:
+  transformers 5 reverts its load-time conversion); stacked as transformers 5 holds them, mlp.experts.gate_up_proj
+  [E, 2I, H] and mlp.experts.down_proj [E, H, I] (Mixtral's block renamed mlp), with save_original_format=False.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from llaunch.runtime.audio.features import AudioFeatures
 from llaunch.runtime.config import VisualConfig
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, SamplingParams, StepPlan
-from llaunch.runtime.models.checkpoint import CheckpointError, model_tensor_name, read_checkpoint
+from llaunch.runtime.models.checkpoint import CheckpointError, model_tensor_name, per_expert_names, read_checkpoint
 from llaunch.runtime.models.loader import build_model
 from llaunch.runtime.visual.encoder import InProcessEmbeds
 from llaunch.runtime.worker.audio_rows import AudioRows, build_audio_tower
@@ -128,6 +133,10 @@ def greedy(cfg, rows, prompt: list[int], refs) -> list[int]:
                                                            "model.layers.0.input_layernorm.weight"),
     ("norm.weight", "model.norm.weight"), ("language_model.layers.0.self_attn.k_proj.bias",
                                            "model.layers.0.self_attn.k_proj.bias"),
+    # Mixtral's MoE block as 4.x and 5.x's save_pretrained name it; transformers 5's own name
+    ("model.layers.3.block_sparse_moe.experts.7.w2.weight", "model.layers.3.mlp.experts.7.w2.weight"),
+    ("model.layers.3.block_sparse_moe.gate.weight", "model.layers.3.mlp.gate.weight"),
+    ("model.layers.3.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.gate_up_proj"),
 ])
 def test_every_layout_reads_as_our_names(name, ours):
     assert model_tensor_name(name) == ours
@@ -233,3 +242,49 @@ def test_two_layouts_of_one_tensor_are_refused(text, tmp_path):
     with pytest.raises(CheckpointError, match=r"are both model\.norm\.weight") as error:
         build_model(model_config_from_folder(folder), CPU, F32)
     assert "model.language_model.norm.weight" in str(error.value)
+
+
+def test_per_expert_names_of_a_stacked_tensor():
+    assert per_expert_names("model.layers.2.mlp.experts.gate_up_proj", 5) == [
+        ["model.layers.2.mlp.experts.5.gate_proj.weight", "model.layers.2.mlp.experts.5.up_proj.weight"],
+        ["model.layers.2.mlp.experts.5.w1.weight", "model.layers.2.mlp.experts.5.w3.weight"]]
+    assert per_expert_names("model.layers.2.mlp.experts.down_proj", 0) == [
+        ["model.layers.2.mlp.experts.0.down_proj.weight"], ["model.layers.2.mlp.experts.0.w2.weight"]]
+    assert per_expert_names("model.layers.2.mlp.down_proj.weight", 0) == []
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral"])
+def moe(request, tmp_path_factory):
+    """(family, its per-expert checkpoint, prompt, transformers' greedy tokens)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    prompt = AutoTokenizer.from_pretrained(path).encode("The sea at night is")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=F32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+                          eos_token_id=None)
+    return request.param, path, prompt, out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("stacked,shard", [(False, None), (True, None), (True, "300KB")],
+                         ids=["per-expert", "stacked", "stacked-sharded"])
+def test_moe_expert_layouts(moe, tmp_path, stacked, shard):
+    family, per_expert, prompt, expected = moe
+    folder = per_expert if not stacked else \
+        write_tiny_checkpoint(tmp_path / "stacked", family, stacked_experts=True, max_shard_size=shard)
+    names = tensor_names(folder)
+    block = "block_sparse_moe" if family == "mixtral" and not stacked else "mlp"
+    assert (f"model.layers.1.{block}.experts.gate_up_proj" in names) == stacked
+    assert (f"model.layers.1.{block}.gate.weight" in names)
+    assert (shard is not None) == (folder / "model.safetensors.index.json").is_file()
+    assert greedy(model_config_from_folder(folder), None, prompt, []) == expected
+
+
+def test_a_missing_expert_is_an_error_naming_it(moe, tmp_path):
+    family, path, prompt, _ = moe
+    part = "w3" if family == "mixtral" else "up_proj"
+    missing = f"model.layers.1.mlp.experts.3.{part}.weight"
+    folder = resave(path, tmp_path / "resaved", SAVED, drop=(missing,))
+    with pytest.raises(KeyError, match=rf"has no tensor {missing.replace('.', '[.]')} in any layout"):
+        greedy(model_config_from_folder(folder), None, prompt, [])

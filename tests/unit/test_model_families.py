@@ -1,7 +1,7 @@
-"""Qwen3 and Mistral at start: model=auto takes the family from config.json, an unserved family or rope
-type exits 2 naming its key, a Qwen2.5 YaRN config is served at its stretched context, Mistral's sliding
-window caps the context (or is refused beyond it), and a GGUF of a family whose GGUF tensors llaunch does
-not read is refused."""
+"""Qwen3, Mistral and the MoE families at start: model=auto takes the family (and the experts) from config.json,
+an unserved family or rope type exits 2 naming its key, a Qwen2.5 YaRN config is served at its stretched context,
+Mistral's sliding window caps the context (or is refused beyond it), and a GGUF of a family whose GGUF tensors
+llaunch does not read (Qwen3's, a Mixtral's experts) is refused."""
 from __future__ import annotations
 
 import json
@@ -30,7 +30,7 @@ def config_folder(path, model_type: str, **changes):
     return path
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral"])
 def test_model_auto_takes_the_family_from_config_json(resolved, tmp_path, family):
     folder = config_folder(tmp_path / family, family)
     cfg = resolved("model=auto", f"model.path={folder}", "model.load_format=dummy")
@@ -40,12 +40,12 @@ def test_model_auto_takes_the_family_from_config_json(resolved, tmp_path, family
     assert cfg.model.max_model_len == 512 and rules.check_all(cfg) == []
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["gemma2", "olmoe"])
 def test_an_unserved_family_exits_2_naming_model_family(resolved, compose_config, tmp_path, model_type):
     folder = config_folder(tmp_path / model_type, model_type)
     overrides = ("model=auto", f"model.path={folder}", "model.load_format=dummy", "device=cpu", "dry_run=true")
     [v] = assert_only(rules.check_all(resolved(*overrides)), "family_supported")
-    assert f"model.family={model_type!r}" in v.message and "qwen3" in v.message and "mistral" in v.message
+    assert f"model.family={model_type!r}" in v.message and "qwen3" in v.message and "mixtral" in v.message
     assert main.launch(compose_config(*overrides), tmp_path / "run") == main.EXIT_INVALID
 
 
@@ -109,7 +109,52 @@ def test_a_gguf_of_a_family_whose_tensors_are_not_read_is_refused(resolved, tmp_
     assert "model.family='qwen3'" in v.message and "Hugging Face checkpoint" in v.message
 
 
-@pytest.mark.parametrize("profile,family", [("qwen3-8b", "qwen3"), ("mistral-7b", "mistral")])
+@pytest.mark.parametrize("profile,family", [("qwen3-8b", "qwen3"), ("mistral-7b", "mistral"),
+                                            ("qwen3-30b-a3b", "qwen3_moe"), ("mixtral-8x7b", "mixtral")])
 def test_sized_profiles_plan_with_dummy_weights(resolved, profile, family):
     cfg = resolved(f"model={profile}", "model.load_format=dummy", "model.tokenizer=null", "parallel=tp2")
     assert cfg.model.family == family and rules.check_all(cfg) == []
+
+
+# (config.json changes, what llaunch reads): transformers 5's Qwen3-MoE spelling (num_local_experts) and Qwen's
+# releases' (num_experts); Qwen2-MoE's qkv_bias and dense layers; Mixtral's experts (its intermediate_size)
+EXPERTS = [
+    ("qwen3_moe", {}, dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                           shared_expert_intermediate_size=0, decoder_sparse_step=1, mlp_only_layers=[],
+                           attention_bias=False)),
+    ("qwen3_moe", {"num_experts": 16, "num_local_experts": None}, dict(num_experts=16)),
+    ("qwen2_moe", {"qkv_bias": False, "decoder_sparse_step": 2},
+     dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40, norm_topk_prob=False,
+          shared_expert_intermediate_size=96, decoder_sparse_step=2, mlp_only_layers=[0], attention_bias=False)),
+    ("mixtral", {}, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
+                         shared_expert_intermediate_size=0, sliding_window=None)),
+]
+
+
+@pytest.mark.parametrize("family,changes,expected", EXPERTS)
+def test_model_auto_reads_the_experts(resolved, tmp_path, family, changes, expected):
+    folder = config_folder(tmp_path / family, family, **changes)
+    cfg = resolved("model=auto", f"model.path={folder}", "model.load_format=dummy", "parallel=tp2")
+    assert {k: getattr(cfg.model, k) for k in expected} == expected
+    assert rules.check_all(cfg) == []
+
+
+def test_a_mixtral_gguf_is_refused_naming_its_experts(resolved, tmp_path):
+    """Mixtral's GGUF is general.architecture llama with expert_count (and ffn_*_exps tensors llaunch does not read)."""
+    import gguf
+
+    path = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in dict(embedding_length=64, feed_forward_length=128, block_count=2, context_length=512,
+                           vocab_size=49152, expert_count=8, expert_used_count=2).items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_uint32("llama.attention.head_count", 4)
+    writer.add_float32("llama.rope.freq_base", 1e6)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    [v] = assert_only(rules.check_all(resolved("model=auto", f"model.path={path}")), "checkpoint_features_supported")
+    assert "8 experts" in v.message and "Hugging Face checkpoint" in v.message

@@ -1,5 +1,6 @@
 """The decoder against transformers (float32, CPU) on the same weights: whole-prompt prefill, chunked
-prefill over a cached prefix, and teacher-forced decode steps mixed with another sequence's prefill."""
+prefill over a cached prefix, and teacher-forced decode steps mixed with another sequence's prefill; for the
+dense families, the MoE ones (Qwen3-MoE, Qwen2-MoE with its shared expert and a dense layer, Mixtral) and SmolLM2."""
 from __future__ import annotations
 
 import pytest
@@ -38,7 +39,8 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor):
     assert diff <= tol, f"max |ours - transformers| = {diff:.3g} > {tol:.3g}"
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-mistral", "smollm2"])
+@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen3_moe",
+                                        "tiny-qwen2_moe", "tiny-mixtral", "smollm2"])
 def setup(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

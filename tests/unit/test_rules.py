@@ -43,6 +43,8 @@ def tiny_llama_folder(path, **overrides):
 
 VL = ("model=qwen2-vl-7b", "model.load_format=dummy", "dry_run=true")  # a model with visual servers
 AU = ("model=qwen2-audio-7b", "model.load_format=dummy", "dry_run=true")  # with audio servers
+# tiny-llama's dimensions as a Mixtral: 4 experts of 128 columns, top-2
+MIXTRAL = ("model.family=mixtral", "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=128")
 # rule -> overrides that break it alone (after `resolved`'s base)
 BREAKS = {
     "mem_fraction_in_range": [["cache.mem_fraction=1.5"], ["cache.mem_fraction=0"]],
@@ -63,7 +65,7 @@ BREAKS = {
     "sampling_defaults_valid": [["model.sampling_defaults={temperature:-1}"], ["model.sampling_defaults={beams:2}"]],
     "api_key_source": [["server.api_key=k", "server.api_key_file=/etc/hostname"],
                        ["server.api_key_file=/no/such/key"], ["server.api_key_file=/dev/null"]],
-    "family_supported": [["model.family=gemma2"], ["model.family=qwen3_moe"]],
+    "family_supported": [["model.family=gemma2"], ["model.family=olmoe"]],
     "context_within_sliding_window": [["model.sliding_window=256", "model.max_model_len=512"]],
     "zmq_mode_fits_nodes": [["parallel=dp2", "parallel.nnodes=2", "parallel.master_port=29000",
                              "parallel.node_addrs=[10.0.0.1,10.0.0.2]", "parallel.zmq_mode=ipc"]],
@@ -138,6 +140,12 @@ BREAKS = {
                            ["cache.kv_dtype=fp8_e4m3", "cache.kv_scales=/etc/hostname", "cache.kv_calibration=/x.json"]],
     "kv_scales_file_exists": [["cache.kv_dtype=fp8_e4m3", "cache.kv_scales=/no/such/scales.json"]],
     "fp8_kv_not_in_pd": [["mode=pd_decode", "cache.kv_dtype=fp8_e4m3"]],
+    "moe_described": [["model.family=qwen3_moe"], ["model.num_experts=4"], [*MIXTRAL, "model.num_experts_per_tok=5"]],
+    "mlp_splits_over_tp": [["parallel=tp2", "model.intermediate_size=127"],
+                           [*MIXTRAL, "parallel=tp2", "model.moe_intermediate_size=127"],
+                           [*MIXTRAL, "parallel=tp2", "parallel.ep=2", "model.num_experts=3"]],
+    "expert_parallel_valid": [["parallel=tp2", "parallel.ep=2"], [*MIXTRAL, "parallel=tp2", "parallel.ep=4"]],
+    "moe_quantization_supported": [[*MIXTRAL, "model.quantization=fp8"]],
 }
 
 
@@ -146,6 +154,8 @@ def test_a_valid_config_passes_every_rule(resolved):
     assert rules.check_all(resolved("model=tiny-qwen2", "parallel=tp2")) == []
     assert rules.check_all(resolved("parallel=dp2")) == []
     assert rules.check_all(resolved("mode=pd_prefill")) == []
+    assert rules.check_all(resolved(*MIXTRAL, "parallel=tp2")) == []
+    assert rules.check_all(resolved(*MIXTRAL, "parallel=tp2", "parallel.ep=2")) == []
 
 
 def test_every_rule_has_a_break_case():

@@ -1,7 +1,9 @@
 """Tensor parallelism: two gloo processes running tp2 give the logits of tp1 (float32, CPU) on
 mixed prefill/decode batches, for tiny Qwen2 (2 KV heads, untied, vocab not divisible by 2), tiny
 Llama (1 KV head: replicated on both ranks; tied embeddings), tiny Qwen3 (q/k norms, head_dim 24 in a
-width of 64, one KV head per rank) and tiny Mistral (5 query heads over 1 KV head: padded to 6)."""
+width of 64, one KV head per rank), tiny Mistral (5 query heads over 1 KV head: padded to 6), and the MoE
+families with each expert's columns split over the ranks (Qwen3-MoE, Qwen2-MoE with its shared expert and a dense
+layer, Mixtral), or whole experts on each (`-ep`: parallel.ep=2)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,6 +18,7 @@ from fixtures.tiny_models import model_config_from_folder, write_tiny_checkpoint
 from llaunch.runtime.models.loader import build_model
 
 TP = 2
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def run_steps(model) -> list[torch.Tensor]:
@@ -38,7 +41,8 @@ def rank_main(rank: int, cfgs: dict, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP)
     try:
         for name, cfg in cfgs.items():
-            model = build_model(cfg, device=torch.device("cpu"), dtype=torch.float32, tp_rank=rank, tp_size=TP)
+            model = build_model(cfg, device=torch.device("cpu"), dtype=torch.float32, tp_rank=rank, tp_size=TP,
+                                expert_parallel=name.endswith("-ep"))
             torch.save(run_steps(model), Path(out_dir) / f"{name}.rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -52,14 +56,16 @@ def tp_runs(tmp_path_factory):
         "llama": model_config_from_folder(write_tiny_checkpoint(root / "llama", "llama")),
         "qwen3": model_config_from_folder(write_tiny_checkpoint(root / "qwen3", "qwen3")),
         "mistral": model_config_from_folder(write_tiny_checkpoint(root / "mistral", "mistral")),
+        **{name: model_config_from_folder(write_tiny_checkpoint(root / name, name)) for name in MOE},
     }
+    cfgs.update({f"{name}-ep": cfgs[name] for name in MOE})
     mp.spawn(rank_main, args=(cfgs, str(root / "rendezvous"), str(root)), nprocs=TP, join=True)
     return root, cfgs
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "mistral", *MOE, *(f"{n}-ep" for n in MOE)])
 def test_tp2_logits_equal_tp1(tp_runs, name):
     root, cfgs = tp_runs
     single = run_steps(build_model(cfgs[name], device=torch.device("cpu"), dtype=torch.float32))
