@@ -274,15 +274,21 @@ def test_bad_registrations_are_refused(pd):
     assert pd.instances() == {}
 
 
-def test_load_aware_pick_over_two_decodes(pd):
+def test_load_aware_pick_over_two_decodes(pd, loop):
     pd.prefill()
     busy, idle = pd.decode("d1", running=4), pd.decode("d2", running=1)
     for _ in range(2):
         assert pd.client.completions.create(model="m", prompt="x").model_extra["served_by"] == "d2"
-    # concurrent streams count in flight: with 1 + 3 open at d2 its pressure passes d1's 4
+    # concurrent streams count in flight: with 1 + 3 open at d2 its pressure passes d1's 4. Both hold their
+    # streams after the first word, so none ends (and leaves the count) before the last is placed.
+    busy.gate, idle.gate = loop.run(new_event()), loop.run(new_event())
     streams = [pd.http.send(pd.http.build_request("POST", "/v1/completions", json={"prompt": "x", "stream": True}),
                             stream=True) for _ in range(4)]
-    assert [len(busy.requests), len(idle.requests)] == [1, 2 + 3]
+    try:
+        assert [len(busy.requests), len(idle.requests)] == [1, 2 + 3]
+    finally:
+        for gate in (busy.gate, idle.gate):
+            loop.loop.call_soon_threadsafe(gate.set)
     for r in streams:
         assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
         r.close()
