@@ -150,7 +150,8 @@ class Detokenizer:
         self.last_snapshot = now
         self.finished_since_snapshot = False
         return MetricsSnapshot(time=now, text=self.metrics.render(), running=self.metrics.num_running,
-                               waiting=self.metrics.num_waiting, stalled_replicas=self.metrics.stalled_replicas)
+                               waiting=self.metrics.num_waiting, stalled_replicas=self.metrics.stalled_replicas,
+                               loading_replicas=self.metrics.loading_replicas)
 
 
 def _log_finished(req: OpenRequest, delta: TokenDelta, finish: str, now: float) -> None:

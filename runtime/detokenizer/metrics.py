@@ -143,8 +143,10 @@ class MetricsHub:
         for reason in FINISH_REASONS:
             self.request_success.labels(*self.model, reason)
         self._stats: dict[int, RouterStats] = {}
+        self._reported: set[int] = set()  # replicas whose router reported: it serves once its workers are ready
         for rank in range(dp):
-            self.record_stats(RouterStats(time=0.0, running=0, waiting=0, kv_used=0, kv_total=0, dp_rank=rank))
+            self.record_stats(RouterStats(time=0.0, running=0, waiting=0, kv_used=0, kv_total=0, dp_rank=rank),
+                              reported=False)
 
     # ---- request events (times in seconds since the epoch, as the frontend stamps arrival) -------
 
@@ -178,7 +180,9 @@ class MetricsHub:
 
     # ---- scheduler state ------------------------------------------------------------------------
 
-    def record_stats(self, stats: RouterStats) -> None:
+    def record_stats(self, stats: RouterStats, reported: bool = True) -> None:
+        if reported:
+            self._reported.add(stats.dp_rank)
         before = self._stats.get(stats.dp_rank)
         self._stats[stats.dp_rank] = stats
         rank = self.model + (str(stats.dp_rank),)
@@ -214,6 +218,12 @@ class MetricsHub:
     @property
     def stalled_replicas(self) -> list[int]:
         return sorted(rank for rank, s in self._stats.items() if s.stalled)
+
+    @property
+    def loading_replicas(self) -> list[int]:
+        """Replicas whose router has not reported yet: it reports only once every worker rank has
+        loaded and warmed up (runtime/router/process.py wait_for_workers)."""
+        return sorted(set(self._stats) - self._reported)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

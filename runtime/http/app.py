@@ -199,8 +199,9 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
     @app.get("/health")
     @app.get("/health/ready")
     async def ready() -> Response:
-        """Readiness: new requests can be served: not draining, the engine's heartbeat is fresh, and
-        at least one replica is not stalled (runtime/router/health.py)."""
+        """Readiness: new requests can be served: not draining, the engine's heartbeat is fresh, every
+        replica's workers have loaded and warmed up, and at least one replica is not stalled
+        (runtime/router/health.py)."""
         age = engine.heartbeat_age()
         stalled = engine.stalled_replicas
         if lifecycle.draining:
@@ -208,6 +209,10 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
         if age > settings.heartbeat_max_age_s:
             return error_response(ApiError(503, f"No engine heartbeat for {age:.1f} s.", type="service_unavailable",
                                            code="engine_unavailable"))
+        if engine.loading_replicas:
+            return error_response(ApiError(503, "The model is loading: the workers of replica(s) "
+                                                f"{', '.join(map(str, engine.loading_replicas))} have not reported "
+                                                "ready.", type="service_unavailable", code="loading"))
         if len(stalled) == len(engine.outstanding):
             return error_response(ApiError(503, "The engine is stalled: a step is overdue or a worker is gone "
                                                 "(router.stall_timeout_s).", type="service_unavailable",

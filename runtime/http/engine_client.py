@@ -209,6 +209,11 @@ class EngineClient:
     def stalled_replicas(self) -> list[int]:
         return self.metrics.stalled_replicas if self.metrics is not None else []
 
+    @property
+    def loading_replicas(self) -> list[int]:
+        """Replicas whose workers have not all loaded and warmed up yet (every one before the first heartbeat)."""
+        return self.metrics.loading_replicas if self.metrics is not None else list(range(len(self.outstanding)))
+
     def choose_replica(self, prompt_ids: list[int]) -> int:
         """The least loaded replica, or with prefix affinity the one holding the prompt's longest known
         prefix while its load stays within the slack of the least loaded one's."""

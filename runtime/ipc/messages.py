@@ -224,8 +224,12 @@ class PromptLogprobs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class WorkerReady(_Msg):
+    """A tp rank has loaded its shard, sized its KV cache and warmed up (graphs captured, kernels
+    built): every rank sends one, and the router serves once all of its ranks have."""
+
     kv_slots: int  # KV capacity in tokens (smallest over ranks)
     max_running_requests: int
+    tp_rank: int = 0
 
 
 class StepResult(_Msg):
@@ -372,6 +376,8 @@ class MetricsSnapshot(_Msg):
     running: int = 0
     waiting: int = 0
     stalled_replicas: list[int] = []  # dp ranks whose router reports a stall: /health/ready fails
+    # dp ranks whose router has not reported yet (its workers are still loading): /health/ready fails
+    loading_replicas: list[int] = []
 
 
 FrontendInbound = Union[TextBatch, MetricsSnapshot]

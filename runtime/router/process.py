@@ -96,11 +96,18 @@ class Router:
         self.gate = GrammarGate(len(self.workers))  # requests whose grammar the workers still compile
 
     def wait_for_workers(self) -> None:
-        msg = self.results.recv()
-        if not isinstance(msg, WorkerReady):
-            raise RuntimeError(f"expected WorkerReady first, got {type(msg).__name__}")
-        self.scheduler = Scheduler(limits_from(self.cfg, msg, self.spec))
-        log.info("workers ready: %d KV slots, %d rows", msg.kv_slots, self.scheduler.limits.max_running)
+        """Until every tp rank has reported WorkerReady (loaded, warmed up): only then does this
+        replica plan steps and report stats, which is what makes the frontends' /health/ready green."""
+        ready: dict[int, WorkerReady] = {}
+        while len(ready) < len(self.workers):
+            msg = self.results.recv()
+            if not isinstance(msg, WorkerReady):
+                raise RuntimeError(f"expected WorkerReady first, got {type(msg).__name__}")
+            ready[msg.tp_rank] = msg
+        first = min(ready.values(), key=lambda m: m.kv_slots)  # the ranks agree; the smallest would bind
+        self.scheduler = Scheduler(limits_from(self.cfg, first, self.spec))
+        log.info("workers ready (%d rank(s)): %d KV slots, %d rows", len(ready), first.kv_slots,
+                 self.scheduler.limits.max_running)
 
     def handle(self, msg) -> None:
         sched = self.scheduler

@@ -201,15 +201,14 @@ def main() -> None:
     plans = Receiver(ctx, spec.binds["plan"], WorkerInbound, monitor=watch.monitor if watch else None)
     if watch is not None:
         watch.start(plans)
-    results = Sender(ctx, spec.connects["results"]) if spec.tp_rank == 0 else None
-    if results is not None:
-        results.send(WorkerReady(kv_slots=num_slots, max_running_requests=max_rows))
+    # every rank says it is loaded and warm (the router serves, and readiness turns green, only then);
+    # rank 0 returns the tokens, and every rank reports its own KV transfers and compiles
+    results = Sender(ctx, spec.connects["results"])
+    results.send(WorkerReady(kv_slots=num_slots, max_running_requests=max_rows, tp_rank=spec.tp_rank))
     bootstrap.report_ready(ctx, cfg, spec, kv_slots=num_slots)
     link = None
     if cfg.mode.kind in (Mode.pd_prefill, Mode.pd_decode):
         link = KvLink(kv, spec.binds.get("kv_transfer"), scratch_slot=num_slots, tp_rank=spec.tp_rank)
-        if results is None:  # every rank reports its own transfers; the router waits for all of them
-            results = Sender(ctx, spec.connects["results"])
         log.info("KV transfer: %s", f"receiving on {spec.binds['kv_transfer']}" if "kv_transfer" in spec.binds
                  else "sending")
     try:

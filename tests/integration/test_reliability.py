@@ -283,3 +283,45 @@ def test_exit_on_stall_takes_the_graph_down_non_zero(tmp_path_factory, tiny_dirs
     assert "router.0" in out and "stalled" in out
     assert not [p for p in children if alive(p)], "orphaned graph processes"
     server.stop()
+
+
+def test_ready_only_once_every_worker_has_loaded(tmp_path_factory, tiny_dirs):
+    """A worker whose load is slow (stopped by SIGSTOP as soon as it starts, before torch is even
+    imported): the frontend answers and the detokenizer's heartbeat is fresh, yet /health/ready,
+    /health, /readiness and /healthz say 503 until the worker has loaded, warmed
+    up and reported; /health/live says 200 throughout. They once said 200 seconds before the load."""
+    server = start_server(tmp_path_factory, "slow-load", overrides(tiny_dirs))
+    worker = None
+    deadline = time.monotonic() + 30
+    while worker is None and time.monotonic() < deadline:
+        try:
+            worker = worker_pid(server)
+        except (ValueError, OSError):
+            time.sleep(0.01)
+    assert worker is not None, server.output()
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the frontend serves and the engine's heartbeat is there
+            try:
+                if httpx.get(server.url + "/metrics", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the frontend never answered:\n{server.output()}")
+        for _ in range(10):
+            assert httpx.get(server.url + "/health/live").status_code == 200
+            for path in ("/health/ready", "/health", "/readiness"):
+                r = httpx.get(server.url + path)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "loading", (path, r.text)
+            assert httpx.get(server.url + "/healthz").status_code == 503
+            time.sleep(0.2)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    server.wait_healthy()
+    for path in ("/health/ready", "/health", "/readiness", "/healthz"):
+        assert httpx.get(server.url + path).status_code == 200, path
+    assert greedy(server, max_tokens=4)
+    server.stop()

@@ -173,6 +173,17 @@ def test_gauges_per_dp_rank_and_kv_fraction():
     assert (hub.num_running, hub.num_waiting) == (7, 4)
 
 
+
+def test_replicas_are_loading_until_their_router_reports():
+    """A router reports only once every worker rank has loaded and warmed up: until then its replica
+    is loading, and the frontends' /health/ready says 503."""
+    hub = MetricsHub("m", dp=2)
+    assert hub.loading_replicas == [0, 1]
+    hub.record_stats(RouterStats(time=1.0, running=0, waiting=0, kv_used=0, kv_total=100, dp_rank=1))
+    assert hub.loading_replicas == [0]
+    hub.record_stats(RouterStats(time=1.0, running=0, waiting=0, kv_used=0, kv_total=100, dp_rank=0))
+    assert hub.loading_replicas == []
+
 # ---- the Detokenizer fed a scripted run ----------------------------------------------------------
 
 
@@ -246,9 +257,10 @@ def test_snapshot_cadence(tokenizer):
     detok.handle(TokenBatch(deltas=[TokenDelta("0-x", [42], finish_reason="length")]), 100.1)
     assert not detok.snapshot_due(100.0 + MIN_SNAPSHOT_GAP_S - 0.01)  # rate-limited
     assert detok.snapshot_due(100.0 + MIN_SNAPSHOT_GAP_S)  # a finish does not wait for the heartbeat
+    assert snap.loading_replicas == [0]  # no router report yet
     detok.handle(RouterStats(time=100.1, running=2, waiting=3, kv_used=1, kv_total=2), 100.1)
     snap = detok.snapshot(100.2)
-    assert (snap.running, snap.waiting) == (2, 3)
+    assert (snap.running, snap.waiting, snap.loading_replicas) == (2, 3, [])
     fams = parse_exposition(snap.text)
     assert sample(fams, "llaunch:request_success_total", model_name="m", finished_reason="length") == 1
     assert not detok.snapshot_due(100.2 + MIN_SNAPSHOT_GAP_S)
