@@ -1,21 +1,26 @@
-"""llaunch's MoE path on the GPU against transformers, at the shapes of Qwen3-30B-A3B (128 experts, top-8), Qwen1.5-MoE
-(60 experts, top-4, a shared expert; here with a dense layer among them) and Mixtral-8x7B (8 experts of 14336, top-2),
-a few of their layers with random weights (the same tensors in both): llaunch in bf16 through the Triton kernels
-(routing, the fused experts) against transformers in float32. A 512-token prefill, then 16 teacher-forced decode
-steps. (A tp rank's expert widths: tests/kernels/test_kernel_fused_moe.py.)
+"""llaunch's MoE blocks on the GPU against transformers', at the shapes of Qwen3-30B-A3B (128 experts, top-8),
+Qwen1.5-MoE (60 experts, top-4, a shared expert; here with a dense layer among them) and Mixtral-8x7B (8 experts of
+14336, top-2), a few layers with random weights (the same tensors in both). transformers runs a 512-token prompt in
+float32; each MoE layer's input there is fed to llaunch's block of that layer in bf16 through the Triton kernels
+(routing, the fused experts), in slices of 1, 16 and the rest of the rows (decode-sized and prefill-sized launches).
+(A tp rank's expert widths: tests/kernels/test_kernel_fused_moe.py.)
 
-bf16 moves a router logit by ~0.4%, so where two experts nearly tie for a token's k-th place llaunch may take the
-other one, and that token's output then differs by that expert's share. So: at least 80% of rows route as
-transformers does in every layer; those rows reach cosine >= 0.999 to transformers' logits; and every expert
-chosen differently was within ROUTER_TIE of transformers' k-th logit (a tie, not a wrong routing)."""
+Layer by layer, because a whole model cannot be compared row by row: bf16 moves a router logit by ~0.4%, so where
+two experts nearly tie for a token's k-th place llaunch may take the other one, and through attention every later
+position of every later layer then differs from transformers' (on the H200 a whole Mixtral of two layers gave a
+row routed alike everywhere a cosine of 0.995, and "ties" of 1.4 in the second layer). With the same input: at
+least ROUTED_ALIKE_MIN of each layer's rows route as transformers does, those rows' outputs reach cosine
+COSINE_MIN, and every expert chosen differently was within ROUTER_TIE of transformers' k-th logit (a tie, ~10x a
+logit's bf16 rounding here, not a wrong routing)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpu.support import StateDictSource, batch_of, cosine_rows
+from gpu.support import StateDictSource, cosine_rows
 
-PROMPT, STEPS = 512, 16
+PROMPT = 512
+SLICES = [(0, 1), (1, 17), (17, PROMPT)]  # one decode row, a 16-row decode batch, a prefill
 COSINE_MIN, ROUTED_ALIKE_MIN, ROUTER_TIE = 0.999, 0.8, 0.05
 QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
@@ -35,8 +40,9 @@ def routed(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1).indices.sort(dim=-1).values
 
 
-def run_model(shape: dict, device: str, dtype: torch.dtype) -> dict:
-    """transformers' logits and router logits (float32) and llaunch's (in `dtype`) over the same weights."""
+def run_layers(shape: dict, device: str, dtype: torch.dtype) -> dict:
+    """Per MoE layer: transformers' router logits and block output (float32) and llaunch's (in `dtype`) for the
+    block input transformers computed."""
     import transformers
 
     from llaunch.runtime.models.arch import ModelArch
@@ -58,50 +64,46 @@ def run_model(shape: dict, device: str, dtype: torch.dtype) -> dict:
                                                          if hasattr(layer.mlp, "experts"))
     ours = DecoderLM(arch, TpGroup(0, 1, None), torch.device(device), dtype, 4096).eval()
     load_from(ours, StateDictSource({k: v.to(dtype) for k, v in hf.state_dict().items()}))
-    routers = {"hf": [], "ours": []}
-    for i, (theirs, mine) in enumerate(zip(hf.model.layers, ours.layers)):
+    blocks = {}  # layer -> (input, output) of transformers' block
+    for i, layer in enumerate(hf.model.layers):
         if arch.is_moe_layer(i):
-            theirs.mlp.gate.register_forward_hook(lambda m, a, out, i=i: routers["hf"].append((i, out[0].float())))
-            mine.mlp.gate.register_forward_hook(lambda m, a, out, i=i: routers["ours"].append((i, out.float())))
-    total = PROMPT + STEPS
-    ids = torch.randint(0, arch.vocab_size - 100, (total,), generator=torch.Generator().manual_seed(1)).tolist()
-    kv = ours.make_kv_cache(4096, 2, 4096)
-    slots = torch.randperm(4000, generator=torch.Generator().manual_seed(2))[:total].tolist()
-    kv.req_to_slots[0, :total] = torch.tensor(slots, dtype=torch.int32, device=device)
+            layer.mlp.register_forward_hook(lambda m, args, out, i=i: blocks.__setitem__(
+                i, (args[0].reshape(-1, arch.hidden_size), (out[0] if isinstance(out, tuple) else out)
+                    .reshape(-1, arch.hidden_size))))
+    ids = torch.randint(0, arch.vocab_size - 100, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    layers = {}
     with torch.inference_mode():
-        ref = hf(torch.tensor([ids], device=device)).logits[0].float()
-        prefill = ours.forward(batch_of(ids[:PROMPT], list(range(PROMPT)), slots[:PROMPT], [], [], prefill=0,
-                                        device=device), kv)
-        decode = torch.stack([ours.forward(batch_of([ids[i]], [i], [slots[i]], [0], [i + 1], device=device), kv)[0]
-                              for i in range(PROMPT, total)])
-    layers = sorted({i for i, _ in routers["hf"]})
-    gathered = {who: {i: torch.cat([t for j, t in found if j == i]) for i in layers} for who, found in routers.items()}
-    return dict(ref=ref, ours=torch.cat([prefill, decode]), routers=gathered, top_k=arch.num_experts_per_tok)
+        hf(ids.to(device))
+        for i, (x, out) in blocks.items():
+            mine, theirs = ours.layers[i].mlp, hf.model.layers[i].mlp
+            xb = x.to(dtype)
+            layers[i] = dict(
+                ref=out.float(), router_ref=torch.nn.functional.linear(x, theirs.gate.weight).float(),
+                ours=torch.cat([mine(xb[a:b]) for a, b in SLICES]).float(), router_ours=mine.gate(xb).float())
+    return dict(layers=layers, top_k=arch.num_experts_per_tok)
 
 
 def check(run) -> None:
-    ref, ours, top_k = run["ref"], run["ours"], run["top_k"]
-    alike = torch.ones(ref.shape[0], dtype=torch.bool, device=ref.device)
-    widest = 0.0
-    for layer, theirs in run["routers"]["hf"].items():
-        mine = run["routers"]["ours"][layer]
+    top_k, failures = run["top_k"], []
+    for layer, got in run["layers"].items():
+        theirs, mine = got["router_ref"], got["router_ours"]
         theirs_ids, mine_ids = routed(theirs, top_k), routed(mine, top_k)
-        same = (theirs_ids == mine_ids).all(dim=-1)
-        alike &= same
-        for row in (~same).nonzero().flatten().tolist():  # a differing choice must be a near tie in theirs:
+        alike = (theirs_ids == mine_ids).all(dim=-1)
+        widest = 0.0
+        for row in (~alike).nonzero().flatten().tolist():  # a differing choice must be a near tie in theirs:
             kth = theirs[row].topk(top_k).values[-1]  # transformers' k-th logit against those only llaunch chose
             extra = sorted(set(mine_ids[row].tolist()) - set(theirs_ids[row].tolist()))
             widest = max(widest, (kth - theirs[row, extra]).abs().max().item())
-    cos = cosine_rows(ours, ref)
-    print(f"rows routed alike in every layer {alike.float().mean().item():.3f}; their cosine min "
-          f"{cos[alike].min().item():.5f} mean {cos[alike].mean().item():.5f}; all rows min {cos.min().item():.5f}; "
-          f"widest tie {widest:.4f}")
-    assert alike.float().mean().item() >= ROUTED_ALIKE_MIN
-    assert cos[alike].min().item() >= COSINE_MIN
-    assert widest <= ROUTER_TIE
+        cos = cosine_rows(got["ours"], got["ref"])
+        print(f"layer {layer}: rows routed alike {alike.float().mean().item():.3f}, their cosine min "
+              f"{cos[alike].min().item():.5f} mean {cos[alike].mean().item():.5f}; widest tie {widest:.4f}")
+        if alike.float().mean().item() < ROUTED_ALIKE_MIN or cos[alike].min().item() < COSINE_MIN \
+                or widest > ROUTER_TIE:
+            failures.append(layer)
+    assert not failures, f"layers {failures} differ beyond bf16 (printed above)"
 
 
 @pytest.mark.parametrize("shape", [QWEN3_30B_A3B, QWEN15_MOE, MIXTRAL_8X7B], ids=["qwen3-30b-a3b", "qwen1.5-moe",
                                                                                "mixtral-8x7b"])
-def test_moe_logits_match_transformers_float32(shape):
-    check(run_model(shape, "cuda", torch.bfloat16))
+def test_moe_blocks_match_transformers_float32(shape):
+    check(run_layers(shape, "cuda", torch.bfloat16))
