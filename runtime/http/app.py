@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from quart import Quart, Response, request
 
 from llaunch.runtime.config import Mode, RunConfig, UnknownFields
+from llaunch.runtime.http.anthropic_api import AnthropicApi, anthropic_errors
 from llaunch.runtime.http.audio import AudioInputs
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.http.engine_client import EngineClient, current_pd_link
@@ -24,6 +25,7 @@ from llaunch.runtime.http.openapi import openapi_document
 from llaunch.runtime.http.pd_instance import PrefillServing, link_from_headers
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import RequestLimits
+from llaunch.runtime.http.responses_api import ResponsesApi
 from llaunch.runtime.http.score_api import GENERATION_PATHS, ScoreApi, ScoreHead, score_model_refusal
 from llaunch.runtime.http.tgi_api import TgiApi, tgi_info
 from llaunch.runtime.http.tokenize_api import TokenizeApi
@@ -150,6 +152,21 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         return await serve(openai.chat)
+
+    responses, anthropic = ResponsesApi(openai), AnthropicApi(openai)  # both served through the chat path
+    anthropic_errors(app)  # /v1/messages* answer errors in Anthropic's shape
+
+    @app.post("/v1/responses")
+    async def create_response() -> Response:
+        return await responses.create(await request.get_data())
+
+    @app.post("/v1/messages")
+    async def messages() -> Response:
+        return await anthropic.messages(await request.get_data())
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        return await anthropic.count_tokens(await request.get_data())
 
     @app.post("/generate")
     async def generate() -> Response:

@@ -33,7 +33,7 @@ def model_not_found(model: str) -> ApiError:
 
 
 def unauthorized() -> ApiError:
-    return ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+    return ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
                     code="invalid_api_key")
 
 

@@ -40,7 +40,9 @@ def gatekeeper(app: Quart, api_key: Optional[str], lifecycle: Lifecycle, open_pa
     async def check() -> Optional[Response]:
         if api_key and request.path not in open_paths:
             given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            anthropic = request.headers.get("x-api-key", "")  # where Anthropic's clients send the key
+            if not (hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+                    or hmac.compare_digest(anthropic.encode(), api_key.encode())):
                 return error_response(unauthorized())
         if lifecycle.draining and request.path not in drain_exempt:
             return error_response(draining())

@@ -247,20 +247,25 @@ class Choice:
     sampling: SamplingParams
 
 
-def decode_body(body: bytes, request_type: Type[R]) -> R:
+def decode_body(body: bytes, request_type: Type[R], where: str = "") -> R:
+    """`where`: the JSON path of a part of the request decoded on its own (`tools[2]`), which the
+    errors and the ignored fields are named under."""
     if not body:
         raise bad_request("The request body is empty; send a JSON object.")
     try:
         try:
             return msgspec.json.decode(body, type=request_type)
         except msgspec.ValidationError as e:
-            served = decode_without_unknown(body, request_type, e)  # server.unknown_fields=warn
+            served = decode_without_unknown(body, request_type, e, where)  # server.unknown_fields=warn
             if served is None:
                 raise
             return served
     except msgspec.ValidationError as e:
         hint = " (server.unknown_fields=reject)" if unknown_field(e) is not None and not collecting_unknown() else ""
-        raise bad_request(f"Invalid request: {e}{hint}", param=_param_of(str(e))) from None
+        param = _param_of(str(e))
+        if where:
+            param = f"{where}.{param}" if param else where
+        raise bad_request(f"Invalid request{f' ({where})' if where else ''}: {e}{hint}", param=param) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"The body is not valid JSON: {e}") from None
     except RecursionError:

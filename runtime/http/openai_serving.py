@@ -15,7 +15,7 @@ from llaunch.runtime.http import openai_responses as shapes
 from llaunch.runtime.http.audio import MediaParts
 from llaunch.runtime.http.images import chat_images
 from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
-from llaunch.runtime.http.errors import ApiError, engine_failed, json_response
+from llaunch.runtime.http.errors import ApiError, engine_failed, json_response, stream_error
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice, CompletionRequest, RequestLimits,
                                                   adopt_functions, chat_choices, chat_echo, chat_prompt, check_model,
@@ -255,19 +255,28 @@ class OpenAIServing:
 
     def _parse_chat(self, body: bytes):
         req = decode_body(body, ChatCompletionRequest)
-        check_model(req.model, self.limits)
-        adopt_functions(req)
-        urls = None if self.images is None else MediaParts(self.images)
-        prompt_ids = chat_prompt(req, self.tokenizer, self.limits, urls)
-        prompt_ids, images = (self.images.chat(req, prompt_ids, urls) if urls is not None and urls.audio
-                              else chat_images(self.images, req, prompt_ids, urls))
+        return (req, *self.chat_work(req))
+
+    def chat_work(self, req: ChatCompletionRequest) -> tuple[list[int], list[Choice], list]:
+        """(prompt ids, engine choices, images) of a chat request; the Responses and Anthropic dialects
+        translate theirs into one (runtime/http/chat_turn.py)."""
+        prompt_ids, images = self.chat_prompt_ids(req)
         if not images:
-            return req, prompt_ids, chat_choices(req, prompt_ids, self.limits, self.tokenizer), images
+            return prompt_ids, chat_choices(req, prompt_ids, self.limits, self.tokenizer), images
         # an image's tokens (vocab + hash) are checked as the placeholder they stand for, then put back
         checked = [t if t < self.limits.vocab_size else self.images.image_token_id for t in prompt_ids]
         choices = [dataclasses.replace(c, prompt_ids=prompt_ids)
                    for c in chat_choices(req, checked, self.limits, self.tokenizer)]
-        return req, prompt_ids, choices, images
+        return prompt_ids, choices, images
+
+    def chat_prompt_ids(self, req: ChatCompletionRequest) -> tuple[list[int], list]:
+        """(prompt ids, images): the chat template's prompt, each image or clip as its tokens."""
+        check_model(req.model, self.limits)
+        adopt_functions(req)
+        urls = None if self.images is None else MediaParts(self.images)
+        prompt_ids = chat_prompt(req, self.tokenizer, self.limits, urls)
+        return (self.images.chat(req, prompt_ids, urls) if urls is not None and urls.audio
+                else chat_images(self.images, req, prompt_ids, urls))
 
     def _echo_text(self, req: CompletionRequest, p: int, ids: list[int]) -> str:
         if isinstance(req.prompt, str):
@@ -324,8 +333,8 @@ class OpenAIServing:
                     chunk[0]["token_ids"] = delta.token_ids
                 for choice in chunk:
                     yield sse_event(header.chunk([choice], usage_now(), include_usage))
-        except ApiError as e:
-            yield sse_event(e.body())
+        except Exception as e:  # an engine failure, or a bug: the client still gets the error and [DONE]
+            yield sse_event(stream_error(e).body())
             yield DONE
             return
         if include_usage:

@@ -27,7 +27,8 @@ from llaunch.runtime.ipc.messages import SamplingParams
 
 SCORE_PATHS = ("/get_score", "/classify", "/v1/classify", "/v1/score", "/score")
 # what a score model cannot serve: every route that samples tokens ("/": server.tgi_api's compat route)
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate", "/generate_stream", "/")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/generate",
+                    "/generate_stream", "/")
 _ONE_PREFILL = SamplingParams(max_new_tokens=1, temperature=0.0)  # the router runs the prompt; no token is sampled
 
 

@@ -12,7 +12,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from llaunch.runtime.http.errors import bad_request
 from llaunch.runtime.ipc.messages import Constraint
@@ -158,9 +158,9 @@ def parse_tool_calls(text: str, fmt: str, cut: bool = False) -> tuple[Optional[s
 
 
 class ToolCallStream:
-    """Streamed text → content deltas and tool-call deltas (OpenAI's shape: the first delta of a call
-    carries its index, id, type and name; the next its arguments). Text that may be the start of a
-    call is held back until it is one or cannot become one."""
+    """Streamed text → content and calls (`parts`), or OpenAI's chat deltas of them (`feed`: the first
+    delta of a call carries its index, id, type and name; the next its arguments). Text that may be the
+    start of a call is held back until it is one or cannot become one."""
 
     def __init__(self, fmt: str):
         self.fmt = fmt
@@ -172,8 +172,13 @@ class ToolCallStream:
 
     def feed(self, text: str) -> list[dict]:
         """Deltas for `text`: {"content": str} or {"tool_calls": [...]}."""
+        return self._deltas(self.parts(text))
+
+    def parts(self, text: str) -> list[Union[str, ParsedCall]]:
+        """`text` as the parts it completes, in order: content (str) and calls (ParsedCall); the other
+        dialects (runtime/http/chat_turn.py) shape these their own way."""
         self.buffer += text
-        out: list[dict] = []
+        out: list[Union[str, ParsedCall]] = []
         while self.buffer:
             start = self.buffer.find(self.opener)
             if start < 0:
@@ -190,10 +195,10 @@ class ToolCallStream:
                 return out  # the call is not finished yet
             end, call = span
             whole, self.buffer = self.buffer[:end], self.buffer[end:]
-            out += self._content(whole) if call is None else self._call_deltas(call)  # not a call: plain text
+            out += self._content(whole) if call is None else [call]  # not a call: plain text
         return out
 
-    def _content(self, text: str) -> list[dict]:
+    def _content(self, text: str) -> list[str]:
         """Content as the whole-text parse has it: no whitespace before the first or after the last."""
         body = text.rstrip()
         if not body.strip():
@@ -201,7 +206,7 @@ class ToolCallStream:
             return []
         send = self._space + body if self._started else body.lstrip()
         self._space, self._started = text[len(body):], True
-        return [{"content": send}]
+        return [send]
 
     def _complete_call(self) -> Optional[tuple[int, Optional[ParsedCall]]]:
         if self.fmt == "hermes":
@@ -217,13 +222,22 @@ class ToolCallStream:
             return None
         return end, _call_of(self.fmt, self.buffer[:end])
 
-    def _call_deltas(self, call: ParsedCall) -> list[dict]:
-        index, self.calls = self.calls, self.calls + 1
-        return [{"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                 "function": {"name": call.name, "arguments": ""}}]},
-                {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+    def _deltas(self, parts: list[Union[str, ParsedCall]]) -> list[dict]:
+        out: list[dict] = []
+        for part in parts:
+            if isinstance(part, str):
+                out.append({"content": part})
+                continue
+            index, self.calls = self.calls, self.calls + 1
+            out += [{"tool_calls": [{"index": index, "id": part.id, "type": "function",
+                                     "function": {"name": part.name, "arguments": ""}}]},
+                    {"tool_calls": [{"index": index, "function": {"arguments": part.arguments}}]}]
+        return out
 
     def finish(self, cut: bool = False) -> list[dict]:
+        return self._deltas(self.finish_parts(cut))
+
+    def finish_parts(self, cut: bool = False) -> list[str]:
         """The text is over: what was held back is content, except with `cut` (the length limit ended
         it) a call that opened and did not close: a call cut short, dropped (see parse_tool_calls)."""
         text, self.buffer = self.buffer, ""

@@ -102,9 +102,11 @@ def header_value(fields: list[str]) -> str:
     return text if len(text) <= MAX_HEADER_CHARS else text[:MAX_HEADER_CHARS - 3] + "..."
 
 
-def decode_without_unknown(body: bytes, request_type: Type[R], first: msgspec.ValidationError) -> Optional[R]:
-    """The request decoded without the unknown fields it has (each recorded for the response), or None
-    when unknown fields are refused or one cannot be removed (the caller answers `first` as a 400)."""
+def decode_without_unknown(body: bytes, request_type: Type[R], first: msgspec.ValidationError,
+                           where: str = "") -> Optional[R]:
+    """The request decoded without the unknown fields it has (each recorded for the response, under
+    `where`: the path of a part decoded on its own), or None when unknown fields are refused or one
+    cannot be removed (the caller answers `first` as a 400)."""
     ignored = _ignored.get()
     if ignored is None or unknown_field(first) is None:
         return None
@@ -124,7 +126,7 @@ def decode_without_unknown(body: bytes, request_type: Type[R], first: msgspec.Va
             else:
                 raise
             holder = found[0]
-            prefix = "".join(f".{s}" if isinstance(s, str) else f"[{s}]" for s in path).lstrip(".")
+            prefix = (where + "".join(f".{s}" if isinstance(s, str) else f"[{s}]" for s in path)).lstrip(".")
             for key in unknown:
                 del holder[key]
                 dropped.append(f"{prefix}.{key}" if prefix else key)

@@ -1,0 +1,156 @@
+"""One assistant turn of a chat request, served for another API dialect (OpenAI's Responses API,
+Anthropic's Messages API). The dialect translates its request into a ChatCompletionRequest; the chat
+machinery renders the template, checks every value, constrains tool calls and structured output and
+builds the engine work (OpenAIServing.chat_work); the generated text comes back as parts (text, tool
+calls) that the dialect's `TurnShape` turns into its own objects and stream events. A whole answer is
+the stream's parts gathered, so the two never differ."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional, Protocol, Union
+
+from quart import Response
+
+from llaunch.runtime.http.engine_client import RequestGroup, admitted
+from llaunch.runtime.http.errors import ApiError
+from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, Choice
+from llaunch.runtime.http.openai_serving import ChoiceState, OpenAIServing
+from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
+from llaunch.runtime.http.tool_calls import ParsedCall, ToolCallStream, tool_format_of
+from llaunch.runtime.ipc.messages import SamplingParams, TextDelta
+
+Part = Union[str, ParsedCall]  # text, or a whole tool call
+
+
+@dataclass
+class Turn:
+    """The engine work of one translated request."""
+
+    prompt_ids: list[int]
+    choice: Choice
+    images: list
+    tool_format: Optional[str]  # the call format its text is parsed with (tools offered), else None
+
+
+class TurnShape(Protocol):
+    """A dialect's objects and events for a turn; each method returns the events to stream."""
+
+    def opened(self, state: ChoiceState) -> list[dict]: ...  # the first delta came (cached tokens known)
+
+    def part(self, part: Part) -> list[dict]: ...
+
+    def finished(self, state: ChoiceState) -> list[dict]: ...
+
+    def failed(self, error: ApiError) -> list[dict]: ...  # the engine failed the request mid-stream
+
+
+class ErrorNames:
+    """The dialect's names for the chat fields an error names (its `param` and its message): `fields`
+    [(pattern, replacement)], and `origins`: chat message j came from the dialect's `origins[j]`."""
+
+    def __init__(self, fields: list[tuple[str, str]], origins: Optional[list[str]] = None):
+        self.fields = [(re.compile(p), r) for p, r in fields]
+        self.origins = origins or []
+
+    def text(self, text: str) -> str:
+        text = re.sub(r"\bmessages\[(\d+)\]", lambda m: self._origin(int(m.group(1))), text)
+        for pattern, replacement in self.fields:
+            text = pattern.sub(replacement, text)
+        return text
+
+    def _origin(self, j: int) -> str:
+        return self.origins[j] if j < len(self.origins) else f"messages[{j}]"
+
+    def error(self, e: ApiError) -> ApiError:
+        return ApiError(e.status, self.text(e.message), type=e.type, param=e.param and self.text(e.param),
+                        code=e.code, headers=e.headers)
+
+
+def prepare_turn(chat: OpenAIServing, req: ChatCompletionRequest, names: ErrorNames,
+                 adjust: Optional[Callable[[SamplingParams], SamplingParams]] = None) -> Turn:
+    """The translated request through the chat path (in a worker thread: it tokenizes); `adjust`: the
+    dialect's change to the sampling (Anthropic's stop sequences are kept, to name the one that hit)."""
+    try:
+        prompt_ids, [choice], images = chat.chat_work(req)
+    except ApiError as e:
+        raise names.error(e) from None
+    if adjust is not None:
+        choice = Choice(choice.index, choice.prompt, choice.prompt_ids, adjust(choice.sampling))
+    return Turn(prompt_ids, choice, images, tool_format_of(req, chat.tokenizer))
+
+
+async def submit_turn(chat: OpenAIServing, turn: Turn) -> RequestGroup:
+    return await chat.engine.submit([(turn.choice.prompt_ids, turn.choice.sampling)], lifecycle=chat.lifecycle,
+                                    images=list(turn.images))
+
+
+class TurnParts:
+    """Generated text → parts: with tools, content and calls as the chat stream finds them (text that
+    may open a call held back); without, the text as it comes."""
+
+    def __init__(self, tool_format: Optional[str]):
+        self.calls = ToolCallStream(tool_format) if tool_format else None
+
+    def feed(self, text: str) -> list[Part]:
+        if self.calls is None:
+            return [text] if text else []
+        return self.calls.parts(text)
+
+    def finish(self, cut: bool) -> list[Part]:
+        """`cut`: the length limit ended the text, so a call still open is dropped (tool_calls.py)."""
+        return self.calls.finish_parts(cut) if self.calls is not None else []
+
+
+async def turn_events(deltas: AsyncIterator[TextDelta], turn: Turn, shape: TurnShape) -> AsyncIterator[dict]:
+    """The dialect's events for the engine's deltas, from `opened` to `finished`."""
+    state, parts = ChoiceState(), TurnParts(turn.tool_format)
+    opened = False
+    async for delta in deltas:
+        text = state.add(delta)  # an engine failure raises here
+        if not opened:
+            opened = True
+            for event in shape.opened(state):
+                yield event
+        for part in parts.feed(text):
+            for event in shape.part(part):
+                yield event
+    for part in parts.finish(cut=state.finish_reason == "length"):
+        for event in shape.part(part):
+            yield event
+    for event in shape.finished(state):
+        yield event
+
+
+async def group_deltas(group: RequestGroup) -> AsyncIterator[TextDelta]:
+    async for _, delta in group:
+        yield delta
+
+
+async def whole_turn(group: RequestGroup, deltas: AsyncIterator[TextDelta], turn: Turn, shape: TurnShape) -> None:
+    """Run the turn to its end; the shape holds the answer."""
+    try:
+        async for _ in turn_events(deltas, turn, shape):
+            pass
+    finally:
+        await group.close()  # aborts what an engine failure or a gone client left running
+
+
+def named_event(event: dict) -> bytes:
+    """An SSE frame named by the event's type (`event: <type>`), as both dialects stream them."""
+    return sse_event(event, prefix=b"event: " + event["type"].encode() + b"\ndata: ")
+
+
+async def streamed_turn(group: RequestGroup, deltas: AsyncIterator[TextDelta], turn: Turn,
+                        shape: TurnShape) -> Response:
+    await admitted(group)  # a refused request answers with its status, not a 200 stream
+
+    async def frames() -> AsyncIterator[bytes]:
+        try:
+            async for event in turn_events(deltas, turn, shape):
+                yield named_event(event)
+        except ApiError as e:
+            for event in shape.failed(e):
+                yield named_event(event)
+
+    return sse_response(TrackedStream(frames(), group))
