@@ -16,7 +16,7 @@ from typing import Any, Callable
 from llaunch.launcher import config_keys
 from llaunch.launcher.rule_registry import get, rule
 from llaunch.launcher.rules_model import serves
-from llaunch.runtime.config import Device, LlaunchConfig, LoadFormat, Mode, ModelTask, SpecMethod
+from llaunch.runtime.config import Device, LlaunchConfig, LoadFormat, Mode, ModelTask, ScoreHead, SpecMethod
 
 PD_MODES = (Mode.pd_prefill, Mode.pd_decode, Mode.pd_master)
 
@@ -117,11 +117,18 @@ DUMMY = Context(
     "it seeds random weights (model.load_format=dummy); a checkpoint's weights are read as they are",
     "set model.load_format=dummy")
 GENERATES = Context(
-    "generates", lambda c: c.model.task != ModelTask.score, _values("model.task"),
-    "a score model returns its head's outputs and samples no tokens", "serve a generating model")
+    "generates", lambda c: c.model.task not in (ModelTask.score, ModelTask.embed), _values("model.task"),
+    "a score or embedding model returns its head's outputs or pooled hidden states and samples no tokens",
+    "serve a generating model")
 SCORES = Context(
     "scores", lambda c: c.model.task == ModelTask.score, _values("model.task"),
     "only a score head (a *ForSequenceClassification checkpoint) reads it", "serve a score model (model.task=score)")
+YES_NO = Context(
+    "yes_no", lambda c: c.model.score_head == ScoreHead.yes_no, _values("model.score_head"),
+    "only a yes/no reranker's head reads two tokens' logits", "set model.score_head=yes_no")
+EMBEDS = Context(
+    "embeds", lambda c: c.model.task == ModelTask.embed, _values("model.task"),
+    "only an embedding model pools hidden states", "serve an embedding model (model.task=embed)")
 SPECULATES = Context(
     "speculates", lambda c: c.spec.method != SpecMethod.none, _values("spec.method"),
     "only speculative decoding proposes and verifies tokens", "set spec=ngram or spec=draft")
@@ -201,7 +208,7 @@ UNTRACED = Context(
     "the trace gives every request's arrival and lengths", "unset bench.trace")
 
 CONTEXTS = (SERVING, HTTP, NAMED, CUDA_KERNELS, CUDA_GRAPHS_SWITCH, CUDA_GRAPHS, GPU_MEMORY, CPU_KV, DUMMY,
-            GENERATES, SCORES, SPECULATES, NGRAM, DRAFT, IMAGES, CLIPS, REPLICAS, AFFINITY, CHUNKED, NOT_DECODE,
+            GENERATES, SCORES, YES_NO, EMBEDS, SPECULATES, NGRAM, DRAFT, IMAGES, CLIPS, REPLICAS, AFFINITY, CHUNKED, NOT_DECODE,
             WAITS, PD_ROLE, MASTER_DIALLED, REGISTRY, REGISTRY_NAMED, KV_RECEIVER, METRICS, RENDEZVOUS,
             TENSOR_PARALLEL, NODES, SHARED_NODE, SHARED_PREFIX, SLO, UNTRACED)
 
@@ -233,6 +240,9 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
     **_each((SERVING, CUDA_GRAPHS), "model.prefill_graph_tokens", "model.graph_max_len_in_batch"),
     **_each((SERVING, GENERATES), "model.eos_token_ids", "model.generation_config", "model.sampling_defaults"),
     **_each((SERVING, SCORES), "model.num_labels", "model.labels", "model.score_head", "model.pad_token_id"),
+    **_each((SERVING, SCORES, YES_NO), "model.score_token_ids"),
+    # embed_matryoshka_consistent refuses matryoshka_dimensions with matryoshka=false
+    **_each((SERVING, EMBEDS), "model.pooling", "model.normalize", "model.matryoshka", "model.matryoshka_dimensions"),
     # parallel_sizes refuses node_rank outside 0..nnodes-1; cuda_mps_needs_gpus refuses cuda_mps on CPU
     **_each((SERVING,), "parallel.tp", "parallel.dp", "parallel.nnodes", "parallel.node_rank", "parallel.cuda_mps",
             "parallel.ep"),

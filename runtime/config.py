@@ -88,14 +88,26 @@ class OnStall(str, Enum):
 
 
 class ModelTask(str, Enum):
-    auto = "auto"  # score when config.json's architectures name a classification/reward head, else generate
+    # score when config.json's architectures name a classification/reward head, embed for a sentence-transformers
+    # folder (modules.json), else generate
+    auto = "auto"
     generate = "generate"  # a causal LM: sample tokens
     score = "score"  # a sequence classification / reward head: prefill only, return its outputs
+    embed = "embed"  # an embedding model: prefill only, return the final norm's hidden states pooled (/v1/embeddings)
 
 
 class ScoreHead(str, Enum):
     linear = "linear"  # *ForSequenceClassification: `score` Linear(hidden, num_labels), no bias
     mlp = "mlp"  # Qwen2ForRewardModel (Qwen2.5-Math-RM): `score` Linear(h, h) + ReLU + Linear(h, num_labels), biased
+    # a causal LM judging a (query, document) prompt (Qwen3-Reranker): one output, logit(yes) - logit(no) at the last
+    # token, whose sigmoid is the softmax's P(yes) over the two
+    yes_no = "yes_no"
+
+
+class Pooling(str, Enum):
+    last = "last"  # the last prompt token's hidden state (Qwen3-Embedding, gte-Qwen2)
+    mean = "mean"  # the mean over every prompt position
+    cls = "cls"  # the first prompt position's
 
 
 class Mode(str, Enum):
@@ -153,6 +165,17 @@ class ModelConfig:
     labels: Optional[List[str]] = None  # task=score: names of the head's outputs; default config.json's id2label
     score_head: Optional[ScoreHead] = None  # task=score: the head's form; None: from config.json's architectures
     pad_token_id: Optional[int] = None  # task=score: trailing pad tokens are not pooled (transformers); config.json's
+    # score_head=yes_no: the ids of the [yes, no] tokens whose logits decide; None: the vocabulary's "yes" and "no"
+    score_token_ids: Optional[List[int]] = None
+    # task=embed: how a prompt's final-norm hidden states become one vector; None: the checkpoint's
+    # 1_Pooling/config.json (sentence-transformers), else last
+    pooling: Optional[Pooling] = None
+    normalize: Optional[bool] = None  # task=embed: L2-normalize the vector; None: modules.json has a Normalize module
+    # task=embed: a request's `dimensions` is served (Matryoshka-trained: the first d values are an embedding);
+    # None: config.json's is_matryoshka / matryoshka_dimensions
+    matryoshka: Optional[bool] = None
+    # task=embed with matryoshka: the sizes a request may ask for; None: config.json's, else any up to hidden_size
+    matryoshka_dimensions: Optional[List[int]] = None
     mrope_section: Optional[List[int]] = None  # architecture: Qwen2-VL's M-RoPE runs of rotary frequencies (t, h, w)
     # architecture: Mistral's attention window (tokens, every layer); a longer max_model_len is refused
     sliding_window: Optional[int] = None

@@ -36,6 +36,8 @@ EXAMPLES = {
     "dummy": ((), ("model.load_format=safetensors",)),
     "generates": ((), SCORE),
     "scores": (SCORE, ("model.task=generate",)),  # auto: num_labels on dummy weights makes a score model
+    "yes_no": (("model.task=score", "model.score_head=yes_no"), ("model.score_head=linear",)),
+    "embeds": (("model.task=embed",), ("model.task=generate",)),
     "speculates": (("spec=ngram",), ()),
     "ngram": (("spec=ngram",), ("spec=draft",)),
     "draft": (("spec=draft",), ("spec=ngram",)),
