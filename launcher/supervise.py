@@ -44,6 +44,7 @@ ROLE_MODULES = {
     "visual": "llaunch.runtime.visual.process",  # encodes images into the embed cache (multimodal models)
 }
 KEY_ROLES = ("frontend", "pd_master")  # the processes that check the API key
+DRAINING_ROLES = ("frontend", "pd_master")  # the processes that answer HTTP and finish in-flight requests
 # each depends on the ones before; config_server and pd_master run alone in their graphs
 START_ORDER = ["kv_host", "visual", "worker", "router", "detokenizer", "frontend", "config_server", "pd_master"]
 # A worker's exit status when a tp peer went away (runtime/worker/process.py EXIT_PEER_GONE): it
@@ -155,7 +156,11 @@ class Graph:
 
     def kill_all(self) -> None:
         names = list(self.procs)
-        self.signal(names, signal.SIGTERM)
+        # the HTTP processes stop at once (SIGINT) and end their open streams with an error event and
+        # [DONE]; SIGTERM would make them drain, waiting for requests the graph can no longer finish
+        front = [n for n in names if self.specs[n].role in DRAINING_ROLES]
+        self.signal(front, signal.SIGINT)
+        self.signal([n for n in names if n not in front], signal.SIGTERM)
         if not self.wait_exit(names, 3.0):
             self.signal(names, signal.SIGKILL)
             self.wait_exit(names, 10.0)
@@ -211,9 +216,6 @@ def wait_ready(graph: Graph, control: Receiver) -> None:
                 doing = "; ".join(f"{name}: {stage} {now - since:.0f}s"
                                   for name, (stage, since) in sorted(stages.items()))
                 status.update(f"starting ({len(pending)} of {len(graph.procs)} to go, {now - t0:.0f}s) {doing}")
-
-
-DRAINING_ROLES = ("frontend", "pd_master")  # the processes that answer HTTP and finish in-flight requests
 
 
 def drain(graph: Graph) -> None:

@@ -251,10 +251,12 @@ class EngineClient:
     async def fail_all(self, reason: str, error: str) -> None:
         """End every open request now with `reason`: each stream sends its error event and [DONE]
         (a drain that timed out), and the routers stop generating for nobody."""
-        for request_id, route in list(self._routes.items()):
+        routes = list(self._routes.items())
+        for request_id, route in routes:  # every client hears first: a router may be gone (a teardown)
             self._forget(request_id, route.group.replica)
             route.group._deliver(route.choice, TextDelta(request_id=request_id, text="", token_ids=[],
                                                          finish_reason=reason, error=error))
+        for request_id, route in routes:
             await self._post(route.group.replica, AbortRequest(request_id=request_id))
 
     async def on_message(self, msg: FrontendInbound) -> None:

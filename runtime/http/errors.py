@@ -1,10 +1,13 @@
 """OpenAI-style errors: every failure the frontend reports is `{"error": {message, type, param, code}}`."""
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import msgspec
 from quart import Response
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -42,7 +45,7 @@ def draining() -> ApiError:
                     type="service_unavailable", code="draining")
 
 
-RETRY_AFTER_S = 1  # an overloaded server's hint to clients
+RETRY_AFTER_S = 1  # every 503's hint to clients (runtime/http/guards.py adds it where missing)
 
 
 def engine_failed(reason: str, detail: Optional[str] = None) -> ApiError:
@@ -60,6 +63,15 @@ def engine_failed(reason: str, detail: Optional[str] = None) -> ApiError:
     suffix = f": {detail}" if detail else ""
     return ApiError(500, f"The engine could not finish the request ({reason}){suffix}.", type="server_error",
                     code=reason)
+
+
+def stream_error(e: Exception) -> ApiError:
+    """What a stream that failed part-way tells its client in its last event: the ApiError it failed
+    with, or for anything unexpected (a bug: logged with its traceback) a 500 that says so."""
+    if isinstance(e, ApiError):
+        return e
+    log.exception("a stream failed part-way")
+    return ApiError(500, f"Internal error: {type(e).__name__}: {e}", type="server_error", code="internal_error")
 
 
 def json_response(payload: object, status: int = 200, headers: Optional[dict[str, str]] = None) -> Response:

@@ -9,7 +9,7 @@ import msgspec
 from quart import Response
 
 from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
-from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response
+from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response, stream_error
 from llaunch.runtime.http.generate_images import MultimodalParams, generate_images
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.http.lifecycle import Lifecycle
@@ -262,5 +262,5 @@ class GenerateApi:
                     token["text"] = delta.text if last else ""
                     yield sse_event({"token": token, "generated_text": None, "finished": last and finish is not None,
                                      "finish_reason": finish if last else None, "details": None}, prefix=b"data:")
-        except ApiError as e:
-            yield sse_event(e.body(), prefix=b"data:")
+        except Exception as e:  # an engine failure, or a bug: the client still gets the error event
+            yield sse_event(stream_error(e).body(), prefix=b"data:")

@@ -9,12 +9,19 @@ from typing import Optional
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from llaunch.runtime.http.errors import ApiError, draining, error_response, unauthorized
+from llaunch.runtime.http.errors import RETRY_AFTER_S, ApiError, draining, error_response, unauthorized
 from llaunch.runtime.http.lifecycle import Lifecycle
 
 
 def json_errors(app: Quart, log: logging.Logger) -> None:
-    """ApiError, HTTP errors (404, 405, ...) and anything unexpected answer as JSON errors."""
+    """ApiError, HTTP errors (404, 405, ...) and anything unexpected answer as JSON errors; every 503
+    (draining, overloaded, not ready, stalled) tells the client when to come back (Retry-After)."""
+
+    @app.after_request
+    async def retry_after(response: Response) -> Response:
+        if response.status_code == 503 and "Retry-After" not in response.headers:
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.errorhandler(ApiError)
     async def api_error(e: ApiError) -> Response:

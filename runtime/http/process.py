@@ -30,7 +30,7 @@ from llaunch.runtime.models.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 AFTER_DRAIN_GRACE_S = 2.0  # drained: connections only have their last bytes (and keep-alives) to close
-STOP_NOW_GRACE_S = 0.2
+STOP_NOW_GRACE_S = 1.0  # SIGINT: open streams write their error event and [DONE], idle connections close
 KEEP_ALIVE_S = 75.0
 
 
@@ -56,14 +56,18 @@ def hypercorn_config(fd: int) -> HypercornConfig:
 
 async def serve_app(app: Quart, fd: int, lifecycle: Lifecycle, engine: Optional[EngineClient] = None) -> None:
     """Serve until the lifecycle's drain (or immediate stop) is over, then close every connection. A
-    drain that times out first ends every open request with an error (a stream: its error event and
-    [DONE]) and leaves the graceful timeout for those last bytes."""
+    drain that times out, or a stop (SIGINT: llaunch was interrupted, or a process of the graph died
+    and the launcher tears it down), first ends every open request with an error (a stream: its error
+    event and [DONE]) and leaves the graceful timeout for those last bytes."""
     config = hypercorn_config(fd)
 
     async def shutdown_trigger() -> None:
         drained = await lifecycle.wait_drained()
-        if lifecycle.stopping_now:  # SIGINT: only a moment for idle keep-alive connections to close
+        if lifecycle.stopping_now:
             config.graceful_timeout = STOP_NOW_GRACE_S
+            if engine is not None:
+                await engine.fail_all("shutdown", "The server stopped before the request finished (llaunch was "
+                                                  "stopped, or a process of its graph exited).")
         elif not drained and engine is not None:
             await engine.fail_all("shutdown", "The server stopped before the request finished "
                                               "(server.drain_timeout_s ran out).")

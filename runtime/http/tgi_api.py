@@ -14,7 +14,7 @@ from quart import Response
 
 from llaunch.runtime.config import RunConfig
 from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
-from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response
+from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response, stream_error
 from llaunch.runtime.http.generate_api import GenerateParameters, GenerateRequest, generate_jobs
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import decode_body
@@ -278,5 +278,5 @@ class TgiApi:
                                            "input_length": prompt_tokens}
                     yield sse_event(last, prefix=b"data:")
                     pending = None
-        except ApiError as e:
-            yield sse_event(_error_body(e), prefix=b"data:")
+        except Exception as e:  # an engine failure, or a bug: the client still gets the error event
+            yield sse_event(_error_body(stream_error(e)), prefix=b"data:")

@@ -2,6 +2,7 @@
 a client that goes away frees its KV."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -53,6 +54,50 @@ def test_killed_worker_tears_down_the_graph(tmp_path_factory, tiny_dirs):
     assert port_is_free(server.port)
     server.stop()
 
+
+def test_streams_cut_by_a_dead_process_end_with_an_error_event(tmp_path_factory, tiny_dirs):
+    """The router dies under open streams: the launcher tears the graph down, and each stream ends with
+    its dialect's error event (OpenAI's then `data: [DONE]`; LightLLM's `data:{"error": ...}`), where
+    they once stopped after their last chunk with neither."""
+    server = start_server(tmp_path_factory, "cut", overrides(tiny_dirs)).wait_healthy()
+    children = server.children()
+    names = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in children}
+    [worker] = [p for p, cmd in names.items() if b"llaunch.runtime.worker" in cmd]
+    [router] = [p for p, cmd in names.items() if b"llaunch.runtime.router" in cmd]
+    lines: dict[str, list[str]] = {"openai": [], "lightllm": []}
+    started = threading.Barrier(3)
+    bodies = {"openai": ("/v1/completions", {"model": MODEL, "prompt": "long", "max_tokens": 480, "stream": True,
+                                             "ignore_eos": True}),
+              "lightllm": ("/generate_stream", {"inputs": "long", "parameters": {"max_new_tokens": 480,
+                                                                                 "ignore_eos": True}})}
+
+    def stream(dialect: str) -> None:
+        path, body = bodies[dialect]
+        with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines[dialect].append(line)
+                    if len(lines[dialect]) == 1:
+                        started.wait(timeout=60)
+
+    readers = [threading.Thread(target=stream, args=(d,)) for d in lines]
+    for t in readers:
+        t.start()
+    started.wait(timeout=60)
+    os.kill(worker, signal.SIGSTOP)  # neither stream can finish on its own now
+    os.kill(router, signal.SIGKILL)
+    for t in readers:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    openai_lines, lightllm_lines = lines["openai"], lines["lightllm"]
+    assert openai_lines[-1] == "data: [DONE]", openai_lines[-3:]
+    error = json.loads(openai_lines[-2][len("data:"):])["error"]
+    assert error["code"] == "shutdown" and error["type"] == "service_unavailable", error
+    assert json.loads(lightllm_lines[-1][len("data:"):])["error"]["code"] == "shutdown", lightllm_lines[-3:]
+    assert server.proc.wait(timeout=60) == 1
+    assert "router.0" in server.output()
+    assert not [p for p in children if alive(p)], "orphaned graph processes"
+    server.stop()
 
 def test_sigterm_drains_in_flight_streams_then_exits_0(tmp_path_factory, tiny_dirs):
     server = start_server(tmp_path_factory, "drain", overrides(tiny_dirs)).wait_healthy()
