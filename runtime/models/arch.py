@@ -48,6 +48,8 @@ class ModelArch:
     rope_scaling: Optional[dict[str, Any]] = None
     num_labels: Optional[int] = None  # a score head of this many outputs in place of the LM head (model.task=score)
     score_mlp: bool = False  # the score head is Linear + ReLU + Linear with biases (Qwen2ForRewardModel)
+    score_token_ids: tuple[int, ...] = ()  # a yes/no reranker's head: LM-head rows [yes, no] (model.score_head=yes_no)
+    embed: bool = False  # an embedding model (model.task=embed): rows return the final norm's hidden state, no head
     mrope_section: Optional[list[int]] = None  # qwen2_vl, qwen2_5_vl: M-RoPE's frequency runs (runtime/models/mrope.py)
     # mixture of experts (runtime/models/moe.py); num_experts 0: a dense model
     num_experts: int = 0  # routed experts of an MoE layer
@@ -104,7 +106,7 @@ class ModelArch:
         shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
         mlps = (self.num_hidden_layers - moe) * 3 * h * self.intermediate_size + self.expert_params \
             + moe * (self.num_experts * h + shared)  # the router, the shared expert and its gate
-        heads = 1 if self.tie_word_embeddings or self.num_labels else 2
+        heads = 1 if self.tie_word_embeddings or self.num_labels or self.embed else 2
         score = (self.num_labels or 0) * h + ((h * h + h + self.num_labels) if self.score_mlp else 0)
         return self.num_hidden_layers * layer + mlps + heads * self.vocab_size * h + h + score
 
@@ -116,10 +118,11 @@ class ModelArch:
         if missing:
             raise ValueError(f"model config is not resolved: {', '.join('model.' + m for m in missing)} "
                              "unset (the launcher fills them from config.json or a sized profile)")
-        score = getattr(cfg.task, "value", cfg.task) == "score"
-        mlp = score and getattr(cfg.score_head, "value", cfg.score_head) == "mlp"
+        task, head = getattr(cfg.task, "value", cfg.task), getattr(cfg.score_head, "value", cfg.score_head)
+        score = task == "score"
+        yes_no = tuple(cfg.score_token_ids or ()) if score and head == "yes_no" else ()
         return cls._with_defaults(cfg.family, cfg.rope_scaling, {f: getattr(cfg, f) for f in _ARCH_FIELDS},
-                                  cfg.num_labels if score else None, mlp)
+                                  cfg.num_labels if score else None, score and head == "mlp", yes_no, task == "embed")
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> "ModelArch":
@@ -141,7 +144,8 @@ class ModelArch:
     @classmethod
     def _with_defaults(cls, family: Optional[str], rope_scaling: Optional[dict[str, Any]],
                        fields: dict[str, Any], num_labels: Optional[int] = None,
-                       score_mlp: bool = False) -> "ModelArch":
+                       score_mlp: bool = False, score_token_ids: tuple[int, ...] = (),
+                       embed: bool = False) -> "ModelArch":
         defaults = {"num_key_value_heads": fields["num_attention_heads"],
                     "head_dim": fields["hidden_size"] // fields["num_attention_heads"],
                     "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
@@ -150,7 +154,7 @@ class ModelArch:
         fields["rope_theta"], fields["rms_norm_eps"] = float(fields["rope_theta"]), float(fields["rms_norm_eps"])
         fields["mlp_only_layers"] = tuple(fields["mlp_only_layers"])
         return cls(family=family, rope_scaling=rope_scaling or None, num_labels=num_labels,
-                   score_mlp=bool(num_labels) and score_mlp, **fields)
+                   score_mlp=bool(num_labels) and score_mlp, score_token_ids=score_token_ids, embed=embed, **fields)
 
     def model_config_fields(self) -> dict[str, Any]:
         """The ModelConfig fields this architecture fills (`dataclasses.replace(cfg, **fields)`)."""

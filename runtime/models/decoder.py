@@ -21,6 +21,8 @@ from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.models.heads import HeadLayout
 from llaunch.runtime.models.moe import SparseMoe
 from llaunch.runtime.models.mrope import mrope_tables
+from llaunch.runtime.models.pooling import HiddenHead
+from llaunch.runtime.models.rerank_head import YesNoHead
 from llaunch.runtime.models.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear,
                                            Shard, TpGroup, VocabParallelEmbedding)
 
@@ -174,9 +176,13 @@ class DecoderLM(nn.Module):
                                     for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm("model.norm", arch.hidden_size, arch.rms_norm_eps, device, dtype)
         # a score model's rows go through its score head instead: [N, num_labels] instead of [N, vocab]
-        if arch.num_labels:
+        if arch.score_token_ids:  # a yes/no reranker: two LM-head rows
+            self.lm_head = YesNoHead(arch.score_token_ids, arch.vocab_size, arch.hidden_size, device, dtype)
+        elif arch.num_labels:
             head = RewardHead if arch.score_mlp else ScoreHead
             self.lm_head = head(arch.hidden_size, arch.num_labels, device, dtype)
+        elif arch.embed:  # an embedding model: the final norm's output, pooled by the worker
+            self.lm_head = HiddenHead()
         else:
             self.lm_head = ParallelLMHead("lm_head", self.embed_tokens, arch.tie_word_embeddings, device, dtype)
         cos, sin = rope_cos_sin(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device=device,
