@@ -37,7 +37,8 @@ TopK = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # 0: off
 _NAMES = [(r"response_format\.json_schema\.schema", "output_config.format.schema"),
           (r"response_format(\.json_schema)?", "output_config.format"), (r"max_completion_tokens", "max_tokens"),
           (r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
-          (r"tools\[(\d+)\]\.function\.", r"tools[\1]."), (r"`stop`", "`stop_sequences`"), (r"^stop$", "stop_sequences")]
+          (r"tools\[(\d+)\]\.function\.", r"tools[\1]."), (r"`stop(\[\d+\])?`", r"`stop_sequences\1`"),
+          (r"^stop(\[\d+\])?$", r"stop_sequences\1")]
 _SERVER_TOOLS = "llaunch runs no tools itself; define a client tool (name, description, input_schema) and run it"
 # Anthropic's error types by status
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -301,7 +302,8 @@ def _keep_stop_sequence(sampling: SamplingParams) -> SamplingParams:
     return msgspec.structs.replace(sampling, include_stop_str_in_output=True)
 
 
-async def trimmed(deltas: AsyncIterator[TextDelta], stops: list[str], shape: "MessageShape") -> AsyncIterator[TextDelta]:
+async def trimmed(deltas: AsyncIterator[TextDelta], stops: list[str],
+                  shape: "MessageShape") -> AsyncIterator[TextDelta]:
     async for delta in deltas:
         if delta.stopped_by_string:
             hit = max((s for s in stops if s and delta.text.endswith(s)), key=len, default=None)
@@ -370,8 +372,8 @@ class MessageShape:
                   else "tool_use" if called else "end_turn")
         usage = self._usage(state.cached_tokens, state.completion_tokens)
         self.message.update(stop_reason=reason, stop_sequence=self.stop_sequence, usage=usage)
-        return events + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": self.stop_sequence},
-                          "usage": usage},
+        delta = {"stop_reason": reason, "stop_sequence": self.stop_sequence}
+        return events + [{"type": "message_delta", "delta": delta, "usage": usage},
                          {"type": "message_stop"}]
 
     def failed(self, error: ApiError) -> list[dict]:

@@ -30,8 +30,8 @@ from llaunch.runtime.http.openai_serving import ChoiceState, OpenAIServing
 from llaunch.runtime.http.request_limits import Temperature, TokenCount, TopLogprobs, TopP
 
 # the chat path's names for what this API calls otherwise (its errors say the client's names)
-_NAMES = [(r"response_format\.json_schema\.schema", "text.format.schema"), (r"response_format\.json_schema", "text.format"),
-          (r"response_format", "text.format"), (r"max_completion_tokens", "max_output_tokens"),
+_NAMES = [(r"response_format\.json_schema\.schema", "text.format.schema"),
+          (r"response_format(\.json_schema)?", "text.format"), (r"max_completion_tokens", "max_output_tokens"),
           (r"tools\[(\d+)\]\.function\.", r"tools[\1]."), (r"\bmessages\b(?!\[)", "input")]
 _STATELESS = "llaunch keeps no responses or conversations: send the whole conversation in `input`"
 _BUILT_IN = "llaunch runs no tools itself; give `function` tools and run them in the client"
@@ -203,7 +203,8 @@ def _messages(req: ResponsesRequest, vision: bool) -> tuple[list[ChatMessage], l
             messages.append(ChatMessage(role=item.role, content=_parts(item.content, f"{where}.content", vision)))
         elif kind == "function_call":
             if not (item.call_id and item.name and item.arguments is not None):
-                raise bad_request(f"{where}: a function_call item needs `call_id`, `name` and `arguments`.", param=where)
+                raise bad_request(f"{where}: a function_call item needs `call_id`, `name` and `arguments`.",
+                                  param=where)
             _check_json(item.arguments, f"{where}.arguments")
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
             if messages and messages[-1].role == "assistant":  # the same answer: its text, then its calls
