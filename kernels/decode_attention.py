@@ -6,6 +6,10 @@ group, writing a partial output and its log-sum-exp. Stage 2 merges the partials
 head). With one split (large batches) stage 1 writes the output itself and stage 2 is skipped.
 The grid depends only on host ints (batch, heads, num_splits), so it can be captured in a CUDA
 graph; the per-sequence lengths are read on the device.
+
+A sliding window (window > 0) makes a sequence's context its last `window` tokens: the splits cut
+those instead of the whole row, so nothing before the window is read. Soft-capping (Gemma 2) caps
+each score before the softmax.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import triton
 import triton.language as tl
 
 from llaunch.kernels import pdl
+from llaunch.kernels.attention_softcap import softcap as _softcap
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 _LOG2E = 1.4426950408889634
@@ -33,7 +38,8 @@ def _chunk_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows_ptr, seq_lens_ptr,
                          mid_o_ptr, mid_lse_ptr, out_ptr, k_scale_ptr, v_scale_ptr, qk_scale, num_splits, q_batch_stride, q_head_stride,
                          out_batch_stride, out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride,
-                         dim, GROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr,
+                         dim, window, cap, GROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+                         FP8_KV: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                          PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # Before the PDL wait, read only what the step's inputs hold (lengths, rows, the slot table:
@@ -44,8 +50,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    chunk = _chunk_len(seq_len, num_splits, BLOCK_N)
-    start = split * chunk
+    kv_start = 0
+    if WINDOW:
+        kv_start = tl.maximum(seq_len - window, 0)
+    chunk = _chunk_len(seq_len - kv_start, num_splits, BLOCK_N)
+    start = kv_start + split * chunk
     end = tl.minimum(start + chunk, seq_len)
     if not DIRECT:
         if start >= end:  # the merge reads only the splits that hold tokens
@@ -89,6 +98,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            qk = _softcap(qk, cap)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         p = tl.exp2(qk - m_new[:, None])
@@ -110,12 +121,14 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
 
 @triton.jit
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, num_splits, out_batch_stride,
-                         out_head_stride, dim, PDL: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                         out_head_stride, dim, window, PDL: tl.constexpr, WINDOW: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     wait_for_previous_kernel(PDL)  # nothing before this reads or writes what an earlier kernel touches
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
+    if WINDOW:  # the context stage 1 split: the last `window` tokens
+        seq_len = tl.minimum(seq_len, window)
     chunk = _chunk_len(seq_len, num_splits, BLOCK_N)
     n_valid = (seq_len + chunk - 1) // chunk  # the splits stage 1 wrote
     base = (b * tl.num_programs(1) + head) * num_splits
@@ -149,6 +162,8 @@ def _launch_shape(q: torch.Tensor, dim: int, splits: int) -> tuple[int, int, int
     sequence (large batches, where the KV read is the step) keeps the 128-token tiles it was tuned with."""
     if not q.is_cuda:
         return 32, 4, 1  # interpreter
+    if dim > 128:  # Gemma's 256: float32's 128-token tiles need 287 KB of shared memory
+        return 64, 4, 2
     return (64 if splits > 1 else 128), 4, 2
 
 
@@ -160,9 +175,10 @@ def num_splits_for(batch: int, kv_heads: int, max_len: int) -> int:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_slots: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, *, max_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-                     v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """q [B, Hq, D] attends to the first seq_lens[b] cached tokens of row rows[b] → [B, Hq, D].
-    An fp8 cache comes with its layer's k_scale and v_scale ([] float32 tensors).
+                     v_scale: Optional[torch.Tensor] = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """q [B, Hq, D] attends to the first seq_lens[b] cached tokens of row rows[b] → [B, Hq, D]; with
+    window > 0 to the last `window` of them only; softcap > 0: each score s (after `scale`) becomes
+    softcap · tanh(s / softcap). An fp8 cache comes with its layer's k_scale and v_scale ([] float32 tensors).
     `max_len` (host int, default max_model_len) bounds seq_lens; it only sets the split count, so
     it must stay fixed while a CUDA graph replays."""
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride(), "caches: same layout, unit dim stride"
@@ -173,7 +189,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    splits = num_splits_for(batch, kv_heads, max_len if max_len is not None else req_to_slots.shape[1])
+    longest = max_len if max_len is not None else req_to_slots.shape[1]
+    splits = num_splits_for(batch, kv_heads, min(longest, window) if window > 0 else longest)
     block_d = triton.next_power_of_2(dim)
     group = n_q_heads // kv_heads
     direct = splits == 1
@@ -186,14 +203,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, req_to_slots, rows, seq_lens, mid_o, mid_lse, out,
         k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        req_to_slots.stride(0), dim, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda, FP8_KV=k_scale is not None,
+        req_to_slots.stride(0), dim, window, softcap * _LOG2E, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda,
+        FP8_KV=k_scale is not None, WINDOW=window > 0, SOFTCAP=softcap > 0,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl.flavor(use_pdl, "decode_attention"),
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
         num_stages=stages, launch_pdl=use_pdl)
     if not direct:
         _decode_merge_kernel[(batch, n_q_heads)](
-            mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim,
-            PDL=pdl.flavor(use_pdl, "decode_attention"),
+            mid_o, mid_lse, seq_lens, out, splits, out.stride(0), out.stride(1), dim, window,
+            PDL=pdl.flavor(use_pdl, "decode_attention"), WINDOW=window > 0,
             BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
             launch_pdl=use_pdl)
     return out

@@ -4,6 +4,10 @@ Sequence i's chunk q[q_starts[i] : q_starts[i] + q_lens[i]] sits at positions pr
 attends to the first prefix_lens[i] + q_lens[i] tokens of its req_to_slots row (its own new K/V are
 already stored). A program owns BLOCK_M queries of one head of one sequence; keys before the block's
 first query are visible to all its rows and run unmasked, only the diagonal blocks are masked.
+
+A sliding window (window > 0: Mistral, Gemma's local layers) lets the query at position p see keys
+p - window + 1 .. p only: the loop starts at the first block any row of the program sees, and the
+blocks some rows see only in part are masked too. Soft-capping (Gemma 2) caps each score before the mask.
 """
 from __future__ import annotations
 
@@ -13,15 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from llaunch.kernels.attention_softcap import softcap as _softcap
+
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end, q_pos,
                   kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride, k_scale, v_scale,
-                  k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride, prefix, q_start,
+                  k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride, prefix, q_start, window, cap,
                   MASKED: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr, FRESH: tl.constexpr,
-                  PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     d_mask = offs_d[None, :] < dim
     if MASKED:
@@ -50,10 +56,16 @@ def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, star
     if UPCAST:  # the interpreter has no bf16/fp16 dot
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if SOFTCAP:
+        qk = _softcap(qk, cap)
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < kv_end)
+        if WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    if WINDOW:  # a row may see nothing of a block before its window: keep its (empty) sums at 0, not NaN
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -69,8 +81,9 @@ def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, star
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, rows_ptr, q_starts_ptr,
                     q_lens_ptr, prefix_lens_ptr, k_scale_ptr, v_scale_ptr, qk_scale, q_tok_stride, q_head_stride, out_tok_stride,
                     out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride, dim,
-                    k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride, FRESH: tl.constexpr,
-                    GROUP: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr, PRECISION: tl.constexpr,
+                    k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride, window, cap, FRESH: tl.constexpr,
+                    GROUP: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr, WINDOW: tl.constexpr,
+                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (last) blocks first
@@ -103,17 +116,34 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, 
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     slot_row_ptr = req_to_slots_ptr + row * slots_row_stride
     kv_end = prefix + tl.minimum((m_block + 1) * BLOCK_M, q_len)
-    full_end = ((prefix + m_block * BLOCK_M) // BLOCK_N) * BLOCK_N  # keys every row of the block sees
-    for start_n in range(0, full_end, BLOCK_N):
+    first_q = prefix + m_block * BLOCK_M
+    full_end = (first_q // BLOCK_N) * BLOCK_N  # keys before every row of the block: causally visible to all
+    win_start = 0  # the first block any row sees
+    win_end = 0  # from here to full_end every row sees every key (all inside each row's window)
+    if WINDOW:
+        win_start = (tl.maximum(first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
+        win_end = ((tl.maximum(kv_end - window, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        win_end = tl.minimum(tl.maximum(win_end, win_start), full_end)
+    for start_n in range(win_start, win_end, BLOCK_N):  # the window's lower edge: masked
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
                                       q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
                                       k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride,
-                                      prefix, q_start, False, UPCAST, FP8_KV, FRESH, PRECISION, BLOCK_N)
-    for start_n in range(full_end, kv_end, BLOCK_N):
+                                      prefix, q_start, window, cap, True, UPCAST, FP8_KV, FRESH, WINDOW, SOFTCAP,
+                                      PRECISION, BLOCK_N)
+    for start_n in range(win_end, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
                                       q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
                                       k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride,
-                                      prefix, q_start, True, UPCAST, FP8_KV, FRESH, PRECISION, BLOCK_N)
+                                      prefix, q_start, window, cap, False, UPCAST, FP8_KV, FRESH, WINDOW, SOFTCAP,
+                                      PRECISION, BLOCK_N)
+    for start_n in range(full_end, kv_end, BLOCK_N):  # the diagonal: masked
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
+                                      q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
+                                      k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride,
+                                      prefix, q_start, window, cap, True, UPCAST, FP8_KV, FRESH, WINDOW, SOFTCAP,
+                                      PRECISION, BLOCK_N)
+    if WINDOW:  # rows past the chunk's end may see no key at all
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_i[:, None]
     tl.store(out_ptr + q_tok[:, None] * out_tok_stride + head * out_head_stride + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_d[None, :] < dim))
@@ -125,9 +155,13 @@ def _launch_shape(q: torch.Tensor, dim: int) -> tuple[int, int, int, int]:
     if not q.is_cuda:
         return 64, 64, 4, 1  # interpreter: few, large programs
     if q.dtype == torch.float32:  # 4-byte tiles: the 16-bit shapes of dim 128 need 257 KB (IEEE) or 385 KB
+        if dim > 128:  # Gemma's 256: 64 x 64 tiles need 262 KB
+            return 32, 32, 4, 2
         return (128, 64, 4, 3) if dim <= 64 else (64, 64, 4, 2)
     if dim <= 64:
         return 128, 64, 4, 3
+    if dim > 128:  # Gemma's 256 (98 KB; the 128 x 128 tiles fit too, in 197 KB, with twice the registers): not swept
+        return 64, 64, 8, 2
     return 128, 128, 8, 3  # best of the sweep in scripts/bench_kernels.py on an H200 (removed after 6275284)
 
 
@@ -146,11 +180,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       q_lens: torch.Tensor, prefix_lens: torch.Tensor, scale: float,
                       *, max_q_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
                       v_scale: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
-                      v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      v_new: Optional[torch.Tensor] = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [T, Hq, D] → [T, Hq, D]. `max_q_len` (host int) bounds q_lens to size the grid; without it
     the grid covers T tokens per sequence and the surplus programs exit at once (no device sync).
     An fp8 cache comes with its layer's k_scale and v_scale ([] float32 tensors), and may come with
-    the chunk's own k_new, v_new ([T, Hk, D], indexed as q: read for the chunk instead of the cache)."""
+    the chunk's own k_new, v_new ([T, Hk, D], indexed as q: read for the chunk instead of the cache).
+    window > 0: a query sees only the last `window` positions (itself included); softcap > 0: each
+    score s (after `scale`) becomes softcap · tanh(s / softcap)."""
     if k_new is not None:  # one layout for both (v is a strided view of the qkv output)
         assert k_scale is not None
         k_new, v_new = k_new.contiguous(), v_new.contiguous()
@@ -169,9 +205,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         req_to_slots.stride(0), dim, k_cache if k_new is None else k_new, v_cache if v_new is None else v_new,
-        0 if k_new is None else k_new.stride(0), 0 if k_new is None else k_new.stride(1), FRESH=k_new is not None,
-        GROUP=n_q_heads // k_cache.shape[1], UPCAST=not q.is_cuda,
-        FP8_KV=k_scale is not None,
+        0 if k_new is None else k_new.stride(0), 0 if k_new is None else k_new.stride(1), window,
+        softcap * _LOG2E, FRESH=k_new is not None, GROUP=n_q_heads // k_cache.shape[1], UPCAST=not q.is_cuda,
+        FP8_KV=k_scale is not None, WINDOW=window > 0, SOFTCAP=softcap > 0,
         PRECISION=_precision(q), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(dim), num_warps=warps, num_stages=stages)
     return out

@@ -178,15 +178,25 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     return q
 
 
-def _attend(q, keys, values, scale, causal_offset: Optional[int]):
-    """q [Lq, Hq, D], keys/values [Lk, Hk, D] → [Lq, Hq, D]; grouped heads share a KV head."""
+def softcap_scores(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma 2's attention logit soft-capping: softcap · tanh(score / softcap); 0: none."""
+    return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
+
+
+def _attend(q, keys, values, scale, causal_offset: Optional[int], window: int = 0, softcap: float = 0.0):
+    """q [Lq, Hq, D], keys/values [Lk, Hk, D] → [Lq, Hq, D]; grouped heads share a KV head. Query i sits at
+    position causal_offset + i and sees keys up to it, within the last `window` positions when window > 0."""
     group = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1).float()
     values = values.repeat_interleave(group, dim=1).float()
-    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    scores = softcap_scores(torch.einsum("qhd,khd->hqk", q.float(), keys) * scale, softcap)
     if causal_offset is not None:
         lq, lk = q.shape[0], keys.shape[0]
-        mask = torch.arange(lk, device=q.device)[None, :] > (torch.arange(lq, device=q.device)[:, None] + causal_offset)
+        key_pos = torch.arange(lk, device=q.device)[None, :]
+        q_pos = torch.arange(lq, device=q.device)[:, None] + causal_offset
+        mask = key_pos > q_pos
+        if window > 0:
+            mask |= key_pos <= q_pos - window
         scores = scores.masked_fill(mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
@@ -195,12 +205,15 @@ def _attend(q, keys, values, scale, causal_offset: Optional[int]):
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       req_to_slots: torch.Tensor, rows: torch.Tensor, q_starts: torch.Tensor,
                       q_lens: torch.Tensor, prefix_lens: torch.Tensor, scale: float,
-                      k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None,
+                      window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention for chunks of new tokens. Sequence i owns q[q_starts[i] : q_starts[i]+q_lens[i]]
     at positions prefix_lens[i]..; it attends to its first prefix_lens[i] + q_lens[i] cached tokens
     (the new ones must already be stored). q: [T, Hq, D] → [T, Hq, D]. With k_new, v_new ([T, Hk, D],
     indexed as q) the chunk's own keys and values are read from them, only the prefix from the cache
-    (an fp8 cache: the chunk attends itself unrounded, kernels/kv_fp8.py)."""
+    (an fp8 cache: the chunk attends itself unrounded, kernels/kv_fp8.py). window > 0: the query at
+    position p sees positions p - window + 1 .. p only (transformers' sliding-window mask); softcap > 0:
+    scores soft-capped (softcap_scores)."""
     out = torch.empty_like(q)
     for i in range(rows.shape[0]):
         s, n, p = int(q_starts[i]), int(q_lens[i]), int(prefix_lens[i])
@@ -209,15 +222,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         if k_new is not None:
             keys = torch.cat([keys[:p], k_new[s : s + n].to(keys.dtype)])
             values = torch.cat([values[:p], v_new[s : s + n].to(values.dtype)])
-        out[s : s + n] = _attend(q[s : s + n], keys, values, scale, causal_offset=p)
+        out[s : s + n] = _attend(q[s : s + n], keys, values, scale, causal_offset=p, window=window, softcap=softcap)
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_slots: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One new token per sequence: q [B, Hq, D] attends to the first seq_lens[b] cached tokens of
-    row rows[b] (its own token included); a row of length 0 (padding) gives zeros. → [B, Hq, D].
+    row rows[b] (its own token included), the last `window` of them when window > 0; a row of length 0
+    (padding) gives zeros. → [B, Hq, D]. softcap > 0: scores soft-capped (softcap_scores).
     Sequences are padded to the longest and masked, a chunk of rows at a time (one batched product
     instead of a Python loop per sequence: the CPU path's decode cost)."""
     out = torch.empty_like(q)
@@ -231,8 +245,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         slots = req_to_slots[rows[sl].long(), :longest].long()  # [n, L]
         keys, values = k_cache[slots].float(), v_cache[slots].float()  # [n, L, Hk, D]
         qg = q[sl].float().view(n, kv_heads, q_heads // kv_heads, dim)  # q head h reads kv head h // group
-        scores = torch.einsum("nhgd,nlhd->nhgl", qg, keys) * scale
-        pad = torch.arange(longest, device=q.device)[None, :] >= lens[:, None]
+        scores = softcap_scores(torch.einsum("nhgd,nlhd->nhgl", qg, keys) * scale, softcap)
+        key_pos = torch.arange(longest, device=q.device)[None, :]
+        pad = key_pos >= lens[:, None]
+        if window > 0:
+            pad |= key_pos < lens[:, None] - window
         scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
         values = values.masked_fill(pad[:, :, None, None], 0.0)  # padding slots may hold anything, NaN too
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-padding rows: zeros

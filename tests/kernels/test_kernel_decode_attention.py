@@ -9,13 +9,14 @@ LENGTHS = [1, 17, 129, 64, 250]
 HEADS = [(7, 1), (3, 1), (2, 2)]
 
 
-def _run(attend, lengths, q_heads, kv_heads, dim, dtype, kv_cache, device="cpu", **hints):
+def _run(attend, lengths, q_heads, kv_heads, dim, dtype, kv_cache, device="cpu", window=0, softcap=0.0, **hints):
     k_cache, v_cache, req_to_slots, rows = kv_cache(lengths, kv_heads, dim, dtype, device)
     seq_lens = torch.tensor(lengths, device=device)
     q = torch.randn(len(lengths), q_heads, dim, device=device).to(dtype)
     scale = dim ** -0.5
-    out = attend(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, **hints)
-    return out, reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale)
+    masks = dict(window=window, softcap=softcap)
+    out = attend(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, **hints, **masks)
+    return out, reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, **masks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -52,6 +53,59 @@ def test_decode_empty_padding_row_gives_zeros(ops, poisoned, kv_cache, max_len):
     ref = reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.125)
     assert torch.equal(ref[1], torch.zeros_like(ref[1])) and torch.equal(out[1], ref[1])
     torch.testing.assert_close(out[0], ref[0], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("max_len", [None, 250])  # several splits of the window, one per sequence
+@pytest.mark.parametrize("window", [1, 16, 31, 64, 200, 1000])
+def test_decode_sliding_window_interpreted(ops, poisoned, close, kv_cache, window, max_len):
+    with poisoned():
+        out, ref = _run(ops.decode_attention, LENGTHS, 7, 1, 64, torch.float32, kv_cache, max_len=max_len,
+                        window=window)
+    close(out, ref)
+
+
+@pytest.mark.parametrize("window", [0, 33])
+def test_decode_softcap_interpreted(ops, poisoned, close, kv_cache, window):
+    with poisoned():
+        out, ref = _run(ops.decode_attention, LENGTHS, 3, 1, 64, torch.float32, kv_cache, max_len=4096,
+                        window=window, softcap=0.5)
+    close(out, ref)
+
+
+@pytest.mark.parametrize("max_len", [9, 4096])
+def test_decode_windowed_padding_row_gives_zeros(ops, poisoned, kv_cache, max_len):
+    k_cache, v_cache, req_to_slots, rows = kv_cache([50, 9], 1, 64, torch.float32)
+    q = torch.randn(2, 3, 64)
+    seq_lens = torch.tensor([50, 0])
+    with poisoned():
+        out = ops.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.125, max_len=max_len,
+                                   window=8)
+    ref = reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.125, window=8)
+    assert torch.equal(ref[1], torch.zeros_like(ref[1])) and torch.equal(out[1], ref[1])
+    torch.testing.assert_close(out[0], ref[0], atol=2e-5, rtol=1e-5)
+
+
+def test_reference_window_is_attention_over_the_last_window_tokens(kv_cache):
+    """The reference's window equals attending to a row that starts at the window's first token."""
+    k_cache, v_cache, req_to_slots, rows = kv_cache(LENGTHS, 2, 32, torch.float32)
+    q = torch.randn(len(LENGTHS), 6, 32)
+    seq_lens = torch.tensor(LENGTHS)
+    out = reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.2, window=20)
+    first = (seq_lens - 20).clamp(min=0)
+    shifted = torch.stack([req_to_slots[r].roll(-int(f)) for r, f in zip(rows.tolist(), first.tolist())])
+    ref = reference.decode_attention(q, k_cache, v_cache, shifted, torch.arange(len(LENGTHS)), seq_lens - first, 0.2)
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,dim,softcap", [((16, 8), 256, 50.0), ((40, 10), 128, 0.0)])  # Gemma 3 12B, Phi-4
+@pytest.mark.parametrize("batch,max_len", [(64, 4096), (1, 8192)])
+def test_decode_sliding_window_gpu(cuda, poisoned, close, kv_cache, heads, dim, softcap, batch, max_len):
+    lengths = torch.randint(1, max_len + 1, (batch,)).tolist()
+    with poisoned():
+        out, ref = _run(kernels.decode_attention, lengths, *heads, dim, torch.bfloat16, kv_cache, cuda,
+                        max_len=max_len, window=1024, softcap=softcap)
+    close(out, ref)
 
 
 @pytest.mark.gpu

@@ -24,12 +24,14 @@ def _verify_case(kv_cache, prefixes, n, q_heads, kv_heads, dim, dtype, device="c
 
 @pytest.mark.parametrize("n", [2, 5])
 @pytest.mark.parametrize("max_len", [None, 40])  # several splits, then one per sequence
-def test_verify_tokens_attend_causally_interpreted(ops, poisoned, close, kv_cache, n, max_len):
+@pytest.mark.parametrize("window", [0, 3, 24])  # sliding-window layers: each verify token its own window
+def test_verify_tokens_attend_causally_interpreted(ops, poisoned, close, kv_cache, n, max_len, window):
     k_cache, v_cache, slots, q, token_rows, lens, chunks = _verify_case(kv_cache, [0, 17, 70], n, 7, 1, 64,
                                                                          torch.float32)
     with poisoned():
-        out = ops.decode_attention(q, k_cache, v_cache, slots, token_rows, lens, 0.125, max_len=max_len)
-    close(out, reference.prefill_attention(q, k_cache, v_cache, slots, *chunks, 0.125))
+        out = ops.decode_attention(q, k_cache, v_cache, slots, token_rows, lens, 0.125, max_len=max_len,
+                                   window=window)
+    close(out, reference.prefill_attention(q, k_cache, v_cache, slots, *chunks, 0.125, window=window))
 
 
 @pytest.mark.gpu
