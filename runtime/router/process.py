@@ -16,7 +16,7 @@ import msgspec
 import zmq
 
 from llaunch.runtime import bootstrap
-from llaunch.runtime.config import Mode, OnStall, RunConfig
+from llaunch.runtime.config import Mode, ModelTask, OnStall, Pooling, RunConfig
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, ConstraintsReady, FlushCache, KvDone,
                                           PrepareConstraints, RequestOpened, RouterInbound, RouterResults,
                                           RouterStats, Shutdown, StepResult, TokenBatch, TokenDelta, WorkerReady,
@@ -60,6 +60,7 @@ def limits_from(cfg: RunConfig, ready: WorkerReady, spec=None) -> SchedulerLimit
         max_waiting=r.max_waiting_requests,
         diverse_mode=r.diverse_mode,
         spec=cfg.spec,
+        pools_prompt=cfg.model.task == ModelTask.embed and cfg.model.pooling not in (None, Pooling.last),
     )
 
 
@@ -130,7 +131,7 @@ class Router:
             elif (held := len(self.gate) + len(self.images)) and held + len(sched.waiting) >= sched.limits.max_waiting:
                 rejected = sched.overloaded(msg.request_id)
             else:
-                req = Request(msg, sampling)
+                req = Request(msg, sampling, pools_prompt=sched.limits.pools_prompt)
                 # a PD request's KV transfer is paced by the other instance: it is not held back here
                 rejected = (None if msg.pd is None and (self.gate.hold(req) or self.images.hold(req))
                             else sched.add(req))

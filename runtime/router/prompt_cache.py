@@ -98,8 +98,9 @@ class PromptCache(NoPromptCache):
 
     def lend(self, req: Request) -> None:
         # all but the last prompt token: it must be computed to sample the first output; a request
-        # that asks for prompt logprobs computes its whole prompt (a cached prefix has no logits)
-        shared = 0 if req.sampling.prompt_logprobs >= 0 else req.prompt_len - 1
+        # that reads every prompt position (prompt logprobs, mean pooling) computes its whole prompt (a cached
+        # prefix has no logits or hidden states)
+        shared = 0 if req.reads_whole_prompt else req.prompt_len - 1
         slots, node = self.tree.match(req.prompt_ids[:shared])
         self.tree.lock(node)
         req.prefix_node, req.slots = node, slots

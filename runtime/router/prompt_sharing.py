@@ -18,12 +18,13 @@ class PromptSharing:
 
     def waits(self, req: Request) -> bool:
         """Is the request's prompt being computed by another (hold it: it will borrow the KV)? A request
-        asking for prompt logprobs computes its prompt itself (they are not cached), so it never waits."""
-        return (self.on and bool(self._computing) and req.sampling.prompt_logprobs < 0
+        reading every prompt position (prompt logprobs, mean pooling) computes its prompt itself (those outputs
+        are not cached), so it never waits."""
+        return (self.on and bool(self._computing) and not req.reads_whole_prompt
                 and tuple(req.prompt_ids) in self._computing)
 
     def admitted(self, req: Request) -> None:
-        if self.on and req.num_cached < req.prompt_len - 1 and req.sampling.prompt_logprobs < 0:  # it computes it
+        if self.on and req.num_cached < req.prompt_len - 1 and not req.reads_whole_prompt:  # it computes it
             self._computing[tuple(req.prompt_ids)] = req
 
     def computed(self, req: Request) -> None:

@@ -21,9 +21,10 @@ class Status(enum.Enum):
 class Request:
     __slots__ = ("id", "frontend", "prompt_ids", "sampling", "arrival_time", "status", "row", "slots",
                  "num_computed", "num_planned", "steps_in_flight", "output_ids", "finish_reason", "num_cached",
-                 "prefix_node", "pd", "kv_ready", "scheduled_time", "images", "prefix_keys", "priority")
+                 "prefix_node", "pd", "kv_ready", "scheduled_time", "images", "prefix_keys", "priority",
+                 "pools_prompt")
 
-    def __init__(self, msg: AddRequest, sampling: SamplingParams):
+    def __init__(self, msg: AddRequest, sampling: SamplingParams, pools_prompt: bool = False):
         self.id = msg.request_id
         self.frontend = msg.frontend
         self.prompt_ids = msg.prompt_ids
@@ -45,6 +46,7 @@ class Request:
         self.images = msg.images  # multimodal: handed to the worker with the request's row
         self.prefix_keys = None  # cache.dp_fetch: the prompt's token keys (runtime/cache/prefix_keys.py), hashed once
         self.priority = msg.priority  # vLLM's: lower values are admitted first
+        self.pools_prompt = pools_prompt  # an embedding model's mean / CLS pooling reads every prompt position
 
     @property
     def prompt_len(self) -> int:
@@ -53,6 +55,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def reads_whole_prompt(self) -> bool:
+        """Every prompt position's output is read (prompt logprobs; an embedding's mean or CLS pooling), so the
+        request computes its whole prompt: no cached prefix stands in for part of it."""
+        return self.sampling.prompt_logprobs >= 0 or self.pools_prompt
 
     @property
     def prefilling(self) -> bool:

@@ -66,6 +66,7 @@ class SchedulerLimits:
     vocab_size: int = 2**62  # ids at or past it are images' tokens (vocab + hash): never proposed
     host_kv_tokens: int = 0  # slots of the host KV tier below the prompt cache (cache.cpu_tokens; 0: none)
     dp_fetch: tuple = ()  # cache.dp_fetch: (own dp rank, every replica's host index file); (): off
+    pools_prompt: bool = False  # an embedding model's mean / CLS pooling: requests read every prompt position
 
 
 class Scheduler(PdTransfers):

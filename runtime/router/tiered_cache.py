@@ -49,7 +49,7 @@ class TieredPromptCache(PromptCache):
         return self.tree.host_tokens
 
     def lend(self, req: Request) -> None:
-        shared = 0 if req.sampling.prompt_logprobs >= 0 else req.prompt_len - 1
+        shared = 0 if req.reads_whole_prompt else req.prompt_len - 1
         tree = self.tree
         slots, node = tree.match(req.prompt_ids[:shared])
         tree.lock(node)

@@ -191,7 +191,8 @@ def main() -> None:
                          prefill_graph_tokens=cfg.model.prefill_graph_tokens,
                          timed=cfg.router.step_trace is not None, eos_ids=tuple(cfg.model.eos_token_ids or ()),
                          grammar=grammars, graph_max_len=cfg.model.graph_max_len_in_batch, images=images,
-                         verify_tokens=spec_step_tokens(cfg.spec, max_rows), drafter=drafter)
+                         verify_tokens=spec_step_tokens(cfg.spec, max_rows), drafter=drafter,
+                         pooling=cfg.model.pooling)
     log.info("model loaded: %s %s on %s, %d KV slots", cfg.model.name, dtype, device, num_slots)
     if watch is not None:
         watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up

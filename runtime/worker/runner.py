@@ -15,6 +15,7 @@ import torch
 from llaunch import kernels
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
+from llaunch.runtime.models.pooling import PooledRows
 from llaunch.runtime.worker.prefill_graphs import PrefillGraphs, alone_chunk
 from llaunch.runtime.worker.prompt_logprobs import PromptLogprobRows, PromptPart
 from llaunch.runtime.worker.sampling_state import SamplingState, logprobs_to_host
@@ -45,7 +46,7 @@ class ModelRunner:
     def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device, cuda_graphs: bool = False,
                  prefill_graph_tokens: int = 0, timed: bool = False, eos_ids: tuple[int, ...] = (),
                  grammar: Optional[Callable] = None, graph_max_len: Optional[int] = None, images=None,
-                 verify_tokens: int = 0, drafter=None):
+                 verify_tokens: int = 0, drafter=None, pooling=None):
         """`kv` has one row and one slot more than the router uses: scratch space for padding.
         `prefill_graph_tokens`: with CUDA graphs, the longest chunk a lone prefill replays one for.
         `timed` (a step trace is on): on a GPU each step also reports its host and device time.
@@ -53,7 +54,8 @@ class ModelRunner:
         `graph_max_len`: the longest context a decode graph covers (None: every one the KV rows hold).
         `verify_tokens`: the most tokens a speculating step has (verify steps up to it are padded to
         CUDA-graph buckets: runtime/worker/verify_graphs.py).
-        `drafter`: spec.method=draft's Drafter (runtime/worker/drafter.py), else None."""
+        `drafter`: spec.method=draft's Drafter (runtime/worker/drafter.py), else None.
+        `pooling`: an embedding model's model.pooling (last when None)."""
         self.model = model
         self.kv = kv
         self.images = images  # ImageRows (runtime/worker/image_rows.py) of a multimodal model, else None
@@ -71,8 +73,11 @@ class ModelRunner:
         self.prefill_graphs = None  # PrefillGraphs: a prompt's last chunk when it runs alone
         # under a step trace, each step also reports its host and device time (two timed CUDA events)
         self.timed = timed and device.type == "cuda"
-        # a score model (model.task=score) only prefills: its rows' head outputs are the result, no sampling
-        self.scores_only = bool(model.arch.num_labels)
+        # a score model (model.task=score) only prefills: its rows' head outputs are the result, no sampling;
+        # so does an embedding model (model.task=embed), whose rows' pooled hidden states are
+        self.scores_only = bool(model.arch.num_labels) or model.arch.embed
+        self.pooled = PooledRows(pooling or "last", max_rows, model.arch.hidden_size, device) if model.arch.embed else None
+        self._pool_parts: list[tuple[int, int]] = []  # this step's (row, positions) that mean / CLS pooling reads
         if cuda_graphs and device.type == "cuda" and not self.scores_only:
             from llaunch.runtime.worker.cuda_graphs import DecodeGraphs
 
@@ -139,6 +144,8 @@ class ModelRunner:
             if cached:  # the prompt cache's prefix: its first chunk starts at `cached` and reads these
                 self.kv.req_to_slots[new.row, :cached] = self._tensor(new.cached_slots).to(self.kv.req_to_slots.dtype)
             self.seq_len[new.row] = cached
+            if self.pooled is not None:
+                self.pooled.start(new.row, len(new.prompt_ids), cached)
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[int]]:
         """The forward inputs, and the rows whose next token is sampled (in logits order)."""
@@ -156,6 +163,8 @@ class ModelRunner:
         offset = nd
         prompt_index: list[int] = []  # after the sampled rows' logits: prompt positions that asked
         self._prompt_rows = []
+        pool_index: list[int] = []  # after those: positions an embedding model's pooling reads besides the last
+        self._pool_parts = []
         verify_index = []  # every position of a verify chunk is sampled; their logits come last
         for k, chunk in enumerate([*plan.prefill, *plan.verify]):
             n = len(chunk.token_ids)
@@ -177,6 +186,10 @@ class ModelRunner:
             if asked:
                 prompt_index.extend(range(offset, offset + asked))
                 self._prompt_rows.append((chunk.row, chunk.start, asked))
+            pooled = self.pooled.positions(chunk.start, n) if self.pooled is not None else 0
+            if pooled:
+                pool_index.extend(range(offset, offset + pooled))
+                self._pool_parts.append((chunk.row, pooled))
             offset += n
             if chunk.sample:
                 logits_index.append(offset - 1)
@@ -198,7 +211,7 @@ class ModelRunner:
             prefill_q_starts=self._tensor(q_starts),
             prefill_q_lens=self._tensor(q_lens),
             prefill_prefix_lens=self._tensor(prefix_lens),
-            logits_index=self._tensor(logits_index + prompt_index + verify_index),
+            logits_index=self._tensor(logits_index + prompt_index + pool_index + verify_index),
             num_decode=nd,
             num_prefill_tokens=len(prefill_ids),
             max_prefill_len=max(q_lens, default=0),
@@ -250,13 +263,17 @@ class ModelRunner:
         self._start_rows(plan)
         if self.drafter is not None:
             self._draft(plan)
-        self._prompt_rows = []
+        self._prompt_rows, self._pool_parts = [], []
         logits, rows, greedy = self._forward(plan)
         pending = PendingStep(plan.step, rows, None, None, None, t0, started, 0.0, start_event)
         if plan.verify:  # their logits are the last ones
             nv = sum(len(c.token_ids) for c in plan.verify)
             pending.verify = self.verifier.launch(logits[-nv:], plan.verify)
             logits = logits[:-nv]
+        if self._pool_parts:  # before them: the pooled positions of this step's chunks
+            npool = sum(n for _, n in self._pool_parts)
+            self.pooled.add(logits[-npool:], self._pool_parts)
+            logits = logits[:-npool]
         if self._prompt_rows:  # the logits past the sampled rows' are prompt positions
             pending.prompt = self.prompt_logprobs.compute(logits[len(rows):], self._prompt_rows)
             logits = logits[:len(rows)]
@@ -265,7 +282,7 @@ class ModelRunner:
             pending.rows = []
             return pending
         if self.scores_only:
-            self._scored(pending, logits)
+            self._scored(pending, logits if self.pooled is None else self.pooled.pooled(rows, logits))
         elif greedy is not None and self.sampling.plain_greedy(rows):
             self.sampling.advance(rows)
             self._sampled(pending, logits, greedy)  # the graph's argmax, already each row's last token
