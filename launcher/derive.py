@@ -12,10 +12,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from llaunch.launcher import gpus
-from llaunch.runtime.config import (Device, DType, LlaunchConfig, LoadFormat, Mode, ModelConfig, ModelTask, ScoreHead,
-                                    RouterConfig, SpecMethod)
+from llaunch.runtime.config import (Device, DType, LlaunchConfig, LoadFormat, Mode, ModelConfig, ModelTask, Pooling,
+                                    ScoreHead, RouterConfig, SpecMethod)
 from llaunch.runtime.models import rope
-from llaunch.runtime.models.arch import QKV_ONLY_BIAS_FAMILIES
+from llaunch.runtime.models.arch import FAMILIES, QKV_ONLY_BIAS_FAMILIES
+from llaunch.runtime.models.pooling_config import EmbeddingFacts, embedding_facts
+from llaunch.runtime.models.tokenizer import vocab_ids
 from llaunch.runtime.models.moe_config import MOE_FAMILIES
 from llaunch.runtime.models.checkpoint import (ARCH_FIELDS, Checkpoint, CheckpointError, checkpoint_dtype, is_gguf,
                                                read_checkpoint)
@@ -99,7 +101,7 @@ def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
             dtype = checkpoint_dtype(ckpt) or DType.auto
     eos = model.eos_token_ids or (ckpt.eos_token_ids if ckpt and ckpt.eos_token_ids else None)
     return replace(
-        model, **arch, **score_fields(model, ckpt, arch["num_labels"]), name=model.name or hub_id or served_name(path) or family, family=family, path=path, tokenizer=_absolute(model.tokenizer) or path,
+        model, **(arch | task_fields(model, ckpt, arch["num_labels"], path)), name=model.name or hub_id or served_name(path) or family, family=family, path=path, tokenizer=_absolute(model.tokenizer) or path,
         load_format=load_format, dtype=dtype, eos_token_ids=eos,
         sampling_defaults={**(ckpt.sampling if ckpt and model.generation_config else {}), **model.sampling_defaults},
         max_model_len=model.max_model_len or default_context(arch),
@@ -118,21 +120,58 @@ def default_context(arch: dict) -> int | None:
     return min(longest, arch["sliding_window"] or longest)
 
 
-def score_fields(model: ModelConfig, ckpt: Checkpoint | None, num_labels: int | None) -> dict:
-    """model.task (auto: score when config.json names a classification/reward head, or a dummy profile
-    sets num_labels) and, for a score model, its label names and pad token."""
+YES_NO_TOKENS = ["yes", "no"]  # Qwen3-Reranker's answer tokens (convert_tokens_to_ids of these)
+
+
+def task_fields(model: ModelConfig, ckpt: Checkpoint | None, num_labels: int | None, path: str | None) -> dict:
+    """model.task (auto: score when config.json names a classification/reward head, a dummy profile sets
+    num_labels, or model.score_head=yes_no; embed for a sentence-transformers folder (modules.json) of a served
+    decoder family; else generate) and what the task reads: a score model's labels, pad token and head (a yes/no
+    head's token ids), an embedding model's pooling."""
+    facts = embedding_facts(path) if path and not is_gguf(path) else None
     task = model.task
     if task == ModelTask.auto:
-        task = ModelTask.score if (ckpt is not None and ckpt.score_head) or (ckpt is None and num_labels) \
-            else ModelTask.generate
+        if (ckpt is not None and ckpt.score_head) or (ckpt is None and num_labels) or model.score_head == ScoreHead.yes_no:
+            task = ModelTask.score
+        elif facts is not None and facts.sentence_transformers and ckpt is not None and ckpt.family in FAMILIES:
+            task = ModelTask.embed
+        else:
+            task = ModelTask.generate
+    if task == ModelTask.embed:
+        return {"task": task, **embed_fields(model, facts)}
     if task != ModelTask.score:
         return {"task": task}
     labels = model.labels or (ckpt.labels if ckpt and ckpt.labels else None)
+    head = model.score_head or (ScoreHead.mlp if ckpt is not None and ckpt.score_mlp else ScoreHead.linear)
+    fields = {"task": task, "score_head": head}
+    if head == ScoreHead.yes_no:  # one output; transformers' pad stripping is a classification head's, not this
+        num_labels = fields["num_labels"] = 1
+        ids = model.score_token_ids
+        tokenizer = _absolute(model.tokenizer) or path
+        if ids is None and tokenizer and os.path.isdir(tokenizer):
+            found = vocab_ids(tokenizer, YES_NO_TOKENS)
+            ids = found if found is not None and None not in found else None  # else rules_score says what to set
+        fields["score_token_ids"] = ids
     if labels is None and num_labels:
         labels = [f"LABEL_{i}" for i in range(num_labels)]  # transformers' default id2label
     pad = model.pad_token_id if model.pad_token_id is not None else (ckpt.pad_token_id if ckpt else None)
-    head = model.score_head or (ScoreHead.mlp if ckpt is not None and ckpt.score_mlp else ScoreHead.linear)
-    return {"task": task, "labels": labels, "pad_token_id": pad, "score_head": head}
+    return fields | {"labels": labels, "pad_token_id": None if head == ScoreHead.yes_no else pad}
+
+
+def embed_fields(model: ModelConfig, facts: EmbeddingFacts | None) -> dict:
+    """An embedding model's pooling (the Pooling module's; last without one; None when the folder asks for one
+    llaunch does not compute: rules_score.embed_pooling_served says so), normalization (a Normalize module; without modules.json:
+    normalized, as vLLM) and Matryoshka sizes (config.json's)."""
+    sentence = facts is not None and facts.sentence_transformers
+    pooling = model.pooling or (facts.pooling if sentence else Pooling.last)
+    if pooling is None and not facts.unserved_pooling:
+        pooling = Pooling.last  # a sentence-transformers folder without a Pooling module
+    normalize = model.normalize if model.normalize is not None else (facts.normalize if sentence else True)
+    matryoshka = model.matryoshka
+    if matryoshka is None:
+        matryoshka = bool(model.matryoshka_dimensions) or (facts is not None and facts.matryoshka)
+    dims = model.matryoshka_dimensions or (facts.matryoshka_dimensions if facts is not None else None)
+    return {"pooling": pooling, "normalize": normalize, "matryoshka": matryoshka, "matryoshka_dimensions": dims}
 
 
 def served_name(path: str | None) -> str | None:

@@ -67,7 +67,11 @@ def graph_tree(cfg: RunConfig) -> Tree:
     if getattr(m.task, "value", m.task) == "score":  # model.task=score: no generation routes
         form = m.score_head.value if m.score_head is not None else "linear"
         tree.add(f"[dim]score head[/] {form}, {m.num_labels} output(s) {escape(str(m.labels))}: "
-                 "/get_score, /classify, /v1/score")
+                 "/get_score, /classify, /v1/score" + (", /v1/rerank" if m.num_labels == 1 else ""))
+    if getattr(m.task, "value", m.task) == "embed":  # model.task=embed: no generation routes
+        size = f"{m.hidden_size}" + (" (Matryoshka: fewer on request)" if m.matryoshka else "")
+        tree.add(f"[dim]embeddings[/] {m.pooling.value if m.pooling else '?'} pooling, "
+                 f"{'normalized' if m.normalize else 'not normalized'}, {size} values: /v1/embeddings")
     spec = getattr(cfg, "spec", None)
     if spec is not None and spec.method.value != "none":  # runtime/router/spec_decode.py
         draft = getattr(cfg, "draft_model", None)

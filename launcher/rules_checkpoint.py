@@ -9,7 +9,7 @@ import os
 from llaunch.launcher.derive import is_url
 from llaunch.launcher.rule_registry import rule
 from llaunch.launcher.rules_model import serves
-from llaunch.runtime.config import LoadFormat, ModelTask, SpecMethod
+from llaunch.runtime.config import LoadFormat, ModelTask, ScoreHead, SpecMethod
 from llaunch.runtime.models.checkpoint import (CheckpointError, is_gguf, model_tensor_name, read_checkpoint,
                                                safetensors_names)
 
@@ -36,7 +36,8 @@ def checkpoint_path_local(cfg):
 def checkpoint_has_lm_head(cfg):
     """transformers would initialise such a head at random (and warn); the loader cannot know the real one."""
     m = cfg.model
-    if (not serves(cfg) or m.task != ModelTask.generate or m.tie_word_embeddings or m.load_format != LoadFormat.safetensors
+    lm_head = m.task == ModelTask.generate or (m.task == ModelTask.score and m.score_head == ScoreHead.yes_no)
+    if (not serves(cfg) or not lm_head or m.tie_word_embeddings or m.load_format != LoadFormat.safetensors
             or not m.path or is_gguf(m.path) or not os.path.isdir(m.path)):
         return
     try:
@@ -53,4 +54,5 @@ def checkpoint_has_lm_head(cfg):
         f"model.path={m.path} has no LM head{what}: none of its {len(names)} tensors is lm_head.weight in any layout "
         "transformers writes, and model.tie_word_embeddings=false (its config.json) says the output layer is not "
         "the embedding either, so the text would come from a made-up head; serve the checkpoint with its head "
-        "(*ForCausalLM), or a score model (*ForSequenceClassification, model.task=score)")
+        "(*ForCausalLM), a score model (*ForSequenceClassification, model.task=score), or an embedding model's "
+        "base as one (model.task=embed)")

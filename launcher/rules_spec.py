@@ -108,9 +108,10 @@ def spec_where_rows_decode(cfg):
             f"spec.method={cfg.spec.method.value} with mode.kind={kind.value}: speculative decoding runs on "
             "mode.kind=normal instances only (a prefill instance samples one token; a decode instance's "
             "received KV is not verified against it yet); use spec=none")
-    if cfg.model.task == ModelTask.score:
+    if cfg.model.task in (ModelTask.score, ModelTask.embed):
         yield ("spec.method", "model.task"), (
-            "spec.method with model.task=score: a score model generates no tokens to speculate on; use spec=none")
+            f"spec.method with model.task={cfg.model.task.value}: a score or embedding model generates no tokens to "
+            "speculate on; use spec=none")
     if cfg.server.return_all_prompt_logprobs:
         yield ("spec.method", "server.return_all_prompt_logprobs"), (
             f"spec.method={cfg.spec.method.value} with server.return_all_prompt_logprobs=true: every request then "

@@ -28,7 +28,8 @@ class EmbeddingFacts:
     normalize: bool = False  # modules.json has a Normalize module
     matryoshka: bool = False  # config.json: is_matryoshka, or matryoshka_dimensions given
     matryoshka_dimensions: Optional[list[int]] = None  # config.json's
-    unserved: tuple[str, ...] = ()  # what the folder asks for that llaunch does not compute (a Dense module, max pooling)
+    unserved_pooling: Optional[str] = None  # a Pooling module llaunch does not compute (max, weighted mean, ...)
+    unserved_modules: tuple[str, ...] = ()  # modules after pooling that llaunch does not apply (Dense, LayerNorm)
 
 
 def _json(path: str):
@@ -39,18 +40,19 @@ def _json(path: str):
         raise ValueError(f"cannot read {path}: {e}") from None
 
 
-def _pooling(folder: str, module: dict) -> tuple[Optional[Pooling], list[str]]:
+def _pooling(folder: str, module: dict) -> tuple[Optional[Pooling], Optional[str]]:
+    """(the Pooling module's mode, None) or (None, what it asks for instead)."""
     path = os.path.join(folder, module.get("path") or "", "config.json")
     if not os.path.isfile(path):
-        return None, [f"a Pooling module without {os.path.relpath(path, folder)}"]
+        return None, f"a Pooling module without {os.path.relpath(path, folder)}"
     config = _json(path)
     on = [key for key in (*POOLING_MODES, *UNSERVED_MODES) if config.get(key)]
     if len(on) == 1 and on[0] in POOLING_MODES:
-        return POOLING_MODES[on[0]], []
+        return POOLING_MODES[on[0]], None
     if not on and isinstance(config.get("pooling_mode"), str):  # sentence-transformers 5's single field
         mode = {"lasttoken": Pooling.last, "mean": Pooling.mean, "cls": Pooling.cls}.get(config["pooling_mode"])
-        return (mode, []) if mode is not None else (None, [f"pooling_mode {config['pooling_mode']}"])
-    return None, [f"pooling {' + '.join(k.removeprefix('pooling_mode_') for k in on) or 'of no mode'}"]
+        return (mode, None) if mode is not None else (None, f"pooling_mode {config['pooling_mode']}")
+    return None, f"pooling {' + '.join(k.removeprefix('pooling_mode_') for k in on) or 'of no mode'}"
 
 
 @lru_cache(maxsize=8)
@@ -67,14 +69,13 @@ def embedding_facts(folder: Optional[str]) -> Optional[EmbeddingFacts]:
     if not os.path.isfile(modules_path):
         return EmbeddingFacts(False, matryoshka=matryoshka, matryoshka_dimensions=dims)
     modules = _json(modules_path)
-    pooling, normalize, unserved = None, False, []
+    pooling, unserved_pooling, normalize, unserved = None, None, False, []
     for module in modules if isinstance(modules, list) else []:
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
         if kind == "Pooling":
-            pooling, problems = _pooling(folder, module)
-            unserved += problems
+            pooling, unserved_pooling = _pooling(folder, module)
         elif kind == "Normalize":
             normalize = True
         elif kind not in SERVED_MODULES:
             unserved.append(f"a {kind} module ({module.get('path') or module.get('name')})")
-    return EmbeddingFacts(True, pooling, normalize, matryoshka, dims, tuple(unserved))
+    return EmbeddingFacts(True, pooling, normalize, matryoshka, dims, unserved_pooling, tuple(unserved))
