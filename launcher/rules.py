@@ -80,6 +80,13 @@ def max_running_requests_positive(cfg):
 
 
 @rule()
+def device_threads_nonnegative(cfg):
+    if cfg.device_threads < 0:
+        yield ("device_threads",), (f"device_threads={cfg.device_threads} must be >= 0 (0: from the CPUs the "
+                                    "process may use)")
+
+
+@rule()
 def prefill_graph_tokens_nonnegative(cfg):
     if cfg.model.prefill_graph_tokens < 0:
         yield ("model.prefill_graph_tokens",), (

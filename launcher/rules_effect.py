@@ -103,6 +103,10 @@ CUDA_GRAPHS = Context(
     _either(lambda c: not _cuda(c), _values("device"), _values("model.enforce_eager")),
     "it bounds the steps that replay CUDA graphs, which run on GPUs unless model.enforce_eager",
     "set device=cuda and model.enforce_eager=false")
+CPU_WORKERS = Context(
+    "cpu_workers", lambda c: c.device == Device.cpu, _values("device"),
+    "it sets the CPU workers' torch threads; on a GPU the worker's host threads only launch kernels",
+    "set device=cpu")
 GPU_MEMORY = Context(
     "gpu_memory", _cuda, _values("device"),
     "it is the share of GPU memory llaunch may use; on CPU the KV cache gets cache.cpu_kv_gib",
@@ -207,7 +211,7 @@ UNTRACED = Context(
     "untraced", lambda c: _bench(c, lambda b: b.trace is None), _values("bench.trace"),
     "the trace gives every request's arrival and lengths", "unset bench.trace")
 
-CONTEXTS = (SERVING, HTTP, NAMED, CUDA_KERNELS, CUDA_GRAPHS_SWITCH, CUDA_GRAPHS, GPU_MEMORY, CPU_KV, DUMMY,
+CONTEXTS = (SERVING, HTTP, NAMED, CUDA_KERNELS, CUDA_GRAPHS_SWITCH, CUDA_GRAPHS, GPU_MEMORY, CPU_WORKERS, CPU_KV, DUMMY,
             GENERATES, SCORES, YES_NO, EMBEDS, SPECULATES, NGRAM, DRAFT, IMAGES, CLIPS, REPLICAS, AFFINITY, CHUNKED, NOT_DECODE,
             WAITS, PD_ROLE, MASTER_DIALLED, REGISTRY, REGISTRY_NAMED, KV_RECEIVER, METRICS, RENDEZVOUS,
             TENSOR_PARALLEL, NODES, SHARED_NODE, SHARED_PREFIX, SLO, UNTRACED)
@@ -254,6 +258,7 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
     **_each((SERVING,), "cache.max_total_tokens", "cache.prompt_cache", "cache.kv_dtype", "cache.kv_scales",
             "cache.kv_calibration"),
     **_each((SERVING, GPU_MEMORY), "cache.mem_fraction"),
+    **_each((SERVING, CPU_WORKERS), "device_threads"),
     **_each((SERVING, CPU_KV), "cache.cpu_kv_gib"),
     # prefill/decode disaggregation
     **_each((PD_ROLE, MASTER_DIALLED), "mode.pd_master_host", "mode.pd_master_port"),

@@ -439,6 +439,9 @@ class ProcessGraph:
     http_url: str  # where clients connect, e.g. http://127.0.0.1:8000
     ipc_dir: str  # private per-instance directory holding ipc:// sockets
     control: str  # the launcher's PULL endpoint: every process reports ready here
+    # device=cpu: torch threads per worker process; 0: the CPUs the process may use (its affinity and cgroup
+    # quota, not the host's core count), shared by the node's worker ranks
+    device_threads: int = 0
     dist_init: List[str] = field(default_factory=list)  # torch.distributed init address per dp replica
 
 

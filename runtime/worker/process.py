@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -22,6 +23,7 @@ import zmq
 from llaunch.runtime.config import Mode, RunConfig
 from llaunch.kernels import settings as kernel_settings
 from llaunch.runtime import bootstrap
+from llaunch.runtime.cpu_quota import usable_cpus
 from llaunch.runtime.ipc.messages import (CancelKv, PrepareConstraints, ReceiveKv, SendKv, Shutdown, StepPlan,
                                           WorkerInbound, WorkerReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender, SocketMonitor
@@ -127,11 +129,14 @@ def init_distributed(cfg: RunConfig, spec):
     return dist.group.WORLD, PeerWatch(side, spec.tp_rank)
 
 
-def cpu_threads(cfg: RunConfig) -> int:
-    """The worker ranks on one node share its cores (each node runs tp*dp/nnodes of them)."""
+def cpu_threads(cfg: RunConfig, root: Path = Path("/")) -> int:
+    """device_threads when set; else the worker ranks on one node share the CPUs this process may use
+    (its affinity and cgroup quota: runtime/cpu_quota.py), each node running tp*dp/nnodes of them."""
+    if cfg.device_threads > 0:
+        return cfg.device_threads
     p = cfg.parallel
     local_ranks = max(1, p.tp * p.dp // max(p.nnodes, 1))
-    return max(1, (os.cpu_count() or 1) // local_ranks)
+    return max(1, usable_cpus(root) // local_ranks)
 
 
 def main() -> None:

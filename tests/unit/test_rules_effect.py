@@ -32,6 +32,7 @@ EXAMPLES = {
     "cuda_graphs_switch": (CUDA, ()),
     "cuda_graphs": (CUDA, ("model.enforce_eager=true",)),
     "gpu_memory": (CUDA, ()),
+    "cpu_workers": ((), CUDA),
     "cpu_kv": ((), ("cache.max_total_tokens=4096",)),
     "dummy": ((), ("model.load_format=safetensors",)),
     "generates": ((), SCORE),
