@@ -163,17 +163,26 @@ class SamplingState:
             logits = kernels.apply_penalties(logits, counts[rows_t].to(logits.dtype), self.presence[rows_t],
                                              self.frequency[rows_t], self.repetition[rows_t], seen[rows_t])
         logits = self._exclude(logits, rows, bitmask)
-        if all(self.greedy[r] for r in rows):
+        drawn = [i for i, r in enumerate(rows) if not self.greedy[r]]
+        if drawn and len(drawn) == len(rows):
+            tokens = self._draw(logits, rows, rows_t)
+        else:  # greedy rows take the argmax; only the others draw noise over the vocabulary
             tokens = torch.argmax(logits, dim=-1)
-        else:
-            offsets = to_device([self.generated[r] for r in rows], torch.int64, self.device)
-            tokens = kernels.sample(logits, self.temperature[rows_t], self.top_p[rows_t], self.top_k[rows_t],
-                                    self.seed[rows_t], offsets, top_filters=any(self.filtered[r] for r in rows))
+            if drawn:
+                index = to_device(drawn, torch.int64, self.device)
+                tokens[index] = self._draw(logits[index], [rows[i] for i in drawn], rows_t[index])
         if penalized:
             counts[rows_t, tokens] += 1
             seen[rows_t, tokens] = True
         self.advance(rows)
         return tokens
+
+    def _draw(self, logits: torch.Tensor, rows: list[int], rows_t: torch.Tensor) -> torch.Tensor:
+        """Sampled rows' tokens: each row's noise is a hash of its own seed and counter, so a row draws
+        the same token whichever rows share its call."""
+        offsets = to_device([self.generated[r] for r in rows], torch.int64, self.device)
+        return kernels.sample(logits, self.temperature[rows_t], self.top_p[rows_t], self.top_k[rows_t],
+                              self.seed[rows_t], offsets, top_filters=any(self.filtered[r] for r in rows))
 
     def logprobs(self, logits: torch.Tensor, rows: list[int], tokens: torch.Tensor):
         """Device tensors (chosen [S], top values [S, k], top ids [S, k], per-row k) or None when no
