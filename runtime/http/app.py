@@ -14,6 +14,7 @@ from llaunch.runtime.config import Mode, RunConfig, UnknownFields
 from llaunch.runtime.http.anthropic_api import AnthropicApi, anthropic_errors
 from llaunch.runtime.http.audio import AudioInputs
 from llaunch.runtime.http.images import ImageInputs
+from llaunch.runtime.http.embeddings_api import EmbeddingsApi, EmbedModel, embed_model_refusal
 from llaunch.runtime.http.engine_client import EngineClient, current_pd_link
 from llaunch.runtime.http.errors import ApiError, draining, error_response, json_response, model_not_found
 from llaunch.runtime.http.generate_api import GenerateApi
@@ -24,6 +25,7 @@ from llaunch.runtime.http.openai_serving import OpenAIServing
 from llaunch.runtime.http.openapi import openapi_document
 from llaunch.runtime.http.pd_instance import PrefillServing, link_from_headers
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
+from llaunch.runtime.http.rerank_api import RerankApi
 from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.http.responses_api import ResponsesApi
 from llaunch.runtime.http.score_api import GENERATION_PATHS, ScoreApi, ScoreHead, score_model_refusal
@@ -47,6 +49,7 @@ class FrontendSettings:
     max_body_bytes: int = 16 * 2**20
     request_timeout_s: Optional[float] = None
     score: Optional[ScoreHead] = None  # a score model (model.task=score): its head; None: a generating model
+    embed: Optional[EmbedModel] = None  # an embedding model (model.task=embed); None: not one
     tgi_info: Optional[dict] = None  # server.tgi_api: /generate* speak TGI, GET /info answers this
     images: Optional[object] = None  # a multimodal model: ImageInputs (runtime/http/images.py), or AudioInputs (audio.py)
     warn_unknown_fields: bool = True  # server.unknown_fields=warn: served without them (runtime/http/unknown_fields.py)
@@ -73,7 +76,7 @@ class FrontendSettings:
         return FrontendSettings(limits=limits, api_key=api_key, max_body_bytes=s.max_body_bytes,
                                 warn_unknown_fields=s.unknown_fields is UnknownFields.warn,
                                 server_info=lightllm_server_info(cfg),
-                                request_timeout_s=s.request_timeout_s, score=ScoreHead.of(m),
+                                request_timeout_s=s.request_timeout_s, score=ScoreHead.of(m), embed=EmbedModel.of(m),
                                 tgi_info=tgi_info(cfg) if s.tgi_api else None,
                                 images=ImageInputs(m, cfg.visual) if m.vision
                                 else AudioInputs(m, cfg.audio) if m.audio else None)
@@ -122,16 +125,29 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
                         request.method, request.path, header_value(ignored))
             response.headers[IGNORED_HEADER] = header_value(ignored)
         return response
-    scoring = ScoreApi(engine, tokenizer, limits, lifecycle, settings.score)
+    task = "score" if settings.score is not None else "embed" if settings.embed is not None else "generate"
+    scoring = ScoreApi(engine, tokenizer, limits, lifecycle, settings.score, task)
+    embedding, reranking = EmbeddingsApi(engine, tokenizer, limits, lifecycle, settings.embed, task), RerankApi(scoring)
 
-    if settings.score is not None:
+    if task != "generate":
         @app.before_request
         async def refuse_generation() -> Optional[Response]:
             if request.path in GENERATION_PATHS:
-                return error_response(score_model_refusal(request.path))
+                refusal = score_model_refusal if task == "score" else embed_model_refusal
+                return error_response(refusal(request.path))
             return None
 
     @app.post("/get_score")
+    @app.post("/v1/embeddings")
+    async def embeddings() -> Response:
+        return await embedding.create(await request.get_data())
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def rerank() -> Response:
+        return await reranking.rerank(request.path, await request.get_data())
+
     async def get_score() -> Response:
         return await scoring.get_score(await request.get_data())
 

@@ -7,11 +7,13 @@ from typing import Any, Optional
 
 import msgspec
 
+from llaunch.runtime.http.embeddings_api import EmbeddingRequest
 from llaunch.runtime.http.generate_api import GenerateRequest
 from llaunch.runtime.http.lightllm_ops import TokensRequest
 from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.http.tgi_api import TgiRequest
+from llaunch.runtime.http.rerank_api import RerankRequest
 from llaunch.runtime.http.score_api import ClassifyRequest, GetScoreRequest, ScoreRequest
 from llaunch.runtime.http.tokenize_api import DetokenizeRequest, TokenizeChat, TokenizeCompletion
 
@@ -32,6 +34,8 @@ _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCom
            "/detokenize": DetokenizeRequest,
            # a score model's (model.task=score); a generating model answers them with a 400
            "/get_score": GetScoreRequest, "/classify": ClassifyRequest, "/v1/score": ScoreRequest,
+           "/v1/rerank": RerankRequest, "/rerank": RerankRequest, "/v2/rerank": RerankRequest,
+           "/v1/embeddings": EmbeddingRequest,  # an embedding model's (model.task=embed); others answer a 400
            "/tokens": TokensRequest}
 _GETS = {"/v1/models": "The served model.", "/health": "Ready to serve (as /health/ready).",
          "/health/live": "The process answers.", "/health/ready": "Ready to serve new requests.",
@@ -72,7 +76,8 @@ def openapi_document(limits: RequestLimits, api_key: bool, tgi: bool = False,
     bodies = {**_BODIES, "/generate": native, "/generate_stream": native, **({"/": native} if tgi else {})}
     gets = {**_GETS, **({"/info": "text-generation-inference's info."} if tgi else {})}
     types = [CompletionRequest, ChatCompletionRequest, native, TokenizeCompletion, TokenizeChat,
-             DetokenizeRequest, GetScoreRequest, ClassifyRequest, ScoreRequest, TokensRequest, ErrorBody]
+             DetokenizeRequest, GetScoreRequest, ClassifyRequest, ScoreRequest, RerankRequest, EmbeddingRequest,
+             TokensRequest, ErrorBody]
     refs, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         _narrow(components[name], "model", enum=[limits.served_name])
