@@ -1,5 +1,6 @@
 """Rules over the HTTP side's optional listeners and API shapes: the metric server's own port
-(server.metrics_port, LightLLM's metric_port) and the TGI API (server.tgi_api, LightLLM's use_tgi_api)."""
+(server.metrics_port, LightLLM's metric_port), the TGI API (server.tgi_api, LightLLM's use_tgi_api) and the chat
+template file (server.chat_template)."""
 from __future__ import annotations
 
 import socket
@@ -53,3 +54,21 @@ def tgi_api_mode(cfg):
         yield ("server.tgi_api", "mode.kind"), (
             f"server.tgi_api=true with mode.kind={cfg.mode.kind.value}: the TGI API is served by normal instances "
             "only (the pd_master relays LightLLM's and OpenAI's shapes); set server.tgi_api=false or mode=normal")
+
+
+@rule()
+def chat_template_readable(cfg):
+    """The frontend renders every chat prompt with it: a template that cannot be read would fail each chat."""
+    path = cfg.server.chat_template
+    if path is None or not serves(cfg):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        yield ("server.chat_template",), (f"server.chat_template={path}: cannot be read ({e.__class__.__name__}: "
+                                          f"{e}); give a Jinja template file (vLLM's --chat-template), or unset it")
+        return
+    if "{{" not in text and "{%" not in text:
+        yield ("server.chat_template",), (f"server.chat_template={path} holds no Jinja ({{{{ or {{%}}): give the "
+                                          "template file itself, or unset it for the tokenizer's template")

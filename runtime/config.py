@@ -54,6 +54,12 @@ class ToolCallFormat(str, Enum):
     llama3_json = "llama3_json"  # {"name": ..., "parameters": {...}} (Llama 3)
 
 
+class ReasoningParser(str, Enum):
+    none = "none"  # the answer's text is its content, <think> blocks and all
+    qwen3 = "qwen3"  # <think>…</think> the model opens itself → reasoning_content (Qwen3, QwQ)
+    deepseek_r1 = "deepseek_r1"  # the prompt opens <think>: the answer until </think> is reasoning (R1, Qwen3 thinking-only)
+
+
 class MetricsPrefix(str, Enum):
     llaunch = "llaunch"  # llaunch:time_to_first_token_seconds, ...
     vllm = "vllm"  # vllm:time_to_first_token_seconds, ...: vLLM's names, which its dashboards and autoscalers read
@@ -353,6 +359,11 @@ class ServerConfig:
     # A chat request's own `chat_template` (Jinja) is rendered (vLLM's --trust-request-chat-template);
     # false: such a request is refused with a 400 (a template is code: loops can hold a frontend thread).
     trust_request_chat_template: bool = False
+    # A Jinja chat template file that replaces the tokenizer's (vLLM's --chat-template); None: the tokenizer's
+    chat_template: Optional[str] = None
+    # Chat answers' <think> blocks come back as message.reasoning_content / delta.reasoning_content, apart from
+    # content (vLLM's --reasoning-parser); a request's include_reasoning=false drops them.
+    reasoning_parser: ReasoningParser = ReasoningParser.none
 
 
 @dataclass(frozen=True)

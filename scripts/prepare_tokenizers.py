@@ -6,6 +6,8 @@ token ids (`.inp` / `.out`); transformers converts each into a Hugging Face toke
 
     python scripts/prepare_tokenizers.py [--out DIR]     # DIR: $LLAUNCH_MODELS_DIR or <repo>/.models
     -> DIR/qwen2-tokenizer, DIR/llama3-tokenizer, DIR/llama-spm-tokenizer (each with the reference cases beside it)
+    -> DIR/chat-templates/*.jinja: real models' chat templates from the same archive (Qwen3's thinking switch,
+       DeepSeek-R1's), for server.chat_template
 
 Idempotent; needs PyPI once (pip download of the archive), then nothing.
 """
@@ -24,17 +26,20 @@ REPO = Path(__file__).resolve().parents[1]
 ARCHIVE = "llama-cpp-python==0.3.36"
 VOCABS = {"qwen2-tokenizer": "ggml-vocab-qwen2.gguf", "llama3-tokenizer": "ggml-vocab-llama-bpe.gguf",
           "llama-spm-tokenizer": "ggml-vocab-llama-spm.gguf"}
+TEMPLATES = ("Qwen-Qwen3-0.6B.jinja", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
 
 
 def fetch_vocabs(work: Path) -> Path:
+    """llama.cpp's models/ folder from the archive: the vocab GGUFs and their cases, templates/ the chat templates."""
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", ARCHIVE,
                     "-d", str(work)], check=True)
     archive = next(work.glob("llama_cpp_python-*.tar.gz"))
-    wanted = {f"{v}{ext}" for v in VOCABS.values() for ext in ("", ".inp", ".out")}
+    wanted = {f"/models/{v}{ext}" for v in VOCABS.values() for ext in ("", ".inp", ".out")}
+    wanted |= {f"/models/templates/{t}" for t in TEMPLATES}
     with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.name.endswith(tuple(f"/models/{w}" for w in wanted))]
+        members = [m for m in tar.getmembers() if m.name.endswith(tuple(wanted))]
         tar.extractall(work, members=members, filter="data")
-    return next(work.rglob("models"))
+    return next(p for p in work.rglob("models") if (p / "templates").is_dir())
 
 
 def convert(models: Path, vocab: str, out: Path) -> None:
@@ -56,8 +61,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     todo = {name: vocab for name, vocab in VOCABS.items() if not (out / name / "tokenizer.json").exists()}
-    if not todo:
-        print(f"tokenizers already in {out}")
+    templates = [t for t in TEMPLATES if not (out / "chat-templates" / t).exists()]
+    if not todo and not templates:
+        print(f"tokenizers and chat templates already in {out}")
         return 0
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
@@ -65,6 +71,10 @@ def main(argv=None) -> int:
         for name, vocab in todo.items():
             convert(models, vocab, out / name)
             print(f"wrote {out / name} from {vocab}")
+        (out / "chat-templates").mkdir(exist_ok=True)
+        for name in templates:
+            shutil.copy(models / "templates" / name, out / "chat-templates" / name)
+            print(f"wrote {out / 'chat-templates' / name}")
     return 0
 
 

@@ -72,7 +72,8 @@ class FrontendSettings:
                                token_healing_served=cfg.mode.kind not in (Mode.pd_prefill, Mode.pd_decode),
                                all_prompt_logprobs=s.return_all_prompt_logprobs,
                                token_healing=s.token_healing, ignore_model_name=s.tgi_api,
-                               trust_request_chat_template=s.trust_request_chat_template)
+                               trust_request_chat_template=s.trust_request_chat_template,
+                               reasoning_parser=s.reasoning_parser.value)
         return FrontendSettings(limits=limits, api_key=api_key, max_body_bytes=s.max_body_bytes,
                                 warn_unknown_fields=s.unknown_fields is UnknownFields.warn,
                                 server_info=lightllm_server_info(cfg),

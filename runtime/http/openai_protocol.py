@@ -177,7 +177,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     tool_call_id: Optional[str] = None  # a tool turn: which call it answers
     function_call: Optional[FunctionCall] = None  # an assistant turn that called a function (OpenAI's older form)
     refusal: Optional[str] = None  # an assistant turn's refusal: the template takes content only
-    reasoning_content: Optional[str] = None  # vLLM's: a reasoning model's thoughts (the served models have none)
+    reasoning_content: Optional[str] = None  # an earlier answer's thoughts (vLLM's): the chat template decides their use
     reasoning: Optional[str] = None
     audio: Optional[dict[str, Any]] = None  # an earlier audio answer: refused (no audio output is served)
 

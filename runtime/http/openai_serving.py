@@ -11,6 +11,7 @@ from typing import AsyncIterator, Optional
 
 from quart import Response
 
+from llaunch.runtime.config import ReasoningParser
 from llaunch.runtime.http import openai_responses as shapes
 from llaunch.runtime.http.audio import MediaParts
 from llaunch.runtime.http.images import chat_images
@@ -25,6 +26,7 @@ from llaunch.runtime.http.prompt_logprobs import echo_logprobs, echo_text_length
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.sse import DONE, TrackedStream, sse_event, sse_response
 from llaunch.runtime.http.token_healing import TokenHealer, healed, healing_of
+from llaunch.runtime.http.reasoning import ReasoningStream, split_reasoning
 from llaunch.runtime.http.tool_calls import ToolCallStream, parse_tool_calls, tool_format_of
 from llaunch.runtime.ipc.messages import PromptLogprobs, TextDelta
 
@@ -121,17 +123,22 @@ class ChatFormat(PromptLogprobsFormat):
 
     def __init__(self, tokenizer: PromptTokenizer, want_logprobs: bool, n: int, tool_format: Optional[str] = None,
                  prompt_ids: Optional[list[int]] = None, top: Optional[int] = None, functions: bool = False,
-                 token_ids_as_tokens: bool = False):
+                 token_ids_as_tokens: bool = False, reasoning: str = "none", include_reasoning: bool = True):
         """`tool_format`: the call format when the request offers tools (its text is parsed for calls);
         `top`: vLLM's prompt_logprobs, of `prompt_ids`; `functions`: the request gave OpenAI's older
         `functions`, so its call comes back as `function_call`; `token_ids_as_tokens`: vLLM's
-        return_tokens_as_token_ids."""
+        return_tokens_as_token_ids; `reasoning`: server.reasoning_parser (the <think> block is split off
+        before tool calls are parsed, and returned unless `include_reasoning` is false)."""
         super().__init__(tokenizer, [prompt_ids or []] * n, top)
         self.want_logprobs = want_logprobs
         self.tool_format = tool_format
         self.functions = functions
         self.token_ids_as_tokens = token_ids_as_tokens
         self.streams = [ToolCallStream(tool_format) for _ in range(n)] if tool_format else None
+        self.reasoning = ReasoningParser(reasoning)
+        self.include_reasoning = include_reasoning
+        self.thoughts = [ReasoningStream(self.reasoning) for _ in range(n)] if self.reasoning != ReasoningParser.none \
+            else None
 
     def opening(self, n: int) -> list[dict]:
         # OpenAI's first chunk of each choice names the role; content follows in later chunks.
@@ -145,15 +152,23 @@ class ChatFormat(PromptLogprobsFormat):
         return part
 
     def chunk_choices(self, index: int, text: str, logprobs: Optional[list], finish_reason: Optional[str]) -> list:
+        thought = ""
+        if self.thoughts is not None:
+            thought, text = self.thoughts[index].feed(text)
+            if finish_reason is not None:
+                more_thought, more_text = self.thoughts[index].finish()
+                thought, text = thought + more_thought, text + more_text
+            thought = thought if self.include_reasoning else ""
         if self.streams is None:
-            return [shapes.chat_chunk_choice(index, {"content": text} if text else {}, logprobs, finish_reason)]
+            delta = {**({"reasoning_content": thought} if thought else {}), **({"content": text} if text else {})}
+            return [shapes.chat_chunk_choice(index, delta, logprobs, finish_reason)]
         stream = self.streams[index]
-        deltas = stream.feed(text)
+        deltas = ([{"reasoning_content": thought}] if thought else []) + stream.feed(text)
         if finish_reason is not None:
             deltas += stream.finish(cut=finish_reason == "length")
             finish_reason = _with_calls(finish_reason, stream.calls, self.functions)
         if self.functions:
-            deltas = [_function_call_delta(d) for d in deltas]
+            deltas = [d if "reasoning_content" in d else _function_call_delta(d) for d in deltas]
         if not deltas:  # the text is held back as a possible call
             return [shapes.chat_chunk_choice(index, {}, logprobs, finish_reason)]
         last = len(deltas) - 1
@@ -162,10 +177,19 @@ class ChatFormat(PromptLogprobsFormat):
 
     def final_choice(self, index: int, state: ChoiceState) -> dict:
         text, logprobs = "".join(state.text), state.logprobs if self.want_logprobs else None
+        thought = None
+        if self.thoughts is not None:
+            thought, text = split_reasoning(text, self.reasoning)
+        choice = self._answer(index, text, logprobs, state.finish_reason)
+        if thought is not None and self.include_reasoning:
+            choice["message"]["reasoning_content"] = thought
+        return choice
+
+    def _answer(self, index: int, text: str, logprobs: Optional[list], finish_reason: Optional[str]) -> dict:
         if self.tool_format is None:
-            return shapes.chat_choice(index, text, logprobs, state.finish_reason)
-        content, calls = parse_tool_calls(text, self.tool_format, cut=state.finish_reason == "length")
-        choice = shapes.chat_choice(index, content, logprobs, _with_calls(state.finish_reason, len(calls), self.functions))
+            return shapes.chat_choice(index, text, logprobs, finish_reason)
+        content, calls = parse_tool_calls(text, self.tool_format, cut=finish_reason == "length")
+        choice = shapes.chat_choice(index, content, logprobs, _with_calls(finish_reason, len(calls), self.functions))
         if calls and self.functions:
             choice["message"]["function_call"] = calls[0].openai()["function"]
         elif calls:
@@ -250,7 +274,8 @@ class OpenAIServing:
         states = [ChoiceState(chat_echo(req)) for _ in choices]
         fmt = ChatFormat(self.tokenizer, bool(req.logprobs), len(choices), tool_format_of(req, self.tokenizer),
                          prompt_ids, req.prompt_logprobs, functions=bool(req.functions),
-                         token_ids_as_tokens=bool(req.return_tokens_as_token_ids))
+                         token_ids_as_tokens=bool(req.return_tokens_as_token_ids),
+                         reasoning=self.limits.reasoning_parser, include_reasoning=req.include_reasoning is not False)
         return await self._serve(req, choices, [prompt_ids], states, fmt, images)
 
     def _parse_chat(self, body: bytes):

@@ -122,6 +122,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     # Hypercorn wraps the fd in its own socket object and closes it; detach so nothing else does.
     fd = own.listen_fd if own.listen_fd is not None else listening_socket(cfg.server.host, cfg.server.port).detach()
     hf = load_tokenizer(cfg.model)
+    if cfg.server.chat_template:  # replaces the tokenizer's (launcher/rules_server.py read it at start)
+        with open(cfg.server.chat_template, encoding="utf-8") as f:
+            hf.chat_template = f.read()
     fmt = cfg.server.tool_call_format
     tokenizer = PromptTokenizer(hf, vocab_size=cfg.model.vocab_size, tool_call_format=fmt.value if fmt else None)
     asyncio.run(run_frontend(cfg, spec, tokenizer, fd, api_key))

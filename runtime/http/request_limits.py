@@ -66,6 +66,7 @@ class RequestLimits:
     all_prompt_logprobs: bool = False  # server.return_all_prompt_logprobs: /generate returns them for every request
     ignore_model_name: bool = False  # server.tgi_api: any `model` is this one (TGI serves one model whatever the name)
     trust_request_chat_template: bool = False  # server.trust_request_chat_template: a request's chat_template is rendered
+    reasoning_parser: str = "none"  # server.reasoning_parser: how chat answers' <think> blocks are split off
 
     @property
     def max_prompt_chars(self) -> int:

@@ -93,6 +93,7 @@ BREAKS = {
     "metrics_port_valid": [["server.metrics_port=0"], ["server.metrics_port=70000"],
                            ["mode=config_server", "mode.config_server_host=127.0.0.1", "server.metrics_port=9100"]],
     "tgi_api_mode": [["server.tgi_api=true", "mode=pd_prefill"]],
+    "chat_template_readable": [["server.chat_template=/nonexistent/qwen3.jinja"], ["server.chat_template=pyproject.toml"]],
     "pd_addresses": [["mode=pd_decode", "mode.pd_master_host=''"],
                      ["mode=config_server", "mode.config_server_host=null"]],
     "score_needs_head": [["model.task=score"]],
