@@ -18,6 +18,10 @@ from llaunch.runtime.http.errors import bad_request
 from llaunch.runtime.ipc.messages import Constraint
 
 FORMATS = ("hermes", "llama3_json")
+# whitespace characters in a row between a call's JSON tokens: room for indented JSON, none for a runaway
+# (a model that prefers whitespace to the text it means loops on grammar-legal whitespace to max_tokens:
+# vLLM #38696, SGLang #8250; structured output's JSON allows none, runtime/constrained/compiler.py)
+MAX_CALL_WHITESPACE = 16
 _XGRAMMAR_MODEL = {"hermes": "qwen_3", "llama3_json": "llama"}  # xgrammar's names of the same formats
 _ARGUMENTS_KEY = {"hermes": "arguments", "llama3_json": "parameters"}
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -82,11 +86,24 @@ def tools_constraint(req, fmt: str) -> Optional[Constraint]:
     parallel = req.parallel_tool_calls is not False
     tag = xgr.get_model_structural_tag(_XGRAMMAR_MODEL[fmt], tools=openai_tools(req), tool_choice=choice,
                                        reasoning=False, parallel_tool_calls=parallel).model_dump()
+    _bound_whitespace(tag)
     if choice == "required" and tag["format"]["type"] == "triggered_tags":
         # xgrammar's `required` still lets text come first (a call may never fit): calls only, at once
         tag["format"] = {"type": "tags_with_separator", "tags": tag["format"]["tags"], "separator": "\n",
                          "at_least_one": True, "stop_after_first": not parallel}
     return Constraint("structural_tag", json.dumps(tag))
+
+
+def _bound_whitespace(node: Any) -> None:
+    """Every JSON content of the structural tag allows MAX_CALL_WHITESPACE whitespace characters in a row."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema":
+            node["max_whitespace_cnt"] = MAX_CALL_WHITESPACE
+        for value in node.values():
+            _bound_whitespace(value)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_whitespace(value)
 
 
 def call_text(fmt: str, name: str, arguments: Any) -> str:

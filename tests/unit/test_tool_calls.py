@@ -1,13 +1,20 @@
 """Tool calls parsed back from generated text, whole and streamed: the stream, fed in any split,
-reassembles to the same calls and the same content as the whole-text parse."""
+reassembles to the same calls and the same content as the whole-text parse; the grammar of a call
+bounds its whitespace."""
 from __future__ import annotations
 
 import json
 import random
 
 import pytest
+import xgrammar as xgr
 
-from llaunch.runtime.http.tool_calls import ToolCallStream, call_text, parse_tool_calls
+from llaunch.runtime.constrained.compiler import GrammarCompiler
+from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, FunctionDefinition, Tool
+from llaunch.runtime.http.tool_calls import (MAX_CALL_WHITESPACE, ToolCallStream, call_text, parse_tool_calls,
+                                             tools_constraint)
+
+from unit.http_support import smollm2_tokenizer
 
 WEATHER = {"city": "Paris", "days": [1, 2], "unit": "°C"}
 TEXTS = {
@@ -102,3 +109,19 @@ def test_a_call_cut_by_the_length_limit_is_neither_content_nor_a_call(fmt, text,
         got_content, got_calls = _reassemble(deltas)
         assert got_content == content
         assert got_calls == [{"name": c.name, "arguments": c.arguments} for c in calls]
+
+
+@pytest.mark.parametrize("fmt,opener", [("hermes", '<tool_call>\n{"name": "f", "arguments": {'),
+                                        ("llama3_json", '{"name": "f", "parameters": {')])
+def test_a_calls_json_allows_a_bounded_run_of_whitespace(fmt, opener):
+    """Indented JSON fits; a model that keeps choosing whitespace must write something else (it looped on
+    tabs to max_tokens)."""
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    req = ChatCompletionRequest(messages=[], tools=[Tool(type="function", function=FunctionDefinition(
+        name="f", parameters=params))], tool_choice="required")
+    grammar = GrammarCompiler(smollm2_tokenizer().hf, 49152).compile(tools_constraint(req, fmt))
+    bounded = xgr.GrammarMatcher(grammar)
+    assert bounded.accept_string(opener + "\n" + " " * (MAX_CALL_WHITESPACE - 1))
+    assert not bounded.accept_string(" ")
+    indented = xgr.GrammarMatcher(grammar)
+    assert indented.accept_string(opener + '\n    "city": "Paris"\n}')
