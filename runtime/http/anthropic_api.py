@@ -3,7 +3,8 @@ path (runtime/http/chat_turn.py). `system` and `messages` (text, image, tool_use
 blocks) become chat messages, a final assistant message is continued (Anthropic's prefill); `tools`
 (name, description, input_schema), `tool_choice` (auto, any, tool, none), `max_tokens` (required, as
 Anthropic requires), `stop_sequences`, `temperature`, `top_p`, `top_k` and `output_config.format`
-(structured output) become the chat request's fields. The answer is text and tool_use blocks with
+(structured output) become the chat request's fields. The answer is text and tool_use blocks (and a
+thinking model's thinking block where server.reasoning_parser splits it off) with
 stop_reason end_turn, max_tokens, stop_sequence or tool_use, whole or streamed as Anthropic streams it
 (message_start, content_block_start / _delta / _stop, message_delta, message_stop). Every error is in
 Anthropic's shape ({"type": "error", "error": {"type", "message"}}), also those the app's guards give.
@@ -20,8 +21,9 @@ from typing import Annotated, Any, AsyncIterator, Optional, Union
 import msgspec
 from quart import Quart, Response, request
 
-from llaunch.runtime.http.chat_turn import (ErrorNames, Part, Turn, group_deltas, prepare_turn, streamed_turn,
-                                            submit_turn, whole_turn)
+from llaunch.runtime.config import ReasoningParser
+from llaunch.runtime.http.chat_turn import (ErrorNames, Part, Thought, Turn, group_deltas, prepare_turn,
+                                            streamed_turn, submit_turn, whole_turn)
 from llaunch.runtime.http.errors import ApiError, bad_request, json_response
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, ChatMessage, ContentPart, FunctionCall,
@@ -66,7 +68,7 @@ class ResultBlock(msgspec.Struct, forbid_unknown_fields=True):
 
 class Block(msgspec.Struct, forbid_unknown_fields=True):
     """A message's content block: text, image, tool_use (an assistant's call), tool_result (the user's
-    result of one); thinking blocks and documents are refused."""
+    result of one), thinking (an earlier answer's: dropped); documents are refused."""
 
     type: str
     text: Optional[str] = None
@@ -125,7 +127,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     # each checked on its own: a server tool is refused for what it is, whatever its other fields
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[ToolChoice] = None
-    thinking: Optional[dict[str, Any]] = None  # disabled or adaptive (the served models never think); enabled: 400
+    thinking: Optional[dict[str, Any]] = None  # enabled: 400 unless server.reasoning_parser splits thoughts off
     output_config: Optional[OutputConfig] = None
     cache_control: Optional[dict[str, Any]] = None  # the prefix cache is automatic: accepted, unused
     # refused where set: they need what llaunch does not run
@@ -148,11 +150,13 @@ class MessagesRequest(CountTokensRequest, kw_only=True, forbid_unknown_fields=Tr
     container: Union[str, dict[str, Any], None] = None  # refused: no code execution
 
 
-def _refuse_unserved(req: CountTokensRequest) -> None:
+def _refuse_unserved(req: CountTokensRequest, thinks: bool) -> None:
+    """`thinks`: the server splits a thinking model's reasoning off (server.reasoning_parser), which comes
+    back as thinking blocks whatever `thinking` says (the chat template decides whether the model thinks)."""
     thinking = (req.thinking or {}).get("type")
-    if thinking not in (None, "disabled", "adaptive"):
-        raise bad_request(f"thinking {thinking!r} is not supported: the served models do not think; leave it "
-                          "unset or disabled.", param="thinking")
+    if thinking not in (None, "disabled", "adaptive") and not thinks:
+        raise bad_request(f"thinking {thinking!r} is not supported: the served model's reasoning is not split off "
+                          "(server.reasoning_parser=none); leave it unset or disabled.", param="thinking")
     if req.mcp_servers:
         raise bad_request(f"`mcp_servers` is not supported: {_SERVER_TOOLS}.", param="mcp_servers")
     if req.context_management is not None:
@@ -180,8 +184,7 @@ def _text_or_image(block: Union[Block, ResultBlock], where: str, vision: bool) -
         return ContentPart(type="text", text=block.text)
     if block.type == "image":
         return _image(block.source, where, vision)
-    why = ("the served models do not think" if block.type in ("thinking", "redacted_thinking")
-           else f"text, image, tool_use and tool_result are served; {_SERVER_TOOLS}")
+    why = f"text, image, tool_use, tool_result and thinking are served; {_SERVER_TOOLS}"
     raise bad_request(f"{where}: blocks of type {block.type!r} are not supported: {why}.", param=f"{where}.type")
 
 
@@ -226,6 +229,8 @@ def _messages(req: CountTokensRequest, vision: bool) -> tuple[list[ChatMessage],
                     _text_or_image(b, f"{at}.content[{k}]", vision) for k, b in enumerate(block.content)]
                 messages.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=content or ""))
                 origins.append(at)
+            elif block.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # an earlier answer's thoughts: dropped, as chat templates drop them (Qwen3's)
             elif block.type in ("tool_use", "tool_result"):
                 raise bad_request(f"{at}: a {block.type} block belongs in a message of the "
                                   f"{'assistant' if block.type == 'tool_use' else 'user'}.", param=f"{at}.type")
@@ -279,10 +284,10 @@ def _response_format(config: Optional[OutputConfig]) -> Optional[ResponseFormat]
     return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(name="output", schema=fmt.schema))
 
 
-def chat_request(req: CountTokensRequest, vision: bool) -> tuple[ChatCompletionRequest, ErrorNames]:
+def chat_request(req: CountTokensRequest, vision: bool, thinks: bool) -> tuple[ChatCompletionRequest, ErrorNames]:
     """The chat request that serves `req`, and the names its errors translate back to. A final
     assistant message without tool calls is continued (Anthropic's prefill)."""
-    _refuse_unserved(req)
+    _refuse_unserved(req, thinks)
     messages, origins = _messages(req, vision)
     prefill = bool(messages) and messages[-1].role == "assistant" and not messages[-1].tool_calls
     tool_choice, parallel = _tool_choice(req.tool_choice)
@@ -325,7 +330,7 @@ class MessageShape:
         self.message: dict[str, Any] = {"id": _new_id("msg"), "type": "message", "role": "assistant", "model": model,
                                         "content": [], "stop_reason": None, "stop_sequence": None,
                                         "usage": self._usage(0, 0)}
-        self.text: Optional[dict] = None  # the text block being written
+        self.open: Optional[dict] = None  # the text or thinking block being written
         self.stop_sequence: Optional[str] = None  # set by `trimmed`
 
     def _usage(self, cached: int, output: int) -> dict:
@@ -337,18 +342,12 @@ class MessageShape:
         return [{"type": "message_start", "message": dict(self.message, content=[])}]
 
     def part(self, part: Part) -> list[dict]:
-        blocks = self.message["content"]
+        if isinstance(part, Thought):
+            return self._write("thinking", part.text)
         if isinstance(part, str):
-            events = []
-            if self.text is None:
-                self.text = {"type": "text", "text": ""}
-                blocks.append(self.text)
-                events.append({"type": "content_block_start", "index": len(blocks) - 1,
-                               "content_block": {"type": "text", "text": ""}})
-            self.text["text"] += part
-            return events + [{"type": "content_block_delta", "index": len(blocks) - 1,
-                              "delta": {"type": "text_delta", "text": part}}]
-        events = self._close_text()
+            return self._write("text", part)
+        events = self._close()
+        blocks = self.message["content"]
         call_id = "toolu_" + part.id.removeprefix("call_")
         blocks.append({"type": "tool_use", "id": call_id, "name": part.name, "input": json.loads(part.arguments)})
         index = len(blocks) - 1
@@ -359,14 +358,27 @@ class MessageShape:
              "delta": {"type": "input_json_delta", "partial_json": part.arguments}},
             {"type": "content_block_stop", "index": index}]
 
-    def _close_text(self) -> list[dict]:
-        if self.text is None:
+    def _write(self, kind: str, text: str) -> list[dict]:
+        """Text into the open block of `kind` (text, or thinking: a thinking model's reasoning, unsigned)."""
+        blocks, events = self.message["content"], []
+        if self.open is None or self.open["type"] != kind:
+            events += self._close()
+            self.open = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                                                                             "signature": ""}
+            blocks.append(self.open)
+            events.append({"type": "content_block_start", "index": len(blocks) - 1, "content_block": dict(self.open)})
+        self.open[kind] += text
+        delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
+        return events + [{"type": "content_block_delta", "index": len(blocks) - 1, "delta": delta}]
+
+    def _close(self) -> list[dict]:
+        if self.open is None:
             return []
-        self.text = None
+        self.open = None
         return [{"type": "content_block_stop", "index": len(self.message["content"]) - 1}]
 
     def finished(self, state: ChoiceState) -> list[dict]:
-        events = self._close_text()
+        events = self._close()
         called = any(b["type"] == "tool_use" for b in self.message["content"])
         reason = ("max_tokens" if state.finish_reason == "length" else "stop_sequence" if self.stop_sequence
                   else "tool_use" if called else "end_turn")
@@ -408,10 +420,11 @@ class AnthropicApi:
     def __init__(self, chat: OpenAIServing):
         self.chat = chat
         self.vision = isinstance(chat.images, ImageInputs)
+        self.thinks = chat.limits.reasoning_parser != ReasoningParser.none.value
 
     def _parse(self, body: bytes) -> tuple[MessagesRequest, Turn]:
         req = decode_body(body, MessagesRequest)
-        chat, names = chat_request(req, self.vision)
+        chat, names = chat_request(req, self.vision, self.thinks)
         return req, prepare_turn(self.chat, chat, names, _keep_stop_sequence if req.stop_sequences else None)
 
     async def messages(self, body: bytes) -> Response:
@@ -426,7 +439,7 @@ class AnthropicApi:
 
     def _count(self, body: bytes) -> int:
         req = decode_body(body, CountTokensRequest)
-        chat, names = chat_request(req, self.vision)
+        chat, names = chat_request(req, self.vision, self.thinks)
         try:
             prompt_ids, _ = self.chat.chat_prompt_ids(chat)
         except ApiError as e:

@@ -1,8 +1,9 @@
 """One assistant turn of a chat request, served for another API dialect (OpenAI's Responses API,
 Anthropic's Messages API). The dialect translates its request into a ChatCompletionRequest; the chat
 machinery renders the template, checks every value, constrains tool calls and structured output and
-builds the engine work (OpenAIServing.chat_work); the generated text comes back as parts (text, tool
-calls) that the dialect's `TurnShape` turns into its own objects and stream events. A whole answer is
+builds the engine work (OpenAIServing.chat_work); the generated text comes back as parts (a thinking
+model's reasoning where server.reasoning_parser splits it off, text, tool calls) that the dialect's
+`TurnShape` turns into its own objects and stream events. A whole answer is
 the stream's parts gathered, so the two never differ."""
 from __future__ import annotations
 
@@ -12,25 +13,25 @@ from typing import AsyncIterator, Callable, Optional, Protocol, Union
 
 from quart import Response
 
+from llaunch.runtime.config import ReasoningParser
 from llaunch.runtime.http.engine_client import RequestGroup, admitted
 from llaunch.runtime.http.errors import ApiError
 from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, Choice
 from llaunch.runtime.http.openai_serving import ChoiceState, OpenAIServing
+from llaunch.runtime.http.reasoning import ReasoningStream
 from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
 from llaunch.runtime.http.tool_calls import ParsedCall, ToolCallStream, tool_format_of
 from llaunch.runtime.ipc.messages import SamplingParams, TextDelta
 
-Part = Union[str, ParsedCall]  # text, or a whole tool call
-
 
 @dataclass
-class Turn:
-    """The engine work of one translated request."""
+class Thought:
+    """Reasoning: text of a thinking model's <think> block (server.reasoning_parser)."""
 
-    prompt_ids: list[int]
-    choice: Choice
-    images: list
-    tool_format: Optional[str]  # the call format its text is parsed with (tools offered), else None
+    text: str
+
+
+Part = Union[str, ParsedCall, Thought]  # answer text, a whole tool call, or reasoning
 
 
 class TurnShape(Protocol):
@@ -67,6 +68,18 @@ class ErrorNames:
                         code=e.code, headers=e.headers)
 
 
+@dataclass
+class Turn:
+    """The engine work of one translated request."""
+
+    prompt_ids: list[int]
+    choice: Choice
+    images: list
+    tool_format: Optional[str]  # the call format its text is parsed with (tools offered), else None
+    reasoning: str  # server.reasoning_parser
+    names: ErrorNames  # what its errors call the chat request's fields
+
+
 def prepare_turn(chat: OpenAIServing, req: ChatCompletionRequest, names: ErrorNames,
                  adjust: Optional[Callable[[SamplingParams], SamplingParams]] = None) -> Turn:
     """The translated request through the chat path (in a worker thread: it tokenizes); `adjust`: the
@@ -77,34 +90,49 @@ def prepare_turn(chat: OpenAIServing, req: ChatCompletionRequest, names: ErrorNa
         raise names.error(e) from None
     if adjust is not None:
         choice = Choice(choice.index, choice.prompt, choice.prompt_ids, adjust(choice.sampling))
-    return Turn(prompt_ids, choice, images, tool_format_of(req, chat.tokenizer))
+    return Turn(prompt_ids, choice, images, tool_format_of(req, chat.tokenizer), chat.limits.reasoning_parser, names)
 
 
 async def submit_turn(chat: OpenAIServing, turn: Turn) -> RequestGroup:
-    return await chat.engine.submit([(turn.choice.prompt_ids, turn.choice.sampling)], lifecycle=chat.lifecycle,
-                                    images=list(turn.images))
+    try:  # a refusal here (a structured output that does not compile) names the chat request's fields too
+        return await chat.engine.submit([(turn.choice.prompt_ids, turn.choice.sampling)], lifecycle=chat.lifecycle,
+                                        images=list(turn.images))
+    except ApiError as e:
+        raise turn.names.error(e) from None
 
 
 class TurnParts:
-    """Generated text → parts: with tools, content and calls as the chat stream finds them (text that
-    may open a call held back); without, the text as it comes."""
+    """Generated text → parts: a thinking model's reasoning split off first (as chat does), then with
+    tools content and calls as the chat stream finds them (text that may open a call held back);
+    without, the text as it comes."""
 
-    def __init__(self, tool_format: Optional[str]):
+    def __init__(self, tool_format: Optional[str], reasoning: str = ReasoningParser.none.value):
         self.calls = ToolCallStream(tool_format) if tool_format else None
+        self.thoughts = ReasoningStream(reasoning) if reasoning != ReasoningParser.none.value else None
 
     def feed(self, text: str) -> list[Part]:
+        thought = ""
+        if self.thoughts is not None:
+            thought, text = self.thoughts.feed(text)
+        return ([Thought(thought)] if thought else []) + self._answer(text)
+
+    def _answer(self, text: str) -> list[Part]:
         if self.calls is None:
             return [text] if text else []
         return self.calls.parts(text)
 
     def finish(self, cut: bool) -> list[Part]:
         """`cut`: the length limit ended the text, so a call still open is dropped (tool_calls.py)."""
-        return self.calls.finish_parts(cut) if self.calls is not None else []
+        parts: list[Part] = []
+        if self.thoughts is not None:
+            thought, text = self.thoughts.finish()
+            parts = ([Thought(thought)] if thought else []) + self._answer(text)
+        return parts + (self.calls.finish_parts(cut) if self.calls is not None else [])
 
 
 async def turn_events(deltas: AsyncIterator[TextDelta], turn: Turn, shape: TurnShape) -> AsyncIterator[dict]:
     """The dialect's events for the engine's deltas, from `opened` to `finished`."""
-    state, parts = ChoiceState(), TurnParts(turn.tool_format)
+    state, parts = ChoiceState(), TurnParts(turn.tool_format, turn.reasoning)
     opened = False
     async for delta in deltas:
         text = state.add(delta)  # an engine failure raises here

@@ -2,9 +2,10 @@
 (runtime/http/chat_turn.py). `input` (a string, or items: messages with input_text / input_image /
 output_text parts, function_call and function_call_output items) and `instructions` become chat
 messages; function `tools`, `tool_choice`, `text.format` (structured output), `max_output_tokens`,
-`temperature`, `top_p` become the chat request's fields. The answer is output items (a message with
-output_text, function_call items), whole or streamed as OpenAI streams them (response.created ...
-response.completed, each with its sequence_number).
+`temperature`, `top_p` become the chat request's fields. The answer is output items (a thinking model's
+reasoning item where server.reasoning_parser splits it off, a message with output_text, function_call
+items), whole or streamed as OpenAI streams them (response.created ... response.completed, each with its
+sequence_number).
 
 llaunch keeps no responses: `store` true, `previous_response_id`, `conversation`, `background` and
 item references are refused with a 400 that says so; a client sends the whole conversation each time."""
@@ -19,8 +20,8 @@ from typing import Any, Optional, Union
 import msgspec
 from quart import Response
 
-from llaunch.runtime.http.chat_turn import (ErrorNames, Part, Turn, group_deltas, prepare_turn, streamed_turn,
-                                            submit_turn, whole_turn)
+from llaunch.runtime.http.chat_turn import (ErrorNames, Part, Thought, Turn, group_deltas, prepare_turn,
+                                            streamed_turn, submit_turn, whole_turn)
 from llaunch.runtime.http.errors import ApiError, bad_request, json_response
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, ChatMessage, ContentPart, FunctionCall,
@@ -68,6 +69,8 @@ class InputItem(msgspec.Struct, forbid_unknown_fields=True):
     namespace: Optional[str] = None
     caller: Optional[dict[str, Any]] = None
     async_: Optional[bool] = msgspec.field(name="async", default=None)
+    summary: Optional[list[Any]] = None  # a reasoning item's (sent back: dropped)
+    encrypted_content: Optional[str] = None
 
 
 class FunctionTool(msgspec.Struct, forbid_unknown_fields=True):
@@ -116,8 +119,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     store: Optional[bool] = None  # false or unset: llaunch stores nothing
     include: Optional[list[str]] = None
     truncation: Optional[str] = None  # disabled (a prompt longer than the context is a 400); auto: refused
-    # accepted without effect: hints about billing, caching and safety; a reasoning effort (the served
-    # models do not reason)
+    # accepted without effect: hints about billing, caching and safety; a reasoning effort (a thinking
+    # model thinks as its template has it)
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     safety_identifier: Optional[str] = None
@@ -149,9 +152,9 @@ def _refuse_unserved(req: ResponsesRequest) -> None:
                           "not cut.", param="truncation")
     if req.top_logprobs or any(i != "reasoning.encrypted_content" for i in req.include or []):
         param = "top_logprobs" if req.top_logprobs else "include"
-        raise bad_request(f"`{param}`: only `reasoning.encrypted_content` may be included (the served models do "
-                          "not reason, so it is empty); logprobs and tool results are not returned by this API.",
-                          param=param)
+        raise bad_request(f"`{param}`: only `reasoning.encrypted_content` may be included (llaunch encrypts no "
+                          "reasoning: a thinking model's comes back as a reasoning item's content); logprobs are not "
+                          "returned by this API.", param=param)
     if req.max_tool_calls is not None:
         raise bad_request("`max_tool_calls` is not supported: use `parallel_tool_calls` false for one call at most.",
                           param="max_tool_calls")
@@ -218,9 +221,8 @@ def _messages(req: ResponsesRequest, vision: bool) -> tuple[list[ChatMessage], l
                                         content=_parts(item.output, f"{where}.output", vision)))
         elif kind == "item_reference":
             raise bad_request(f"{where}: item references are not supported: {_STATELESS}.", param=f"{where}.type")
-        elif kind == "reasoning":
-            raise bad_request(f"{where}: reasoning items are not supported: the served models do not reason.",
-                              param=f"{where}.type")
+        elif kind == "reasoning":  # an earlier answer's thoughts: dropped, as chat templates drop them (Qwen3's)
+            continue
         else:
             raise bad_request(f"{where}: items of type {kind!r} are not supported (message, function_call, "
                               f"function_call_output; {_BUILT_IN}).", param=f"{where}.type")
@@ -309,7 +311,7 @@ class ResponseShape:
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
             "truncation": "disabled", "usage": None, "user": req.user, "metadata": req.metadata or {}}
         self.sequence = 0
-        self.message: Optional[dict] = None  # the output message being written
+        self.open: Optional[dict] = None  # the output message or reasoning item being written
 
     def _event(self, kind: str, **fields: Any) -> dict:
         event = {"type": kind, **fields, "sequence_number": self.sequence}
@@ -324,9 +326,11 @@ class ResponseShape:
                 self._event("response.in_progress", response=self._snapshot())]
 
     def part(self, part: Part) -> list[dict]:
+        if isinstance(part, Thought):
+            return self._write("reasoning", part.text)
         if isinstance(part, str):
-            return self._text(part)
-        events = self._close_message("completed")
+            return self._write("message", part)
+        events = self._close("completed")
         item = {"id": _new_id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
                 "call_id": part.id, "name": part.name}
         index = len(self.output)
@@ -340,38 +344,50 @@ class ResponseShape:
         events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return events
 
-    def _text(self, text: str) -> list[dict]:
+    def _write(self, kind: str, text: str) -> list[dict]:
+        """Text into the open item of `kind` (message: output_text; reasoning: reasoning_text), opened here."""
         events = []
-        if self.message is None:
-            self.message = {"id": _new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
-                            "content": []}
-            self.output.append(self.message)
+        if self.open is None or self.open["type"] != kind:
+            events += self._close("completed")
+            if kind == "message":
+                self.open = {"id": _new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                             "content": []}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            else:
+                self.open = {"id": _new_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [],
+                             "content": []}
+                part = {"type": "reasoning_text", "text": ""}
+            self.output.append(self.open)
             events.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
-                                      item=dict(self.message)))
-            content = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            self.message["content"] = [content]
-            events.append(self._event("response.content_part.added", **self._where(), part=dict(content)))
-        self.message["content"][0]["text"] += text
-        events.append(self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
+                                      item=dict(self.open)))
+            self.open["content"] = [part]
+            events.append(self._event("response.content_part.added", **self._where(), part=dict(part)))
+        self.open["content"][0]["text"] += text
+        if kind == "message":
+            events.append(self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
+        else:
+            events.append(self._event("response.reasoning_text.delta", **self._where(), delta=text))
         return events
 
     def _where(self) -> dict:
-        return {"item_id": self.message["id"], "output_index": self.output.index(self.message), "content_index": 0}
+        return {"item_id": self.open["id"], "output_index": self.output.index(self.open), "content_index": 0}
 
-    def _close_message(self, status: str) -> list[dict]:
-        if self.message is None:
+    def _close(self, status: str) -> list[dict]:
+        if self.open is None:
             return []
-        where, content = self._where(), self.message["content"][0]
-        self.message["status"] = status
-        events = [self._event("response.output_text.done", **where, text=content["text"], logprobs=[]),
-                  self._event("response.content_part.done", **where, part=dict(content)),
-                  self._event("response.output_item.done", output_index=where["output_index"], item=dict(self.message))]
-        self.message = None
+        where, part = self._where(), self.open["content"][0]
+        self.open["status"] = status
+        done = (self._event("response.output_text.done", **where, text=part["text"], logprobs=[])
+                if self.open["type"] == "message" else
+                self._event("response.reasoning_text.done", **where, text=part["text"]))
+        events = [done, self._event("response.content_part.done", **where, part=dict(part)),
+                  self._event("response.output_item.done", output_index=where["output_index"], item=dict(self.open))]
+        self.open = None
         return events
 
     def finished(self, state: ChoiceState) -> list[dict]:
         cut = state.finish_reason == "length"
-        events = self._close_message("incomplete" if cut else "completed")
+        events = self._close("incomplete" if cut else "completed")
         self.response.update(
             status="incomplete" if cut else "completed", output=self.output, completed_at=int(time.time()),
             incomplete_details={"reason": "max_output_tokens"} if cut else None,

@@ -24,13 +24,15 @@ LIMITS = RequestLimits(served_name=MODEL, max_model_len=128, vocab_size=49152)
 # the reply to a prompt that says `toolcall`: two calls in the hermes format
 TOOL_REPLY = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "London"}}\n</tool_call>')
+# the reply to a prompt that says `thinking`: a thinking model's block, then the answer
+THINK_REPLY = "<think>\nFoxes are quick.\n</think>\n\n" + REPLY
 
 
 class ScriptedEngine:
     """Plays router + detokenizer: each AddRequest is answered with REPLY one token per TextDelta
     (cut at max_new_tokens), with scripted logprobs. Words in the prompt pick other behaviours:
     `toolcall` (TOOL_REPLY), `slow` (50 ms a token, long), `hang` (never answers), `stopword` (the detokenizer finds a stop
-    string), `broken` (the engine fails the request)."""
+    string), `broken` (the engine fails the request), `thinking` (THINK_REPLY)."""
 
     def __init__(self, tok: PromptTokenizer):
         self.tok = tok
@@ -56,7 +58,8 @@ class ScriptedEngine:
         prompt = self.tok.decode(req.prompt_ids)
         if "hang" in prompt:
             return
-        reply = TOOL_REPLY if "toolcall" in prompt else REPLY * (20 if "slow" in prompt else 1)
+        reply = (TOOL_REPLY if "toolcall" in prompt else THINK_REPLY if "thinking" in prompt
+                 else REPLY * (20 if "slow" in prompt else 1))
         reply_ids = self.tok.hf.encode(reply, add_special_tokens=False)
         ids = reply_ids[:req.sampling.max_new_tokens]
         s = req.sampling

@@ -176,7 +176,7 @@ def test_a_final_assistant_message_is_continued(server, tok):
         "type": "base64", "media_type": "image/png", "data": "AA"}}]}]}, 400, "invalid_request_error", "text only"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text"}}]}]}, 400,
      "invalid_request_error", "document"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error", "do not think"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error", "reasoning_parser"),
     ({"max_tokens": 100000}, 400, "invalid_request_error", "max_tokens"),
     ({"stop_sequences": ["x" * 10000]}, 400, "invalid_request_error", "stop_sequences"),
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, 400, "invalid_request_error", "runs no tools"),
@@ -222,3 +222,27 @@ def test_unknown_fields_follow_server_unknown_fields(server, tok):
         assert "server.unknown_fields" in r.json()["error"]["message"]
     finally:
         strict.stop()
+
+
+def test_a_thinking_models_reasoning_is_a_thinking_block(tok):
+    """server.reasoning_parser=qwen3: the <think> block comes back as a thinking block before the text,
+    split as chat splits it; thinking enabled is served; a thinking block sent back is dropped."""
+    srv = Server(tok, limits=dataclasses.replace(LIMITS, max_model_len=1024, reasoning_parser="qwen3"))
+    try:
+        chat = srv.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "thinking"}],
+                                                    max_tokens=64).choices[0].message
+        kw = dict(model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "thinking"}],
+                  thinking={"type": "enabled", "budget_tokens": 1024})
+        out = client(srv).messages.create(**kw)
+        assert [b.type for b in out.content] == ["thinking", "text"] and out.stop_reason == "end_turn"
+        assert (out.content[0].thinking, out.content[1].text) == (chat.model_extra["reasoning_content"], chat.content)
+        with client(srv).messages.stream(**kw) as stream:
+            final = stream.get_final_message()
+        assert [(b.type, getattr(b, "thinking", None) or b.text) for b in final.content] == [
+            ("thinking", out.content[0].thinking), ("text", out.content[1].text)]
+        history = [*HELLO, {"role": "assistant", "content": out.content}, {"role": "user", "content": "More"}]
+        client(srv).messages.create(model=MODEL, max_tokens=2, messages=history)
+        assert last_prompt(srv) == chat_prompt(srv, [*HELLO, {"role": "assistant", "content": out.content[1].text},
+                                                     {"role": "user", "content": "More"}])
+    finally:
+        srv.stop()

@@ -206,3 +206,29 @@ def test_an_engine_failure_mid_stream_is_response_failed(server):
     assert events[-1].response.error.message
     with pytest.raises(openai.InternalServerError):
         server.openai().responses.create(model=MODEL, input="broken", max_output_tokens=8)
+
+
+def test_a_thinking_models_reasoning_is_a_reasoning_item(tok):
+    """server.reasoning_parser=qwen3: the <think> block comes back as a reasoning item before the message,
+    split as chat splits it; a reasoning item sent back is dropped from the prompt."""
+    srv = Server(tok, limits=dataclasses.replace(LIMITS, max_model_len=1024, reasoning_parser="qwen3"))
+    try:
+        chat = srv.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "thinking"}],
+                                                    max_tokens=64).choices[0].message
+        kw = dict(model=MODEL, input="thinking", max_output_tokens=64)
+        out = srv.openai().responses.create(**kw)
+        [thought, message] = out.output
+        assert thought.type == "reasoning" and thought.content[0].text == chat.model_extra["reasoning_content"]
+        assert message.type == "message" and out.output_text == chat.content
+        events = list(srv.openai().responses.create(stream=True, **kw))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought.content[0].text
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == out.output_text
+        assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]
+        history = [{"role": "user", "content": "Hi"}, thought.model_dump(exclude_none=True),
+                   message.model_dump(exclude_none=True), {"role": "user", "content": "More"}]
+        srv.openai().responses.create(model=MODEL, input=history, max_output_tokens=2)
+        assert last_prompt(srv) == chat_prompt(srv, [{"role": "user", "content": "Hi"},
+                                                     {"role": "assistant", "content": out.output_text},
+                                                     {"role": "user", "content": "More"}])
+    finally:
+        srv.stop()
