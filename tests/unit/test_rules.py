@@ -99,7 +99,12 @@ BREAKS = {
     "score_needs_head": [["model.task=score"]],
     "score_labels_match": [["model.task=score", "model.num_labels=0"],
                            ["model.task=score", "model.num_labels=2", "model.labels=[good]"]],
-    "score_not_in_pd_modes": [["model.task=score", "model.num_labels=1", "mode=pd_prefill"]],
+    "score_not_in_pd_modes": [["model.task=score", "model.num_labels=1", "mode=pd_prefill"],
+                              ["model.task=embed", "mode=pd_decode"]],
+    "yes_no_tokens_known": [["model.score_head=yes_no", "model.score_token_ids=[3,3]"],
+                            ["model.score_head=yes_no", "model.score_token_ids=[3,49152]"]],
+    "embed_matryoshka_consistent": [["model.task=embed", "model.matryoshka=false", "model.matryoshka_dimensions=[16]"],
+                                    ["model.task=embed", "model.matryoshka_dimensions=[16,65]"]],
     "diverse_mode_needs_prompt_cache": [["router.diverse_mode=true", "cache.prompt_cache=false"]],
     "host_kv_tier_supported": [["cache.cpu_tokens=-1"], ["cache.cpu_tokens=64", "cache.prompt_cache=false"],
                                ["cache.cpu_tokens=64", "mode=pd_prefill"]],
@@ -169,7 +174,8 @@ def test_every_rule_has_a_break_case():
                             "generate_needs_lm_head", "score_head_supported",  # tests/unit/test_score_model.py
                             "metrics_port_free",  # tests/integration/test_tgi_api.py
                             "checkpoint_quantization_supported",  # tests/unit/test_quant_rules.py
-                            "gguf_family_served", "rope_scaling_supported"}  # tests/unit/test_model_families.py
+                            "gguf_family_served", "rope_scaling_supported",  # tests/unit/test_model_families.py
+                            "embed_pooling_served"}  # tests/unit/test_embeddings.py
     assert {r.name for r in rules.RULES} == tested
 
 
