@@ -7,11 +7,13 @@ from typing import Any, Optional
 
 import msgspec
 
+from llaunch.runtime.http.anthropic_api import CountTokensRequest, MessagesRequest
 from llaunch.runtime.http.embeddings_api import EmbeddingRequest
 from llaunch.runtime.http.generate_api import GenerateRequest
 from llaunch.runtime.http.lightllm_ops import TokensRequest
 from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 from llaunch.runtime.http.request_limits import RequestLimits
+from llaunch.runtime.http.responses_api import ResponsesRequest
 from llaunch.runtime.http.tgi_api import TgiRequest
 from llaunch.runtime.http.rerank_api import RerankRequest
 from llaunch.runtime.http.score_api import ClassifyRequest, GetScoreRequest, ScoreRequest
@@ -29,7 +31,21 @@ class ErrorBody(msgspec.Struct):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(msgspec.Struct):
+    """Anthropic's error shape, which /v1/messages* answer (runtime/http/anthropic_api.py)."""
+
+    type: str
+    error: AnthropicErrorDetail
+
+
 _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+           "/v1/messages/count_tokens": CountTokensRequest,
            "/generate": GenerateRequest, "/generate_stream": GenerateRequest, "/tokenize": (TokenizeCompletion, TokenizeChat),
            "/detokenize": DetokenizeRequest,
            # a score model's (model.task=score); a generating model answers them with a 400
@@ -46,8 +62,9 @@ _GETS = {"/v1/models": "The served model.", "/health": "Ready to serve (as /heal
          "/get_model_name": "LightLLM's model name.", "/get_server_info": "LightLLM's server settings."}
 
 
-def _responses(ok: str, content_types: tuple[str, ...] = ("application/json",)) -> dict[str, Any]:
-    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+def _responses(ok: str, content_types: tuple[str, ...] = ("application/json",),
+               error_body: str = "ErrorBody") -> dict[str, Any]:
+    error = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{error_body}"}}}}
     return {"200": {"description": ok, "content": {t: {"schema": {}} for t in content_types}},
             "4XX": {"description": "The request was refused; the error names the field.", **error},
             "5XX": {"description": "The server could not serve it (draining, overloaded, stalled).", **error}}
@@ -77,11 +94,12 @@ def openapi_document(limits: RequestLimits, api_key: bool, tgi: bool = False,
     gets = {**_GETS, **({"/info": "text-generation-inference's info."} if tgi else {})}
     types = [CompletionRequest, ChatCompletionRequest, native, TokenizeCompletion, TokenizeChat,
              DetokenizeRequest, GetScoreRequest, ClassifyRequest, ScoreRequest, RerankRequest, EmbeddingRequest,
-             TokensRequest, ErrorBody]
+             TokensRequest, ResponsesRequest, MessagesRequest, CountTokensRequest, ErrorBody, AnthropicErrorBody]
     refs, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "MessagesRequest",
+                 "CountTokensRequest"):
         _narrow(components[name], "model", enum=[limits.served_name])
-        for field in ("max_tokens", "max_completion_tokens"):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             _narrow(components[name], field, maximum=limits.max_model_len)
     _narrow(components["TgiParameters" if tgi else "GenerateParameters"], "max_new_tokens", maximum=limits.max_model_len)
     if warn_unknown_fields:
@@ -94,7 +112,8 @@ def openapi_document(limits: RequestLimits, api_key: bool, tgi: bool = False,
         paths[path] = {"post": {"operationId": path.strip("/").replace("/", "_") or "tgi_compat",
                                 "requestBody": {"required": True,
                                                 "content": {"application/json": {"schema": _body_schema(body, ref)}}},
-                                "responses": _responses("The generated text.", streams)}}
+                                "responses": _responses("The generated text.", streams, "AnthropicErrorBody"
+                                                        if path.startswith("/v1/messages") else "ErrorBody")}}
     for path, what in gets.items():
         kind = ("text/plain",) if path == "/metrics" else ("application/json",)
         paths[path] = {"get": {"operationId": path.strip("/").replace("/", "_").replace(".", "_") or "root",

@@ -35,7 +35,11 @@ def reference(server) -> str:
 def test_the_schema_describes_the_routes_with_their_bounds(server):
     doc = httpx.get(server.url + "/openapi.json").json()
     assert doc["openapi"].startswith("3.1")
-    assert {"/v1/completions", "/v1/chat/completions", "/generate", "/health/ready"} <= set(doc["paths"])
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/generate",
+            "/health/ready"} <= set(doc["paths"])
+    messages = doc["paths"]["/v1/messages"]["post"]["responses"]["4XX"]["content"]["application/json"]["schema"]
+    assert messages == {"$ref": "#/components/schemas/AnthropicErrorBody"}  # Anthropic's error shape there
+    assert doc["components"]["schemas"]["MessagesRequest"]["properties"]["max_tokens"]["maximum"] == 64
     completion = doc["components"]["schemas"]["CompletionRequest"]
     assert "additionalProperties" not in completion  # server.unknown_fields=warn: other fields are served
     temperature = completion["properties"]["temperature"]["anyOf"][0]
