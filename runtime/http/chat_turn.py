@@ -15,7 +15,7 @@ from quart import Response
 
 from llaunch.runtime.config import ReasoningParser
 from llaunch.runtime.http.engine_client import RequestGroup, admitted
-from llaunch.runtime.http.errors import ApiError
+from llaunch.runtime.http.errors import ApiError, stream_error
 from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, Choice
 from llaunch.runtime.http.openai_serving import ChoiceState, OpenAIServing
 from llaunch.runtime.http.reasoning import ReasoningStream
@@ -177,8 +177,8 @@ async def streamed_turn(group: RequestGroup, deltas: AsyncIterator[TextDelta], t
         try:
             async for event in turn_events(deltas, turn, shape):
                 yield named_event(event)
-        except ApiError as e:
-            for event in shape.failed(e):
+        except Exception as e:  # an engine failure, or a bug: the client still gets the dialect's error event
+            for event in shape.failed(stream_error(e)):
                 yield named_event(event)
 
     return sse_response(TrackedStream(frames(), group))
