@@ -316,6 +316,7 @@ def test_ready_only_once_every_worker_has_loaded(tmp_path_factory, tiny_dirs):
             for path in ("/health/ready", "/health", "/readiness"):
                 r = httpx.get(server.url + path)
                 assert r.status_code == 503 and r.json()["error"]["code"] == "loading", (path, r.text)
+                assert r.headers["Retry-After"] == "1", path
             assert httpx.get(server.url + "/healthz").status_code == 503
             time.sleep(0.2)
     finally:
