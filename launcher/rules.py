@@ -107,6 +107,10 @@ def timeouts_positive(cfg):
             continue
         if not get(cfg, key) >= 0:
             yield (key,), f"{key}={get(cfg, key)} must be >= 0 (seconds)"
+    if not cfg.server.max_constraint_compile_s > 0:
+        yield ("server.max_constraint_compile_s",), (
+            f"server.max_constraint_compile_s={cfg.server.max_constraint_compile_s} must be > 0 (seconds): no "
+            "structured output would compile")
 
 
 @rule()

@@ -280,6 +280,7 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
             "server.max_prompts_per_request", "server.max_choices_per_request", "server.max_stop_strings",
             "server.max_stop_string_chars", "server.max_constraint_chars", "server.max_constraint_depth",
             "server.tool_call_format", "server.token_healing", "server.return_all_prompt_logprobs",
+            "server.max_constraint_compile_s",
             "server.unknown_fields", "server.trust_request_chat_template", "server.metrics_prefix"),
     **_each((SERVING, METRICS), "server.metrics_host"),
     **_each((SERVING, GENERATES), "server.chat_template", "server.reasoning_parser"),

@@ -353,6 +353,10 @@ class ServerConfig:
     # /metrics series are named `<prefix>:...`; vllm: vLLM's names for the series vLLM has (its Grafana
     # dashboards work unchanged), and llaunch's own series under the same prefix
     metrics_prefix: MetricsPrefix = MetricsPrefix.llaunch
+    # Seconds a spec may compile (in the frontend's compile processes, apart from request parsing); a
+    # longer compile is ended and its request gets a 400 naming the field (size does not bound compile
+    # time: a 1,800-character regex took 11 s)
+    max_constraint_compile_s: float = 10.0
     # A request field that no API llaunch speaks (OpenAI, vLLM, TGI, LightLLM) defines: warn (served
     # without it; named in a log line and the X-Ignored-Fields response header) | reject (a 400 naming it).
     unknown_fields: UnknownFields = UnknownFields.warn

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Optional
 
 from llaunch.runtime.constrained.json_schema import unenforced_keywords
 from llaunch.runtime.ipc.messages import Constraint
@@ -24,11 +24,14 @@ class ConstraintError(ValueError):
 class GrammarCompiler:
     """xgrammar's compiler for one tokenizer, with a cache of compiled specs and a small thread pool."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, threads: int = 2):
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, threads: int = 2, info_json: Optional[str] = None):
+        """`info_json`: the TokenizerInfo another compiler serialized (`info.serialize_json()`), instead
+        of reading `hf_tokenizer` (which may then be None)."""
         import xgrammar as xgr
 
         self._xgr = xgr
-        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+        self.info = (xgr.TokenizerInfo.deserialize_json(info_json) if info_json is not None
+                     else xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size))
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True,
                                              cache_limit_bytes=256 << 20)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")

@@ -2,15 +2,19 @@
 tokenizer and lifecycle, so tests serve it with a scripted engine and no other process."""
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from quart import Quart, Response, request
 
 from llaunch.runtime.config import Mode, RunConfig, UnknownFields
+from llaunch.runtime.constrained.compile_pool import CompilePool
+from llaunch.runtime.http.constraint_compiles import ConstraintCompiles, begin_request as begin_constraints
 from llaunch.runtime.http.anthropic_api import AnthropicApi, anthropic_errors
 from llaunch.runtime.http.audio import AudioInputs
 from llaunch.runtime.http.images import ImageInputs
@@ -33,6 +37,7 @@ from llaunch.runtime.http.tgi_api import TgiApi, tgi_info
 from llaunch.runtime.http.tokenize_api import TokenizeApi
 from llaunch.runtime.http.unknown_fields import IGNORED_HEADER, begin_request, header_value, ignored_fields
 from llaunch.runtime.metrics_exposition import exposition
+from llaunch.runtime.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,11 @@ class FrontendSettings:
     images: Optional[object] = None  # a multimodal model: ImageInputs (runtime/http/images.py), or AudioInputs (audio.py)
     warn_unknown_fields: bool = True  # server.unknown_fields=warn: served without them (runtime/http/unknown_fields.py)
     server_info: Optional[dict] = None  # LightLLM's GET /get_server_info (runtime/http/lightllm_ops.py)
+    # structured output compiles in processes that load the tokenizer with this (picklable) factory, each
+    # spec within max_constraint_compile_s (runtime/http/constraint_compiles.py); None: only the worker compiles
+    grammar_tokenizer: Optional[Callable[[], Any]] = None
+    max_constraint_compile_s: float = 10.0
+    parse_probe_s: float = 2.0  # /health/ready fails when the request-parsing threads take longer to run a no-op
 
     @staticmethod
     def from_run_config(cfg: RunConfig, tokenizer: PromptTokenizer, api_key: Optional[str] = None) -> "FrontendSettings":
@@ -77,6 +87,8 @@ class FrontendSettings:
         return FrontendSettings(limits=limits, api_key=api_key, max_body_bytes=s.max_body_bytes,
                                 warn_unknown_fields=s.unknown_fields is UnknownFields.warn,
                                 server_info=lightllm_server_info(cfg),
+                                grammar_tokenizer=functools.partial(load_tokenizer, m),
+                                max_constraint_compile_s=s.max_constraint_compile_s,
                                 request_timeout_s=s.request_timeout_s, score=ScoreHead.of(m), embed=EmbedModel.of(m),
                                 tgi_info=tgi_info(cfg) if s.tgi_api else None,
                                 images=ImageInputs(m, cfg.visual) if m.vision
@@ -113,10 +125,23 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
 
     gatekeeper(app, settings.api_key, lifecycle, _OPEN_PATHS, _DRAIN_EXEMPT)
     json_errors(app, log)
+    grammars = None
+    if settings.grammar_tokenizer is not None and engine is not None:
+        grammars = CompilePool(settings.grammar_tokenizer, limits.vocab_size, settings.max_constraint_compile_s)
+        engine.constraint_gate = ConstraintCompiles(grammars).gate
+
+        @app.before_serving
+        async def start_grammars() -> None:  # on the loop; the forkserver imports xgrammar meanwhile (~10 s)
+            grammars.start()
+
+        @app.after_serving
+        async def stop_grammars() -> None:
+            grammars.close()
 
     @app.before_request
     async def collect_unknown_fields() -> None:
         begin_request(settings.warn_unknown_fields)
+        begin_constraints()
 
     @app.after_request
     async def name_ignored_fields(response: Response) -> Response:
@@ -240,6 +265,15 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
         stalled = engine.stalled_replicas
         if lifecycle.draining:
             return error_response(draining())
+        if grammars is not None and not grammars.warm:
+            return error_response(ApiError(503, "The grammar compilers are starting.", type="service_unavailable",
+                                           code="loading"))
+        try:  # the threads that parse requests run one more now, not after a backlog
+            await asyncio.wait_for(asyncio.to_thread(int), settings.parse_probe_s)
+        except asyncio.TimeoutError:
+            return error_response(ApiError(503, f"Request parsing is backed up: its threads took over "
+                                                f"{settings.parse_probe_s:g} s to start a task.",
+                                           type="service_unavailable", code="frontend_busy"))
         if age > settings.heartbeat_max_age_s:
             return error_response(ApiError(503, f"No engine heartbeat for {age:.1f} s.", type="service_unavailable",
                                            code="engine_unavailable"))

@@ -29,8 +29,8 @@ from llaunch.runtime.config import ProcessSpec
 from llaunch.runtime.http.errors import engine_failed
 from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.prefix_affinity import PrefixAffinity
-from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, FlushCache, FrontendInbound, MetricsSnapshot,
-                                          PdLink, RouterInbound, SamplingParams, TextBatch, TextDelta)
+from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, Constraint, FlushCache, FrontendInbound,
+                                          MetricsSnapshot, PdLink, RouterInbound, SamplingParams, TextBatch, TextDelta)
 from llaunch.runtime.ipc.sockets import AsyncReceiver, AsyncSender
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,9 @@ class EngineClient:
         self._routes: dict[str, _Route] = {}
         self._last_heartbeat: Optional[float] = None
         self.metrics: Optional[MetricsSnapshot] = None
+        # awaited with a request's constraints before it is sent: they must compile (set by the app:
+        # runtime/http/constraint_compiles.py); it raises the ApiError that refuses the request
+        self.constraint_gate: Optional[Callable[[list[Constraint]], Awaitable[None]]] = None
 
     @property
     def running(self) -> int:
@@ -170,6 +173,9 @@ class EngineClient:
         sent is aborted. `priority`: vLLM's (lower first); `replica`: LightLLM's suggested_dp_index
         (one out of range is ignored, as LightLLM does)."""
         pd = pd if pd is not None else current_pd_link.get()
+        constraints = [s.constraint for _, s in jobs if s.constraint is not None]
+        if constraints and self.constraint_gate is not None:
+            await self.constraint_gate(constraints)
         if lifecycle is not None:
             lifecycle.begin()
         # One replica for the whole group: the n samples of a prompt share its prefix cache there.

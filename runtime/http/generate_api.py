@@ -128,7 +128,7 @@ def generate_jobs(req: GenerateRequest, tokenizer: PromptTokenizer, limits: Requ
                for name, kind, value in (("regular_constraint", "regex", p.regular_constraint),
                                          ("guided_grammar", "grammar", p.guided_grammar),
                                          ("guided_json", "json", p.guided_json)) if value is not None]
-    constraint = one_constraint(sources, tokenizer.grammar, limits) if sources else None
+    constraint = one_constraint(sources, limits) if sources else None
     jobs = []
     for i in range(p.best_of):
         jobs.append(SamplingParams(

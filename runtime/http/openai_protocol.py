@@ -391,7 +391,7 @@ def constraint_of(req: _GenerationRequest, tokenizer: PromptTokenizer, limits: R
             if sources:
                 raise bad_request("Give `tools` or a structured output, not both.", param=sources[0][0])
             sources = [("tools", tools)]
-    return one_constraint(sources, tokenizer.grammar, limits)
+    return one_constraint(sources, limits)
 
 
 def completion_choices(req: CompletionRequest, prompts: list[list[int]], limits: RequestLimits,

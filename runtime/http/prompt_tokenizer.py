@@ -50,21 +50,10 @@ class PromptTokenizer:
         template = getattr(hf_tokenizer, "chat_template", None)
         self.template_has_tools = isinstance(template, str) and "tools" in template
         self.tool_format = template_format(template if isinstance(template, str) else None, tool_call_format)
-        self._grammar = None
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
-
-    @property
-    def grammar(self):
-        """The GrammarCompiler of this tokenizer (made on the first structured request)."""
-        with self._lock:
-            if self._grammar is None:
-                from llaunch.runtime.constrained.compiler import GrammarCompiler
-
-                self._grammar = GrammarCompiler(self.hf, self.vocab_size)
-            return self._grammar
 
     def encode(self, text: str) -> list[int]:
         with self._lock:

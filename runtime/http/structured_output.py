@@ -1,14 +1,14 @@
 """A request's structured output as one Constraint: OpenAI's `response_format` (json_object,
 json_schema), vLLM's `structured_outputs` and `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`, LightLLM's `guided_json` / `guided_grammar` / `regular_constraint`. At most one per
-request; each is compiled here (cached per spec) so a spec the grammar engine refuses is a 400 that
-names the field, before anything reaches the engine."""
+request; it compiles before anything reaches the engine (runtime/http/constraint_compiles.py), so a
+spec the grammar engine refuses, or takes too long over, is a 400 that names the field."""
 from __future__ import annotations
 
 import json
 from typing import Any, Optional
 
-from llaunch.runtime.constrained.compiler import ConstraintError
+from llaunch.runtime.http.constraint_compiles import named
 from llaunch.runtime.http.errors import bad_request
 from llaunch.runtime.ipc.messages import Constraint
 
@@ -135,9 +135,9 @@ def constraint_from(kind: str, value: Any, param: str) -> Constraint:
     return Constraint("regex" if kind == "regex" else "grammar", value)
 
 
-def one_constraint(sources: list[tuple[str, Constraint]], compiler, limits) -> Optional[Constraint]:
-    """The request's one constraint, compiled once here to refuse a bad spec with a 400 (and one the
-    compiler would take seconds over: larger or deeper than `limits` allow)."""
+def one_constraint(sources: list[tuple[str, Constraint]], limits) -> Optional[Constraint]:
+    """The request's one constraint, within `limits`' size and depth, named by its field: it compiles
+    before it reaches the engine (runtime/http/constraint_compiles.py), a bad spec being a 400."""
     if not sources:
         return None
     if len(sources) > 1:
@@ -150,8 +150,5 @@ def one_constraint(sources: list[tuple[str, Constraint]], compiler, limits) -> O
     if constraint.kind == "json_schema" and _depth(json.loads(constraint.spec)) > limits.max_constraint_depth:
         raise bad_request(f"`{param}` nests objects and arrays more than {limits.max_constraint_depth} deep "
                           "(server.max_constraint_depth).", param=param)
-    try:
-        compiler.compile(constraint)
-    except ConstraintError as e:
-        raise bad_request(f"`{param}`: {e}", param=param) from None
+    named(constraint, param)
     return constraint

@@ -326,3 +326,52 @@ def test_ready_only_once_every_worker_has_loaded(tmp_path_factory, tiny_dirs):
         assert httpx.get(server.url + path).status_code == 200, path
     assert greedy(server, max_tokens=4)
     server.stop()
+
+
+def test_a_regex_that_compiles_for_minutes_is_a_400_and_stalls_nothing(tmp_path_factory, tiny_dirs):
+    """The issue's `(a|b|c|d|e|f|g|h)*` repeated 300 times (5,400 characters: minutes of compiling)
+    under server.max_constraint_compile_s=3: a 400 naming guided_regex within the budget; five more
+    such requests whose clients leave after a second (their compiles are abandoned); meanwhile plain completions and /tokenize answer
+    promptly (they once timed out for 45 s behind the compile threads) and readiness stays green."""
+    keys = ["server.max_constraint_compile_s=3"]
+    with start_server(tmp_path_factory, "compile-budget", overrides(tiny_dirs) + keys) as server:
+        slow = "(a|b|c|d|e|f|g|h)*"
+        answered: list[tuple[int, dict, float]] = []
+        prompt: list[tuple[str, float]] = []
+
+        async def run() -> None:
+            async with httpx.AsyncClient(headers=AUTH) as client:
+                async def waited() -> None:
+                    t0 = time.monotonic()
+                    r = await client.post(server.url + "/v1/completions", timeout=120, json={
+                        "model": MODEL, "prompt": "x", "max_tokens": 4, "guided_regex": slow * 300})
+                    answered.append((r.status_code, r.json()["error"], time.monotonic() - t0))
+
+                async def gone(k: int) -> None:
+                    with pytest.raises(httpx.ReadTimeout):
+                        await client.post(server.url + "/v1/completions", timeout=1, json={
+                            "model": MODEL, "prompt": "x", "guided_regex": slow * k})
+
+                async def plain() -> None:
+                    await asyncio.sleep(0.5)  # the slow ones are compiling
+                    for i in range(6):
+                        for path, body in (("/v1/completions", {"model": MODEL, "prompt": f"n{i}", "max_tokens": 3}),
+                                           ("/tokenize", {"model": MODEL, "prompt": f"tokenize {i}"}),
+                                           ("/health/ready", None)):
+                            t0 = time.monotonic()
+                            r = await (client.get(server.url + path, timeout=60) if body is None
+                                       else client.post(server.url + path, json=body, timeout=60))
+                            assert r.status_code == 200, (path, r.text)
+                            prompt.append((path, time.monotonic() - t0))
+                        await asyncio.sleep(0.5)
+
+                await asyncio.gather(waited(), *(gone(301 + k) for k in range(5)), plain())
+
+        asyncio.run(run())
+        [(status, error, seconds)] = answered
+        assert (status, error["param"], error["code"]) == (400, "guided_regex", "constraint_too_complex"), error
+        assert "server.max_constraint_compile_s" in error["message"]
+        assert seconds < 3 + 3, seconds  # the budget, and a margin for a busy machine
+        slowest = max(prompt, key=lambda p: p[1])
+        assert slowest[1] < 5, slowest
+        assert greedy(server) == greedy(server)

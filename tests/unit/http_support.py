@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import tempfile
 import time
 
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
@@ -24,6 +25,19 @@ def smollm2_gguf() -> str:
 @functools.cache
 def smollm2_tokenizer() -> PromptTokenizer:
     return PromptTokenizer(load_tokenizer(ModelConfig(path=str(smollm2_gguf()))))
+
+
+@functools.cache
+def smollm2_tokenizer_folder() -> str:
+    """The tokenizer saved as a folder: a process loads it in a second (the GGUF's takes tens)."""
+    folder = tempfile.mkdtemp(prefix="smollm2-tokenizer-")
+    smollm2_tokenizer().hf.save_pretrained(folder)
+    return folder
+
+
+def smollm2_grammar_tokenizer():
+    """The frontend's grammar compile processes' tokenizer factory (FrontendSettings.grammar_tokenizer)."""
+    return functools.partial(load_tokenizer, ModelConfig(path=smollm2_tokenizer_folder()))
 
 
 def wait_for(predicate, timeout: float = 5.0) -> None:

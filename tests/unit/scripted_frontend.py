@@ -18,7 +18,7 @@ from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, MetricsSnapshot, TextBatch,
                                           TextDelta)
 
-from unit.http_support import METRICS_TEXT, MODEL, REPLY
+from unit.http_support import METRICS_TEXT, MODEL, REPLY, smollm2_grammar_tokenizer
 
 LIMITS = RequestLimits(served_name=MODEL, max_model_len=128, vocab_size=49152)
 # the reply to a prompt that says `toolcall`: two calls in the hermes format
@@ -102,7 +102,8 @@ class Server:
         sock = listening_socket("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         self.fd = sock.detach()
-        self.settings = FrontendSettings(**{"limits": LIMITS, "api_key": api_key, "heartbeat_max_age_s": 1.0, **settings})
+        self.settings = FrontendSettings(**{"limits": LIMITS, "api_key": api_key, "heartbeat_max_age_s": 1.0,
+                                            "grammar_tokenizer": smollm2_grammar_tokenizer(), **settings})
         self.replicas = replicas
         self.tok = tok
         self.loop = asyncio.new_event_loop()
@@ -110,6 +111,15 @@ class Server:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         assert self.started.wait(10)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        """Until /health/ready says 200: the grammar compile processes have started (the first server
+        of a test process starts their forkserver, which imports xgrammar: seconds)."""
+        deadline = time.monotonic() + timeout
+        while self.raw("GET", "/health/ready")[0] != 200:
+            assert time.monotonic() < deadline, "the scripted frontend never became ready"
+            time.sleep(0.1)
 
     def _run(self) -> None:
         self.loop.run_until_complete(self._main())

@@ -114,7 +114,8 @@ def test_frontend_process_serves_over_zmq_and_drains_on_sigterm(tok, tmp_path):
             conn.request("GET", "/health")
             return conn.getresponse().status == 200
 
-        wait_for(healthy)  # the heartbeat comes through the detokenizer's socket
+        wait_for(healthy, timeout=180)  # the heartbeat comes through the detokenizer's socket; the grammar
+        # compile processes load the tokenizer (a GGUF's: tens of seconds on a busy machine)
         stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=30, stream=True)
         first = next(iter(stream))
         proc.send_signal(signal.SIGTERM)
