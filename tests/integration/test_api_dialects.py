@@ -134,6 +134,13 @@ def test_anthropic_greedy_text_equals_transformers(server, oracle):
     assert text == want and final.content[0].text == want and final.stop_reason == out.stop_reason
     assert final.usage.cache_read_input_tokens > 0  # the same prompt again: the prefix cache served it
 
+    # a stop sequence from the middle of the greedy text: the text before its first occurrence, and its name
+    stop = want[len(want) // 2:len(want) // 2 + 3]
+    assert stop.strip(), want
+    out = api.messages.create(model=MODEL, system="Answer briefly.", messages=messages, max_tokens=24,
+                              stop_sequences=["\u0000never", stop], extra_body={"temperature": 0})
+    assert (out.content[0].text, out.stop_reason, out.stop_sequence) == (want[:want.index(stop)], "stop_sequence", stop)
+
     # a final assistant message is continued (Anthropic's prefill)
     prefill = [*messages, {"role": "assistant", "content": "My favourite"}]
     prompt = rendered(oracle, [{"role": "system", "content": "Answer briefly."}, *prefill],
