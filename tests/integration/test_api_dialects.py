@@ -126,7 +126,8 @@ def test_anthropic_greedy_text_equals_transformers(server, oracle):
     assert out.usage.input_tokens + out.usage.cache_read_input_tokens == len(prompt)
     assert out.usage.output_tokens == len(ids)
     assert out.stop_reason == ("end_turn" if ids[-1] == EOS else "max_tokens")
-    assert api.messages.count_tokens(model=MODEL, system="Answer briefly.", messages=messages).input_tokens == len(prompt)
+    counted = api.messages.count_tokens(model=MODEL, system="Answer briefly.", messages=messages)
+    assert counted.input_tokens == len(prompt)
 
     with api.messages.stream(**kw) as stream:
         text = "".join(stream.text_stream)
