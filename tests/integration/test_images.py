@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -142,6 +143,29 @@ def test_generate_with_images_matches_transformers(vl):
                                  {"type": "base64", "data": base64.b64encode(pngs[1]).decode()}])
     assert r.status_code == 200, r.text
     assert [t["id"] for t in r.json()["tokens"]] == expected_two
+
+
+def test_responses_and_anthropic_messages_take_images(vl):
+    """An image as a Responses input_image part and as an Anthropic base64 image block: the prompt (image
+    tokens counted) and the greedy answer of the chat path, which equals transformers'."""
+    server, oracle, client = vl
+    png = image_png(90, 60, 7)
+    _, prompt_len = oracle.greedy([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "-"}},
+                                                                {"type": "text", "text": "Describe."}]}], [png], 1)
+    chat = client.chat.completions.create(model="tiny-vl", max_tokens=MAX_NEW, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png)}},
+                                     {"type": "text", "text": "Describe."}]}])
+    out = client.responses.create(model="tiny-vl", max_output_tokens=MAX_NEW, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(png)},
+                                     {"type": "input_text", "text": "Describe."}]}])
+    assert out.output_text == chat.choices[0].message.content and out.usage.input_tokens == prompt_len
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png).decode()}}
+    message = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0).messages.create(
+        model="tiny-vl", max_tokens=MAX_NEW, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [block, {"type": "text", "text": "Describe."}]}])
+    assert message.content[0].text == chat.choices[0].message.content
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == prompt_len
 
 
 def test_generate_bad_images_are_400(vl):
