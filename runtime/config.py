@@ -165,8 +165,10 @@ class ModelConfig:
     tie_word_embeddings: Optional[bool] = None  # architecture: the LM head shares the embedding
     attention_bias: Optional[bool] = None  # q/k/v bias (Qwen2)
     # LightLLM's use_reward_model: score serves a *ForSequenceClassification checkpoint's head (/classify,
-    # /v1/score, /get_score) instead of generating.
-    task: ModelTask = ModelTask.auto  # auto: score when config.json's architectures name a classification head
+    # /v1/score, /get_score, /v1/rerank) instead of generating; embed an embedding model's pooled hidden states
+    # (/v1/embeddings). auto: score when config.json's architectures name a classification head (or
+    # score_head=yes_no), embed for a sentence-transformers folder (modules.json)
+    task: ModelTask = ModelTask.auto
     num_labels: Optional[int] = None  # architecture: outputs of the score head (task=score); from config.json
     labels: Optional[List[str]] = None  # task=score: names of the head's outputs; default config.json's id2label
     score_head: Optional[ScoreHead] = None  # task=score: the head's form; None: from config.json's architectures
@@ -176,7 +178,8 @@ class ModelConfig:
     # task=embed: how a prompt's final-norm hidden states become one vector; None: the checkpoint's
     # 1_Pooling/config.json (sentence-transformers), else last
     pooling: Optional[Pooling] = None
-    normalize: Optional[bool] = None  # task=embed: L2-normalize the vector; None: modules.json has a Normalize module
+    # task=embed: L2-normalize the vector; None: modules.json has a Normalize module (no modules.json: normalized)
+    normalize: Optional[bool] = None
     # task=embed: a request's `dimensions` is served (Matryoshka-trained: the first d values are an embedding);
     # None: config.json's is_matryoshka / matryoshka_dimensions
     matryoshka: Optional[bool] = None
