@@ -103,10 +103,11 @@ def last_token(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mean(tmp_path_factory):
-    """Mean pooling, no Normalize module: the raw mean of the final hidden states."""
+    """Mean pooling, no Normalize module: the raw mean of the final hidden states; two tensor-parallel ranks, each
+    adding up its chunks' (replicated) final norm outputs."""
     path = write_embedder(tmp_path_factory.mktemp("qwen2-mean"), "qwen2", "mean", False, seed=6)
-    with start_server(tmp_path_factory, "qwen2-mean",
-                      ["model=auto", f"model.path={path}", f"router.chunked_prefill_size={CHUNK}"]) as server:
+    with start_server(tmp_path_factory, "qwen2-mean", ["model=auto", f"model.path={path}", "parallel=tp2",
+                                                        f"router.chunked_prefill_size={CHUNK}"]) as server:
         yield server, Oracle(path, "mean", False)
 
 
