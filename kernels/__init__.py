@@ -5,7 +5,8 @@ kernels run and how they launch is `kernels.settings` (the `kernels` config grou
 The ops are loaded on first use, so `llaunch.kernels.settings` imports without torch (the launcher
 validates kernel settings).
 """
-OPS = ("apply_penalties", "decode_attention", "fused_moe", "gated_linear", "greedy_tokens", "linear", "lm_head_linear",
+OPS = ("apply_penalties", "decode_attention", "fused_moe", "gated_linear", "gelu_tanh_mul", "greedy_tokens", "linear",
+       "lm_head_linear",
        "moe_route", "prefill_attention", "qkv_rotary_store_kv", "rmsnorm", "rope_cos_sin", "rotary_embedding",
        "rotary_store_kv", "sample", "silu_mul", "store_kv")
 

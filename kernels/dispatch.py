@@ -17,7 +17,7 @@ import torch
 from llaunch.kernels import fp8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
-                   "silu_mul", "sampling", "greedy", "fp8_block", "fused_moe")
+                   "silu_mul", "gelu_tanh_mul", "sampling", "greedy", "fp8_block", "fused_moe")
 
 
 def _use_triton(t) -> bool:
@@ -41,6 +41,7 @@ def triton_ops() -> types.SimpleNamespace:
         prefill_attention=modules["prefill_attention"].prefill_attention,
         decode_attention=modules["decode_attention"].decode_attention,
         silu_mul=modules["silu_mul"].silu_mul,
+        gelu_tanh_mul=modules["gelu_tanh_mul"].gelu_tanh_mul,
         gemv=modules["gemv"].gemv,
         gemv_staged_for=modules["gemv"].staged_for,
         greedy_tokens=modules["greedy"].greedy_tokens,
@@ -61,8 +62,19 @@ def rmsnorm(x, weight, eps, residual=None):
     return reference.rmsnorm(x, weight, eps, residual)
 
 
+def _partial(q, cos) -> bool:
+    """Tables narrower than the head: rotary on its leading 2 x cos.shape[-1] dims only (partial_rotary_factor)."""
+    return 2 * cos.shape[-1] < q.shape[-1]
+
+
 def rotary_embedding(q, k, positions, cos, sin):
+    """Rotate-half rotary on q [T, Hq, D] and k [T, Hk, D]; tables [P, R/2] rotate each head's first R dims (the
+    rest pass through: Phi-4-mini's partial rotary)."""
     if _use_triton(q):
+        if _partial(q, cos):  # the kernel rotates the leading dims (a strided view), the rest is copied beside
+            r = 2 * cos.shape[-1]
+            q_rot, k_rot = triton_ops().rotary_embedding(q[..., :r], k[..., :r], positions, cos, sin)
+            return torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1)
         return triton_ops().rotary_embedding(q, k, positions, cos, sin)
     return reference.rotary_embedding(q, k, positions, cos, sin)
 
@@ -75,6 +87,10 @@ def rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, kv_sc
         return (q, k, v) if with_kv else q
     if with_kv:
         return rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots), None, None
+    if _use_triton(q) and _partial(q, cos):
+        q, k = rotary_embedding(q, k, positions, cos, sin)
+        store_kv(k_cache, v_cache, slots, k, v)
+        return q
     if _use_triton(q) and k_cache.dtype == k.dtype:
         return triton_ops().rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
     return reference.rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
@@ -184,6 +200,13 @@ def silu_mul(x):
     if _use_triton(x):
         return triton_ops().silu_mul(x)
     return reference.silu_mul(x)
+
+
+def gelu_tanh_mul(x):
+    """GeGLU (Gemma): [.., 2I] (gate ‖ up) → gelu_tanh(gate) * up."""
+    if _use_triton(x):
+        return triton_ops().gelu_tanh_mul(x)
+    return reference.gelu_tanh_mul(x)
 
 
 def moe_route(router_logits, top_k: int, renormalize: bool):

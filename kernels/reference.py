@@ -150,15 +150,17 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half (GPT-NeoX) rotary embedding, as Llama and Qwen2 use in Hugging Face checkpoints.
     q: [T, Hq, D], k: [T, Hk, D], positions: [T]. Returns new tensors. Each product and the sum are
-    rounded to q's dtype, as transformers' `q * cos + rotate_half(q) * sin` in that dtype does."""
+    rounded to q's dtype, as transformers' `q * cos + rotate_half(q) * sin` in that dtype does. Tables
+    [P, R/2] with R < D rotate each head's first R dims and pass the rest (Phi-3's partial_rotary_factor)."""
 
     def rotate(x):
-        half = x.shape[-1] // 2
+        half = cos.shape[-1]
         c = cos[positions].unsqueeze(1).float()
         s = sin[positions].unsqueeze(1).float()
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        x1, x2 = x[..., :half].float(), x[..., half: 2 * half].float()
         r = lambda t: t.to(x.dtype).float()  # noqa: E731
-        return torch.cat([r(x1 * c) - r(x2 * s), r(x2 * c) + r(x1 * s)], dim=-1).to(x.dtype)
+        rotated = torch.cat([r(x1 * c) - r(x2 * s), r(x2 * c) + r(x1 * s)], dim=-1).to(x.dtype)
+        return torch.cat([rotated, x[..., 2 * half:]], dim=-1) if 2 * half < x.shape[-1] else rotated
 
     return rotate(q), rotate(k)
 
@@ -270,6 +272,12 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate ‖ up) → silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate.float()).to(x.dtype) * up
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate ‖ up) → gelu_tanh(gate) * up, [T, I]: Gemma's GeGLU (transformers' gelu_pytorch_tanh)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate.float(), approximate="tanh").to(x.dtype) * up
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
