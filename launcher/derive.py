@@ -19,6 +19,7 @@ from llaunch.runtime.models.arch import FAMILIES, QKV_ONLY_BIAS_FAMILIES
 from llaunch.runtime.models.pooling_config import EmbeddingFacts, embedding_facts
 from llaunch.runtime.models.tokenizer import vocab_ids
 from llaunch.runtime.models.moe_config import MOE_FAMILIES
+from llaunch.runtime.models.decoder_variants import GEMMA_FAMILIES
 from llaunch.runtime.models.checkpoint import (ARCH_FIELDS, Checkpoint, CheckpointError, checkpoint_dtype, is_gguf,
                                                read_checkpoint)
 
@@ -83,9 +84,9 @@ def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
     family = model.family or (ckpt.family if ckpt else None)
     if arch["head_dim"] is None and arch["hidden_size"] and arch["num_attention_heads"]:
         arch["head_dim"] = arch["hidden_size"] // arch["num_attention_heads"]
-    if family in ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES):
+    if family in ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_FAMILIES, *MOE_FAMILIES):
         if arch["tie_word_embeddings"] is None:
-            arch["tie_word_embeddings"] = False
+            arch["tie_word_embeddings"] = family in GEMMA_FAMILIES  # Gemma's always tie
         if arch["attention_bias"] is None:
             arch["attention_bias"] = family in QKV_ONLY_BIAS_FAMILIES
     load_format = model.load_format
@@ -104,20 +105,20 @@ def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
         model, **(arch | task_fields(model, ckpt, arch["num_labels"], path)), name=model.name or hub_id or served_name(path) or family, family=family, path=path, tokenizer=_absolute(model.tokenizer) or path,
         load_format=load_format, dtype=dtype, eos_token_ids=eos,
         sampling_defaults={**(ckpt.sampling if ckpt and model.generation_config else {}), **model.sampling_defaults},
-        max_model_len=model.max_model_len or default_context(arch),
+        max_model_len=model.max_model_len or default_context(arch, family),
     )
 
 
-def default_context(arch: dict) -> int | None:
+def default_context(arch: dict, family: str | None = None) -> int | None:
     """The context a checkpoint is served at unless model.max_model_len says otherwise: its trained
-    length, stretched by its rope scaling (YaRN, linear, dynamic), within its attention window
-    (Mistral's sliding_window: served exactly only up to it)."""
+    length, stretched by its rope scaling (YaRN, linear, dynamic). A sliding window does not cap it: the
+    attention kernels honour each layer's window."""
     if arch["max_position_embeddings"] is None:
         return None
     longest = arch["max_position_embeddings"]
-    if not rope.rope_problems(arch["rope_scaling"], arch["head_dim"]):
-        longest = rope.context_length(longest, arch["rope_scaling"])
-    return min(longest, arch["sliding_window"] or longest)
+    if not rope.rope_problems(arch["rope_scaling"], rope.rotary_dim(arch["head_dim"], arch["partial_rotary_factor"])):
+        longest = rope.context_length(longest, arch["rope_scaling"], family)
+    return longest
 
 
 YES_NO_TOKENS = ["yes", "no"]  # Qwen3-Reranker's answer tokens (convert_tokens_to_ids of these)

@@ -226,7 +226,8 @@ _ARCHITECTURE = tuple(f"model.{f}" for f in (
     "vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings",
     "attention_bias", "mrope_section", "vision", "audio", "sliding_window", "num_experts", "num_experts_per_tok",
     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-    "mlp_only_layers"))
+    "mlp_only_layers", "layer_types", "hidden_act", "query_pre_attn_scalar", "attn_logit_softcapping",
+    "final_logit_softcapping", "rope_local_base_freq", "partial_rotary_factor"))
 
 READ_WHERE: dict[str, tuple[Context, ...]] = {
     # read in every mode: the launcher plans, supervises and logs every graph with them

@@ -12,10 +12,11 @@ from llaunch.runtime.config import Device, DType, LlaunchConfig, LoadFormat, Mod
 from llaunch.runtime.models import rope
 from llaunch.runtime.models.arch import FAMILIES  # qwen2_vl / qwen2_5_vl: Qwen2-VL / Qwen2.5-VL (images)
 from llaunch.runtime.models.checkpoint import is_gguf, read_checkpoint
+from llaunch.runtime.models.decoder_variants import ACTIVATIONS, LAYER_TYPES
 
 GGUF_FAMILIES = ("llama", "qwen2")  # GGUF's general.architecture that runtime/models/weights.py reads (Mistral's is llama)
-SIZED_PROFILES = ("model=qwen2-0.5b | qwen2-7b | qwen2-72b | qwen3-8b | llama3-8b | mistral-7b | qwen3-30b-a3b | "
-                  "mixtral-8x7b | tiny-qwen2 | tiny-llama")
+SIZED_PROFILES = ("model=qwen2-0.5b | qwen2-7b | qwen2-72b | qwen3-8b | llama3-8b | mistral-7b | gemma3-12b | phi4 | "
+                  "qwen3-30b-a3b | mixtral-8x7b | tiny-qwen2 | tiny-llama")
 SERVING_MODES = (Mode.normal, Mode.pd_prefill, Mode.pd_decode)  # modes that run workers
 
 
@@ -40,10 +41,14 @@ def gguf_family_served(cfg):
             f"{' and '.join(GGUF_FAMILIES)} (Mistral's too); serve the Hugging Face checkpoint instead")
 
 
+def rotary_dim(m) -> int | None:
+    return rope.rotary_dim(m.head_dim, m.partial_rotary_factor)
+
+
 @rule()
 def rope_scaling_supported(cfg):
     m = cfg.model
-    if problems := rope.rope_problems(m.rope_scaling, m.head_dim):
+    if problems := rope.rope_problems(m.rope_scaling, rotary_dim(m)):
         yield ("model.rope_scaling",), (
             f"model.rope_scaling={m.rope_scaling!r}: {'; '.join(problems)}; llaunch computes default, "
             f"{', '.join(rope.ROPE_TYPES)} rotary tables (transformers' rope_type names): serve another "
@@ -146,9 +151,9 @@ def checkpoint_dtype_supported(cfg):
 @rule(needs=("model.max_model_len", "model.max_position_embeddings"))
 def context_within_model(cfg):
     m = cfg.model
-    if rope.rope_problems(m.rope_scaling, m.head_dim):
+    if rope.rope_problems(m.rope_scaling, rotary_dim(m)):
         return  # rope_scaling_supported says why
-    longest = rope.context_length(m.max_position_embeddings, m.rope_scaling)
+    longest = rope.context_length(m.max_position_embeddings, m.rope_scaling, m.family)
     if not 1 <= m.max_model_len <= longest:
         scaled = f" stretched by model.rope_scaling ({rope.rope_type(m.rope_scaling)})" \
             if longest != m.max_position_embeddings else ""
@@ -158,12 +163,36 @@ def context_within_model(cfg):
             f"model.max_model_len or leave it unset")
 
 
-@rule(needs=("model.max_model_len",))
-def context_within_sliding_window(cfg):
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+@rule()
+def model_variants_served(cfg):
+    """The decoder variants the model code runs (runtime/models/decoder_variants.py): windows, layer types,
+    activations, soft-caps, Gemma's attention scale and local rotary base, Phi-3's partial rotary."""
     m = cfg.model
-    if m.sliding_window is not None and m.max_model_len > m.sliding_window:
-        yield ("model.max_model_len", "model.sliding_window"), (
-            f"model.max_model_len={m.max_model_len} is longer than the checkpoint's attention window "
-            f"model.sliding_window={m.sliding_window}; llaunch attends over the whole context, which equals "
-            f"windowed attention only up to the window: set model.max_model_len={m.sliding_window} (or leave it "
-            "unset: it defaults to the window)")
+    if m.hidden_act is not None and m.hidden_act not in ACTIVATIONS:
+        yield ("model.hidden_act",), (f"model.hidden_act={m.hidden_act!r} is not served: llaunch's MLPs compute "
+                                      f"{' and '.join(ACTIVATIONS)} (null: silu)")
+    if m.layer_types is not None and (any(t not in LAYER_TYPES for t in m.layer_types) or (
+            m.num_hidden_layers is not None and len(m.layer_types) != m.num_hidden_layers)):
+        yield ("model.layer_types", "model.num_hidden_layers"), (
+            f"model.layer_types needs one of {', '.join(LAYER_TYPES)} for each of the model.num_hidden_layers="
+            f"{m.num_hidden_layers} layers, got {list(m.layer_types)}; null: every layer windowed when "
+            "model.sliding_window is set (Gemma: its family's pattern)")
+    for key in ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                "rope_local_base_freq"):
+        value = getattr(m, key)
+        if value is not None and not _positive(value):
+            yield (f"model.{key}",), f"model.{key}={value!r} must be a positive number, or null (none)"
+    partial = m.partial_rotary_factor
+    if partial is not None and partial != 1.0:
+        if m.family != "phi3":
+            yield ("model.partial_rotary_factor", "model.family"), (
+                f"model.partial_rotary_factor={partial} with model.family={m.family!r}: rotary on part of each "
+                "head is the phi3 family's (transformers applies it there only); set it to null")
+        elif not (_positive(partial) and partial < 1 and m.head_dim and rotary_dim(m) % 2 == 0 and rotary_dim(m) > 0):
+            yield ("model.partial_rotary_factor",), (
+                f"model.partial_rotary_factor={partial} must rotate an even number of a head's model.head_dim="
+                f"{m.head_dim} dims (0 < factor <= 1)")

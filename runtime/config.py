@@ -129,7 +129,8 @@ class ModelConfig:
     # Served model name (the OpenAI `model` field). None: the checkpoint folder's (or .gguf file's)
     # name, as vLLM serves a path's last component; without a path, the family.
     name: Optional[str] = None
-    family: Optional[str] = None  # llama | qwen2 | qwen3 | mistral | qwen2_vl | ...; None: from config.json's model_type
+    # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3_text | phi3 | qwen2_vl | ...; None: from config.json's model_type
+    family: Optional[str] = None
     path: Optional[str] = None  # Hugging Face folder (config.json, *.safetensors, tokenizer) or .gguf
     tokenizer: Optional[str] = None  # defaults to path
     load_format: LoadFormat = LoadFormat.auto  # auto: from path (.gguf or safetensors); dummy: random weights
@@ -186,8 +187,25 @@ class ModelConfig:
     # task=embed with matryoshka: the sizes a request may ask for; None: config.json's, else any up to hidden_size
     matryoshka_dimensions: Optional[List[int]] = None
     mrope_section: Optional[List[int]] = None  # architecture: Qwen2-VL's M-RoPE runs of rotary frequencies (t, h, w)
-    # architecture: Mistral's attention window (tokens, every layer); a longer max_model_len is refused
+    # architecture: the attention window (tokens) of sliding-window layers: every layer of Mistral and Phi-3, Gemma's
+    # local ones (a query sees its last sliding_window positions; the whole KV is kept)
     sliding_window: Optional[int] = None
+    # architecture: each layer's attention, sliding_attention | full_attention (Gemma 2/3 interleave them); None: every
+    # layer windowed when sliding_window is set (Gemma: its family's pattern, 1 in 2 / 5 in 6 local)
+    layer_types: Optional[List[str]] = None
+    # architecture: the MLP's activation, silu | gelu_pytorch_tanh (Gemma's GeGLU); None: silu
+    hidden_act: Optional[str] = None
+    # architecture: Gemma's attention scale, query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    query_pre_attn_scalar: Optional[float] = None
+    # architecture: Gemma 2's attention logit soft-capping, cap · tanh(score / cap); None: none
+    attn_logit_softcapping: Optional[float] = None
+    # architecture: Gemma 2's final logit soft-capping, cap · tanh(logit / cap); None: none
+    final_logit_softcapping: Optional[float] = None
+    # architecture: Gemma 3's sliding layers' rotary base (plain RoPE; rope_theta and rope_scaling are the global
+    # layers'); None: one rotary table for every layer
+    rope_local_base_freq: Optional[float] = None
+    # architecture: rotary on the first head_dim x factor dims of each head (Phi-3 family: Phi-4-mini's 0.75); None: 1
+    partial_rotary_factor: Optional[float] = None
     vision: Optional[Dict[str, Any]] = None  # architecture: Qwen2-VL's vision tower and image token ids (config.json)
     audio: Optional[Dict[str, Any]] = None  # architecture: Qwen2-Audio's audio encoder and audio token id (config.json)
     # architecture, mixture of experts (qwen2_moe, qwen3_moe, mixtral; unset: a dense model): routed experts of an

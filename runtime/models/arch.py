@@ -1,5 +1,5 @@
-"""The architecture of a Llama/Qwen2/Qwen3/Mistral decoder, or of a mixture-of-experts one (Qwen2-MoE, Qwen3-MoE,
-Mixtral): every number the model code needs, nothing optional.
+"""The architecture of a Llama/Qwen2/Qwen3/Mistral/Gemma 2/Gemma 3/Phi-3 decoder, or of a mixture-of-experts one
+(Qwen2-MoE, Qwen3-MoE, Mixtral): every number the model code needs, nothing optional.
 
 The launcher fills `ModelConfig`'s architecture fields from the checkpoint (runtime/models/checkpoint.py)
 or a sized profile; `from_model_config` only reads them back. `from_checkpoint` / `from_hf_config` build
@@ -12,19 +12,23 @@ from typing import Any, Optional
 
 from llaunch.runtime.config import ModelConfig
 from llaunch.runtime.models.checkpoint import Checkpoint, parse_hf_config
+from llaunch.runtime.models.decoder_variants import GEMMA_FAMILIES, VARIANT_FIELDS, gemma_layer_types
 from llaunch.runtime.models.moe_config import MOE_FAMILIES, MOE_FIELDS, is_moe_layer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", *MOE_FAMILIES)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen2_vl", "qwen2_5_vl",
+            *MOE_FAMILIES)
 QKV_BIAS_FAMILIES = ("qwen2", "qwen2_vl", "qwen2_5_vl")  # q/k/v bias whatever config.json says, no o bias
 # q/k/v bias by default, never on o: Qwen2 and Qwen2-MoE (whose config.json's qkv_bias may turn it off)
 QKV_ONLY_BIAS_FAMILIES = (*QKV_BIAS_FAMILIES, "qwen2_moe")
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3_text")
+FUSED_PROJECTION_FAMILIES = ("phi3",)  # checkpoints hold qkv_proj and gate_up_proj fused
 
 _REQUIRED = ("family", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
              "max_position_embeddings")
 _ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
-                "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mrope_section", *MOE_FIELDS)
+                "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mrope_section", "sliding_window",
+                *MOE_FIELDS, *VARIANT_FIELDS)
 # Dense models leave the MoE fields unset: no experts
 _DENSE = {"num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0, "norm_topk_prob": False,
           "shared_expert_intermediate_size": 0, "decoder_sparse_step": 1, "mlp_only_layers": ()}
@@ -59,10 +63,21 @@ class ModelArch:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: the shared expert's width (0: none)
     decoder_sparse_step: int = 1  # with mlp_only_layers: which layers are MoE (moe_config.is_moe_layer)
     mlp_only_layers: tuple[int, ...] = ()
+    # the decoder's variants (runtime/models/decoder_variants.py reads them from config.json)
+    sliding_window: Optional[int] = None  # a sliding-window layer's attention window; None: every layer full
+    layer_types: Optional[tuple[str, ...]] = None  # sliding_attention | full_attention; None: all windowed if any
+    hidden_act: str = "silu"  # gelu_pytorch_tanh: Gemma's GeGLU
+    query_pre_attn_scalar: Optional[float] = None  # Gemma: attention scale this ** -0.5; None: head_dim's
+    attn_logit_softcapping: Optional[float] = None  # Gemma 2: cap · tanh(score / cap) before the softmax
+    final_logit_softcapping: Optional[float] = None  # Gemma 2: cap · tanh(logit / cap)
+    rope_local_base_freq: Optional[float] = None  # Gemma 3: sliding layers' plain-RoPE base (rope_theta: global)
+    partial_rotary_factor: float = 1.0  # Phi-3 family: rotary on the first head_dim x factor dims
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"model family {self.family!r} is not supported ({', '.join(FAMILIES)})")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -79,8 +94,37 @@ class ModelArch:
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 and Qwen3-MoE: q and k go through an RMSNorm over each head (weights [head_dim]) before rotary."""
+        """Qwen3, Qwen3-MoE and Gemma 3: q and k go through an RMSNorm over each head (weights [head_dim]) before
+        rotary."""
         return self.family in QK_NORM_FAMILIES
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 2/3: (1 + w) RMSNorms, a norm after attention and around the MLP, the embedding scaled by
+        sqrt(hidden_size)."""
+        return self.family in GEMMA_FAMILIES
+
+    @property
+    def fused_projections(self) -> bool:
+        """Phi-3: the checkpoint holds q‖k‖v as qkv_proj and gate‖up as gate_up_proj."""
+        return self.family in FUSED_PROJECTION_FAMILIES
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each q/k head that rotate (Phi-4-mini: 96 of 128); the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sliding_layer(self, index: int) -> bool:
+        """Layer `index` is a local one: windowed (when sliding_window is set) and, in Gemma 3, on its local rotary."""
+        return self.layer_types[index] == "sliding_attention" if self.layer_types is not None else True
+
+    def layer_window(self, index: int) -> int:
+        """The attention window of layer `index` in tokens; 0: the whole context."""
+        return self.sliding_window if self.sliding_window and self.is_sliding_layer(index) else 0
 
     def is_moe_layer(self, index: int) -> bool:
         """Layer `index` has routed experts (else a dense MLP of intermediate_size)."""
@@ -101,7 +145,7 @@ class ModelArch:
         attn = h * d * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
         if self.attention_bias:  # q, k, v biases (and o's for Llama)
             attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads) + (h if self.o_proj_bias else 0)
-        layer = attn + 2 * h + (2 * d if self.qk_norm else 0)
+        layer = attn + (4 if self.gemma else 2) * h + (2 * d if self.qk_norm else 0)
         moe = self.num_moe_layers
         shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
         mlps = (self.num_hidden_layers - moe) * 3 * h * self.intermediate_size + self.expert_params \
@@ -148,11 +192,15 @@ class ModelArch:
                        embed: bool = False) -> "ModelArch":
         defaults = {"num_key_value_heads": fields["num_attention_heads"],
                     "head_dim": fields["hidden_size"] // fields["num_attention_heads"],
-                    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                    "attention_bias": family in QKV_ONLY_BIAS_FAMILIES, **_DENSE}
+                    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": family in GEMMA_FAMILIES,
+                    "attention_bias": family in QKV_ONLY_BIAS_FAMILIES, "hidden_act": "silu",
+                    "partial_rotary_factor": 1.0, **_DENSE}
+        if family in GEMMA_FAMILIES:  # a sized profile may leave the interleaving to the family's pattern
+            defaults["layer_types"] = gemma_layer_types(family, fields["num_hidden_layers"])
         fields.update({k: v for k, v in defaults.items() if fields[k] is None})
         fields["rope_theta"], fields["rms_norm_eps"] = float(fields["rope_theta"]), float(fields["rms_norm_eps"])
         fields["mlp_only_layers"] = tuple(fields["mlp_only_layers"])
+        fields["layer_types"] = tuple(fields["layer_types"]) if fields["layer_types"] is not None else None
         return cls(family=family, rope_scaling=rope_scaling or None, num_labels=num_labels,
                    score_mlp=bool(num_labels) and score_mlp, score_token_ids=score_token_ids, embed=embed, **fields)
 
@@ -164,4 +212,5 @@ class ModelArch:
             fields["mlp_only_layers"] = list(self.mlp_only_layers)
         else:  # a dense model leaves ModelConfig's MoE fields unset
             fields.update(dict.fromkeys(MOE_FIELDS))
+        fields["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
         return fields

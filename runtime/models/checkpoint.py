@@ -15,6 +15,8 @@ from typing import Any, Iterable, Optional
 from llaunch.runtime.config import DType
 from llaunch.runtime.models import rope
 from llaunch.runtime.models.audio_config import audio_fields
+from llaunch.runtime.models.decoder_variants import (VARIANT_FIELDS, default_rope_theta, split_rope_parameters,
+                                                     variant_fields, with_family_defaults)
 from llaunch.runtime.models.moe_config import MOE_FIELDS, moe_fields
 from llaunch.runtime.models.vision_config import multimodal_fields
 from llaunch.runtime.models.quant_scheme import WeightQuant, checkpoint_weight_quant
@@ -24,7 +26,7 @@ ARCH_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
     "rope_scaling", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "num_labels",
-    "mrope_section", "vision", "audio", "sliding_window", *MOE_FIELDS,
+    "mrope_section", "vision", "audio", "sliding_window", *MOE_FIELDS, *VARIANT_FIELDS,
 )
 # config.json architectures whose head scores a sequence instead of predicting tokens (model.task=score)
 SCORE_HEADS = ("ForSequenceClassification", "RewardModel")  # RewardModel: also *ForProcessRewardModel (refused)
@@ -176,15 +178,22 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
     weight_quant = checkpoint_weight_quant(c)
     top, c = c, c.get("text_config", c)  # multimodal wrappers keep the language model's config inside
     family = c.get("model_type")
+    if top.get("model_type") == "gemma3" and c is not top:  # Gemma3ForConditionalGeneration: its text model served
+        family = c.get("model_type", "gemma3_text")
     vision = multimodal_fields(top)  # Qwen2-VL: its vision tower and image token ids (runtime/models/vision_config.py)
     if vision is not None:
         family = top["model_type"]
-    rope_parameters = c.get("rope_parameters") or {}  # transformers 5 folds rope_theta/scaling in here
+    c = with_family_defaults(family, c)
+    # transformers 5 folds rope_theta/scaling in rope_parameters (Gemma 3's per layer type)
+    rope_parameters, rope_local_base_freq, unsupported = split_rope_parameters(family, c)
     rope_scaling = c.get("rope_scaling")
     if rope_scaling is None:
         rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
     mrope_section = (rope_scaling or rope_parameters).get("mrope_section") if vision is not None else None
     partial_rotary = c.get("partial_rotary_factor", (rope_scaling or rope_parameters).get("partial_rotary_factor", 1.0))
+    if family == "phi3" and (rope_scaling or {}).get("type", (rope_scaling or {}).get("rope_type")) == "yarn":
+        rope_scaling = {**rope_scaling, "rope_type": "longrope"}  # as Phi3Config reads it ("su" and "yarn")
+        rope_scaling.pop("type", None)
     rope_scaling = rope.normalize(rope_scaling, c)  # None: plain RoPE
     heads = c.get("num_attention_heads")
     head_dim = c.get("head_dim")
@@ -192,6 +201,8 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
         head_dim = 128  # Qwen3Config's default: not hidden_size / heads (Qwen3MoeConfig has none: hidden / heads)
     if family == "qwen2_moe":  # q/k/v bias as qkv_bias says (Qwen2MoeConfig's default: true), never on o
         attention_bias = c.get("qkv_bias", True)
+    elif family == "phi3":  # transformers' Phi-3 has no attention bias, whatever config.json's attention_bias says
+        attention_bias = False
     else:
         attention_bias = True if family in ("qwen2", "qwen2_vl", "qwen2_5_vl") else c.get("attention_bias", False)
     arch = {
@@ -203,7 +214,8 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
         "head_dim": head_dim,
         "vocab_size": c.get("vocab_size"),
         "max_position_embeddings": c.get("max_position_embeddings"),
-        "rope_theta": c.get("rope_theta", rope_parameters.get("rope_theta")),
+        "rope_theta": c.get("rope_theta", rope_parameters.get("rope_theta", default_rope_theta(family))),
+        "rope_local_base_freq": rope_local_base_freq,
         "rope_scaling": rope_scaling or None,
         "rms_norm_eps": c.get("rms_norm_eps"),
         "tie_word_embeddings": c.get("tie_word_embeddings", top.get("tie_word_embeddings", False)),  # Llama/Qwen2 default
@@ -211,20 +223,17 @@ def parse_hf_config(c: dict[str, Any], generation: Optional[dict[str, Any]] = No
         "mrope_section": list(mrope_section) if mrope_section else None,
         "vision": vision,
         "audio": audio_fields(top),  # Qwen2-Audio: its audio encoder and audio token id (runtime/models/audio_config.py)
-        # Mistral attends within this many tokens in every layer (MistralConfig's default 4096 when unset;
-        # MixtralConfig's: none)
-        "sliding_window": {"mistral": c.get("sliding_window", 4096), "mixtral": c.get("sliding_window")}.get(family),
         **moe_fields(family, c),  # Qwen2-MoE, Qwen3-MoE, Mixtral (runtime/models/moe_config.py)
     }
-    eos = _eos_list(c.get("eos_token_id"))
+    # sliding windows, Gemma's scale, caps and GeGLU, Phi-3's partial rotary (runtime/models/decoder_variants.py)
+    variants, not_served = variant_fields(family, c, partial_rotary)
+    arch.update(variants)
+    unsupported += not_served
+    eos = _eos_list(c.get("eos_token_id", top.get("eos_token_id")))
     if generation:  # generate() stops at these too: take the union
         eos += [t for t in _eos_list(generation.get("eos_token_id")) if t not in eos]
     dtype = c.get("torch_dtype", c.get("dtype", top.get("torch_dtype", top.get("dtype"))))
-    unsupported = [f"{key}=true" for key in ("mlp_bias", "use_sliding_window") if c.get(key)]
-    if family != "mistral" and "sliding_attention" in (c.get("layer_types") or []):
-        unsupported.append("sliding_attention layers (layer_types)")
-    if partial_rotary != 1.0:
-        unsupported.append(f"partial_rotary_factor={partial_rotary} (rotary on part of each head)")
+    unsupported += [f"{key}=true" for key in ("mlp_bias", "use_sliding_window") if c.get(key)]
     sampling = {k: float(generation[k]) for k in SAMPLING_KEYS
                 if generation and isinstance(generation.get(k), (int, float)) and not isinstance(generation[k], bool)}
     architectures = [a for a in c.get("architectures") or [] if isinstance(a, str)]

@@ -1,6 +1,12 @@
 """The one decoder for Llama, Mistral, Qwen2 (Llama + q/k/v bias) and Qwen3 (Llama + an RMSNorm over each
 q and k head before rotary), and their mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE (an MoE block in
-place of the MLP: runtime/models/moe.py), over the token-slot KV cache.
+place of the MLP: runtime/models/moe.py), over the token-slot KV cache. Gemma 2/3: (1 + w) norms around
+attention and the MLP, GeGLU, the embedding scaled by sqrt(hidden_size), local sliding-window layers
+interleaved with global ones (Gemma 3's on their own rotary base), soft-capped scores and logits (Gemma 2).
+Phi-3/4: Llama's shape read from fused qkv_proj / gate_up_proj tensors, rotary on part of each head.
+
+Sliding-window layers keep every token's K/V (the slot cache is per request, not per layer): the kernels read
+only the window, but the memory is the whole context's, as for a global layer.
 
 A forward step takes a decode-first ForwardBatch: decode tokens attend through `decode_attention`,
 prefill chunks (possibly continuing a cached prefix) through `prefill_attention`; every token's K/V
@@ -14,8 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from llaunch.kernels import (decode_attention, gated_linear, linear, prefill_attention, qkv_rotary_store_kv, rmsnorm,
-                             rope_cos_sin, rotary_store_kv)
+from llaunch.kernels import (decode_attention, gated_linear, gelu_tanh_mul, linear, prefill_attention,
+                             qkv_rotary_store_kv, rmsnorm, rope_cos_sin, rotary_store_kv)
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.models.heads import HeadLayout
@@ -27,37 +33,52 @@ from llaunch.runtime.models.layers import (ColumnParallelLinear, ParallelLMHead,
                                            Shard, TpGroup, VocabParallelEmbedding)
 
 
-def head_parts(prefix: str, runs, head_dim: int, full: int) -> list:
-    """ColumnParallelLinear parts for runs of heads (checkpoint head or None for zero heads)."""
-    return [(None if h is None else prefix, full, (h or 0) * head_dim, n * head_dim) for h, n in runs]
+def head_parts(prefix: str, runs, head_dim: int, full: int, offset: int = 0) -> list:
+    """ColumnParallelLinear parts for runs of heads (checkpoint head or None for zero heads), `offset` rows into
+    the checkpoint tensor (a fused qkv_proj's k and v)."""
+    return [(None if h is None else prefix, full, offset + (h or 0) * head_dim, n * head_dim) for h, n in runs]
+
+
+def qkv_parts(arch: ModelArch, prefix: str, q_runs, kv_runs) -> list:
+    """The fused q‖k‖v weight's parts: from q_proj, k_proj and v_proj, or from one qkv_proj (Phi-3)."""
+    d = arch.head_dim
+    q_full, kv_full = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    if arch.fused_projections:
+        fused, total = f"{prefix}.qkv_proj", q_full + 2 * kv_full
+        return [*head_parts(fused, q_runs, d, total), *head_parts(fused, kv_runs, d, total, q_full),
+                *head_parts(fused, kv_runs, d, total, q_full + kv_full)]
+    return [*head_parts(f"{prefix}.q_proj", q_runs, d, q_full), *head_parts(f"{prefix}.k_proj", kv_runs, d, kv_full),
+            *head_parts(f"{prefix}.v_proj", kv_runs, d, kv_full)]
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, prefix: str, tp: TpGroup, device, dtype):
+    def __init__(self, arch: ModelArch, prefix: str, tp: TpGroup, device, dtype, index: int = 0):
+        """index: the layer's, which sets its window (arch.layer_window)."""
         super().__init__()
         d, hidden = arch.head_dim, arch.hidden_size
         heads = HeadLayout.of(arch.num_attention_heads, arch.num_key_value_heads, tp.size)
         self.num_heads, self.num_kv_heads = heads.heads_per_rank, heads.kv_heads_per_rank
-        self.head_dim, self.scale = d, d ** -0.5
-        q_full, kv_full = arch.num_attention_heads * d, arch.num_key_value_heads * d
+        self.head_dim, self.scale = d, arch.attention_scale
+        self.window, self.softcap = arch.layer_window(index), arch.attn_logit_softcapping or 0.0
+        self.partial_rotary = arch.rotary_dim < d
+        q_full = arch.num_attention_heads * d
         q_runs, kv_runs = heads.query_runs(tp.rank), heads.kv_runs(tp.rank)
-        self.qkv_proj = ColumnParallelLinear(hidden, [
-            *head_parts(f"{prefix}.q_proj", q_runs, d, q_full),
-            *head_parts(f"{prefix}.k_proj", kv_runs, d, kv_full),
-            *head_parts(f"{prefix}.v_proj", kv_runs, d, kv_full),
-        ], bias=arch.attention_bias, device=device, dtype=dtype)
+        self.qkv_proj = ColumnParallelLinear(hidden, qkv_parts(arch, prefix, q_runs, kv_runs),
+                                             bias=arch.attention_bias, device=device, dtype=dtype)
         self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q_full, 0, 0, hidden, bias=arch.o_proj_bias, tp=tp,
                                         device=device, dtype=dtype,
                                         in_parts=[(None if h is None else h * d, n * d) for h, n in q_runs])
-        # Qwen3: RMSNorm over each q / k head (weights [head_dim], the same for every head: replicated)
-        self.q_norm = RMSNorm(f"{prefix}.q_norm", d, arch.rms_norm_eps, device, dtype) if arch.qk_norm else None
-        self.k_norm = RMSNorm(f"{prefix}.k_norm", d, arch.rms_norm_eps, device, dtype) if arch.qk_norm else None
+        # Qwen3, Gemma 3: RMSNorm over each q / k head (weights [head_dim], the same for every head: replicated)
+        norm = lambda name: RMSNorm(f"{prefix}.{name}", d, arch.rms_norm_eps, device, dtype,  # noqa: E731
+                                    unit_offset=arch.gemma)
+        self.q_norm = norm("q_norm") if arch.qk_norm else None
+        self.k_norm = norm("k_norm") if arch.qk_norm else None
         self.kv_scales = None  # an fp8 KV cache's scales for this layer (runtime/models/kv_fp8.py)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        if self.q_norm is None:
+        if self.q_norm is None and not self.partial_rotary:
             q, k, v = qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads,
                                           self.num_kv_heads, batch.positions, cos, sin, k_cache, v_cache,
                                           batch.out_slots, self.kv_scales,
@@ -65,23 +86,27 @@ class Attention(nn.Module):
         else:
             q, k, v = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
                 [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-            q = self.q_norm(q.reshape(t, self.num_heads, d))
-            k = self.k_norm(k.reshape(t, self.num_kv_heads, d))
+            q, k = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            # partial rotary: tables of rotary_dim / 2 columns rotate the leading rotary_dim dims of each head
             q, k, v = rotary_store_kv(q, k, v.view(t, self.num_kv_heads, d), batch.positions, cos, sin, k_cache,
                                       v_cache, batch.out_slots, self.kv_scales, with_kv=True)
         nd = batch.num_decode
         if not batch.num_prefill_tokens:  # a decode-only step: the attention output is the whole tensor
             out = decode_attention(q, k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
-                                   self.scale, max_len=batch.max_decode_len or None, kv_scales=self.kv_scales)
+                                   self.scale, max_len=batch.max_decode_len or None, kv_scales=self.kv_scales,
+                                   window=self.window, softcap=self.softcap)
             return self.o_proj(out.view(t, self.num_heads * d))
         # q_starts index the whole token array, so the prefill op gets all of q; decode rows come first.
         out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,
                                 batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale,
-                                max_q_len=batch.max_prefill_len or None, kv_scales=self.kv_scales, new_kv=(k, v))
+                                max_q_len=batch.max_prefill_len or None, kv_scales=self.kv_scales, new_kv=(k, v),
+                                window=self.window, softcap=self.softcap)
         if nd:
             out[:nd] = decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows,
                                         batch.decode_seq_lens, self.scale, max_len=batch.max_decode_len or None,
-                                        kv_scales=self.kv_scales)
+                                        kv_scales=self.kv_scales, window=self.window, softcap=self.softcap)
         return self.o_proj(out.view(t, self.num_heads * d))
 
 
@@ -93,26 +118,43 @@ class Mlp(nn.Module):
         super().__init__()
         full = intermediate_size or arch.intermediate_size
         start, local = tp.split(full, what)
-        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, [
-            (f"{prefix}.gate_proj", full, start, local), (f"{prefix}.up_proj", full, start, local),
-        ], bias=False, device=device, dtype=dtype)
+        if arch.fused_projections:  # Phi-3's gate_up_proj [2I, H]: this rank's gate rows, then its up rows
+            parts = [(f"{prefix}.gate_up_proj", 2 * full, start, local),
+                     (f"{prefix}.gate_up_proj", 2 * full, full + start, local)]
+        else:
+            parts = [(f"{prefix}.gate_proj", full, start, local), (f"{prefix}.up_proj", full, start, local)]
+        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, parts, bias=False, device=device, dtype=dtype)
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", full, start, local, arch.hidden_size,
                                            bias=False, tp=tp, device=device, dtype=dtype)
+        self.geglu = arch.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        if self.geglu:  # Gemma
+            return self.down_proj(gelu_tanh_mul(linear(x, self.gate_up_proj.weight)), reduce)
         # gate_up's bias is always absent (Llama, Qwen2), so the fused gated GEMV needs none.
         return self.down_proj(gated_linear(x, self.gate_up_proj.weight), reduce)
 
 
 class DecoderLayer(nn.Module):
+    """norm → attention → norm → MLP with the residual adds fused into the norms; Gemma's sandwich: norm →
+    attention → norm (post_attention_layernorm, before the add) → pre_feedforward_layernorm → MLP →
+    post_feedforward_layernorm (before the add)."""
+
     def __init__(self, arch: ModelArch, index: int, tp: TpGroup, device, dtype, expert_parallel: bool = False):
         super().__init__()
         prefix = f"model.layers.{index}"
-        eps = arch.rms_norm_eps
-        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm", arch.hidden_size, eps, device, dtype)
-        self.self_attn = Attention(arch, f"{prefix}.self_attn", tp, device, dtype)
-        self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm", arch.hidden_size, eps,
-                                                device, dtype)
+
+        def norm(name):
+            return RMSNorm(f"{prefix}.{name}", arch.hidden_size, arch.rms_norm_eps, device, dtype,
+                           unit_offset=arch.gemma)
+
+        self.input_layernorm = norm("input_layernorm")
+        self.self_attn = Attention(arch, f"{prefix}.self_attn", tp, device, dtype, index)
+        self.post_attention_layernorm = norm("post_attention_layernorm")
+        self.sandwich = arch.gemma
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
+            self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
         if arch.is_moe_layer(index):
             shared = arch.shared_expert_intermediate_size
             self.mlp = SparseMoe(arch, f"{prefix}.mlp", tp, expert_parallel, device, dtype, shared_expert=Mlp(
@@ -120,6 +162,20 @@ class DecoderLayer(nn.Module):
                 if shared else None)
         else:
             self.mlp = Mlp(arch, f"{prefix}.mlp", tp, device, dtype)
+
+    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(h, residual) → (this layer's output, the residual stream before it is added): the next norm adds them."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, batch, k_cache, v_cache, req_to_slots, cos, sin)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class ScoreHead(nn.Module):
@@ -174,7 +230,7 @@ class DecoderLM(nn.Module):
                                                    device, dtype)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, tp, device, dtype, expert_parallel)
                                     for i in range(arch.num_hidden_layers))
-        self.norm = RMSNorm("model.norm", arch.hidden_size, arch.rms_norm_eps, device, dtype)
+        self.norm = RMSNorm("model.norm", arch.hidden_size, arch.rms_norm_eps, device, dtype, unit_offset=arch.gemma)
         # a score model's rows go through its score head instead: [N, num_labels] instead of [N, vocab]
         if arch.score_token_ids:  # a yes/no reranker: two LM-head rows
             self.lm_head = YesNoHead(arch.score_token_ids, arch.vocab_size, arch.hidden_size, device, dtype)
@@ -185,11 +241,20 @@ class DecoderLM(nn.Module):
             self.lm_head = HiddenHead()
         else:
             self.lm_head = ParallelLMHead("lm_head", self.embed_tokens, arch.tie_word_embeddings, device, dtype)
-        cos, sin = rope_cos_sin(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device=device,
+        cos, sin = rope_cos_sin(arch.rotary_dim, max_positions, arch.rope_theta, arch.rope_scaling, device=device,
                                 max_position_embeddings=arch.max_position_embeddings)
         cos, sin = cos.to(dtype), sin.to(dtype)  # transformers rounds its tables to the model dtype too
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.local_rope = arch.rope_local_base_freq is not None  # Gemma 3: sliding layers' own plain-RoPE tables
+        if self.local_rope:
+            cos, sin = rope_cos_sin(arch.rotary_dim, max_positions, arch.rope_local_base_freq, device=device)
+            self.register_buffer("rope_local_cos", cos.to(dtype), persistent=False)
+            self.register_buffer("rope_local_sin", sin.to(dtype), persistent=False)
+        # Gemma: the embedding times sqrt(hidden_size), rounded to the model dtype as transformers does
+        self.register_buffer("embed_scale", torch.tensor(arch.hidden_size ** 0.5).to(device, dtype) if arch.gemma
+                             else None, persistent=False)
+        self.final_softcap = arch.final_logit_softcapping if isinstance(self.lm_head, ParallelLMHead) else None
         self.num_local_kv_heads = self.layers[0].self_attn.num_kv_heads if arch.num_hidden_layers else 0
 
     @property
@@ -226,21 +291,27 @@ class DecoderLM(nn.Module):
             ids = batch.input_ids
             h = self.embed_tokens(torch.where(ids < self.arch.vocab_size, ids, torch.zeros_like(ids)))
             h[batch.image_index] = batch.image_embeds.to(h.dtype)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         if batch.mrope_positions is not None:  # per-token tables, indexed by the token's place in the step
             cos, sin = mrope_tables(cos, sin, batch.mrope_positions, self.arch.mrope_section)
             batch = dataclasses.replace(batch, positions=torch.arange(h.shape[0], device=h.device))
         residual = None
-        for layer, k_cache, v_cache in zip(self.layers, kv.k, kv.v):
-            if residual is None:
-                x, residual = layer.input_layernorm(h), h
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, kv.k, kv.v)):
+            if self.local_rope and self.arch.is_sliding_layer(i):
+                h, residual = layer(h, residual, batch, k_cache, v_cache, kv.req_to_slots, self.rope_local_cos,
+                                    self.rope_local_sin)
             else:
-                x, residual = layer.input_layernorm(h, residual)
-            h = layer.self_attn(x, batch, k_cache, v_cache, kv.req_to_slots, cos, sin)
-            x, residual = layer.post_attention_layernorm(h, residual)
-            h = layer.mlp(x)
+                h, residual = layer(h, residual, batch, k_cache, v_cache, kv.req_to_slots, cos, sin)
         rows = batch.logits_index
         if residual is not None and batch.every_token:
             # the residual add is the final norm's: one kernel instead of two gathers, an add and the norm
-            return self.lm_head(self.norm(h, residual)[0])
+            return self._capped(self.lm_head(self.norm(h, residual)[0]))
         h = h[rows] if residual is None else h[rows] + residual[rows]
-        return self.lm_head(self.norm(h))
+        return self._capped(self.lm_head(self.norm(h)))
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final logit soft-capping: cap · tanh(logit / cap)."""
+        if not self.final_softcap:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap

@@ -24,13 +24,15 @@ class Shard:
     parameter: rows/cols [start, start + size) along `dim`, or the whole tensor when dim is None.
     A parameter made of several Shards (fused q/k/v, gate/up; o_proj's columns around zero heads) is
     their concatenation along dim 0, or dim 1 when the shards split dim 1. A shard named "" is
-    padding: zeros, read from no file."""
+    padding: zeros, read from no file. `plus` is added to every value read (in float32, before the
+    parameter's dtype): Gemma's norms store w for a scale of 1 + w."""
 
     name: str
     full_shape: tuple[int, ...]
     dim: Optional[int] = None
     start: int = 0
     size: int = 0
+    plus: float = 0.0
 
     @property
     def padding(self) -> bool:
@@ -182,15 +184,18 @@ class ParallelLMHead(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm whose call can fuse the residual add: (norm(x + residual), x + residual)."""
+    """RMSNorm whose call can fuse the residual add: (norm(x + residual), x + residual). unit_offset: the
+    checkpoint holds w of Gemma's (1 + w) scale; the parameter holds 1 + w (computed in float32 as transformers
+    does: equal to its float32 model; a 16-bit model rounds the normalized value and 1 + w apart, the Llama way)."""
 
-    def __init__(self, name: str, hidden_size: int, eps: float, device, dtype):
+    def __init__(self, name: str, hidden_size: int, eps: float, device, dtype, unit_offset: bool = False):
         super().__init__()
-        self.name, self.eps = name, eps
+        self.name, self.eps, self.unit_offset = name, eps, unit_offset
         self.weight = _param((hidden_size,), device, dtype)
 
     def checkpoint_shards(self) -> dict[str, list[Shard]]:
-        return {"weight": [Shard(f"{self.name}.weight", tuple(self.weight.shape))]}
+        plus = 1.0 if self.unit_offset else 0.0
+        return {"weight": [Shard(f"{self.name}.weight", tuple(self.weight.shape), plus=plus)]}
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         return rmsnorm(x, self.weight, self.eps, residual)

@@ -38,7 +38,9 @@ def normalize(scaling: Optional[dict[str, Any]], config: dict[str, Any]) -> Opti
     kind = rope_type(scaling)
     if kind in ("default", "mrope"):
         return None
-    out = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta", "mrope_section") and v is not None}
+    # partial_rotary_factor (transformers 5 keeps it here) is its own field: checkpoint.py reads it
+    out = {k: v for k, v in scaling.items()
+           if k not in ("type", "rope_theta", "mrope_section", "partial_rotary_factor") and v is not None}
     out["rope_type"] = kind
     if kind in _NEEDS_ORIGINAL:
         if config.get("original_max_position_embeddings") is not None:
@@ -52,8 +54,16 @@ def _number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def rotary_dim(head_dim: Optional[int], partial_rotary_factor: Optional[float]) -> Optional[int]:
+    """The dims of a head that rotate: the first head_dim x partial_rotary_factor (transformers' int())."""
+    if head_dim is None:
+        return None
+    return int(head_dim * (partial_rotary_factor or 1.0))
+
+
 def rope_problems(scaling: Optional[dict[str, Any]], head_dim: Optional[int]) -> list[str]:
-    """Why llaunch cannot compute these rotary tables (empty when it can), in the keys' names."""
+    """Why llaunch cannot compute these rotary tables (empty when it can), in the keys' names. head_dim: the
+    rotated dims of a head (rotary_dim)."""
     kind = rope_type(scaling)
     if kind == "default":
         return []
@@ -71,18 +81,22 @@ def rope_problems(scaling: Optional[dict[str, Any]], head_dim: Optional[int]) ->
             value = scaling.get(key)
             if value is not None and (not isinstance(value, list) or len(value) != head_dim // 2
                                       or not all(_number(v) for v in value)):
-                problems.append(f"{key} must be {head_dim // 2} numbers (head_dim / 2)")
+                problems.append(f"{key} must be {head_dim // 2} numbers (the rotated dims / 2)")
     if scaling.get("partial_rotary_factor", 1.0) != 1.0:
         problems.append(f"partial_rotary_factor={scaling['partial_rotary_factor']} (rotary on part of a head) "
                         "is not served")
     return problems
 
 
-def context_length(max_position_embeddings: int, scaling: Optional[dict[str, Any]]) -> int:
+def context_length(max_position_embeddings: int, scaling: Optional[dict[str, Any]],
+                   family: Optional[str] = None) -> int:
     """The longest context the checkpoint is meant to serve: max_position_embeddings, stretched by
     the scaling factor for the kinds whose configs keep the trained length there (linear, dynamic;
     YaRN: original_max_position_embeddings x factor, Qwen2.5's 32,768 x 4 = 131,072), as vLLM derives
-    its max_model_len. llama3 and LongRoPE configs already state the stretched length."""
+    its max_model_len. llama3 and LongRoPE configs already state the stretched length, and so do Gemma 3's
+    (131,072 with linear x 8 on its global layers; vLLM leaves gemma3 out too)."""
+    if family == "gemma3_text":
+        return max_position_embeddings
     kind = rope_type(scaling)
     if kind in ("linear", "dynamic") and _number(scaling.get("factor")):
         return int(max_position_embeddings * scaling["factor"])

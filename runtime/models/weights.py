@@ -198,8 +198,8 @@ class DummySource:
         return True
 
     def read(self, shard) -> torch.Tensor:
-        if shard.name.endswith("norm.weight"):
-            return torch.ones(shard.shape, device=self.device)
+        if shard.name.endswith("norm.weight"):  # identity norms (Gemma's store w of 1 + w: zeros)
+            return torch.full(shard.shape, 1.0 - shard.plus, device=self.device)
         key = f"{shard.name}" if self.full_tensors else f"{shard.name}:{shard.dim}:{shard.start}:{shard.size}"
         device = torch.device("cpu") if self.full_tensors else self.device
         gen = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
@@ -252,8 +252,8 @@ def load_from(model: torch.nn.Module, source: TensorSource, progress: Optional[C
         param = params[pname]
         if any(s.name == "lm_head.weight" for s in shards) and not source.has("lm_head.weight"):
             shards = [replace(s, name="model.embed_tokens.weight") for s in shards]  # untied config, tied file
-        parts = [torch.zeros(s.shape, dtype=param.dtype, device=param.device) if s.padding else source.read(s)
-                 for s in shards]
+        parts = [torch.zeros(s.shape, dtype=param.dtype, device=param.device) if s.padding
+                 else source.read(s).float() + s.plus if s.plus else source.read(s) for s in shards]
         cat_dim = 1 if shards[0].dim == 1 else 0
         t = parts[0] if len(parts) == 1 else torch.cat([p.to(param.device, param.dtype) for p in parts], dim=cat_dim)
         with torch.no_grad():

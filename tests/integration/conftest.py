@@ -19,7 +19,8 @@ CPU_BASE = ["device=cpu", "model.dtype=float32", "cache.max_total_tokens=16384",
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     dirs = {}
-    for family in ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"):
+    for family in ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gemma2", "gemma3_text",
+                   "phi3"):
         d = tmp_path_factory.mktemp(f"tiny-{family}")
         write_tiny_checkpoint(d, family)
         dirs[family] = d

@@ -74,6 +74,18 @@ def test_moe_greedy_equals_transformers(family, overrides, tmp_path_factory, tin
         check_greedy(server, oracles(family), f"tiny-{family}", max_new=24, eos=set())
 
 
+# Gemma 2 (5 heads over 1 KV head padded to 6 at tp2, soft-caps, a 6-token window in its local layers), Gemma 3
+# (3 heads padded to 4, layers local, local, global with a 5-token window, local rotary base) and Phi-3 (fused
+# tensors split over the ranks, a 12-token window in every layer, partial LongRoPE) found by model=auto: each prompt
+# and its 24 tokens outgrow the windows
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3"])
+def test_gemma_and_phi3_greedy_at_tp2_equals_transformers(family, tmp_path_factory, tiny_dirs, oracles):
+    overrides = ["model=auto", "parallel=tp2", "parallel.pad_heads=true", f"model.path={tiny_dirs[family]}",
+                 f"model.name=tiny-{family}", "router.chunked_prefill_size=8", "router.batch_max_tokens=24"]
+    with start_server(tmp_path_factory, f"greedy-{family}", overrides) as server:
+        check_greedy(server, oracles(family), f"tiny-{family}", max_new=24, eos=set())
+
+
 def test_smollm2_greedy_equals_transformers(smollm2_server, oracles):
     oracle = oracles("smollm2")
     eos = {oracle.tokenizer.convert_tokens_to_ids("<|im_end|>"), oracle.tokenizer.eos_token_id}

@@ -1,7 +1,8 @@
-"""Qwen3, Mistral and the MoE families at start: model=auto takes the family (and the experts) from config.json,
-an unserved family or rope type exits 2 naming its key, a Qwen2.5 YaRN config is served at its stretched context,
-Mistral's sliding window caps the context (or is refused beyond it), and a GGUF of a family whose GGUF tensors
-llaunch does not read (Qwen3's, a Mixtral's experts) is refused."""
+"""Qwen3, Mistral, Gemma 2/3, Phi-3 and the MoE families at start: model=auto takes the family (and the experts, the
+windows, Gemma's and Phi-3's variants) from config.json in each spelling transformers and the model's authors have
+written, an unserved family, rope type or feature exits 2 naming its key, a Qwen2.5 YaRN config is served at its
+stretched context, a sliding window no longer caps the context, and a GGUF of a family whose GGUF tensors llaunch
+does not read (Qwen3's, a Mixtral's experts) is refused."""
 from __future__ import annotations
 
 import json
@@ -30,7 +31,8 @@ def config_folder(path, model_type: str, **changes):
     return path
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "llama", "qwen3_moe", "qwen2_moe", "mixtral", "gemma2",
+                                    "gemma3_text", "phi3"])
 def test_model_auto_takes_the_family_from_config_json(resolved, tmp_path, family):
     folder = config_folder(tmp_path / family, family)
     cfg = resolved("model=auto", f"model.path={folder}", "model.load_format=dummy")
@@ -40,7 +42,7 @@ def test_model_auto_takes_the_family_from_config_json(resolved, tmp_path, family
     assert cfg.model.max_model_len == 512 and rules.check_all(cfg) == []
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "olmoe"])
+@pytest.mark.parametrize("model_type", ["gemma", "olmoe"])
 def test_an_unserved_family_exits_2_naming_model_family(resolved, compose_config, tmp_path, model_type):
     folder = config_folder(tmp_path / model_type, model_type)
     overrides = ("model=auto", f"model.path={folder}", "model.load_format=dummy", "device=cpu", "dry_run=true")
@@ -74,15 +76,12 @@ def test_qwen25_yarn_is_served_at_its_stretched_context(resolved, tmp_path):
     assert "1..2048" in v.message and "yarn" in v.message
 
 
-def test_mistral_sliding_window_caps_the_context(resolved, tmp_path):
+def test_mistral_sliding_window_no_longer_caps_the_context(resolved, tmp_path):
+    """The attention kernels honour the window: Mistral 7B v0.1's 4096 in a 32k context is served at 32k."""
     folder = config_folder(tmp_path / "mistral", "mistral", sliding_window=256)
     cfg = resolved("model=mistral", f"model.path={folder}", "model.load_format=dummy")
-    assert (cfg.model.sliding_window, cfg.model.max_model_len) == (256, 256)  # served exactly up to the window
+    assert (cfg.model.sliding_window, cfg.model.max_model_len) == (256, 512)
     assert rules.check_all(cfg) == []
-    [v] = assert_only(rules.check_all(resolved("model=mistral", f"model.path={folder}", "model.load_format=dummy",
-                                               "model.max_model_len=512")), "context_within_sliding_window")
-    assert "model.max_model_len=512" in v.message and "model.sliding_window=256" in v.message
-    assert "set model.max_model_len=256" in v.message
     unwindowed = config_folder(tmp_path / "v02", "mistral", sliding_window=None)
     assert resolved("model=auto", f"model.path={unwindowed}", "model.load_format=dummy").model.max_model_len == 512
 
@@ -110,7 +109,8 @@ def test_a_gguf_of_a_family_whose_tensors_are_not_read_is_refused(resolved, tmp_
 
 
 @pytest.mark.parametrize("profile,family", [("qwen3-8b", "qwen3"), ("mistral-7b", "mistral"),
-                                            ("qwen3-30b-a3b", "qwen3_moe"), ("mixtral-8x7b", "mixtral")])
+                                            ("qwen3-30b-a3b", "qwen3_moe"), ("mixtral-8x7b", "mixtral"),
+                                            ("gemma3-12b", "gemma3_text"), ("phi4", "phi3")])
 def test_sized_profiles_plan_with_dummy_weights(resolved, profile, family):
     cfg = resolved(f"model={profile}", "model.load_format=dummy", "model.tokenizer=null", "parallel=tp2")
     assert cfg.model.family == family and rules.check_all(cfg) == []
@@ -158,3 +158,114 @@ def test_a_mixtral_gguf_is_refused_naming_its_experts(resolved, tmp_path):
     writer.close()
     [v] = assert_only(rules.check_all(resolved("model=auto", f"model.path={path}")), "checkpoint_features_supported")
     assert "8 experts" in v.message and "Hugging Face checkpoint" in v.message
+
+
+# Google's gemma-3-12b-it config.json: a Gemma3ForConditionalGeneration whose text_config gives only these keys
+GEMMA3_12B_TEXT = {"hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text",
+                   "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
+                   "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+
+
+def raw_folder(path, config: dict):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_gemma3_release_config_takes_gemma3s_defaults(resolved, tmp_path):
+    """The text_config Google wrote leaves head_dim, the vocabulary, the rotary bases, the pattern and the scale to
+    Gemma3TextConfig; its linear x 8 does not stretch the context again (131,072 is the scaled one)."""
+    folder = raw_folder(tmp_path / "gemma-3-12b-it", {"model_type": "gemma3", "text_config": GEMMA3_12B_TEXT,
+                                                      "vision_config": {"model_type": "siglip_vision_model"},
+                                                      "eos_token_id": [1, 106]})
+    m = resolved("model=auto", f"model.path={folder}", "model.load_format=dummy").model
+    assert (m.family, m.head_dim, m.vocab_size, m.max_model_len, m.eos_token_ids) == ("gemma3_text", 256, 262208,
+                                                                                      131072, [1, 106])
+    assert (m.rope_theta, m.rope_local_base_freq, m.rope_scaling["rope_type"]) == (1e6, 1e4, "linear")
+    assert m.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 8 and m.sliding_window == 1024
+    assert (m.hidden_act, m.query_pre_attn_scalar, m.tie_word_embeddings) == ("gelu_pytorch_tanh", 256, True)
+    assert m.attn_logit_softcapping is None and m.final_logit_softcapping is None
+    assert rules.check_all(resolved("model=auto", f"model.path={folder}", "model.load_format=dummy",
+                                    "model.tokenizer=null")) == []
+    profile = resolved("model=gemma3-12b", "model.load_format=dummy", "model.tokenizer=null").model
+    for key in ("hidden_size", "num_hidden_layers", "head_dim", "vocab_size", "rope_theta", "rope_local_base_freq",
+                "sliding_window", "query_pre_attn_scalar", "max_model_len"):
+        assert getattr(profile, key) == getattr(m, key), key
+
+
+def test_gemma_configs_of_transformers_4(resolved, tmp_path):
+    """4.x spellings: Gemma 3's rope_theta / rope_local_base_freq / sliding_window_pattern beside rope_scaling (4.50);
+    Gemma 2 before layer_types (alternating, local first)."""
+    gemma3 = raw_folder(tmp_path / "g3", {**GEMMA3_12B_TEXT, "num_hidden_layers": 4, "rope_theta": 5e5,
+                                          "rope_local_base_freq": 2e4, "sliding_window_pattern": 2})
+    m = resolved("model=gemma3", f"model.path={gemma3}", "model.load_format=dummy").model
+    assert (m.rope_theta, m.rope_local_base_freq) == (5e5, 2e4)
+    assert m.layer_types == ["sliding_attention", "full_attention"] * 2
+    gemma2 = raw_folder(tmp_path / "g2", {"model_type": "gemma2", "num_hidden_layers": 3, "hidden_size": 64,
+                                          "num_attention_heads": 4, "head_dim": 16, "max_position_embeddings": 512})
+    m = resolved("model=auto", f"model.path={gemma2}", "model.load_format=dummy").model
+    assert m.layer_types == ["sliding_attention", "full_attention", "sliding_attention"] and m.sliding_window == 4096
+    assert (m.attn_logit_softcapping, m.final_logit_softcapping, m.query_pre_attn_scalar) == (50.0, 30.0, 256)
+
+
+# Phi-3-mini-128k's LongRoPE as its authors wrote it (type su, 4.x rope_scaling), and transformers' own reading of
+# "yarn" in a Phi-3 config as LongRoPE; Phi-4-mini's partial rotary
+def _phi3(path, **changes):
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    config = {"model_type": "phi3", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+              "intermediate_size": 96, "vocab_size": 49152, "max_position_embeddings": 2048,
+              "original_max_position_embeddings": 512, "rope_theta": 10000.0, "sliding_window": 262144,
+              "rope_scaling": {"type": "su", **factors}} | changes
+    return raw_folder(path, config)
+
+
+@pytest.mark.parametrize("scaling_type", ["su", "longrope", "yarn"])
+def test_phi3_longrope_spellings(resolved, tmp_path, scaling_type):
+    folder = _phi3(tmp_path / scaling_type, rope_scaling={"type": scaling_type, "short_factor": [1.0] * 8,
+                                                          "long_factor": [2.0] * 8})
+    cfg = resolved("model=auto", f"model.path={folder}", "model.load_format=dummy")
+    assert cfg.model.rope_scaling["rope_type"] == "longrope" and cfg.model.max_model_len == 2048
+    assert cfg.model.rope_scaling["original_max_position_embeddings"] == 512 and cfg.model.sliding_window == 262144
+    assert rules.check_all(cfg) == []
+
+
+def test_phi4_mini_partial_rotary(resolved, tmp_path):
+    folder = _phi3(tmp_path / "mini", partial_rotary_factor=0.75, rope_scaling={
+        "type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})
+    cfg = resolved("model=auto", f"model.path={folder}", "model.load_format=dummy")
+    assert cfg.model.partial_rotary_factor == 0.75 and rules.check_all(cfg) == []
+    wrong = _phi3(tmp_path / "wrong", partial_rotary_factor=0.75)  # factors for the whole head: 8, not 6
+    [v] = assert_only(rules.check_all(resolved("model=auto", f"model.path={wrong}", "model.load_format=dummy")),
+                      "rope_scaling_supported")
+    assert "must be 6 numbers" in v.message
+
+
+# config.json features of these families that llaunch does not run: refused at start naming the key
+UNSERVED = [
+    ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ("phi3", {"hidden_act": "gelu_new"}, "hidden_act='gelu_new'"),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "yarn", "factor": 2.0,
+                                                               "rope_theta": 1e4}}},
+     "rope_parameters.sliding_attention rope_type 'yarn'"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+]
+
+
+@pytest.mark.parametrize("family,changes,named", UNSERVED)
+def test_unserved_features_exit_2_naming_the_key(resolved, compose_config, tmp_path, family, changes, named):
+    folder = config_folder(tmp_path / family, family, **changes)
+    overrides = ("model=auto", f"model.path={folder}", "model.load_format=dummy", "device=cpu", "dry_run=true")
+    [v] = assert_only(rules.check_all(resolved(*overrides)), "checkpoint_features_supported")
+    assert named in v.message
+    assert main.launch(compose_config(*overrides), tmp_path / "run") == main.EXIT_INVALID
+
+
+def test_unserved_variant_keys_exit_2_naming_them(resolved):
+    [v] = assert_only(rules.check_all(resolved("model=gemma3-12b", "model.load_format=dummy", "model.tokenizer=null",
+                                               "model.hidden_act=relu")), "model_variants_served")
+    assert "model.hidden_act='relu'" in v.message
+    [v] = assert_only(rules.check_all(resolved("model=phi4", "model.load_format=dummy", "model.tokenizer=null",
+                                               "model.partial_rotary_factor=1.5")), "model_variants_served")
+    assert "model.partial_rotary_factor=1.5" in v.message and "0 < factor <= 1" in v.message

@@ -1,6 +1,8 @@
 """The decoder against transformers (float32, CPU) on the same weights: whole-prompt prefill, chunked
 prefill over a cached prefix, and teacher-forced decode steps mixed with another sequence's prefill; for the
-dense families, the MoE ones (Qwen3-MoE, Qwen2-MoE with its shared expert and a dense layer, Mixtral) and SmolLM2."""
+dense families, the MoE ones (Qwen3-MoE, Qwen2-MoE with its shared expert and a dense layer, Mixtral), Gemma 2 and 3
+(windows shorter than the prompts, soft-caps, Gemma 3's local rotary), Phi-3 (fused tensors, partial LongRoPE, a
+window in every layer) and SmolLM2."""
 from __future__ import annotations
 
 import pytest
@@ -40,7 +42,8 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor):
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen3_moe",
-                                        "tiny-qwen2_moe", "tiny-mixtral", "smollm2"])
+                                        "tiny-qwen2_moe", "tiny-mixtral", "tiny-gemma2", "tiny-gemma3_text",
+                                        "tiny-phi3", "smollm2"])
 def setup(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -143,3 +146,27 @@ def test_decode_only_step_takes_the_final_norm_without_gathers(setup):
         out.append(model.forward(batch, tables.kv))
     assert torch.equal(out[0], out[1])
     assert_close(out[1][0], a.logits[a.prompt_len])
+
+
+# Each variant the tiny Mistral / Gemma / Phi-3 checkpoints use changes their logits: without it the whole-prompt
+# prefill is off transformers' by 10x what test_prefill_whole_prompt allows, or more (those tests would catch its loss)
+VARIANTS = [("mistral", "sliding_window"), ("gemma2", "sliding_window"), ("gemma2", "attn_logit_softcapping"),
+            ("gemma2", "final_logit_softcapping"), ("gemma2", "query_pre_attn_scalar"), ("gemma3_text", "sliding_window"),
+            ("gemma3_text", "rope_local_base_freq"), ("gemma3_text", "rope_scaling"), ("phi3", "sliding_window"),
+            ("phi3", "rope_scaling")]
+
+
+@pytest.mark.parametrize("family,key", VARIANTS)
+def test_each_variant_matters_at_the_tiny_shapes(tmp_path, family, key):
+    from transformers import AutoModelForCausalLM
+
+    folder = write_tiny_checkpoint(tmp_path / family, family)
+    ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    without = model_config_from_folder(folder, **{key: None})
+    model = build_model(without, device=torch.device("cpu"), dtype=torch.float32)
+    tables = SlotTables(model)
+    logits = model.forward(tables.batch(prefill=[(0, ids)], all_logits=True), tables.kv)
+    assert (logits - ref).abs().max().item() > 10 * 1e-4 * max(1.0, ref.abs().max().item())

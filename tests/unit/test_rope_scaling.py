@@ -1,7 +1,8 @@
 """Rope scaling as transformers computes it: the cos/sin tables row by row against transformers' rotary
 embedding (decoding one token at a time, so dynamic NTK and LongRoPE grow past the trained length), and
 greedy decoding of tiny checkpoints with YaRN (Qwen2.5's 4.x spelling), dynamic NTK and LongRoPE (Phi-3's
-layout on a Llama) against transformers' generate, past original_max_position_embeddings (float32, CPU)."""
+layout on a Llama, and a Phi-3 with half of each head rotary) against transformers' generate, past
+original_max_position_embeddings (float32, CPU)."""
 from __future__ import annotations
 
 import json
@@ -51,6 +52,30 @@ def test_tables_equal_transformers_rotary_embedding_token_by_token(case):
         assert torch.equal(sin[p], want_sin[0, 0, : HEAD_DIM // 2]), p
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.75, 0.5])
+def test_tables_equal_transformers_phi3_longrope_token_by_token(partial):
+    """Phi-3's LongRoPE, short factors up to the trained length and long ones past it, its attention factor from
+    max_position_embeddings / original_max_position_embeddings, over the rotary part of each head (Phi-4-mini's
+    partial_rotary_factor 0.75)."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    rot = int(32 * partial)
+    config = Phi3Config(hidden_size=128, num_attention_heads=4, max_position_embeddings=256,
+                        original_max_position_embeddings=48, rope_parameters={
+                            "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": partial,
+                            "short_factor": [1.0 + 0.05 * i for i in range(rot // 2)],
+                            "long_factor": [1.5 + 0.3 * i for i in range(rot // 2)]})
+    rotary = Phi3RotaryEmbedding(config)
+    arch = parse_hf_config(config.to_dict()).arch
+    assert arch.get("partial_rotary_factor", 1.0) == partial and rope_problems(arch["rope_scaling"], rot) == []
+    cos, sin = rope_cos_sin(rot, 300, arch["rope_theta"], arch["rope_scaling"], max_position_embeddings=256)
+    for p in range(300):
+        want_cos, want_sin = rotary(torch.zeros(1), torch.tensor([[p]]))
+        assert torch.equal(cos[p], want_cos[0, 0, : rot // 2]), p
+        assert torch.equal(sin[p], want_sin[0, 0, : rot // 2]), p
+
+
 def test_one_reader_for_both_spellings_and_phi3s_layout():
     v4 = {"model_type": "qwen2", "max_position_embeddings": 32768, "rope_theta": 1e6,
           "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
@@ -93,6 +118,10 @@ def _phi3_longrope(config):  # Phi-3's layout: original_max_position_embeddings 
     config["original_max_position_embeddings"] = 32
     config["rope_parameters"] = {**{k: v for k, v in LONGROPE.items() if k != "original_max_position_embeddings"},
                                  "rope_theta": 1e4}
+
+
+def _phi3_trained_32(config):  # the tiny Phi-3's LongRoPE (half of each head rotary) trained on 32 positions
+    config["original_max_position_embeddings"] = config["rope_parameters"]["original_max_position_embeddings"] = 32
 
 
 # family, max_position_embeddings, config.json change, prompt length: every run decodes past position 32
@@ -140,4 +169,21 @@ def test_greedy_past_the_original_context_equals_transformers(case, tmp_path):
     got, logits = greedy(build_model(cfg, device=torch.device("cpu"), dtype=torch.float32), prompt, NEW_TOKENS)
     assert got == want
     # every step's logits to float32 rounding (other tables, plain RoPE's or the other factors, are off 20x more)
+    assert (logits - want_logits).abs().max().item() <= 1e-4 * want_logits.abs().max().item()
+
+
+def test_phi3_greedy_equals_transformers_up_to_its_trained_length(tmp_path):
+    """A Phi-3 (half of each head rotary, LongRoPE trained on 32 positions) decoding up to position 31: short factors,
+    as transformers'. At position 32 transformers' Phi-3 generate drops its cache and prefills the whole sequence
+    again with the long factors (Phi3ForCausalLM.prepare_inputs_for_generation); llaunch rotates that position and
+    the later ones with the long factors and keeps the earlier keys' rotation (as vLLM does): the tables past the
+    trained length are test_tables_equal_transformers_phi3_longrope_token_by_token's."""
+    folder = write_tiny_checkpoint(tmp_path / "phi3", "phi3", seed=3, max_position_embeddings=128)
+    _rewrite_config(folder, _phi3_trained_32)
+    cfg = model_config_from_folder(folder, max_model_len=128)
+    assert cfg.rope_scaling["rope_type"] == "longrope" and cfg.partial_rotary_factor == 0.5
+    prompt = torch.randint(3, 40000, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    want, want_logits = transformers_greedy(folder, prompt, 13)  # the last step decodes position 31
+    got, logits = greedy(build_model(cfg, device=torch.device("cpu"), dtype=torch.float32), prompt, 13)
+    assert got == want
     assert (logits - want_logits).abs().max().item() <= 1e-4 * want_logits.abs().max().item()

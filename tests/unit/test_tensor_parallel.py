@@ -3,7 +3,9 @@ mixed prefill/decode batches, for tiny Qwen2 (2 KV heads, untied, vocab not divi
 Llama (1 KV head: replicated on both ranks; tied embeddings), tiny Qwen3 (q/k norms, head_dim 24 in a
 width of 64, one KV head per rank), tiny Mistral (5 query heads over 1 KV head: padded to 6), and the MoE
 families with each expert's columns split over the ranks (Qwen3-MoE, Qwen2-MoE with its shared expert and a dense
-layer, Mixtral), or whole experts on each (`-ep`: parallel.ep=2)."""
+layer, Mixtral), or whole experts on each (`-ep`: parallel.ep=2); Gemma 2 (5 heads over 1 KV head: padded to 6;
+soft-caps, a window in its local layers), Gemma 3 (3 heads padded to 4, q/k norms, local rotary) and Phi-3 (6 heads
+over 2 KV heads split from the fused qkv_proj, gate_up_proj split per rank, partial LongRoPE)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,6 +21,7 @@ from llaunch.runtime.models.loader import build_model
 
 TP = 2
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+VARIANTS = ("gemma2", "gemma3_text", "phi3")
 
 
 def run_steps(model) -> list[torch.Tensor]:
@@ -56,7 +59,7 @@ def tp_runs(tmp_path_factory):
         "llama": model_config_from_folder(write_tiny_checkpoint(root / "llama", "llama")),
         "qwen3": model_config_from_folder(write_tiny_checkpoint(root / "qwen3", "qwen3")),
         "mistral": model_config_from_folder(write_tiny_checkpoint(root / "mistral", "mistral")),
-        **{name: model_config_from_folder(write_tiny_checkpoint(root / name, name)) for name in MOE},
+        **{name: model_config_from_folder(write_tiny_checkpoint(root / name, name)) for name in (*MOE, *VARIANTS)},
     }
     cfgs.update({f"{name}-ep": cfgs[name] for name in MOE})
     mp.spawn(rank_main, args=(cfgs, str(root / "rendezvous"), str(root)), nprocs=TP, join=True)
@@ -65,7 +68,7 @@ def tp_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "mistral", *MOE, *(f"{n}-ep" for n in MOE)])
+@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3", "mistral", *MOE, *(f"{n}-ep" for n in MOE), *VARIANTS])
 def test_tp2_logits_equal_tp1(tp_runs, name):
     root, cfgs = tp_runs
     single = run_steps(build_model(cfgs[name], device=torch.device("cpu"), dtype=torch.float32))

@@ -171,7 +171,7 @@ def test_arch_from_hf_config_variants():
     qwen = ModelArch.from_hf_config({**base, "model_type": "qwen2"})
     assert qwen.attention_bias and not qwen.o_proj_bias
     with pytest.raises(ValueError, match="not supported"):
-        ModelArch.from_hf_config({**base, "model_type": "gemma2"})
+        ModelArch.from_hf_config({**base, "model_type": "gemma"})
 
 
 def test_qwen2_gguf_loads_like_transformers_reads_it(tiny, tmp_path):
