@@ -9,12 +9,13 @@ from importlib import metadata
 from llaunch.launcher import config_keys, store
 
 HEADER = """\
-llaunch: serve Llama / Mistral / Qwen2 / Qwen3 checkpoints behind an OpenAI-compatible HTTP API.
+llaunch: serve Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / Phi-3 / Phi-4 checkpoints (and the
+Qwen-MoE / Mixtral experts) behind an OpenAI-compatible HTTP API.
 Profiles compose the config; rules check it; a dry run prints the process graph.
 
   llaunch                                               the default model on this machine
   llaunch model=qwen2 model.path=/ckpt/Qwen2-7B-Instruct server.port=8080
-  llaunch model=auto model.path=/ckpt/Qwen3-8B            the family from config.json
+  llaunch model=auto model.path=/ckpt/Qwen3-8B            the family from config.json (gemma2, gemma3_text, phi3, ...)
   llaunch model=qwen2-7b model.load_format=dummy parallel=tp2 device=cuda dry_run=true
   llaunch -m bench=smoke router.max_running_requests=4,8      a sweep: one server + benchmark per job
 """
