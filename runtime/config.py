@@ -357,6 +357,10 @@ class ServerConfig:
     # bound its size and a JSON schema's nesting, so no request holds the compiler for seconds.
     max_constraint_chars: int = 131072  # characters of the spec, as compiled (a choice list's grammar, a schema's JSON)
     max_constraint_depth: int = 64  # nesting of a JSON schema's objects and arrays
+    # Seconds a spec may compile (in the frontend's compile processes, apart from request parsing); a
+    # longer compile is ended and its request gets a 400 naming the field (size does not bound compile
+    # time: a 1,800-character regex took 11 s)
+    max_constraint_compile_s: float = 30.0
     ready_timeout_s: float = 900.0  # launch: how long the graph may take until every process is ready
     # How the model writes tool calls (OpenAI `tools`); None: the one its chat template speaks.
     tool_call_format: Optional[ToolCallFormat] = None
@@ -374,10 +378,6 @@ class ServerConfig:
     # /metrics series are named `<prefix>:...`; vllm: vLLM's names for the series vLLM has (its Grafana
     # dashboards work unchanged), and llaunch's own series under the same prefix
     metrics_prefix: MetricsPrefix = MetricsPrefix.llaunch
-    # Seconds a spec may compile (in the frontend's compile processes, apart from request parsing); a
-    # longer compile is ended and its request gets a 400 naming the field (size does not bound compile
-    # time: a 1,800-character regex took 11 s)
-    max_constraint_compile_s: float = 10.0
     # A request field that no API llaunch speaks (OpenAI, vLLM, TGI, LightLLM) defines: warn (served
     # without it; named in a log line and the X-Ignored-Fields response header) | reject (a 400 naming it).
     unknown_fields: UnknownFields = UnknownFields.warn
@@ -447,6 +447,9 @@ class LlaunchConfig:
     audio: AudioConfig = field(default_factory=AudioConfig)
     bench: Optional[BenchConfig] = None
     device: Device = Device.auto  # auto: cuda when a GPU is visible, else cpu
+    # device=cpu: torch threads per worker process; 0: the CPUs the process may use (its affinity and cgroup
+    # quota, not the host's core count), shared by the node's worker ranks
+    device_threads: int = 0
     dry_run: bool = False  # validate and print the process graph; start nothing
     log_level: LogLevel = LogLevel.INFO  # every process's log
 
@@ -475,9 +478,6 @@ class ProcessGraph:
     http_url: str  # where clients connect, e.g. http://127.0.0.1:8000
     ipc_dir: str  # private per-instance directory holding ipc:// sockets
     control: str  # the launcher's PULL endpoint: every process reports ready here
-    # device=cpu: torch threads per worker process; 0: the CPUs the process may use (its affinity and cgroup
-    # quota, not the host's core count), shared by the node's worker ranks
-    device_threads: int = 0
     dist_init: List[str] = field(default_factory=list)  # torch.distributed init address per dp replica
 
 
