@@ -211,6 +211,8 @@ class CompilePool:
         start launches the forkserver, which imports xgrammar once)."""
         if old is not None:
             old.join()
+        if self._closed:
+            return
         try:
             self._context.set_forkserver_preload(["xgrammar", "llaunch.runtime.constrained.compile_process"])
             parent, child = self._context.Pipe()
@@ -222,6 +224,8 @@ class CompilePool:
             process.start()
             child.close()
         except Exception as e:  # noqa: BLE001: any failure leaves structured output unavailable
+            if self._closed:  # the frontend stopped meanwhile (its forkserver with it)
+                return
             log.exception("a grammar compile process could not start")
             self._loop.call_soon_threadsafe(self._unavailable, f"{type(e).__name__}: {e}")
             return

@@ -62,7 +62,7 @@ class FrontendSettings:
     # structured output compiles in processes that load the tokenizer with this (picklable) factory, each
     # spec within max_constraint_compile_s (runtime/http/constraint_compiles.py); None: only the worker compiles
     grammar_tokenizer: Optional[Callable[[], Any]] = None
-    max_constraint_compile_s: float = 10.0
+    max_constraint_compile_s: float = 30.0
     parse_probe_s: float = 2.0  # /health/ready fails when the request-parsing threads take longer to run a no-op
 
     @staticmethod
