@@ -1,8 +1,8 @@
 """The frontend's side of audio (Qwen2-Audio): a chat message's `input_audio` parts (OpenAI's shape:
-base64 `data` + `format`) and `audio_url` parts (`data:` URLs only; http(s) is never fetched) become
-Qwen2-Audio's per-clip template text, and each clip is decoded (runtime/audio/decode.py), checked
-against the audio.* limits, turned into log-mel features and spliced into the prompt as its tokens
-(runtime/audio/features.py). Every failure is a 400 naming the part.
+base64 `data` + `format`) and `audio_url` parts (`data:` URLs only; http(s) is never fetched) are
+audio parts for the chat template, which writes each clip's text; each clip is decoded
+(runtime/audio/decode.py), checked against the audio.* limits, turned into log-mel features and
+spliced into the prompt as its tokens (runtime/audio/features.py). Every failure is a 400 naming the part.
 """
 from __future__ import annotations
 
@@ -19,11 +19,6 @@ AUDIO_PARTS = ("input_audio", "audio_url")
 MIME_FORMATS = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/wave": "wav", "audio/vnd.wave": "wav",
                 "audio/mpeg": "mp3", "audio/mp3": "mp3", "audio/flac": "flac", "audio/x-flac": "flac",
                 "audio/ogg": "ogg"}
-
-
-def audio_placeholder(n: int) -> str:
-    """What Qwen2-Audio's chat template writes for the request's n-th clip (1-based)."""
-    return f"Audio {n}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
 
 
 @dataclass(frozen=True)

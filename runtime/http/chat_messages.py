@@ -4,34 +4,49 @@ knows no tools (then the tools are described in a system message)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from llaunch.runtime.http.errors import bad_request
-from llaunch.runtime.http.audio import AUDIO_PARTS, audio_placeholder, audio_source
-from llaunch.runtime.http.images import IMAGE_PLACEHOLDER, image_url_of
+from llaunch.runtime.http.audio import AUDIO_PARTS, audio_source
+from llaunch.runtime.http.images import image_url_of
 from llaunch.runtime.http.tool_calls import call_text, openai_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: OpenAI's older tool turn
 
 
+# a media part as chat templates take it (transformers' processors pass these): Qwen2-VL's template
+# matches type image or an `image` key, Qwen2-Audio's an `audio` key; the frontend finds the tokens the
+# template writes for each (<|image_pad|>, <|AUDIO|>) and splices the media's tokens there
+_IMAGE_PART = {"type": "image", "image": ""}
+_AUDIO_PART = {"type": "audio", "audio": ""}
+
+
 def message_text(m, i: int, image_urls: Optional[list] = None) -> str:
-    """The message's text; a multimodal model's image_url parts become Qwen2-VL's image placeholder and
-    their (url, param) go to `image_urls` (an audio model's input_audio/audio_url parts: Qwen2-Audio's
-    clip text, their (AudioSource, param))."""
+    """The message's text (a text-only model's: media parts are refused)."""
+    content = message_content(m, i, image_urls)
+    assert isinstance(content, str)
+    return content
+
+
+def message_content(m, i: int, image_urls: Optional[list] = None) -> Union[str, list[dict]]:
+    """The message's content for the chat template: its text, or where a multimodal model's message has
+    media parts, its parts in order (text parts and {"type": "image"} / {"type": "audio"}), so the
+    checkpoint's own template writes each image's or clip's text as transformers renders it. The media
+    parts' (url, param) go to `image_urls` (an audio model's input_audio/audio_url parts: (AudioSource, param))."""
     if m.content is None or isinstance(m.content, str):
         if m.content is None and not m.tool_calls and m.role != "assistant":
             raise bad_request(f"messages[{i}] has no content.", param=f"messages[{i}].content")
         return m.content or ""
-    parts = []
+    parts: list[dict] = []
     audio = getattr(image_urls, "audio", False)  # a MediaParts of an audio model (runtime/http/audio.py)
     for j, part in enumerate(m.content):
-        if part.type in AUDIO_PARTS and audio:  # Qwen2-Audio's template text per clip, numbered over the request
+        if part.type in AUDIO_PARTS and audio:
             image_urls.append((audio_source(part, f"messages[{i}].content[{j}]"), f"messages[{i}].content[{j}]"))
-            parts.append(audio_placeholder(len(image_urls)))
+            parts.append(dict(_AUDIO_PART))
             continue
         if part.type == "image_url" and image_urls is not None and not audio:
             image_urls.append((image_url_of(part, f"messages[{i}].content[{j}]"), f"messages[{i}].content[{j}]"))
-            parts.append(IMAGE_PLACEHOLDER)
+            parts.append(dict(_IMAGE_PART))
             continue
         if part.type == "text" and part.text is None:
             raise bad_request(f"messages[{i}].content[{j}]: a text part needs `text`.",
@@ -39,8 +54,22 @@ def message_text(m, i: int, image_urls: Optional[list] = None) -> str:
         if part.type != "text":
             raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type!r}.",
                               param=f"messages[{i}].content")
-        parts.append(part.text)
-    return "".join(parts)
+        parts.append({"type": "text", "text": part.text})
+    if any(p["type"] != "text" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def content_text(content: Union[str, list[dict]]) -> str:
+    """A template message's text (its text parts where it has media)."""
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def _with_text(content: Union[str, list[dict]], text: str) -> Union[str, list[dict]]:
+    """The content followed by a line of text (a call written out after a message's own content)."""
+    if isinstance(content, str):
+        return "\n".join([content, text]).strip()
+    return [*content, {"type": "text", "text": "\n" + text}]
 
 
 # apply_chat_template's own arguments: a request sets them through its fields, not chat_template_kwargs
@@ -101,7 +130,7 @@ def chat_messages(req, fmt: str, template_has_tools: bool,
             raise bad_request(f"messages[{i}].audio is not supported: the served models output text only.",
                               param=f"messages[{i}].audio")
         role = "tool" if m.role == "function" else m.role
-        out: dict[str, Any] = {"role": role, "content": message_text(m, i, image_urls)}
+        out: dict[str, Any] = {"role": role, "content": message_content(m, i, image_urls)}
         called = [c.function for c in m.tool_calls or []]
         if getattr(m, "function_call", None) is not None:  # OpenAI's older form of one call
             called.append(m.function_call)
@@ -110,14 +139,14 @@ def chat_messages(req, fmt: str, template_has_tools: bool,
             if template_has_tools:
                 out["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
             else:
-                out["content"] = "\n".join([out["content"], *(call_text(fmt, n, a) for n, a in calls)]).strip()
+                out["content"] = _with_text(out["content"], "\n".join(call_text(fmt, n, a) for n, a in calls))
         if role == "tool":
             if m.role == "function" and m.name:
                 out["name"] = m.name
             if m.tool_call_id is not None:
                 out["tool_call_id"] = m.tool_call_id
             if not template_has_tools:
-                out["content"] = f"<tool_response>\n{out['content']}\n</tool_response>"
+                out["content"] = f"<tool_response>\n{content_text(out['content'])}\n</tool_response>"
         messages.append(out)
     intro = getattr(req, "tool_prompt", None)
     if tools and not template_has_tools:
@@ -132,7 +161,9 @@ def chat_messages(req, fmt: str, template_has_tools: bool,
 
 def _join_system(messages: list[dict], text: str) -> None:
     if messages and messages[0]["role"] == "system":
-        messages[0] = dict(messages[0], content=f"{messages[0]['content']}\n\n{text}")
+        content = messages[0]["content"]
+        messages[0] = dict(messages[0], content=f"{content}\n\n{text}" if isinstance(content, str)
+                           else [*content, {"type": "text", "text": f"\n\n{text}"}])
     else:
         messages.insert(0, {"role": "system", "content": text})
 

@@ -12,7 +12,7 @@ from typing import Any, Optional, Type, TypeVar, Union
 
 import msgspec
 
-from llaunch.runtime.http.chat_messages import chat_messages, template_options
+from llaunch.runtime.http.chat_messages import chat_messages, content_text, template_options
 from llaunch.runtime.http.errors import bad_request, model_not_found
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import (MAX_LOGIT_BIAS, ChoiceCount, LogitBias, MinTokens, Penalty,
@@ -361,7 +361,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: PromptTokenizer, limits: 
         raise bad_request("The served model's tokenizer has no chat template; use /v1/completions.")
     options = template_options(req, limits.trust_request_chat_template)
     messages, tools = chat_messages(req, tokenizer.tool_format, tokenizer.template_has_tools, image_urls)
-    check_prompt_text("".join(m["content"] for m in messages), limits, param="messages")
+    check_prompt_text("".join(content_text(m["content"]) for m in messages), limits, param="messages")
     try:
         ids = tokenizer.encode_chat(messages, tools, add_special_tokens=bool(req.add_special_tokens), **options)
     except Exception as e:  # the template itself may reject an order of roles
