@@ -97,3 +97,26 @@ def head_of(srv: Server, path: str, body: bytes | None = None):
     resp.read()
     conn.close()
     return resp.status, resp.headers  # case-insensitive
+
+
+def test_readiness_fails_while_request_parsing_is_backed_up(tok):
+    """The threads that parse requests busy with a backlog (here: sleeps standing for huge prompts being
+    tokenized): /health/ready says 503 frontend_busy until a no-op runs there within parse_probe_s, then 200.
+    It once said 200 while parsing waited 45 s behind grammar compiles."""
+    import asyncio
+    import time
+
+    srv = Server(tok, parse_probe_s=0.5)
+    try:
+        def backlog() -> None:
+            for _ in range(24):  # four rounds of the default executor's threads (min(32, cores + 4))
+                asyncio.ensure_future(asyncio.to_thread(time.sleep, 1.5))
+
+        srv.loop.call_soon_threadsafe(backlog)
+        answers = []
+        wait_for(lambda: answers.append(srv.raw("GET", "/health/ready")) or answers[-1][0] == 503, timeout=3)
+        assert json.loads(answers[-1][2])["error"]["code"] == "frontend_busy"
+        assert srv.raw("GET", "/health/live")[0] == 200
+        wait_for(lambda: srv.raw("GET", "/health/ready")[0] == 200, timeout=30)
+    finally:
+        srv.stop()
