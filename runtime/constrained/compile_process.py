@@ -24,11 +24,14 @@ def serve_compiles(conn, make_tokenizer: Callable[[], Any], vocab_size: int, inf
     while True:
         try:
             constraint = conn.recv()
-        except EOFError:  # the pool closed the pipe
+        except (EOFError, OSError):  # the pool closed the pipe, or its frontend is gone
             return
         try:
             compiler.compile(constraint)
             error = None
         except ConstraintError as e:
             error = str(e)
-        conn.send(("done", (constraint, error)))
+        try:
+            conn.send(("done", (constraint, error)))
+        except OSError:  # the pool ended this process's job meanwhile, or its frontend is gone
+            return
