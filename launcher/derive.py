@@ -142,7 +142,6 @@ def task_fields(model: ModelConfig, ckpt: Checkpoint | None, num_labels: int | N
         return {"task": task, **embed_fields(model, facts)}
     if task != ModelTask.score:
         return {"task": task}
-    labels = model.labels or (ckpt.labels if ckpt and ckpt.labels else None)
     head = model.score_head or (ScoreHead.mlp if ckpt is not None and ckpt.score_mlp else ScoreHead.linear)
     fields = {"task": task, "score_head": head}
     if head == ScoreHead.yes_no:  # one output; transformers' pad stripping is a classification head's, not this
@@ -153,6 +152,7 @@ def task_fields(model: ModelConfig, ckpt: Checkpoint | None, num_labels: int | N
             found = vocab_ids(tokenizer, YES_NO_TOKENS)
             ids = found if found is not None and None not in found else None  # else rules_score says what to set
         fields["score_token_ids"] = ids
+    labels = model.labels or (ckpt.labels if ckpt and ckpt.labels else None)
     if labels is None and num_labels:
         labels = [f"LABEL_{i}" for i in range(num_labels)]  # transformers' default id2label
     pad = model.pad_token_id if model.pad_token_id is not None else (ckpt.pad_token_id if ckpt else None)

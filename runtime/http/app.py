@@ -163,7 +163,6 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
                 return error_response(refusal(request.path))
             return None
 
-    @app.post("/get_score")
     @app.post("/v1/embeddings")
     async def embeddings() -> Response:
         return await embedding.create(await request.get_data())
@@ -174,6 +173,7 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
     async def rerank() -> Response:
         return await reranking.rerank(request.path, await request.get_data())
 
+    @app.post("/get_score")
     async def get_score() -> Response:
         return await scoring.get_score(await request.get_data())
 
