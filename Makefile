@@ -9,7 +9,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || ech
 MODELS_DIR ?= .models
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test clean wheelhouse
+.PHONY: setup serve test test-fast clean wheelhouse
 
 setup: $(VENV)/.installed $(MODELS_DIR)/smollm2-135m/config.json $(MODELS_DIR)/qwen2-tokenizer/tokenizer.json
 
@@ -35,6 +35,11 @@ serve: setup
 # TRITON_INTERPRET=1: Triton kernels run on CPU tensors (must be set before triton is imported).
 test: setup
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The edit loop's lane: unit and kernel tests that start no process graph (integration tests, distributed
+# ranks and servers are marked slow).
+test-fast: setup
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow and not gpu" tests/unit tests/kernels $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(MODELS_DIR) outputs multirun .pytest_cache
