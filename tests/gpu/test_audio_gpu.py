@@ -14,8 +14,7 @@ import pytest
 
 from fixtures.tiny_audio import AudioOracle, clip, write_tiny_qwen2_audio
 from integration.server import LlaunchServer
-from integration.test_images import settled
-from integration.test_prompt_cache import wait_for
+from integration.test_prompt_cache import settled, wait_for
 
 MAX_NEW = 8
 

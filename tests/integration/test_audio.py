@@ -17,8 +17,7 @@ from openai import OpenAI
 
 from fixtures.tiny_audio import AudioOracle, clip, write_tiny_qwen2_audio
 from integration.conftest import start_server
-from integration.test_images import settled
-from integration.test_prompt_cache import wait_for
+from integration.test_prompt_cache import settled, wait_for
 
 MAX_NEW = 6
 

@@ -21,9 +21,8 @@ from openai import OpenAI
 
 from fixtures.tiny_vl import VlOracle, data_url, image_png, write_tiny_qwen2_vl
 from integration.conftest import start_server
-from llaunch.runtime.detokenizer.detokenizer import HEARTBEAT_S
 from integration.test_host_tier import SHM, running
-from integration.test_prompt_cache import idle, metrics, wait_for
+from integration.test_prompt_cache import settled, wait_for
 
 MAX_NEW = 6
 
@@ -35,18 +34,6 @@ def vl(tmp_path_factory):
                                                            "visual.max_images_per_request=2",
                                                            "visual.max_image_pixels=40000"]) as server:
         yield server, VlOracle(path), OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-def settled(server) -> dict[str, float]:
-    """The metrics once the earlier requests' last router reports are in: unchanged over a snapshot
-    heartbeat (the detokenizer's snapshot on a request's end may precede its router's report)."""
-    m = metrics(server)
-    while True:
-        time.sleep(HEARTBEAT_S + 0.1)
-        again = metrics(server)
-        if again == m and idle(m):
-            return m
-        m = again
 
 
 def ask(client, pngs, text="Describe."):

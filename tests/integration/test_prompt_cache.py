@@ -20,6 +20,7 @@ from openai import AsyncOpenAI
 
 from fixtures.tiny_models import model_config_from_folder
 from integration.server import LlaunchServer
+from llaunch.runtime.detokenizer.detokenizer import HEARTBEAT_S
 from llaunch.runtime.ipc.messages import AddRequest, SamplingParams
 from llaunch.runtime.models.loader import build_model
 from llaunch.runtime.router.request import Request
@@ -143,6 +144,18 @@ def wait_for(server, check, what: str, timeout: float = 10.0) -> dict[str, float
 
 def idle(m: dict[str, float]) -> bool:
     return m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0 and m["kv_cache_usage_perc"] == 0
+
+
+def settled(server) -> dict[str, float]:
+    """The metrics once the earlier requests' last router reports are in: unchanged over a snapshot
+    heartbeat (the detokenizer's snapshot on a request's end may precede its router's report)."""
+    m = metrics(server)
+    while True:
+        time.sleep(HEARTBEAT_S + 0.1)
+        again = metrics(server)
+        if again == m and idle(m):
+            return m
+        m = again
 
 
 @pytest.fixture(scope="module")
