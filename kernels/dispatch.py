@@ -17,7 +17,7 @@ import torch
 from llaunch.kernels import fp8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
-                   "silu_mul", "gelu_tanh_mul", "sampling", "greedy", "fp8_block", "fused_moe")
+                   "gated_activation", "sampling", "greedy", "fp8_block", "fused_moe")
 
 
 def _use_triton(t) -> bool:
@@ -40,8 +40,8 @@ def triton_ops() -> types.SimpleNamespace:
         store_kv=modules["store_kv"].store_kv,
         prefill_attention=modules["prefill_attention"].prefill_attention,
         decode_attention=modules["decode_attention"].decode_attention,
-        silu_mul=modules["silu_mul"].silu_mul,
-        gelu_tanh_mul=modules["gelu_tanh_mul"].gelu_tanh_mul,
+        silu_mul=modules["gated_activation"].silu_mul,
+        gelu_tanh_mul=modules["gated_activation"].gelu_tanh_mul,
         gemv=modules["gemv"].gemv,
         gemv_staged_for=modules["gemv"].staged_for,
         greedy_tokens=modules["greedy"].greedy_tokens,
