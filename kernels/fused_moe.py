@@ -100,6 +100,15 @@ def _swizzled(pid, num_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     return first_m + (pid % per_group) % rows, (pid % per_group) // rows
 
 
+@triton.jit
+def _expert_tile(pid_m, pid_n, sorted_ptr, block_expert_ptr, N, num_pairs, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Row tile pid_m's (expert, token) pairs (valid: not padding), its expert, and column tile pid_n's columns."""
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair, pair < num_pairs, expert, offs_n, offs_n < N
+
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, padded_ptr, N, K, num_pairs, num_m,
@@ -110,12 +119,9 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, padded_
     pid_m, pid_n = _swizzled(tl.program_id(0), num_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):
         return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = pair < num_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pair, valid, expert, offs_n, n_in = _expert_tile(pid_m, pid_n, sorted_ptr, block_expert_ptr, N, num_pairs,
+                                                     BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    n_in = offs_n < N
     a_ptrs = x_ptr + (pair // TOP_K)[:, None] * stride_xm + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     u_ptrs = g_ptrs + N * stride_wn  # the up rows follow the gate rows
@@ -148,12 +154,9 @@ def _down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_pt
     pid_m, pid_n = _swizzled(tl.program_id(0), num_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):
         return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    valid = pair < num_pairs
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pair, valid, expert, offs_n, n_in = _expert_tile(pid_m, pid_n, sorted_ptr, block_expert_ptr, N, num_pairs,
+                                                     BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    n_in = offs_n < N
     a_ptrs = a_ptr + pair[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
