@@ -22,7 +22,7 @@ from llaunch.runtime.http.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import check_model, decode_body
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import (RequestLimits, check_fan_out, check_prompt_text, max_new_tokens_for)
-from llaunch.runtime.http.score_api import Inputs, prefill_outputs
+from llaunch.runtime.http.score_api import Inputs, input_prompts, prefill_outputs
 
 EMBEDDING_PATHS = ("/v1/embeddings",)
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's: a zero vector stays zero
@@ -92,15 +92,7 @@ class EmbeddingsApi:
         req = decode_body(body, EmbeddingRequest)
         check_model(req.model, self.limits)
         size = self.model.size(req.dimensions)
-        x = req.input
-        if isinstance(x, str):
-            x = [x]
-        if x and all(isinstance(t, int) for t in x):
-            x = [x]  # one prompt of token ids
-        elif any(isinstance(t, int) for t in x):
-            raise bad_request("`input` mixes token ids with texts or id lists.", param="input")
-        if not x:
-            raise bad_request("`input` must not be empty.", param="input")
+        x = input_prompts(req.input)
         check_fan_out(len(x), 1, self.limits)
         prompts = []
         for p in x:

@@ -100,6 +100,19 @@ class GetScoreRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 Inputs = Union[str, list[Union[str, TokenId, list[TokenId]]]]  # a text, texts, token ids, lists of token ids
 
 
+def input_prompts(x: Inputs) -> list[Union[str, list[TokenId]]]:
+    """OpenAI's `input`, one entry per prompt: a text, texts, one list of token ids, or lists of them."""
+    if isinstance(x, str):
+        x = [x]
+    if x and all(isinstance(t, int) for t in x):
+        x = [x]  # one prompt of token ids
+    elif any(isinstance(t, int) for t in x):
+        raise bad_request("`input` mixes token ids with texts or id lists.", param="input")
+    if not x:
+        raise bad_request("`input` must not be empty.", param="input")
+    return x
+
+
 class ClassifyRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     input: Inputs
     model: Optional[str] = None
@@ -199,15 +212,7 @@ class ScoreApi:
     def _parse_classify(self, body: bytes) -> tuple[ClassifyRequest, list[list[int]]]:
         req = decode_body(body, ClassifyRequest)
         check_model(req.model, self.limits)
-        x = req.input
-        if isinstance(x, str):
-            x = [x]
-        if x and all(isinstance(t, int) for t in x):
-            x = [x]  # one prompt of token ids
-        elif any(isinstance(t, int) for t in x):
-            raise bad_request("`input` mixes token ids with texts or id lists.", param="input")
-        if not x:
-            raise bad_request("`input` must not be empty.", param="input")
+        x = input_prompts(req.input)
         prompts = [self._text(p, "input", req.add_special_tokens) if isinstance(p, str) else list(p) for p in x]
         return req, self.check("/classify", prompts, "input")
 
