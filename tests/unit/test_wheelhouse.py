@@ -17,7 +17,8 @@ from packaging.version import Version
 
 pytestmark = pytest.mark.timeout(600)
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build_wheelhouse.py"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "build_wheelhouse.py"
 # What the GPU run imports from the wheelhouse: llaunch's runtime (launcher, runtime, kernels), tests/gpu
 # and the integration and fixture modules they import (integration/server.py, test_images.py,
 # test_prompt_cache.py: openai), and tuning sweeps (hydra/sweeper=tune).
@@ -46,6 +47,15 @@ except Exception as e:
     bad.append(f"openai client: {type(e).__name__}: {e}")
 print("\\n".join(bad))
 sys.exit(1 if bad else 0)
+"""
+# The GPU suite's collection beside the house and the image only (and llaunch, editable): a GPU test that
+# imports a CPU-only test extra (anthropic, schemathesis, ...) fails here, not on the device.
+COLLECT = """
+import site, sys
+sys.path.insert(1, sys.argv[1])
+site.addsitedir(sys.argv[2])
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-m", "gpu", "tests/kernels", "tests/gpu", "-p", "no:cacheprovider"]))
 """
 
 
@@ -97,6 +107,10 @@ def test_the_house_installs_offline_and_what_the_gpu_run_imports_imports(house, 
     run = subprocess.run([sys.executable, "-S", "-c", PROBE, str(site), str(image), *GPU_RUN_IMPORTS],
                          cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 0, f"imports failing from the wheelhouse:\n{run.stdout}{run.stderr[-3000:]}"
+    with_llaunch = image_site({**wheelhouse.IMAGE, "llaunch": ""}, tmp_path / "image+llaunch")
+    run = subprocess.run([sys.executable, "-S", "-c", COLLECT, str(site), str(with_llaunch)], cwd=REPO,
+                         env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    assert run.returncode == 0, f"the GPU suite does not collect from the wheelhouse:\n{run.stdout[-3000:]}{run.stderr[-2000:]}"
 
 
 def test_markers_and_extras_are_read_for_the_target(wheelhouse):
