@@ -1,5 +1,5 @@
 """What every child process does first: read the run config, find its own spec, tie its life to
-the launcher's, and report ready on the control socket."""
+the launcher's, and report ready on the control socket; and the SIGTERM flag its loop checks."""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +50,17 @@ def start(argv: Optional[list[str]] = None) -> tuple[RunConfig, ProcessSpec]:
     logging.basicConfig(level=cfg.log_level.value, format=f"%(asctime)s {args.name} %(levelname)s %(message)s",
                         stream=sys.stderr)
     return cfg, find_spec(cfg, args.name)
+
+
+class StopFlag:
+    """Set by SIGTERM once installed; the loop checks it between messages and exits cleanly."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> "StopFlag":
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "requested", True))
+        return self
 
 
 class StageReporter:

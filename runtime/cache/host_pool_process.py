@@ -9,10 +9,9 @@ import time
 
 import zmq
 
-from llaunch.runtime.bootstrap import report_ready, start
+from llaunch.runtime.bootstrap import StopFlag, report_ready, start
 from llaunch.runtime.cache.host_index import index_bytes
 from llaunch.runtime.cache.host_pool import create_pool, pool_bytes, remove_pool
-from llaunch.runtime.detokenizer.process import StopFlag
 
 log = logging.getLogger(__name__)
 

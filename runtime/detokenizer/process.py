@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import logging
 import re
-import signal
 import time
 
 import zmq
 
 from llaunch.runtime.config import ProcessSpec
-from llaunch.runtime.bootstrap import report_ready, start
+from llaunch.runtime.bootstrap import StopFlag, report_ready, start
 from llaunch.runtime.models.tokenizer import load_tokenizer
 from llaunch.runtime.detokenizer.detokenizer import HEARTBEAT_S, Detokenizer
 from llaunch.runtime.ipc.messages import DetokenizerInbound
@@ -32,17 +31,6 @@ def frontend_endpoints(spec: ProcessSpec) -> dict[int, str]:
     if not found:
         raise SystemExit(f"{spec.name}: no text.<i> endpoints in connects {sorted(spec.connects)}")
     return found
-
-
-class StopFlag:
-    """Set by SIGTERM once installed; the loop checks it between messages and exits cleanly."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def install(self) -> "StopFlag":
-        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "requested", True))
-        return self
 
 
 def serve(detok: Detokenizer, receiver: Receiver, frontends: dict[int, Sender], stop: StopFlag) -> None:

@@ -14,7 +14,6 @@ import torch
 import zmq
 
 from llaunch.runtime import bootstrap
-from llaunch.runtime.detokenizer.process import StopFlag
 from llaunch.runtime.ipc.sockets import Receiver, Sender
 from llaunch.runtime.models.layers import TpGroup
 from llaunch.runtime.encoder_servers import encoder_servers
@@ -45,7 +44,7 @@ def tower_encoder(model, device: torch.device, dtype: torch.dtype, tp: TpGroup =
     return (lambda images: leader.encode(tower, images)) if leader else (lambda images: encode_images(tower, images))
 
 
-def serve(batcher: VisualBatcher, inbox: Receiver, routers: dict[int, Sender], stop: StopFlag) -> None:
+def serve(batcher: VisualBatcher, inbox: Receiver, routers: dict[int, Sender], stop: bootstrap.StopFlag) -> None:
     while not stop.requested:
         msg = inbox.recv(timeout_ms=0 if batcher.busy else IDLE_WAIT_MS)
         while msg is not None:
@@ -83,7 +82,7 @@ def main() -> None:
     leader = tower_tp.TowerLeader(headers, device) if tp.size > 1 else None
     encode = tower_encoder(cfg.model, device, DTYPES[cfg.model.dtype.value], tp, leader)
     store = EmbedStore(spec.binds["embeds"], num_blocks(servers.embed_cache_mib))
-    stop = StopFlag().install()
+    stop = bootstrap.StopFlag().install()
     try:
         def encode_bytes(images):
             return [e.contiguous().view(torch.uint8).flatten().cpu().numpy() for e in encode(images)]

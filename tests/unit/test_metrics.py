@@ -15,7 +15,8 @@ import zmq
 
 from llaunch.runtime.detokenizer.detokenizer import HEARTBEAT_S, MIN_SNAPSHOT_GAP_S, Detokenizer
 from llaunch.runtime.detokenizer.metrics import ITL_BUCKETS, TTFT_BUCKETS, MetricsHub
-from llaunch.runtime.detokenizer.process import StopFlag, serve
+from llaunch.runtime.bootstrap import StopFlag
+from llaunch.runtime.detokenizer.process import serve
 from llaunch.runtime.ipc.messages import (DetokenizerInbound, FrontendInbound, MetricsSnapshot, RequestOpened,
                                           RouterStats, SamplingParams, TextBatch, TokenBatch, TokenDelta)
 from llaunch.runtime.ipc.sockets import Receiver, Sender
