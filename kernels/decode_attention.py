@@ -175,8 +175,10 @@ def num_splits_for(batch: int, kv_heads: int, max_len: int) -> int:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      req_to_slots: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, *, max_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
-                     v_scale: Optional[torch.Tensor] = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """q [B, Hq, D] attends to the first seq_lens[b] cached tokens of row rows[b] → [B, Hq, D]; with
+                     v_scale: Optional[torch.Tensor] = None, window: int = 0, softcap: float = 0.0,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q [B, Hq, D] attends to the first seq_lens[b] cached tokens of row rows[b] → [B, Hq, D] (into `out` when
+    given); with
     window > 0 to the last `window` of them only; softcap > 0: each score s (after `scale`) becomes
     softcap · tanh(s / softcap). An fp8 cache comes with its layer's k_scale and v_scale ([] float32 tensors).
     `max_len` (host int, default max_model_len) bounds seq_lens; it only sets the split count, so
@@ -186,7 +188,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q = q.contiguous()
     batch, n_q_heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(-1) == 1, "out: q's shape, unit dim stride"
     if batch == 0:
         return out
     longest = max_len if max_len is not None else req_to_slots.shape[1]

@@ -111,35 +111,41 @@ def _scales(kv_scales, new_kv=(None, None)) -> dict:
 
 def prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale,
                       *, max_q_len: Optional[int] = None, kv_scales=None, new_kv=(None, None), window: int = 0,
-                      softcap: float = 0.0):
+                      softcap: float = 0.0, out=None):
     """new_kv: an fp8 cache's chunk K/V unrounded ([T, Hk, D] each, as q): the chunk attends itself
     through them and only its prefix through the fp8 cache (SGLang's extend attention does so too:
     the rounding of the nearby tokens is what costs top-1 agreement, tests/unit/test_fp8_kv.py).
     window > 0: a sliding-window layer (each query sees its last `window` positions); softcap > 0:
-    Gemma 2's attention logit soft-capping."""
+    Gemma 2's attention logit soft-capping. out: [T, Hq, D] the result is written into (rows no chunk covers
+    keep their values on a GPU)."""
     if _use_triton(q):  # an fp8 cache (kv_scales) is dequantized as the kernel loads it
         return triton_ops().prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens,
                                               prefix_lens, scale, max_q_len=max_q_len, window=window,
-                                              softcap=softcap, **_scales(kv_scales, new_kv))
+                                              softcap=softcap, out=out, **_scales(kv_scales, new_kv))
     if kv_scales is not None:  # the reference reads an fp8 cache dequantized
         k_cache = kv_fp8.Dequantizing(k_cache, kv_scales.k, q.dtype)
         v_cache = kv_fp8.Dequantizing(v_cache, kv_scales.v, q.dtype)
     else:
         new_kv = (None, None)
-    return reference.prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens, prefix_lens, scale,
-                                       *new_kv, window=window, softcap=softcap)
+    return _into(out, reference.prefill_attention(q, k_cache, v_cache, req_to_slots, rows, q_starts, q_lens,
+                                                  prefix_lens, scale, *new_kv, window=window, softcap=softcap))
+
+
+def _into(out, result):
+    return result if out is None else out.copy_(result)
 
 
 def decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, *, max_len: Optional[int] = None,
-                     kv_scales=None, window: int = 0, softcap: float = 0.0):
+                     kv_scales=None, window: int = 0, softcap: float = 0.0, out=None):
     if _use_triton(q):
         return triton_ops().decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale,
-                                             max_len=max_len, window=window, softcap=softcap, **_scales(kv_scales))
+                                             max_len=max_len, window=window, softcap=softcap, out=out,
+                                             **_scales(kv_scales))
     if kv_scales is not None:
         k_cache = kv_fp8.Dequantizing(k_cache, kv_scales.k, q.dtype)
         v_cache = kv_fp8.Dequantizing(v_cache, kv_scales.v, q.dtype)
-    return reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale, window=window,
-                                      softcap=softcap)
+    return _into(out, reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, scale,
+                                                 window=window, softcap=softcap))
 
 
 def _one_row(x) -> bool:

@@ -180,8 +180,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       q_lens: torch.Tensor, prefix_lens: torch.Tensor, scale: float,
                       *, max_q_len: Optional[int] = None, k_scale: Optional[torch.Tensor] = None,
                       v_scale: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
-                      v_new: Optional[torch.Tensor] = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """q: [T, Hq, D] → [T, Hq, D]. `max_q_len` (host int) bounds q_lens to size the grid; without it
+                      v_new: Optional[torch.Tensor] = None, window: int = 0, softcap: float = 0.0,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """q: [T, Hq, D] → [T, Hq, D] (into `out` when given: rows no chunk covers keep what they held). `max_q_len` (host int) bounds q_lens to size the grid; without it
     the grid covers T tokens per sequence and the surplus programs exit at once (no device sync).
     An fp8 cache comes with its layer's k_scale and v_scale ([] float32 tensors), and may come with
     the chunk's own k_new, v_new ([T, Hk, D], indexed as q: read for the chunk instead of the cache).
@@ -194,7 +195,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if q.stride(-1) != 1:
         q = q.contiguous()
     tokens, n_q_heads, dim = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(-1) == 1, "out: q's shape, unit dim stride"
     batch = rows.shape[0]
     if tokens == 0 or batch == 0:
         return out

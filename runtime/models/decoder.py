@@ -14,7 +14,6 @@ is stored into its slot first. Only the rows in `logits_index` go through the fi
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -75,39 +74,54 @@ class Attention(nn.Module):
         self.k_norm = norm("k_norm") if arch.qk_norm else None
         self.kv_scales = None  # an fp8 KV cache's scales for this layer (runtime/models/kv_fp8.py)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x → (q [T, Hq, D] rotated, k, v): every token's K/V stored at its slot first; k, v are an fp8 cache's
+        chunk unrounded (prefill attention reads them), else None. Device work of fixed shapes only (a piece of a
+        mixed step's CUDA graphs: runtime/worker/mixed_graphs.py)."""
         t, d = x.shape[0], self.head_dim
         if self.q_norm is None and not self.partial_rotary:
-            q, k, v = qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads,
-                                          self.num_kv_heads, batch.positions, cos, sin, k_cache, v_cache,
-                                          batch.out_slots, self.kv_scales,
-                                          with_kv=True)  # k, v: an fp8 cache's chunk unrounded (None otherwise)
-        else:
-            q, k, v = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
-                [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-            q, k = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            # partial rotary: tables of rotary_dim / 2 columns rotate the leading rotary_dim dims of each head
-            q, k, v = rotary_store_kv(q, k, v.view(t, self.num_kv_heads, d), batch.positions, cos, sin, k_cache,
-                                      v_cache, batch.out_slots, self.kv_scales, with_kv=True)
+            return qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
+                                       positions, cos, sin, k_cache, v_cache, out_slots, self.kv_scales, with_kv=True)
+        q, k, v = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
+            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q, k = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # partial rotary: tables of rotary_dim / 2 columns rotate the leading rotary_dim dims of each head
+        return rotary_store_kv(q, k, v.view(t, self.num_kv_heads, d), positions, cos, sin, k_cache, v_cache, out_slots,
+                               self.kv_scales, with_kv=True)
+
+    def attend(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], batch: ForwardBatch,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slots: torch.Tensor,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The attention of the step's tokens over the cache → [T, Hq * D] (into `out`, [T, Hq, D], when given:
+        rows past the step's tokens keep what they held). Decode tokens attend through `decode_attention`, prefill
+        chunks through `prefill_attention`; q may have more rows than the step has tokens (a padded step)."""
+        d = self.head_dim
         nd = batch.num_decode
-        if not batch.num_prefill_tokens:  # a decode-only step: the attention output is the whole tensor
-            out = decode_attention(q, k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
-                                   self.scale, max_len=batch.max_decode_len or None, kv_scales=self.kv_scales,
-                                   window=self.window, softcap=self.softcap)
-            return self.o_proj(out.view(t, self.num_heads * d))
+        if not batch.num_prefill_tokens:  # a decode-only step
+            into = None if out is None else out[:nd]
+            decoded = decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
+                                       self.scale, max_len=batch.max_decode_len or None, kv_scales=self.kv_scales,
+                                       window=self.window, softcap=self.softcap, out=into)
+            out = decoded if out is None else out
+            return out.view(out.shape[0], self.num_heads * d)
         # q_starts index the whole token array, so the prefill op gets all of q; decode rows come first.
         out = prefill_attention(q, k_cache, v_cache, req_to_slots, batch.prefill_rows, batch.prefill_q_starts,
                                 batch.prefill_q_lens, batch.prefill_prefix_lens, self.scale,
                                 max_q_len=batch.max_prefill_len or None, kv_scales=self.kv_scales, new_kv=(k, v),
-                                window=self.window, softcap=self.softcap)
+                                window=self.window, softcap=self.softcap, out=out)
         if nd:
-            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows,
-                                        batch.decode_seq_lens, self.scale, max_len=batch.max_decode_len or None,
-                                        kv_scales=self.kv_scales, window=self.window, softcap=self.softcap)
-        return self.o_proj(out.view(t, self.num_heads * d))
+            decode_attention(q[:nd], k_cache, v_cache, req_to_slots, batch.decode_rows, batch.decode_seq_lens,
+                             self.scale, max_len=batch.max_decode_len or None, kv_scales=self.kv_scales,
+                             window=self.window, softcap=self.softcap, out=out[:nd])
+        return out.view(out.shape[0], self.num_heads * d)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x, batch.positions, batch.out_slots, k_cache, v_cache, cos, sin)
+        return self.o_proj(self.attend(q, k, v, batch, k_cache, v_cache, req_to_slots))
 
 
 class Mlp(nn.Module):
@@ -163,14 +177,21 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = Mlp(arch, f"{prefix}.mlp", tp, device, dtype)
 
-    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, req_to_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(h, residual) → (this layer's output, the residual stream before it is added): the next norm adds them."""
+    def attention_input(self, h: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
+                        out_slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor):
+        """(h, residual) → (q, k, v, residual): the input norm (adding h to the residual stream) and the q/k/v
+        projection, K/V stored (Attention.project)."""
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(x, batch, k_cache, v_cache, req_to_slots, cos, sin)
+        return (*self.self_attn.project(x, positions, out_slots, k_cache, v_cache, cos, sin), residual)
+
+    def attention_output(self, attn: torch.Tensor, residual: torch.Tensor):
+        """The attention's output [T, Hq * D] → (this layer's output, the residual stream before it is added):
+        o_proj, norm, MLP; the next norm adds them."""
+        h = self.self_attn.o_proj(attn)
         if self.sandwich:
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
             return self.post_feedforward_layernorm(self.mlp(x)), residual
@@ -281,28 +302,51 @@ class DecoderLM(nn.Module):
                     layout[f"{prefix}.{pname}" if prefix else pname] = shards
         return layout
 
+    def embed(self, input_ids: torch.Tensor, image_index: Optional[torch.Tensor] = None,
+              image_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The step's input embeddings [T, hidden] (images' embeddings in place of their tokens)."""
+        if image_index is None:
+            h = self.embed_tokens(input_ids)
+        else:  # image tokens' ids are vocab_size + a hash: embed a real id, then put the image there
+            h = self.embed_tokens(torch.where(input_ids < self.arch.vocab_size, input_ids, torch.zeros_like(input_ids)))
+            h[image_index] = image_embeds.to(h.dtype)
+        return h if self.embed_scale is None else h * self.embed_scale
+
+    def piece(self, i: int, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
+              out_slots: torch.Tensor, kv: KvCache, cos: torch.Tensor, sin: torch.Tensor):
+        """The step's work between attention i - 1 and attention i, which has fixed shapes and no host input (a
+        mixed step replays each from a CUDA graph: runtime/worker/mixed_graphs.py): x, attention i - 1's output
+        (piece 0: the embeddings), through layer i - 1's o_proj, norm and MLP, then layer i's norm and q/k/v
+        projection → (q, k, v, residual); the last piece (i = num_hidden_layers) → (h, None, None, residual)."""
+        h = x if i == 0 else None
+        if i > 0:
+            h, residual = self.layers[i - 1].attention_output(x, residual)
+        if i == len(self.layers):
+            return h, None, None, residual
+        if self.local_rope and self.arch.is_sliding_layer(i):
+            cos, sin = self.rope_local_cos, self.rope_local_sin
+        return self.layers[i].attention_input(h, residual, positions, out_slots, kv.k[i], kv.v[i], cos, sin)
+
+    def rope_inputs(self, batch: ForwardBatch):
+        """(positions, cos, sin) the pieces rotate by: M-RoPE's per-token tables indexed by each token's place."""
+        if batch.mrope_positions is None:
+            return batch.positions, self.rope_cos, self.rope_sin
+        cos, sin = mrope_tables(self.rope_cos, self.rope_sin, batch.mrope_positions, self.arch.mrope_section)
+        return torch.arange(batch.input_ids.shape[0], device=batch.input_ids.device), cos, sin
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KvCache) -> torch.Tensor:
         """→ float32 logits [len(batch.logits_index), vocab] (a score model: [.., num_labels] scores)."""
-        cos, sin = self.rope_cos, self.rope_sin
-        if batch.image_index is None:
-            h = self.embed_tokens(batch.input_ids)
-        else:  # image tokens' ids are vocab_size + a hash: embed a real id, then put the image there
-            ids = batch.input_ids
-            h = self.embed_tokens(torch.where(ids < self.arch.vocab_size, ids, torch.zeros_like(ids)))
-            h[batch.image_index] = batch.image_embeds.to(h.dtype)
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
-        if batch.mrope_positions is not None:  # per-token tables, indexed by the token's place in the step
-            cos, sin = mrope_tables(cos, sin, batch.mrope_positions, self.arch.mrope_section)
-            batch = dataclasses.replace(batch, positions=torch.arange(h.shape[0], device=h.device))
-        residual = None
-        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, kv.k, kv.v)):
-            if self.local_rope and self.arch.is_sliding_layer(i):
-                h, residual = layer(h, residual, batch, k_cache, v_cache, kv.req_to_slots, self.rope_local_cos,
-                                    self.rope_local_sin)
-            else:
-                h, residual = layer(h, residual, batch, k_cache, v_cache, kv.req_to_slots, cos, sin)
+        positions, cos, sin = self.rope_inputs(batch)
+        x, residual = self.embed(batch.input_ids, batch.image_index, batch.image_embeds), None
+        for i in range(len(self.layers) + 1):
+            x, k, v, residual = self.piece(i, x, residual, positions, batch.out_slots, kv, cos, sin)
+            if i < len(self.layers):
+                x = self.layers[i].self_attn.attend(x, k, v, batch, kv.k[i], kv.v[i], kv.req_to_slots)
+        return self.head(x, residual, batch)
+
+    def head(self, h: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        """The last layer's output and residual → the logits of the rows in batch.logits_index."""
         rows = batch.logits_index
         if residual is not None and batch.every_token:
             # the residual add is the final norm's: one kernel instead of two gathers, an add and the norm
