@@ -94,6 +94,15 @@ def prefill_graph_tokens_nonnegative(cfg):
 
 
 @rule()
+def mixed_graph_tokens_nonnegative(cfg):
+    n = cfg.model.mixed_graph_tokens
+    if n is not None and n < 0:
+        yield ("model.mixed_graph_tokens",), (
+            f"model.mixed_graph_tokens={n} must be >= 0 (0: mixed steps without CUDA graphs; null: "
+            "router.batch_max_tokens up to 8192)")
+
+
+@rule()
 def kernel_settings_valid(cfg):
     for key, message in cfg.kernels.problems():
         yield (key,), message + " (see `llaunch --cfg job` for the kernels group's keys)"

@@ -140,6 +140,11 @@ class ModelConfig:
     # Longest prompt chunk whose prefill, when it runs alone, replays a CUDA graph (buckets of 64
     # tokens): an idle server's time to first token is then the device's, not the host's launches. 0: eager.
     prefill_graph_tokens: int = 1024
+    # Longest step with prefill chunks beside decode rows (or several chunks) that replays CUDA graphs
+    # piecewise, its attentions launched between them (buckets of 64 tokens to 512, of 128 beyond): under
+    # load the host's launches, not the device, would set those steps' time. None: router.batch_max_tokens
+    # up to 8192; 0: eager.
+    mixed_graph_tokens: Optional[int] = None
     # Longest context a decode step may hold and still replay a CUDA graph (LightLLM's
     # graph_max_len_in_batch); a step with a longer row runs eagerly. None: max_model_len.
     graph_max_len_in_batch: Optional[int] = None

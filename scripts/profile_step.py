@@ -113,16 +113,18 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--mixed-graph-tokens", type=int, default=4608, help="the runner's (0: mixed steps eager)")
     ap.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (host times mean nothing there)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.cpu else "cuda")
     arch = ModelArch.from_hf_config(dict(QWEN2_7B, num_hidden_layers=args.layers))
     model = DecoderLM(arch, TpGroup(0, 1, None), device, torch.float32 if args.cpu else torch.bfloat16, SPAN).eval()
     load_from(model, DummySource(0, device, full_tensors=False))
-    rows = args.decode_rows + args.chunks * (args.repeats + 3)
+    rows = args.decode_rows + 2 * args.chunks * (args.repeats + 3)
     kv = model.make_kv_cache((rows + 1) * SPAN + 1, rows + 1, SPAN)
     t0 = time.perf_counter()
-    runner = ModelRunner(model, kv, rows, device, cuda_graphs=True, prefill_graph_tokens=1024)
+    runner = ModelRunner(model, kv, rows, device, cuda_graphs=True, prefill_graph_tokens=1024,
+                         mixed_graph_tokens=args.mixed_graph_tokens)
     print(f"runner built (graphs captured) in {time.perf_counter() - t0:.1f}s", flush=True)
     plans = Plans()
     decode_rows = list(range(args.decode_rows))
@@ -130,10 +132,12 @@ def main() -> int:
         runner.execute(plans.prefill(decode_rows[i:i + 16], args.context))
     fresh = iter(range(args.decode_rows, rows))
     results = {}
-    for kind in ("mixed", "decode"):
+    graphs = runner.mixed_graphs
+    for kind in ("mixed", "mixed eager", "decode"):
+        runner.mixed_graphs = None if kind == "mixed eager" else graphs
         host, device_ms = [], []
         for r in range(args.repeats + 2):  # a warm-up, the timed repeats, one under the profilers
-            chunk_rows = [next(fresh) for _ in range(args.chunks)] if kind == "mixed" else []
+            chunk_rows = [next(fresh) for _ in range(args.chunks)] if kind.startswith("mixed") else []
             plan = plans.decode(decode_rows, chunk_rows, args.chunk_len)
             h, d, kernels = profiled_launch(runner, plan, profile=(r == args.repeats + 1))
             if 0 < r <= args.repeats:
@@ -142,7 +146,7 @@ def main() -> int:
         results[kind] = dict(host_ms=round(statistics.median(host), 2), host_ms_all=[round(h, 2) for h in host],
                              device_ms=round(statistics.median(device_ms), 2), kernels=kernels)
         print(json.dumps({"kind": kind, "decode_rows": args.decode_rows, "prefill_tokens":
-                          args.chunks * args.chunk_len if kind == "mixed" else 0, **results[kind]}), flush=True)
+                          args.chunks * args.chunk_len if kind.startswith("mixed") else 0, **results[kind]}), flush=True)
     return 0
 
 

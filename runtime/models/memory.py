@@ -55,6 +55,18 @@ def mlp_activations(cfg: LlaunchConfig, arch: ModelArch) -> int:
     return max(dense, moe)
 
 
+MIXED_GRAPH_MAX_TOKENS = 8192  # model.mixed_graph_tokens=null: router.batch_max_tokens up to this
+
+
+def mixed_graph_tokens(cfg: LlaunchConfig) -> int:
+    """The longest step the worker replays piecewise graphs for (runtime/worker/mixed_graphs.py); 0: none."""
+    if cfg.device == Device.cpu or cfg.model.enforce_eager:
+        return 0
+    if cfg.model.mixed_graph_tokens is not None:
+        return cfg.model.mixed_graph_tokens
+    return min(cfg.router.batch_max_tokens or 0, MIXED_GRAPH_MAX_TOKENS)
+
+
 def activation_bytes(cfg: LlaunchConfig, arch: ModelArch) -> int:
     """Hidden states and MLP intermediates of batch_max_tokens tokens, the float32 logits and sampling
     buffers of the largest batch and of a step's prompt-logprob positions, and the graph pools."""
@@ -63,6 +75,8 @@ def activation_bytes(cfg: LlaunchConfig, arch: ModelArch) -> int:
     graphs = GRAPH_POOL_BYTES if cfg.device != Device.cpu else 0
     if graphs:  # the verify graphs' own pool: their steps' activations and float32 logits
         graphs += spec_step_tokens(cfg.spec, cfg.router.max_running_requests) * (per_token + arch.vocab_size * 4)
+        # the mixed-step graphs' pool (a piece's activations at the largest bucket) and static buffers
+        graphs += mixed_graph_tokens(cfg) * per_token
     return (cfg.router.batch_max_tokens or 0) * per_token + logits + graphs
 
 

@@ -40,7 +40,7 @@ from llaunch.runtime.models.audio_qwen2 import audio_tokens
 from llaunch.runtime.worker.host_kv import HostKvPool
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
-from llaunch.runtime.models.memory import spec_step_tokens
+from llaunch.runtime.models.memory import mixed_graph_tokens, spec_step_tokens
 
 log = logging.getLogger("llaunch.worker")
 
@@ -197,7 +197,7 @@ def main() -> None:
                          timed=cfg.router.step_trace is not None, eos_ids=tuple(cfg.model.eos_token_ids or ()),
                          grammar=grammars, graph_max_len=cfg.model.graph_max_len_in_batch, images=images,
                          verify_tokens=spec_step_tokens(cfg.spec, max_rows), drafter=drafter,
-                         pooling=cfg.model.pooling)
+                         pooling=cfg.model.pooling, mixed_graph_tokens=mixed_graph_tokens(cfg))
     log.info("model loaded: %s %s on %s, %d KV slots", cfg.model.name, dtype, device, num_slots)
     if watch is not None:
         watch.start()  # after loading: every rank is past the slow, GIL-heavy start-up

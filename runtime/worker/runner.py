@@ -16,6 +16,7 @@ from llaunch import kernels
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.models.pooling import PooledRows
+from llaunch.runtime.worker.mixed_graphs import MixedGraphs
 from llaunch.runtime.worker.prefill_graphs import PrefillGraphs, alone_chunk
 from llaunch.runtime.worker.prompt_logprobs import PromptLogprobRows, PromptPart
 from llaunch.runtime.worker.sampling_state import SamplingState, logprobs_to_host
@@ -46,7 +47,7 @@ class ModelRunner:
     def __init__(self, model, kv: KvCache, max_rows: int, device: torch.device, cuda_graphs: bool = False,
                  prefill_graph_tokens: int = 0, timed: bool = False, eos_ids: tuple[int, ...] = (),
                  grammar: Optional[Callable] = None, graph_max_len: Optional[int] = None, images=None,
-                 verify_tokens: int = 0, drafter=None, pooling=None):
+                 verify_tokens: int = 0, drafter=None, pooling=None, mixed_graph_tokens: int = 0):
         """`kv` has one row and one slot more than the router uses: scratch space for padding.
         `prefill_graph_tokens`: with CUDA graphs, the longest chunk a lone prefill replays one for.
         `timed` (a step trace is on): on a GPU each step also reports its host and device time.
@@ -55,7 +56,9 @@ class ModelRunner:
         `verify_tokens`: the most tokens a speculating step has (verify steps up to it are padded to
         CUDA-graph buckets: runtime/worker/verify_graphs.py).
         `drafter`: spec.method=draft's Drafter (runtime/worker/drafter.py), else None.
-        `pooling`: an embedding model's model.pooling (last when None)."""
+        `pooling`: an embedding model's model.pooling (last when None).
+        `mixed_graph_tokens`: with CUDA graphs, the longest step with prefill chunks (or decode rows the decode
+        graphs do not take) that replays piecewise graphs (runtime/worker/mixed_graphs.py); 0: eager."""
         self.model = model
         self.kv = kv
         self.images = images  # ImageRows (runtime/worker/image_rows.py) of a multimodal model, else None
@@ -71,6 +74,7 @@ class ModelRunner:
         self.graphs = None
         self._graph_len_bound = False  # model.graph_max_len_in_batch below the KV rows' length
         self.prefill_graphs = None  # PrefillGraphs: a prompt's last chunk when it runs alone
+        self.mixed_graphs = None  # MixedGraphs: the other steps, piecewise
         # under a step trace, each step also reports its host and device time (two timed CUDA events)
         self.timed = timed and device.type == "cuda"
         # a score model (model.task=score) only prefills: its rows' head outputs are the result, no sampling;
@@ -92,6 +96,9 @@ class ModelRunner:
                 self.prefill_graphs = PrefillGraphs(model, kv, min(prefill_graph_tokens, kv.req_to_slots.shape[1]),
                                                     scratch_row=max_rows, scratch_slot=scratch_slot)
                 self.prefill_graphs.capture()
+            if mixed_graph_tokens > 0:
+                self.mixed_graphs = MixedGraphs(model, kv, mixed_graph_tokens, scratch_slot)
+                self.mixed_graphs.capture()
         # verify steps (no prefill chunk) run as decode steps of several tokens per verifying row
         verify_len = self.graphs.max_model_len if self.graphs else kv.req_to_slots.shape[1]
         self.verify_steps = None if self.scores_only else VerifySteps(
@@ -248,6 +255,8 @@ class ModelRunner:
         batch, rows = self.build_batch(plan)
         if batch.num_tokens == 0:
             return None, [], None
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(batch):
+            return self.mixed_graphs.run(batch), rows, None
         return self.model.forward(batch, self.kv), rows, None
 
     @torch.inference_mode()

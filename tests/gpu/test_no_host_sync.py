@@ -29,11 +29,12 @@ def runner():
                       MAX_LEN).eval()
     load_from(model, DummySource(0, torch.device("cuda"), full_tensors=False))
     kv = model.make_kv_cache(SLOTS + 1, ROWS + 1, MAX_LEN)
-    return ModelRunner(model, kv, ROWS, torch.device("cuda"), cuda_graphs=True, prefill_graph_tokens=512)
+    return ModelRunner(model, kv, ROWS, torch.device("cuda"), cuda_graphs=True, prefill_graph_tokens=512,
+                       mixed_graph_tokens=1024)
 
 
 def plans(first_row: int, first_slot: int, first_step: int) -> list[tuple[str, StepPlan]]:
-    """A lone prefill (its graph), a mixed step (eager), a decode step (its graph), a mixed step with
+    """A lone prefill (its graph), a mixed step (piecewise graphs), a decode step (its graph), a mixed step with
     a one-token chunk and a sampling request, and several chunks at once; on rows first_row..+3."""
     greedy = SamplingParams(max_new_tokens=64, temperature=0.0)
     sampled = SamplingParams(max_new_tokens=64, temperature=0.8, top_p=0.9, seed=3)

@@ -53,6 +53,7 @@ BREAKS = {
     "kv_budget": [["cache.max_total_tokens=100"], ["cache.cpu_kv_gib=0"]],
     "max_running_requests_positive": [["router.max_running_requests=0"], ["router.max_wait_tokens=-1"]],
     "prefill_graph_tokens_nonnegative": [["model.prefill_graph_tokens=-64"]],
+    "mixed_graph_tokens_nonnegative": [["model.mixed_graph_tokens=-1"]],
     "device_threads_nonnegative": [["device_threads=-1"]],
     "http_workers_positive": [["server.http_workers=0"]],
     "kernel_settings_valid": [["kernels.pdl_kernels=[gemv,softmax]"], ["kernels.gemv_shapes='3584x3584=3/4096/8'"]],
