@@ -1,5 +1,5 @@
 """Where the host KV tier's memory lives (cache.cpu_tokens > 0): one shared-memory file per worker
-(dp replica × tp rank), created by the kv_host process (runtime/cache/host_pool_process.py) before the
+(dp replica × tp rank), created by the kv_host process (runtime/kv_host/process.py) before the
 workers map it, so the pool outlives a worker and every rank of a node maps its share from one owner.
 A rank's file holds K and V of `cpu_tokens` slots over all layers: [2, layers, slots, kv_heads, head_dim].
 No torch: the launcher plans the paths and removes leftovers with these functions."""

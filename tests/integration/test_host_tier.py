@@ -163,7 +163,7 @@ def test_the_graph_goes_down_when_kv_host_dies(server):
     """Last in the module: SIGKILL the pool's owner; llaunch exits non-zero naming it, leaves no
     process behind, and removes the pool files the dead process could not (the fixture checks)."""
     [host_pid] = [pid for pid in server.children()
-                  if b"host_pool_process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+                  if b"llaunch.runtime.kv_host.process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     graph = server.children()
     os.kill(host_pid, signal.SIGKILL)
     assert server.proc.wait(60) != 0
