@@ -153,9 +153,17 @@ def _one_row(x) -> bool:
     return settings.current.triton_gemv and _use_triton(x) and x.dim() == 2 and x.shape[0] == 1
 
 
+def _fp8_row(x, weight: "fp8.Fp8Weight") -> bool:
+    """A one-row step (batch-1 decode) with per-channel e4m3 weights: the GEMV, which quantizes the row as it
+    reads it (cuBLASLt's GEMM needs the row quantized by kernels of its own: ~8 small kernels a layer)."""
+    return _one_row(x) and weight.block is None
+
+
 def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None):
     """An fp8 layer (kernels/fp8.py): on a GPU cuBLASLt's scaled GEMM, or for block-wise weights the
-    Triton block GEMM (kernels/fp8_block.py); their roundings in torch elsewhere."""
+    Triton block GEMM (kernels/fp8_block.py), or for one row the GEMV; their roundings in torch elsewhere."""
+    if _fp8_row(x, weight):
+        return triton_ops().gemv(x, weight, bias)
     if x.is_cuda and not settings.current.reference:
         if weight.block is not None and weight.activations != fp8.NONE:
             return triton_ops().fp8_block_linear(x, weight, bias)
@@ -184,6 +192,8 @@ def lm_head_linear(x, weight):
 
 def gated_linear(x, weight):
     if isinstance(weight, fp8.Fp8Weight):
+        if _fp8_row(x, weight):
+            return triton_ops().gemv(x, weight, gated=True)
         return silu_mul(fp8_linear(x, weight))
     if _one_row(x):
         return triton_ops().gemv(x, weight, gated=True)

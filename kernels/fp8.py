@@ -4,7 +4,9 @@ checkpoints); activations quantized at run time per token, or per token per bloc
 block-wise weights (or with a checkpoint's static per-tensor scale, or not at all: weight-only).
 
 GPU: per-channel layers through torch._scaled_mm (cuBLASLt fp8 GEMM) with row-wise scales,
-activations [M, K] row-major and weights [N, K] row-major given as their column-major transpose;
+activations [M, K] row-major and weights [N, K] row-major given as their column-major transpose; a one-row
+step (batch-1 decode) through the GEMV (kernels/gemv.py), which quantizes the row as it reads it and
+applies the row's and each channel's scale to the float32 sums;
 block-wise layers through the Triton kernels of kernels/fp8_block.py. CPU: the reference, which
 performs the same roundings (activations to e4m3 and back, weights times scales) in the model's
 dtype, so CPU tests check the GPU path's numerics (up to the GEMM's accumulation order).

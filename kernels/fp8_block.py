@@ -17,25 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from llaunch.kernels.fp8 import FP8_MAX, MIN_SCALE, Fp8Weight
+from llaunch.kernels.e4m3 import FP8_MAX_C, round_to_e4m3, scale_of_absmax
+from llaunch.kernels.fp8 import Fp8Weight
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 GROUPS_PER_PROGRAM = 8  # activation groups one quantizing program handles (1,024 values at 128)
-_FP8_MAX, _MIN_SCALE = tl.constexpr(FP8_MAX), tl.constexpr(MIN_SCALE)  # what kernels may read of kernels/fp8.py
-
-
-@triton.jit
-def _round_to_e4m3(y):
-    """y (float32, within ±448) rounded to the nearest e4m3 value, ties to even, still in float32.
-    Only under the interpreter: its float32 → fp8 cast lets a mantissa that rounds up carry into
-    the wrong bit (31.2 becomes 16), so it is given values it need not round."""
-    bits = y.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # keep 3 mantissa bits
-    normal = bits.to(tl.float32, bitcast=True)
-    # below 2^-6 e4m3 steps by 2^-9, float32's ulp at 24576; the sign is kept for -0
-    subnormal = (tl.abs(y) + 24576.0) - 24576.0
-    subnormal = tl.where(y < 0, -subnormal, subnormal)
-    return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
 
 
 @triton.jit
@@ -46,10 +32,10 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, n_groups, stride_xm, stride_
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (g[:, None] < n_groups) & (cols < K)
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX), _MIN_SCALE)
-    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX, _FP8_MAX)
+    scale = scale_of_absmax(tl.max(tl.abs(x), axis=1))
+    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C, FP8_MAX_C)
     if INTERPRETED:
-        y = _round_to_e4m3(y)
+        y = round_to_e4m3(y)
     tl.store(q_ptr + row * stride_qm + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * stride_sm + g, scale, mask=g < n_groups)
 

@@ -11,19 +11,23 @@ its 2I-wide input disappear. A launch shape with STAGES ≥ 2 runs the TMA-stage
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from llaunch.kernels import gemv_staged, pdl, settings
+from llaunch.kernels import fp8, gemv_staged, pdl, settings
+from llaunch.kernels.e4m3 import scale_of_absmax
+from llaunch.kernels.fp8 import Fp8Weight
+from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 from llaunch.kernels.row_dots import row_dots
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Under the interpreter (a Python loop per program) few, large programs keep tests fast; the tests
 # set STAGES here to run the staged kernel too.
 INTERPRETED_SHAPE = (32, 256, 4, 0)
+ACT_MODES = {fp8.NONE: 0, fp8.DYNAMIC: 1, fp8.STATIC: 2}  # an fp8 layer's activations, the kernel's ACT
 
 
 # Every GEMV but the gated gate‖up one requests x's next tile with the weights' next tile (row_dots'
@@ -65,13 +69,31 @@ def staged_for(weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, X_AHEAD: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset, scale_ub,
+                 HAS_SCALE: tl.constexpr, ACT: tl.constexpr, HAS_UB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 X_AHEAD: tl.constexpr, INTERPRETED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
+    x_scale = 1.0
+    if ACT == 1:  # an fp8 layer's dynamic activation scale: the row's absmax over all of K (x is small, in L2)
+        wait_for_previous_kernel(PDL)  # x is the previous kernel's
+        cols = tl.arange(0, BLOCK_K)
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
+        amax = tl.max(amax, axis=0)
+        if HAS_UB:
+            amax = tl.minimum(amax, scale_ub)
+        x_scale = scale_of_absmax(amax)
+    if ACT == 2:  # a static activation scale
+        x_scale = tl.load(xs_ptr)
     y, up_y = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED, PDL,
-                       BLOCK_N, BLOCK_K, X_AHEAD)
+                       BLOCK_N, BLOCK_K, X_AHEAD, x_scale, ACT != 0, INTERPRETED)
+    if HAS_SCALE:  # e4m3 weights: each output channel's float32 scale (and the row's) on the float32 sum
+        y *= tl.load(s_ptr + rows, mask=row_mask, other=0.0) * x_scale
+        if GATED:
+            up_y *= tl.load(s_ptr + N + rows, mask=row_mask, other=0.0) * x_scale
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
@@ -85,14 +107,27 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset,
     tl.store(out_ptr + rows, y.to(x_ptr.dtype.element_ty).to(dtype), mask=row_mask)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional[torch.Tensor] = None, *,
          gated: bool = False, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x [1, K] @ weight [N, K]ᵀ (+ bias [N]) → [1, N]; gated: weight is gate‖up [2I, K] and the
     result silu(x gateᵀ) * (x upᵀ), [1, I]. `out_dtype` float32 stores the x-dtype result widened
-    (the LM head's logits without a cast kernel after it)."""
+    (the LM head's logits without a cast kernel after it). An fp8 layer (per-channel e4m3 weights): x is
+    quantized as its activation mode says (dynamic: by the row's absmax; static; none) as it is read, and
+    each float32 sum multiplied by the row's and the channel's scales (kernels/fp8.reference_linear's roundings
+    up to the order of the sum)."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"gemv takes one row, got x of shape {tuple(x.shape)}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+    layer = weight if isinstance(weight, Fp8Weight) else None
+    if layer is not None:
+        if layer.block is not None:
+            raise ValueError(f"gemv: an fp8 layer with per-channel scales, got blocks of {layer.block}")
+        weight = layer.weight
+        if weight.dtype != torch.float8_e4m3fn or layer.scale.shape != (weight.shape[0],):
+            raise ValueError(f"gemv: an fp8 layer needs e4m3 weights and [N] scales, got {weight.dtype} "
+                             f"{tuple(weight.shape)} and {tuple(layer.scale.shape)}")
+    elif weight.dtype != x.dtype:
+        raise ValueError(f"gemv: x is {x.dtype}, weight {weight.dtype}")
+    if bias is not None and bias.dtype != x.dtype:
         raise ValueError(f"gemv: x is {x.dtype}, weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
     if gated and weight.shape[0] % 2:
         raise ValueError(f"gemv: a gated weight stacks gate and up, so it needs an even row count, got {weight.shape[0]}")
@@ -113,12 +148,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     block_n, block_k, warps, stages = launch_shape(n, k, gated)
     # Under PDL the first weight tiles are read before the wait: only a weight no earlier kernel wrote.
     use_pdl = pdl.enabled(x, "gemv") and not copied
-    if stages >= 2 and gemv_staged.tma_ready(weight):
+    if stages >= 2 and layer is None and gemv_staged.tma_ready(weight):
         gemv_staged.gemv_staged(x, weight, bias, out, n, gated, pdl.flavor(use_pdl, "gemv"), block_n, block_k,
                                 warps, stages)
         return out
+    act = ACT_MODES[layer.activations] if layer is not None else 0
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), n * weight.stride(0),
+        x, weight, layer.scale if layer is not None else x,
+        layer.input_scale if act == ACT_MODES[fp8.STATIC] else x, bias if bias is not None else x, out, n, k,
+        weight.stride(0), n * weight.stride(0), (layer.scale_ub or 0.0) if layer is not None else 0.0,
+        HAS_SCALE=layer is not None, ACT=act, HAS_UB=layer is not None and layer.scale_ub is not None,
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
-        X_AHEAD=not gated, num_warps=warps, launch_pdl=use_pdl)
+        X_AHEAD=not gated, INTERPRETED=_INTERPRETED, num_warps=warps, launch_pdl=use_pdl)
     return out

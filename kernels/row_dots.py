@@ -5,19 +5,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from llaunch.kernels.e4m3 import quantized
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 
 @triton.jit
 def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_AHEAD: tl.constexpr = False):
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_AHEAD: tl.constexpr = False, x_scale=1.0,
+             QUANT_X: tl.constexpr = False, INTERPRETED: tl.constexpr = False):
     """Σ_k w[r, k]·x[k] in float32 for a program's rows (w_rows: a pointer per row), and for the rows
     up_offset further when GATED. Shared by every one-row kernel, so all walk K tile by tile alike;
     the compiler still lays out each kernel's tile, and so its final in-tile sum, on its own.
     (Two tiles in flight, each summed to its rows as it is used, measured slower on an H200 at every
     launch shape tried: docs/performance.md.)
     X_AHEAD: x's next tile is requested with the weights' next tile, instead of at the top of the
-    iteration that uses it (same values, same order: bit-identical sums)."""
+    iteration that uses it (same values, same order: bit-identical sums).
+    QUANT_X: each x value is first divided by x_scale and rounded to e4m3 (an fp8 layer's activations; the
+    sums are then of the e4m3 values, to be multiplied by x_scale)."""
     cols = tl.arange(0, BLOCK_K)
     # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
     # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
@@ -38,6 +42,8 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
             x_next = tl.load(x_ptr + nxt, mask=nxt < K, other=0.0).to(tl.float32)
         else:
             x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        if QUANT_X:
+            x = quantized(x, x_scale, INTERPRETED)
         mask = row_mask[:, None] & (nxt < K)[None, :]  # all false after the last tile: no traffic
         w_next = tl.load(w_rows[:, None] + nxt[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]

@@ -68,8 +68,9 @@ def test_x_one_tile_ahead_gives_the_same_sums(ops, gated):
     outs = []
     for ahead in (False, True):
         out = torch.empty(1, n, dtype=x.dtype)
-        gemv._gemv_kernel[(triton.cdiv(n, 16),)](x, w, x, out, n, 300, w.stride(0), n * w.stride(0), HAS_BIAS=False,
-                                                 GATED=gated, PDL=0, BLOCK_N=16, BLOCK_K=64, X_AHEAD=ahead,
+        gemv._gemv_kernel[(triton.cdiv(n, 16),)](x, w, x, x, x, out, n, 300, w.stride(0), n * w.stride(0), 0.0,
+                                                 HAS_SCALE=False, ACT=0, HAS_UB=False, HAS_BIAS=False, GATED=gated,
+                                                 PDL=0, BLOCK_N=16, BLOCK_K=64, X_AHEAD=ahead, INTERPRETED=True,
                                                  num_warps=4)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
@@ -216,3 +217,93 @@ def test_lm_head_takes_the_staged_kernel_where_it_was_measured(monkeypatch, kern
     kernel_settings(gemv_shapes="")
     monkeypatch.setattr(pdl, "hopper_or_later", lambda index: False)
     assert not gemv.staged_for(qwen2_7b)
+
+
+
+def fp8_layer(n: int, k: int, activations: str = "dynamic", device="cpu"):
+    """A per-channel e4m3 layer; static: an input scale of 0.02 (inputs past 8.96 saturate); dynamic-ub: a token's
+    absmax clipped to 2 (FBGEMM's activation_scale_ub: larger inputs saturate)."""
+    from llaunch.kernels import fp8
+
+    weight, scale = fp8.quantize_weight(torch.randn(n, k, device=device) / k ** 0.5)
+    mode = activations.removesuffix("-ub")
+    return fp8.Fp8Weight(weight, scale, mode, torch.tensor(0.02, device=device) if mode == fp8.STATIC else None,
+                         2.0 if activations.endswith("-ub") else None)
+
+
+FP8_MODES = ["dynamic", "static", "none", "dynamic-ub"]
+
+
+@pytest.mark.parametrize("activations", FP8_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, k, bias", [(37, 300, True), (64, 256, False), (129, 520, True)])
+def test_fp8_gemv_interpreted(ops, poisoned, close, activations, dtype, n, k, bias):
+    """Per-channel e4m3 weights: the row quantized as the layer's activation mode says while it is read, and
+    reference_linear's roundings (the same e4m3 values, summed in another order)."""
+    from llaunch.kernels import fp8
+
+    w = fp8_layer(n, k, activations)
+    x = (3 * torch.randn(1, k)).to(dtype)  # some values past the static scale's and the bound's saturation
+    b = torch.randn(n).to(dtype) if bias else None
+    with poisoned():
+        out = ops.gemv(x, w, b)
+    close(out, fp8.reference_linear(x, w, b))
+
+
+@pytest.mark.parametrize("activations", FP8_MODES)
+@pytest.mark.parametrize("inner, k", [(45, 264), (96, 512)])
+def test_fp8_gated_gemv_interpreted(ops, poisoned, close, activations, inner, k):
+    from llaunch.kernels import fp8
+
+    w = fp8_layer(2 * inner, k, activations)
+    x = 3 * torch.randn(1, k)
+    with poisoned():
+        out = ops.gemv(x, w, gated=True)
+    close(out, reference.silu_mul(fp8.reference_linear(x, w)))
+
+
+def test_fp8_gemv_quantizes_the_row():
+    """The quantization is not a no-op at these inputs: without it the product is another one (so the
+    tests above would see a GEMV that skipped it)."""
+    from llaunch.kernels import fp8
+
+    w = fp8_layer(64, 256)
+    x = 3 * torch.randn(1, 256)
+    unquantized = torch.nn.functional.linear(x, fp8.dequantize_weight(w, torch.float32))
+    assert (fp8.reference_linear(x, w) - unquantized).abs().max() > 1e-2
+
+
+def test_fp8_gemv_refuses_block_scales(ops):
+    from llaunch.kernels import fp8
+
+    weight, scale = fp8.quantize_weight_blocks(torch.randn(256, 256), (128, 128))
+    with pytest.raises(ValueError, match="per-channel"):
+        ops.gemv(torch.randn(1, 256), fp8.Fp8Weight(weight, scale, block=(128, 128)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", FP8_MODES)
+@pytest.mark.parametrize("n, k, bias", [(4608, 3584, True), (3584, 3584, False), (3584, 18944, False), (5, 24, False)])
+def test_fp8_gemv_gpu(cuda, poisoned, close, activations, n, k, bias):
+    """Qwen2-7B's qkv, o_proj and down_proj as fp8 layers in bf16 steps: kernels.linear's one-row path (the GEMV)
+    against the reference's roundings."""
+    from llaunch.kernels import fp8
+
+    w = fp8_layer(n, k, activations, cuda)
+    x = (3 * torch.randn(1, k, device=cuda)).to(torch.bfloat16)
+    b = torch.randn(n, device=cuda).to(torch.bfloat16) if bias else None
+    with poisoned():
+        out = kernels.linear(x, w, b)
+    close(out, fp8.reference_linear(x, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inner, k", [(18944, 3584), (3, 104)])
+def test_fp8_gated_gemv_gpu(cuda, poisoned, close, inner, k):
+    from llaunch.kernels import fp8
+
+    w = fp8_layer(2 * inner, k, "dynamic", cuda)
+    x = (3 * torch.randn(1, k, device=cuda)).to(torch.bfloat16)
+    with poisoned():
+        out = kernels.gated_linear(x, w)
+    close(out, reference.silu_mul(fp8.reference_linear(x, w)))

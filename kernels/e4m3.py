@@ -1,0 +1,40 @@
+"""e4m3 rounding inside Triton kernels: a float32 value divided by its scale, saturated at ±448 and rounded to
+the nearest e4m3 value (kernels/fp8.to_fp8's roundings), for the kernels that quantize activations as they
+read them (kernels/fp8_block.py, the fp8 GEMV's row)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from llaunch.kernels.fp8 import FP8_MAX, MIN_SCALE
+
+FP8_MAX_C, MIN_SCALE_C = tl.constexpr(FP8_MAX), tl.constexpr(MIN_SCALE)  # what kernels may read of kernels/fp8.py
+
+
+@triton.jit
+def round_to_e4m3(y):
+    """y (float32, within ±448) rounded to the nearest e4m3 value, ties to even, still in float32.
+    Only under the interpreter: its float32 → fp8 cast lets a mantissa that rounds up carry into
+    the wrong bit (31.2 becomes 16), so it is given values it need not round."""
+    bits = y.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # keep 3 mantissa bits
+    normal = bits.to(tl.float32, bitcast=True)
+    # below 2^-6 e4m3 steps by 2^-9, float32's ulp at 24576; the sign is kept for -0
+    subnormal = (tl.abs(y) + 24576.0) - 24576.0
+    subnormal = tl.where(y < 0, -subnormal, subnormal)
+    return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def scale_of_absmax(amax):
+    """A row's (or group's) activation scale from its absmax: absmax / 448, floored (kernels/fp8.token_scales)."""
+    return tl.maximum(tl.math.div_rn(amax, FP8_MAX_C), MIN_SCALE_C)
+
+
+@triton.jit
+def quantized(x, scale, INTERPRETED: tl.constexpr):
+    """x / scale saturated at ±448, rounded to e4m3, as float32 (the value an fp8 GEMM multiplies)."""
+    y = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_C, FP8_MAX_C)
+    if INTERPRETED:
+        return round_to_e4m3(y)
+    return y.to(tl.float8e4nv).to(tl.float32)
