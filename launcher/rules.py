@@ -99,7 +99,7 @@ def mixed_graph_tokens_nonnegative(cfg):
     if n is not None and n < 0:
         yield ("model.mixed_graph_tokens",), (
             f"model.mixed_graph_tokens={n} must be >= 0 (0: mixed steps without CUDA graphs; null: "
-            "router.batch_max_tokens up to 8192)")
+            "router.batch_max_tokens up to 4096)")
 
 
 @rule()

@@ -143,7 +143,7 @@ class ModelConfig:
     # Longest step with prefill chunks beside decode rows (or several chunks) that replays CUDA graphs
     # piecewise, its attentions launched between them (buckets of 64 tokens to 512, of 128 beyond): under
     # load the host's launches, not the device, would set those steps' time. None: router.batch_max_tokens
-    # up to 8192; 0: eager.
+    # up to 4096 (larger steps run eagerly: their device time hides more of the host's); 0: eager.
     mixed_graph_tokens: Optional[int] = None
     # Longest context a decode step may hold and still replay a CUDA graph (LightLLM's
     # graph_max_len_in_batch); a step with a longer row runs eagerly. None: max_model_len.

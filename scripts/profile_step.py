@@ -4,7 +4,7 @@ batching at c256) and a decode step, each behind a long device sleep so the host
 Prints the host launch time, the device time, the number of kernels launched, and the Python functions the
 launch spends its time in (cProfile, by own time and by cumulative time).
 
-    python scripts/profile_step.py [--layers 28] [--decode-rows 256] [--chunks 4] [--chunk-len 1024]
+    python scripts/profile_step.py [--layers 28] [--decode-rows 256] [--chunks 3] [--chunk-len 1024]
 """
 from __future__ import annotations
 
@@ -110,10 +110,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--decode-rows", type=int, default=256)
     ap.add_argument("--context", type=int, default=512, help="tokens each decode row holds")
-    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--chunks", type=int, default=3)
     ap.add_argument("--chunk-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--mixed-graph-tokens", type=int, default=4608, help="the runner's (0: mixed steps eager)")
+    ap.add_argument("--mixed-graph-tokens", type=int, default=4096, help="the runner's (0: mixed steps eager)")
     ap.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (host times mean nothing there)")
     args = ap.parse_args()
     device = torch.device("cpu" if args.cpu else "cuda")

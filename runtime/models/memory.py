@@ -55,7 +55,7 @@ def mlp_activations(cfg: LlaunchConfig, arch: ModelArch) -> int:
     return max(dense, moe)
 
 
-MIXED_GRAPH_MAX_TOKENS = 8192  # model.mixed_graph_tokens=null: router.batch_max_tokens up to this
+MIXED_GRAPH_MAX_TOKENS = 4096  # model.mixed_graph_tokens=null: router.batch_max_tokens up to this (36 buckets)
 
 
 def mixed_graph_tokens(cfg: LlaunchConfig) -> int:
