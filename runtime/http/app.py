@@ -20,10 +20,10 @@ from llaunch.runtime.http.audio import AudioInputs
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.http.embeddings_api import EmbeddingsApi, EmbedModel, embed_model_refusal
 from llaunch.runtime.http.engine_client import EngineClient, current_pd_link
-from llaunch.runtime.http.errors import ApiError, draining, error_response, json_response, model_not_found
+from llaunch.runtime.web.errors import ApiError, draining, error_response, json_response, model_not_found
 from llaunch.runtime.http.generate_api import GenerateApi
-from llaunch.runtime.http.guards import gatekeeper, json_errors
-from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.web.guards import gatekeeper, json_errors
+from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.http.lightllm_ops import TokensApi, lightllm_server_info, token_load
 from llaunch.runtime.http.openai_serving import OpenAIServing
 from llaunch.runtime.http.openapi import openapi_document
@@ -35,7 +35,7 @@ from llaunch.runtime.http.responses_api import ResponsesApi
 from llaunch.runtime.http.score_api import GENERATION_PATHS, ScoreApi, ScoreHead, score_model_refusal
 from llaunch.runtime.http.tgi_api import TgiApi, tgi_info
 from llaunch.runtime.http.tokenize_api import TokenizeApi
-from llaunch.runtime.http.unknown_fields import IGNORED_HEADER, begin_request, header_value, ignored_fields
+from llaunch.runtime.web.unknown_fields import IGNORED_HEADER, begin_request, header_value, ignored_fields
 from llaunch.runtime.metrics_exposition import exposition
 from llaunch.runtime.models.tokenizer import load_tokenizer
 
@@ -57,7 +57,7 @@ class FrontendSettings:
     embed: Optional[EmbedModel] = None  # an embedding model (model.task=embed); None: not one
     tgi_info: Optional[dict] = None  # server.tgi_api: /generate* speak TGI, GET /info answers this
     images: Optional[object] = None  # a multimodal model: ImageInputs (runtime/http/images.py), or AudioInputs (audio.py)
-    warn_unknown_fields: bool = True  # server.unknown_fields=warn: served without them (runtime/http/unknown_fields.py)
+    warn_unknown_fields: bool = True  # server.unknown_fields=warn: served without them (runtime/web/unknown_fields.py)
     server_info: Optional[dict] = None  # LightLLM's GET /get_server_info (runtime/http/lightllm_ops.py)
     # structured output compiles in processes that load the tokenizer with this (picklable) factory, each
     # spec within max_constraint_compile_s (runtime/http/constraint_compiles.py); None: only the worker compiles

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from llaunch.runtime.config import AudioConfig, ModelConfig
-from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.web.errors import bad_request
 from llaunch.runtime.ipc.messages import ImageRef
 
 AUDIO_PARTS = ("input_audio", "audio_url")

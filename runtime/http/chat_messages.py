@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Union
 
-from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.web.errors import bad_request
 from llaunch.runtime.http.audio import AUDIO_PARTS, audio_source
 from llaunch.runtime.http.images import image_url_of
 from llaunch.runtime.http.tool_calls import call_text, openai_tools

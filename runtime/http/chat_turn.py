@@ -15,11 +15,11 @@ from quart import Response
 
 from llaunch.runtime.config import ReasoningParser
 from llaunch.runtime.http.engine_client import RequestGroup, admitted
-from llaunch.runtime.http.errors import ApiError, stream_error
+from llaunch.runtime.web.errors import ApiError, stream_error
 from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, Choice
 from llaunch.runtime.http.openai_serving import ChoiceState, OpenAIServing
 from llaunch.runtime.http.reasoning import ReasoningStream
-from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
+from llaunch.runtime.web.sse import TrackedStream, sse_event, sse_response
 from llaunch.runtime.http.tool_calls import ParsedCall, ToolCallStream, tool_format_of
 from llaunch.runtime.ipc.messages import SamplingParams, TextDelta
 

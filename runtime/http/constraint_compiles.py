@@ -4,14 +4,14 @@ field. The compile runs in runtime/constrained/compile_pool.py's processes, awai
 (EngineClient.submit calls `gate`): it never holds a thread of the executor that parses requests.
 
 Parsing names each constraint's field (`named`, from the parse thread) in a per-request dict that the
-app opens before the route runs, as runtime/http/unknown_fields.py collects ignored fields."""
+app opens before the route runs, as runtime/web/unknown_fields.py collects ignored fields."""
 from __future__ import annotations
 
 import contextvars
 from typing import Optional
 
 from llaunch.runtime.constrained.compile_pool import CompileBusy, CompilePool, CompileTimeout, CompileUnavailable
-from llaunch.runtime.http.errors import ApiError, bad_request
+from llaunch.runtime.web.errors import ApiError, bad_request
 from llaunch.runtime.ipc.messages import Constraint
 
 _fields: contextvars.ContextVar[Optional[dict[Constraint, str]]] = contextvars.ContextVar("constraint_fields",

@@ -17,9 +17,10 @@ from quart import Response
 
 from llaunch.runtime.config import ModelConfig
 from llaunch.runtime.http.engine_client import EngineClient
-from llaunch.runtime.http.errors import ApiError, bad_request, json_response
-from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.http.openai_protocol import check_model, decode_body
+from llaunch.runtime.web.errors import ApiError, bad_request, json_response
+from llaunch.runtime.web.lifecycle import Lifecycle
+from llaunch.runtime.http.openai_protocol import check_model
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import (RequestLimits, check_fan_out, check_prompt_text, max_new_tokens_for)
 from llaunch.runtime.http.score_api import Inputs, input_prompts, prefill_outputs

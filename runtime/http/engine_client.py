@@ -26,8 +26,8 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 import zmq.asyncio
 
 from llaunch.runtime.config import ProcessSpec
-from llaunch.runtime.http.errors import engine_failed
-from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.web.errors import engine_failed
+from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.http.prefix_affinity import PrefixAffinity
 from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, Constraint, FlushCache, FrontendInbound,
                                           MetricsSnapshot, PdLink, RouterInbound, SamplingParams, TextBatch, TextDelta)

@@ -9,18 +9,18 @@ import msgspec
 from quart import Response
 
 from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
-from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response, stream_error
+from llaunch.runtime.web.errors import ApiError, bad_request, engine_failed, json_response, stream_error
 from llaunch.runtime.http.generate_images import MultimodalParams, generate_images
 from llaunch.runtime.http.images import ImageInputs
-from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.http.openai_protocol import decode_body
+from llaunch.runtime.web.lifecycle import Lifecycle
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.prompt_logprobs import lightllm_prompt_logprobs
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import (MAX_TEMPERATURE, ChoiceCount, RequestLimits, Seed, TokenCount,
                                                  TokenId, TopK, TopP, check_fan_out, check_prompt_text,
                                                  check_stop_strings, check_token_id, greedy_temperature,
                                                  max_new_tokens_for)
-from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
+from llaunch.runtime.web.sse import TrackedStream, sse_event, sse_response
 from llaunch.runtime.http.token_healing import TokenHealer, healed, healing_of
 from llaunch.runtime.http.structured_output import constraint_from, one_constraint
 from llaunch.runtime.http.unserved_fields import refuse_unserved_lightllm

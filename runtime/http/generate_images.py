@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import msgspec
 
-from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.web.errors import bad_request
 from llaunch.runtime.http.images import ImageInputs, check_image_count
 from llaunch.runtime.ipc.messages import ImageRef
 

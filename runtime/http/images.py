@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 from llaunch.runtime.config import ModelConfig, VisualConfig
-from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.web.errors import bad_request
 from llaunch.runtime.ipc.messages import ImageRef
 
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # what Qwen2-VL's template writes per image

@@ -10,8 +10,8 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from llaunch.runtime.config import Mode, RunConfig
-from llaunch.runtime.http.errors import bad_request
-from llaunch.runtime.http.openai_protocol import decode_body
+from llaunch.runtime.web.errors import bad_request
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import RequestLimits, check_prompt_text
 

@@ -1,5 +1,5 @@
-"""OpenAI request bodies: decode with msgspec (wrong types and out-of-range values fail with the
-field's path), validate every value against the model's and the server's limits
+"""OpenAI request bodies: msgspec types decoded by runtime/web/request_body.py (wrong types and
+out-of-range values fail with the field's path), validate every value against the model's and the server's limits
 (runtime/http/request_limits.py), and turn each choice into engine work (prompt ids + SamplingParams).
 
 Fields are Optional because clients send explicit nulls. A field llaunch does not implement is
@@ -8,12 +8,12 @@ refused with a 400 naming it (never silently ignored); `user` and `metadata` are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Type, TypeVar, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
 from llaunch.runtime.http.chat_messages import chat_messages, content_text, template_options
-from llaunch.runtime.http.errors import bad_request, model_not_found
+from llaunch.runtime.web.errors import bad_request, model_not_found
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import (MAX_LOGIT_BIAS, ChoiceCount, LogitBias, MinTokens, Penalty,
                                                  Priority, Probability, RepetitionPenalty, RequestId, RequestLimits,
@@ -24,10 +24,7 @@ from llaunch.runtime.http.request_limits import (MAX_LOGIT_BIAS, ChoiceCount, Lo
 from llaunch.runtime.http.structured_output import one_constraint, openai_sources
 from llaunch.runtime.http.tool_calls import tools_constraint
 from llaunch.runtime.http.unserved_fields import refuse_unserved
-from llaunch.runtime.http.unknown_fields import collecting_unknown, decode_without_unknown, unknown_field
 from llaunch.runtime.ipc.messages import Constraint, SamplingParams
-
-R = TypeVar("R")
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -245,42 +242,6 @@ class Choice:
     prompt: int  # which prompt of the request (several choices share one)
     prompt_ids: list[int]
     sampling: SamplingParams
-
-
-def decode_body(body: bytes, request_type: Type[R], where: str = "") -> R:
-    """`where`: the JSON path of a part of the request decoded on its own (`tools[2]`), which the
-    errors and the ignored fields are named under."""
-    if not body:
-        raise bad_request("The request body is empty; send a JSON object.")
-    try:
-        try:
-            return msgspec.json.decode(body, type=request_type)
-        except msgspec.ValidationError as e:
-            served = decode_without_unknown(body, request_type, e, where)  # server.unknown_fields=warn
-            if served is None:
-                raise
-            return served
-    except msgspec.ValidationError as e:
-        hint = " (server.unknown_fields=reject)" if unknown_field(e) is not None and not collecting_unknown() else ""
-        param = _param_of(str(e))
-        if where:
-            param = f"{where}.{param}" if param else where
-        raise bad_request(f"Invalid request{f' ({where})' if where else ''}: {e}{hint}", param=param) from None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"The body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise bad_request("The request body nests arrays or objects too deeply.") from None
-
-
-def _param_of(message: str) -> Optional[str]:
-    """The field a msgspec error names: "... - at `$.messages[0].role`", "missing required field `x`",
-    "Object contains unknown field `x`"."""
-    path = message.rsplit("at `$.", 1)[1].split("`", 1)[0] if "at `$." in message else None
-    for marker in ("required field `", "unknown field `"):
-        if marker in message:
-            name = message.split(marker, 1)[1].split("`", 1)[0]
-            return f"{path}.{name}" if path else name
-    return path
 
 
 def check_model(requested: Optional[str], limits: RequestLimits) -> None:

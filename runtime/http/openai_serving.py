@@ -16,15 +16,16 @@ from llaunch.runtime.http import openai_responses as shapes
 from llaunch.runtime.http.audio import MediaParts
 from llaunch.runtime.http.images import chat_images
 from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
-from llaunch.runtime.http.errors import ApiError, engine_failed, json_response, stream_error
-from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.web.errors import ApiError, engine_failed, json_response, stream_error
+from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice, CompletionRequest, RequestLimits,
                                                   adopt_functions, chat_choices, chat_echo, chat_prompt, check_model,
-                                                  completion_choices, completion_prompts, decode_body)
+                                                  completion_choices, completion_prompts)
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.prompt_logprob_sharing import SharedPromptLogprobs, ask_once, relayed
 from llaunch.runtime.http.prompt_logprobs import echo_logprobs, echo_text_length, vllm_prompt_logprobs
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
-from llaunch.runtime.http.sse import DONE, TrackedStream, sse_event, sse_response
+from llaunch.runtime.web.sse import DONE, TrackedStream, sse_event, sse_response
 from llaunch.runtime.http.token_healing import TokenHealer, healed, healing_of
 from llaunch.runtime.http.reasoning import ReasoningStream, split_reasoning
 from llaunch.runtime.http.tool_calls import ToolCallStream, parse_tool_calls, tool_format_of

@@ -21,15 +21,15 @@ from quart import Response
 
 from llaunch.runtime.config import Mode, ProcessSpec, RunConfig
 from llaunch.runtime.http.engine_client import EngineClient
-from llaunch.runtime.http.errors import ApiError, engine_failed, json_response
+from llaunch.runtime.web.errors import ApiError, engine_failed, json_response
 from llaunch.runtime.http.generate_api import GenerateRequest, generate_jobs
-from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, RequestLimits, chat_choices,
-                                                  chat_prompt, check_model, completion_choices, completion_prompts,
-                                                  decode_body)
+                                                  chat_prompt, check_model, completion_choices, completion_prompts)
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.ipc.messages import PdLink, SamplingParams
-from llaunch.runtime.http.registrar import Registrar
+from llaunch.runtime.web.registrar import Registrar
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from llaunch.runtime.config import Mode, ProcessSpec, RunConfig
 from llaunch.runtime.bootstrap import report_ready, start
 from llaunch.runtime.http.app import FrontendSettings, create_app
 from llaunch.runtime.http.engine_client import EngineClient, ZmqEngineLink
-from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.http.pd_instance import start_registrar
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.models.tokenizer import load_tokenizer

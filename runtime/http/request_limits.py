@@ -13,7 +13,7 @@ from typing import Annotated, Any, Mapping, Optional
 
 import msgspec
 
-from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.web.errors import bad_request
 
 INT64_MAX = 2**63 - 1
 MAX_N = 16

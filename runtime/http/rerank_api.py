@@ -11,8 +11,9 @@ from typing import Optional, Union
 import msgspec
 from quart import Response
 
-from llaunch.runtime.http.errors import bad_request, json_response
-from llaunch.runtime.http.openai_protocol import check_model, decode_body
+from llaunch.runtime.web.errors import bad_request, json_response
+from llaunch.runtime.http.openai_protocol import check_model
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.request_limits import check_prompt_text
 from llaunch.runtime.http.score_api import ScoreApi, class_probs
 

@@ -22,11 +22,12 @@ from quart import Response
 
 from llaunch.runtime.http.chat_turn import (ErrorNames, Part, Thought, Turn, group_deltas, prepare_turn,
                                             streamed_turn, submit_turn, whole_turn)
-from llaunch.runtime.http.errors import ApiError, bad_request, json_response
+from llaunch.runtime.web.errors import ApiError, bad_request, json_response
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, ChatMessage, ContentPart, FunctionCall,
                                                   FunctionDefinition, ImageUrl, JsonSchemaFormat, ResponseFormat,
-                                                  Tool, ToolCall, decode_body)
+                                                  Tool, ToolCall)
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.openai_serving import ChoiceState, OpenAIServing
 from llaunch.runtime.http.request_limits import Temperature, TokenCount, TopLogprobs, TopP
 

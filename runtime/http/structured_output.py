@@ -9,7 +9,7 @@ import json
 from typing import Any, Optional
 
 from llaunch.runtime.http.constraint_compiles import named
-from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.web.errors import bad_request
 from llaunch.runtime.ipc.messages import Constraint
 
 

@@ -14,14 +14,14 @@ from quart import Response
 
 from llaunch.runtime.config import RunConfig
 from llaunch.runtime.http.engine_client import EngineClient, RequestGroup, admitted
-from llaunch.runtime.http.errors import ApiError, bad_request, engine_failed, json_response, stream_error
+from llaunch.runtime.web.errors import ApiError, bad_request, engine_failed, json_response, stream_error
 from llaunch.runtime.http.generate_api import GenerateParameters, GenerateRequest, generate_jobs
-from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.http.openai_protocol import decode_body
+from llaunch.runtime.web.lifecycle import Lifecycle
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import (MAX_TEMPERATURE, MAX_TOP_LOGPROBS, Penalty, RepetitionPenalty,
                                                  RequestLimits, Seed, TokenCount, TopP, check_prompt_text)
-from llaunch.runtime.http.sse import TrackedStream, sse_event, sse_response
+from llaunch.runtime.web.sse import TrackedStream, sse_event, sse_response
 from llaunch.runtime.ipc.messages import TextDelta
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's, when a request leaves max_new_tokens unset

@@ -17,7 +17,7 @@ from typing import Optional
 
 import msgspec
 
-from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.web.errors import bad_request
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.ipc.messages import SamplingParams

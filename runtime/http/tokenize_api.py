@@ -9,8 +9,9 @@ import msgspec
 from quart import Response
 
 from llaunch.runtime.http.chat_messages import chat_messages, template_options
-from llaunch.runtime.http.errors import bad_request, json_response
-from llaunch.runtime.http.openai_protocol import ChatMessage, Tool, check_model, decode_body
+from llaunch.runtime.web.errors import bad_request, json_response
+from llaunch.runtime.http.openai_protocol import ChatMessage, Tool, check_model
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import RequestLimits, TokenId, check_prompt_text, check_token_id
 

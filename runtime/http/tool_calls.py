@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.web.errors import bad_request
 from llaunch.runtime.ipc.messages import Constraint
 
 FORMATS = ("hermes", "llama3_json")

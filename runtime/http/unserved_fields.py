@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from llaunch.runtime.http.errors import bad_request
+from llaunch.runtime.web.errors import bad_request
 
 # field → (is it asked for?, why it cannot be served)
 _OPENAI: dict[str, tuple[Callable[[Any], bool], str]] = {

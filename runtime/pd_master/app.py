@@ -17,10 +17,10 @@ import msgspec
 from quart import Quart, Response, request
 
 from llaunch.runtime.config import RunConfig
-from llaunch.runtime.http.errors import ApiError, bad_request, draining, error_response, json_response
-from llaunch.runtime.http.guards import gatekeeper, json_errors
-from llaunch.runtime.http.lifecycle import Lifecycle
-from llaunch.runtime.http.openai_protocol import decode_body
+from llaunch.runtime.web.errors import ApiError, bad_request, draining, error_response, json_response
+from llaunch.runtime.web.guards import gatekeeper, json_errors
+from llaunch.runtime.web.lifecycle import Lifecycle
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.pd_master.registry import InstanceRegistry, NoHealthyInstance, Registration
 from llaunch.runtime.pd_master.relay import FORWARDED_HEADERS, PdExchange
 

@@ -16,10 +16,10 @@ from quart import Quart, Response, request
 
 from llaunch.runtime.config import ProcessSpec, RunConfig
 from llaunch.runtime.bootstrap import report_ready, start
-from llaunch.runtime.http.errors import bad_request, json_response
-from llaunch.runtime.http.guards import json_errors
-from llaunch.runtime.http.openai_protocol import decode_body
-from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.web.errors import bad_request, json_response
+from llaunch.runtime.web.guards import json_errors
+from llaunch.runtime.web.request_body import decode_body
+from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.pd_master.process import HEARTBEAT_TIMEOUT_S, serve_until_stopped
 
 log = logging.getLogger(__name__)

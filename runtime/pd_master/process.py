@@ -18,9 +18,9 @@ from quart import Quart
 from llaunch.runtime.config import ProcessSpec, RunConfig
 from llaunch.runtime.api_key import read_api_key
 from llaunch.runtime.bootstrap import report_ready, start
-from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.pd_master.app import MasterSettings, create_master_app
-from llaunch.runtime.http.registrar import Registrar
+from llaunch.runtime.web.registrar import Registrar
 from llaunch.runtime.pd_master.registry import InstanceRegistry
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import openai
 
 from llaunch.runtime.http.app import FrontendSettings, create_app
 from llaunch.runtime.http.engine_client import EngineClient
-from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.http.process import listening_socket, serve_app
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import RequestLimits

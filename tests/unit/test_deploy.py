@@ -31,7 +31,7 @@ STOP_AFTER_DRAIN_S = 5 + 3 + 10
 def frontend_get_routes() -> frozenset[str]:
     """The GET routes of the real frontend app (runtime/http/app.py)."""
     from llaunch.runtime.http.app import FrontendSettings, create_app
-    from llaunch.runtime.http.lifecycle import Lifecycle
+    from llaunch.runtime.web.lifecycle import Lifecycle
 
     from unit.http_support import smollm2_tokenizer
     from unit.scripted_frontend import LIMITS

@@ -23,7 +23,8 @@ from llaunch.runtime.audio.encoder import InProcessAudioEmbeds
 from llaunch.runtime.config import AudioConfig, VisualConfig
 from llaunch.runtime.http.audio import AudioInputs
 from llaunch.runtime.http.images import ImageInputs
-from llaunch.runtime.http.openai_protocol import ChatCompletionRequest, decode_body
+from llaunch.runtime.http.openai_protocol import ChatCompletionRequest
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.openai_serving import OpenAIServing
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import RequestLimits

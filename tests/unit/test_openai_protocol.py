@@ -9,10 +9,11 @@ import os
 
 import pytest
 
-from llaunch.runtime.http.errors import ApiError
+from llaunch.runtime.web.errors import ApiError
 from llaunch.runtime.http.generate_api import GenerateRequest, generate_jobs
 from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_choices, chat_prompt,
-                                                  check_model, completion_choices, completion_prompts, decode_body)
+                                                  check_model, completion_choices, completion_prompts)
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.config import ModelConfig

@@ -16,10 +16,10 @@ import openai
 import pytest
 
 from llaunch.launcher import supervise
-from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.pd_master.config_server import Directory, create_config_app
 from llaunch.runtime.pd_master.app import MasterSettings, create_master_app
-from llaunch.runtime.http.registrar import Registrar
+from llaunch.runtime.web.registrar import Registrar
 from llaunch.runtime.pd_master.registry import InstanceRegistry
 from unit.http_support import wait_for
 from unit.pd_support import Clock, FakeDecode, FakePrefill, KvBoard, Loop, dying_decode, new_event

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from llaunch.runtime.constrained.row_state import RowConstraint
-from llaunch.runtime.http.errors import ApiError
-from llaunch.runtime.http.openai_protocol import CompletionRequest, completion_choices, completion_prompts, decode_body
+from llaunch.runtime.web.errors import ApiError
+from llaunch.runtime.http.openai_protocol import CompletionRequest, completion_choices, completion_prompts
+from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.detokenizer.incremental import IncrementalDecoder, PrefixStrip
 from llaunch.runtime.http.token_healing import TokenHealer
 from llaunch.runtime.ipc.messages import SamplingParams

@@ -1,4 +1,5 @@
-"""OpenAI-style errors: every failure the frontend reports is `{"error": {message, type, param, code}}`."""
+"""OpenAI-style errors: every failure an llaunch HTTP app (frontend, pd_master, config server) reports is
+`{"error": {message, type, param, code}}`."""
 from __future__ import annotations
 
 import logging
@@ -45,7 +46,7 @@ def draining() -> ApiError:
                     type="service_unavailable", code="draining")
 
 
-RETRY_AFTER_S = 1  # every 503's hint to clients (runtime/http/guards.py adds it where missing)
+RETRY_AFTER_S = 1  # every 503's hint to clients (runtime/web/guards.py adds it where missing)
 
 
 def engine_failed(reason: str, detail: Optional[str] = None) -> ApiError:

@@ -9,8 +9,8 @@ from typing import Optional
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from llaunch.runtime.http.errors import RETRY_AFTER_S, ApiError, draining, error_response, unauthorized
-from llaunch.runtime.http.lifecycle import Lifecycle
+from llaunch.runtime.web.errors import RETRY_AFTER_S, ApiError, draining, error_response, unauthorized
+from llaunch.runtime.web.lifecycle import Lifecycle
 
 
 def json_errors(app: Quart, log: logging.Logger) -> None:

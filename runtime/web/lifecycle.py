@@ -1,5 +1,6 @@
-"""The frontend's life after start: serving, draining (SIGTERM: refuse new work, let running requests
-finish within a bound) and stopping (what Hypercorn's shutdown trigger waits for)."""
+"""An HTTP app's life after start (the frontend's, the pd_master's): serving, draining (SIGTERM: refuse
+new work, let running requests finish within a bound) and stopping (what Hypercorn's shutdown trigger
+waits for)."""
 from __future__ import annotations
 
 import asyncio
