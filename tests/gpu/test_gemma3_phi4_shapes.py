@@ -1,7 +1,7 @@
 """llaunch's Gemma 3 and Phi-3 paths on the GPU against transformers, at Gemma 3 12B's and Phi-4's shapes (4 of their
-layers, random weights, the same tensors in both): llaunch in bf16 with the Triton kernels against transformers'
-Gemma3ForCausalLM / Phi3ForCausalLM in float32 on those weights, as the reference. A 1,536-token prefill, then 16
-teacher-forced decode steps.
+layers, random weights, the same tensors in both): llaunch with the Triton kernels, in float32 and in bf16, against
+transformers' Gemma3ForCausalLM / Phi3ForCausalLM in float32 on those weights, as the reference. A 1,536-token prefill,
+then 16 teacher-forced decode steps.
 
 - gemma3-12b: layers local, local, global, local (Gemma 3's 1,024-token window: the prefill and every decode step
   outgrow it), head size 256, q/k norms, (1 + w) norms drawn around w = 0, GeGLU, the global layer's linear rope x 8
@@ -19,9 +19,10 @@ from gpu.conftest import profile_shape
 from gpu.support import StateDictSource, batch_of, cosine_rows
 
 LAYERS, PROMPT, STEPS = 4, 1536, 16
-# llaunch's bf16 rows against float32: at least COSINE_MIN, unless transformers' own bf16 model falls below it at the
-# shape (bf16 rounding of the reference itself); then no more than BF16_SPREAD below transformers' bf16.
-COSINE_MIN, BF16_SPREAD = 0.999, 1e-4
+# llaunch in float32 against transformers in float32: the same computation up to summation order. In bf16, against
+# transformers' float32: at least BF16_MIN and no further than transformers' own bf16 model (on the H200 at
+# Phi-4's shape transformers' bf16 reached only 0.49-0.91, llaunch's 0.9988-0.9992; at Gemma 3's 0.992 and 0.9999).
+FLOAT32_MIN, BF16_MIN = 0.99999, 0.998
 
 
 def gemma3(softcaps: bool) -> tuple[str, dict]:
@@ -78,22 +79,30 @@ def compare(family: str, s: dict, device: str = "cuda", dtype=torch.bfloat16, pr
                 p.copy_((0 if family == "gemma3" else 1) + 0.1 * torch.randn_like(p))
     arch = ModelArch.from_hf_config(config.to_dict())
     assert arch.gemma or arch.fused_projections
-    ours = DecoderLM(arch, TpGroup(0, 1, None), torch.device(device), dtype, 4096).eval()
-    load_from(ours, StateDictSource({k: v.to(dtype) for k, v in hf.state_dict().items()}))
     total = prompt + steps
     ids = torch.randint(0, min(100000, arch.vocab_size), (total,), generator=torch.Generator().manual_seed(1)).tolist()
-    kv = ours.make_kv_cache(4096, 2, 4096)
     slots = torch.randperm(4000, generator=torch.Generator().manual_seed(2))[:total].tolist()
-    kv.req_to_slots[0, :total] = torch.tensor(slots, dtype=torch.int32, device=device)
+
+    def llaunch(dtype):
+        """llaunch's prefill and decode logits in `dtype`."""
+        ours = DecoderLM(arch, TpGroup(0, 1, None), torch.device(device), dtype, 4096).eval()
+        load_from(ours, StateDictSource({k: v.to(dtype) for k, v in hf.state_dict().items()}))
+        kv = ours.make_kv_cache(4096, 2, 4096)
+        kv.req_to_slots[0, :total] = torch.tensor(slots, dtype=torch.int32, device=device)
+        with torch.inference_mode():
+            prefill = ours.forward(batch_of(ids[:prompt], list(range(prompt)), slots[:prompt], [], [], prefill=0,
+                                            device=device), kv)
+            decode = torch.stack([ours.forward(batch_of([ids[i]], [i], [slots[i]], [0], [i + 1], device=device),
+                                               kv)[0] for i in range(prompt, total)])
+        return prefill.float(), decode.float()
+
+    prefill32, decode32 = llaunch(torch.float32)
+    prefill, decode = llaunch(dtype)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids], device=device)).logits[0].float()
         ref_bf16 = hf.to(torch.bfloat16)(torch.tensor([ids], device=device)).logits[0].float()
-        prefill = ours.forward(batch_of(ids[:prompt], list(range(prompt)), slots[:prompt], [], [], prefill=0,
-                                        device=device), kv)
-        decode = torch.stack([ours.forward(batch_of([ids[i]], [i], [slots[i]], [0], [i + 1], device=device), kv)[0]
-                              for i in range(prompt, total)])
-    return dict(ref=ref[:prompt], ref_decode=ref[prompt:], prefill=prefill, decode=decode,
-                hf_bf16=cosine_rows(ref_bf16[:prompt], ref[:prompt]).min().item(),
+    return dict(ref=ref[:prompt], ref_decode=ref[prompt:], prefill=prefill, decode=decode, prefill32=prefill32,
+                decode32=decode32, hf_bf16=cosine_rows(ref_bf16[:prompt], ref[:prompt]).min().item(),
                 hf_bf16_decode=cosine_rows(ref_bf16[prompt:], ref[prompt:]).min().item())
 
 
@@ -104,19 +113,23 @@ def run(request):
     return compare(family, s)
 
 
-def bar(hf_bf16: float) -> float:
-    return min(COSINE_MIN, hf_bf16 - BF16_SPREAD)
+def test_float32_logits_are_transformers_float32(run):
+    """The paths themselves: llaunch in float32 (the Triton kernels) against transformers in float32."""
+    for ours, ref in (("prefill32", "ref"), ("decode32", "ref_decode")):
+        cos = cosine_rows(run[ours], run[ref])
+        print(f"{ours} cosine min {cos.min().item():.7f}")
+        assert cos.min().item() >= FLOAT32_MIN
 
 
-def test_prefill_logits_match_transformers_float32(run):
+def test_prefill_logits_in_bf16_stay_as_close_to_float32_as_transformers_bf16(run):
     cos = cosine_rows(run["prefill"], run["ref"])
     print(f"prefill cosine min {cos.min().item():.5f} mean {cos.mean().item():.5f}; "
           f"transformers bf16 min {run['hf_bf16']:.5f}")
-    assert cos.min().item() >= bar(run["hf_bf16"])
+    assert cos.min().item() >= max(BF16_MIN, run["hf_bf16"])
 
 
-def test_decode_logits_match_transformers_float32(run):
+def test_decode_logits_in_bf16_stay_as_close_to_float32_as_transformers_bf16(run):
     cos = cosine_rows(run["decode"], run["ref_decode"])
     print(f"decode cosine min {cos.min().item():.5f} mean {cos.mean().item():.5f}; "
           f"transformers bf16 min {run['hf_bf16_decode']:.5f}")
-    assert cos.min().item() >= bar(run["hf_bf16_decode"])
+    assert cos.min().item() >= max(BF16_MIN, run["hf_bf16_decode"])
