@@ -286,7 +286,9 @@ def test_fp8_gemv_refuses_block_scales(ops):
 @pytest.mark.parametrize("n, k, bias", [(4608, 3584, True), (3584, 3584, False), (3584, 18944, False), (5, 24, False)])
 def test_fp8_gemv_gpu(cuda, poisoned, close, activations, n, k, bias):
     """Qwen2-7B's qkv, o_proj and down_proj as fp8 layers in bf16 steps: kernels.linear's one-row path (the GEMV)
-    against the reference's roundings."""
+    against the same e4m3 values multiplied and summed in float32, rounded once to bf16, as the kernel does (the
+    reference in bf16 rounds each dequantized weight and input to bf16 too: on the H200 0.1% of the outputs then
+    moved by one or two bf16 steps)."""
     from llaunch.kernels import fp8
 
     w = fp8_layer(n, k, activations, cuda)
@@ -294,7 +296,7 @@ def test_fp8_gemv_gpu(cuda, poisoned, close, activations, n, k, bias):
     b = torch.randn(n, device=cuda).to(torch.bfloat16) if bias else None
     with poisoned():
         out = kernels.linear(x, w, b)
-    close(out, fp8.reference_linear(x, w, b))
+    close(out, fp8.reference_linear(x.float(), w, None if b is None else b.float()).to(torch.bfloat16))
 
 
 @pytest.mark.gpu
@@ -306,4 +308,5 @@ def test_fp8_gated_gemv_gpu(cuda, poisoned, close, inner, k):
     x = (3 * torch.randn(1, k, device=cuda)).to(torch.bfloat16)
     with poisoned():
         out = kernels.gated_linear(x, w)
-    close(out, reference.silu_mul(fp8.reference_linear(x, w)))
+    # gate and up summed in float32 and rounded to bf16, then SiLU-and-multiply in bf16 (the kernel's roundings)
+    close(out, reference.silu_mul(fp8.reference_linear(x.float(), w).to(torch.bfloat16)))
