@@ -7,14 +7,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import socket
 from typing import Optional
 
 import zmq
 import zmq.asyncio
-from hypercorn.asyncio import serve
-from hypercorn.config import Config as HypercornConfig
 from quart import Quart
 
 from llaunch.runtime.api_key import read_api_key
@@ -23,15 +20,14 @@ from llaunch.runtime.bootstrap import report_ready, start
 from llaunch.runtime.http.app import FrontendSettings, create_app
 from llaunch.runtime.http.engine_client import EngineClient, ZmqEngineLink
 from llaunch.runtime.web.lifecycle import Lifecycle
+from llaunch.runtime.web.serve import serve_until_stopped, stop_on_signals
 from llaunch.runtime.http.pd_instance import start_registrar
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-AFTER_DRAIN_GRACE_S = 2.0  # drained: connections only have their last bytes (and keep-alives) to close
 STOP_NOW_GRACE_S = 1.0  # SIGINT: open streams write their error event and [DONE], idle connections close
-KEEP_ALIVE_S = 75.0
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -42,37 +38,23 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def hypercorn_config(fd: int) -> HypercornConfig:
-    config = HypercornConfig()
-    config.bind = [f"fd://{fd}"]
-    config.backlog = 2048
-    config.graceful_timeout = AFTER_DRAIN_GRACE_S
-    # longer than clients' pools keep idle connections, so a request never lands on a socket the
-    # server is closing (suspected cause of rare ReadErrors at 256 concurrent streams; unconfirmed)
-    config.keep_alive_timeout = KEEP_ALIVE_S
-    config.accesslog = None
-    return config
-
-
 async def serve_app(app: Quart, fd: int, lifecycle: Lifecycle, engine: Optional[EngineClient] = None) -> None:
     """Serve until the lifecycle's drain (or immediate stop) is over, then close every connection. A
     drain that times out, or a stop (SIGINT: llaunch was interrupted, or a process of the graph died
     and the launcher tears it down), first ends every open request with an error (a stream: its error
     event and [DONE]) and leaves the graceful timeout for those last bytes."""
-    config = hypercorn_config(fd)
 
-    async def shutdown_trigger() -> None:
-        drained = await lifecycle.wait_drained()
+    async def fail_open_requests(drained: bool) -> None:
+        if engine is None:
+            return
         if lifecycle.stopping_now:
-            config.graceful_timeout = STOP_NOW_GRACE_S
-            if engine is not None:
-                await engine.fail_all("shutdown", "The server stopped before the request finished (llaunch was "
-                                                  "stopped, or a process of its graph exited).")
-        elif not drained and engine is not None:
+            await engine.fail_all("shutdown", "The server stopped before the request finished (llaunch was "
+                                              "stopped, or a process of its graph exited).")
+        elif not drained:
             await engine.fail_all("shutdown", "The server stopped before the request finished "
                                               "(server.drain_timeout_s ran out).")
 
-    await serve(app, config, shutdown_trigger=shutdown_trigger)
+    await serve_until_stopped(app, [f"fd://{fd}"], lifecycle, STOP_NOW_GRACE_S, fail_open_requests)
 
 
 async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptTokenizer, fd: int,
@@ -97,9 +79,7 @@ async def run_frontend(cfg: RunConfig, spec: ProcessSpec, tokenizer: PromptToken
         nonlocal registrar
         registrar = start_registrar(cfg, spec, engine)  # a pd instance joins its master from here on
 
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, lifecycle.drain, cfg.server.drain_timeout_s)
-    loop.add_signal_handler(signal.SIGINT, lifecycle.stop_now)
+    stop_on_signals(lifecycle, cfg.server.drain_timeout_s)
     try:
         await serve_app(app, fd, lifecycle, engine)
         if engine.running:  # the drain timed out: the router should not keep generating for nobody

@@ -20,7 +20,7 @@ from llaunch.runtime.web.errors import bad_request, json_response
 from llaunch.runtime.web.guards import json_errors
 from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.web.lifecycle import Lifecycle
-from llaunch.runtime.pd_master.process import HEARTBEAT_TIMEOUT_S, serve_until_stopped
+from llaunch.runtime.pd_master.process import HEARTBEAT_TIMEOUT_S, serve_urls
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,7 @@ async def run_config_server(cfg: RunConfig, spec: ProcessSpec) -> None:
         report_ready(ctx, cfg, spec, url=url)
         ctx.term()
 
-    await serve_until_stopped(create_config_app(Directory()), [url], Lifecycle(), cfg.server.drain_timeout_s,
-                              listening)
+    await serve_urls(create_config_app(Directory()), [url], Lifecycle(), cfg.server.drain_timeout_s, listening)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

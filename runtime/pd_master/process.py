@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from typing import Callable, Optional
-from urllib.parse import urlsplit
 
 import zmq
-from hypercorn.asyncio import serve
-from hypercorn.config import Config as HypercornConfig
 from quart import Quart
 
 from llaunch.runtime.config import ProcessSpec, RunConfig
 from llaunch.runtime.api_key import read_api_key
 from llaunch.runtime.bootstrap import report_ready, start
 from llaunch.runtime.web.lifecycle import Lifecycle
+from llaunch.runtime.web.serve import hypercorn_bind, serve_until_stopped, stop_on_signals
 from llaunch.runtime.pd_master.app import MasterSettings, create_master_app
 from llaunch.runtime.web.registrar import Registrar
 from llaunch.runtime.pd_master.registry import InstanceRegistry
@@ -27,43 +24,20 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_TIMEOUT_S = 3.0  # an instance silent this long gets no new requests (a mode.* field later)
 REGISTER_INTERVAL_S = 1.0
-KEEP_ALIVE_S = 75.0  # as the frontend: longer than clients keep idle pooled connections
-AFTER_DRAIN_GRACE_S = 2.0
 STOP_NOW_GRACE_S = 0.2
 
 
-def hypercorn_bind(url: str) -> str:
-    """http://host:port -> host:port as Hypercorn binds it ([::1]:port for IPv6)."""
-    netloc = urlsplit(url).netloc
-    if not netloc:
-        raise ValueError(f"not an http URL: {url!r}")
-    return netloc
-
-
-async def serve_until_stopped(app: Quart, urls: list[str], lifecycle: Lifecycle, drain_timeout_s: float,
-                              on_listening: Callable[[], None]) -> None:
+async def serve_urls(app: Quart, urls: list[str], lifecycle: Lifecycle, drain_timeout_s: float,
+                     on_listening: Callable[[], None]) -> None:
     """Serve `app` on every URL until SIGTERM's drain ends (or SIGINT); `on_listening` runs once the
     sockets listen, before the first request is read."""
-    config = HypercornConfig()
-    config.bind = [hypercorn_bind(u) for u in urls]
-    config.backlog = 2048
-    config.graceful_timeout = AFTER_DRAIN_GRACE_S
-    config.keep_alive_timeout = KEEP_ALIVE_S
-    config.accesslog = None
 
     @app.before_serving
     async def listening() -> None:  # Hypercorn binds and listens before the app starts up
         on_listening()
 
-    async def shutdown_trigger() -> None:
-        await lifecycle.wait_drained()
-        if lifecycle.stopping_now:
-            config.graceful_timeout = STOP_NOW_GRACE_S
-
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, lifecycle.drain, drain_timeout_s)
-    loop.add_signal_handler(signal.SIGINT, lifecycle.stop_now)
-    await serve(app, config, shutdown_trigger=shutdown_trigger)
+    stop_on_signals(lifecycle, drain_timeout_s)
+    await serve_until_stopped(app, [hypercorn_bind(u) for u in urls], lifecycle, STOP_NOW_GRACE_S)
 
 
 def self_registrar(cfg: RunConfig, spec: ProcessSpec, lifecycle: Lifecycle) -> Optional[Registrar]:
@@ -96,7 +70,7 @@ async def run_master(cfg: RunConfig, spec: ProcessSpec, api_key: Optional[str] =
             registrar.start()
 
     try:
-        await serve_until_stopped(app, urls, lifecycle, cfg.server.drain_timeout_s, listening)
+        await serve_urls(app, urls, lifecycle, cfg.server.drain_timeout_s, listening)
     finally:
         if registrar is not None:
             registrar.stop()
