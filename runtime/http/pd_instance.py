@@ -29,13 +29,10 @@ from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Complet
 from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.ipc.messages import PdLink, SamplingParams
+from llaunch.runtime.ipc.pd import DECODE_KV_HEADER, PD_ID_HEADER
 from llaunch.runtime.web.registrar import Registrar
 
 log = logging.getLogger(__name__)
-
-# Headers the pd_master (runtime/pd_master/relay.py) sends with a relayed request
-PD_ID_HEADER = "X-Llaunch-Pd-Id"  # to P and D: pairs P's KV shipment with D's waiting request
-DECODE_KV_HEADER = "X-Llaunch-Pd-Decode-Kv"  # to P only: D's kv_address
 
 
 def link_from_headers(headers) -> Optional[PdLink]:

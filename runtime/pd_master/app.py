@@ -21,7 +21,8 @@ from llaunch.runtime.web.errors import ApiError, bad_request, draining, error_re
 from llaunch.runtime.web.guards import gatekeeper, json_errors
 from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.web.request_body import decode_body
-from llaunch.runtime.pd_master.registry import InstanceRegistry, NoHealthyInstance, Registration
+from llaunch.runtime.ipc.pd import Registration
+from llaunch.runtime.pd_master.registry import InstanceRegistry, NoHealthyInstance
 from llaunch.runtime.pd_master.relay import FORWARDED_HEADERS, PdExchange
 
 log = logging.getLogger(__name__)

@@ -6,29 +6,14 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Optional
 
 import msgspec
 
+from llaunch.runtime.ipc.pd import Registration
+
 ROLES = ("prefill", "decode")
 AFFINITY_SLACK = 4  # requests more than the least loaded instance has that prefix affinity may still pick
-
-
-class InstanceLoad(msgspec.Struct):
-    running: int = 0
-    waiting: int = 0
-    kv_used: float = 0.0  # share of the KV slots in use, 0..1
-
-
-class Registration(msgspec.Struct):
-    """The body an instance POSTs to /pd/register every heartbeat interval."""
-
-    id: str
-    role: Literal["prefill", "decode"]
-    url: str  # the instance's own llaunch HTTP server, e.g. http://10.0.0.2:8000
-    kv_address: Optional[str] = None  # decode: where prefill instances ship the KV (tcp://host:port)
-    model: str = ""
-    load: InstanceLoad = msgspec.field(default_factory=InstanceLoad)
 
 
 class NoHealthyInstance(Exception):

@@ -20,7 +20,7 @@ from quart import Response
 
 from llaunch.runtime.web.errors import ApiError, json_response
 from llaunch.runtime.web.lifecycle import Lifecycle
-from llaunch.runtime.http.pd_instance import DECODE_KV_HEADER, PD_ID_HEADER
+from llaunch.runtime.ipc.pd import DECODE_KV_HEADER, PD_ID_HEADER
 from llaunch.runtime.web.sse import DONE, TrackedStream, sse_event, sse_response
 from llaunch.runtime.pd_master.registry import Instance, InstanceRegistry
 

@@ -16,7 +16,7 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 
-from llaunch.runtime.http.pd_instance import DECODE_KV_HEADER, PD_ID_HEADER
+from llaunch.runtime.ipc.pd import DECODE_KV_HEADER, PD_ID_HEADER
 
 PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream")
 KV_WAIT_S = 5.0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llaunch.runtime.pd_master.registry import InstanceLoad, InstanceRegistry, NoHealthyInstance, Registration
+from llaunch.runtime.ipc.pd import InstanceLoad, Registration
+from llaunch.runtime.pd_master.registry import InstanceRegistry, NoHealthyInstance
 
 
 class Clock:
