@@ -1,4 +1,5 @@
-"""`build_model`: this rank's shard of a model, with its weights loaded (what the worker's runner runs)."""
+"""`build_model`: this rank's shard of a model, with its weights loaded (what the worker's runner runs);
+`build_vision_tower` and `build_audio_tower`: a multimodal model's towers (what an encoder server runs)."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -7,11 +8,14 @@ import torch
 
 from llaunch.runtime.config import ModelConfig, WeightQuantization
 from llaunch.runtime.models.arch import ModelArch
+from llaunch.runtime.models.audio_qwen2 import AudioArch, Qwen2AudioTower
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.decoder import DecoderLM
 from llaunch.runtime.models.fp8_linear import load_scales, quantize_linears, use_checkpoint_fp8
 from llaunch.runtime.models.layers import TpGroup
-from llaunch.runtime.models.weights import load_from, open_source, resolve_load_format
+from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
+from llaunch.runtime.models.vision_qwen2_5 import tower_class
+from llaunch.runtime.models.weights import load_checkpoint_module, load_from, open_source, resolve_load_format
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
@@ -49,3 +53,19 @@ def load_model_weights(model: DecoderLM, cfg: ModelConfig, progress: Optional[Ca
         source.close()
     if cfg.quantization == WeightQuantization.fp8 and quant is None:
         quantize_linears(model)
+
+
+def build_vision_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                       tp: TpGroup = TpGroup()) -> Qwen2VisionTower:
+    """A multimodal model's vision tower (Qwen2-VL, Qwen2.5-VL; visual.tp > 1: this rank's part of it),
+    weights loaded: what an encoder server runs."""
+    arch = VisionArch.from_dict(cfg.vision)
+    tower = tower_class(arch)(arch, device, dtype, tp)  # Qwen2-VL's or Qwen2.5-VL's
+    return load_checkpoint_module(tower, cfg, device, arch.num_params)
+
+
+def build_audio_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen2AudioTower:
+    """Qwen2-Audio's audio tower, weights loaded: what an encoder server runs."""
+    arch = AudioArch.from_dict(cfg.audio)
+    tower = Qwen2AudioTower(arch, device, dtype)
+    return load_checkpoint_module(tower, cfg, device, arch.num_params)

@@ -16,6 +16,7 @@ import zmq
 from llaunch.runtime import bootstrap
 from llaunch.runtime.ipc.sockets import Receiver, Sender
 from llaunch.runtime.models.layers import TpGroup
+from llaunch.runtime.models.loader import build_audio_tower, build_vision_tower
 from llaunch.runtime.encoder_servers import encoder_servers
 from llaunch.runtime.visual import tower_tp
 from llaunch.runtime.visual.batcher import VisualBatcher
@@ -24,9 +25,7 @@ from llaunch.runtime.visual.embed_shm import num_blocks
 from llaunch.runtime.visual.embed_store import EmbedStore
 from llaunch.runtime.audio.encoder import encode_clips
 from llaunch.runtime.visual.encoder import encode as encode_images
-from llaunch.runtime.worker.audio_rows import build_audio_tower
 from llaunch.runtime.visual.messages import EncodeImages, ReleaseImages, VisualInbound
-from llaunch.runtime.worker.image_rows import build_tower
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_MS = 200
@@ -40,7 +39,7 @@ def tower_encoder(model, device: torch.device, dtype: torch.dtype, tp: TpGroup =
     if model.audio:
         audio_tower = build_audio_tower(model, device, dtype)
         return lambda clips: encode_clips(audio_tower, clips)
-    tower = build_tower(model, device, dtype, tp)
+    tower = build_vision_tower(model, device, dtype, tp)
     return (lambda images: leader.encode(tower, images)) if leader else (lambda images: encode_images(tower, images))
 
 
@@ -72,7 +71,7 @@ def main() -> None:
     tp, headers = tower_tp.join(servers.tp, spec.tp_rank, spec.connects.get("dist"), device)
     stage("loading the audio tower" if cfg.model.audio else "loading the vision tower")
     if spec.tp_rank > 0:  # a follower of visual.{index}: no sockets, no cache
-        tower = build_tower(cfg.model, device, DTYPES[cfg.model.dtype.value], tp)
+        tower = build_vision_tower(cfg.model, device, DTYPES[cfg.model.dtype.value], tp)
         bootstrap.report_ready(ctx, cfg, spec, device=str(device), tp_rank=spec.tp_rank)
         try:
             tower_tp.follow(tower, headers)

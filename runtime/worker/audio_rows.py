@@ -6,17 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from llaunch.runtime.config import ModelConfig
 from llaunch.runtime.ipc.messages import NewSeq, StepPlan
-from llaunch.runtime.models.audio_qwen2 import AudioArch, Qwen2AudioTower
 from llaunch.runtime.models.batch import ForwardBatch
-from llaunch.runtime.models.weights import load_checkpoint_module
-
-
-def build_audio_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen2AudioTower:
-    arch = AudioArch.from_dict(cfg.audio)
-    tower = Qwen2AudioTower(arch, device, dtype)
-    return load_checkpoint_module(tower, cfg, device, arch.num_params)
 
 
 class AudioRows:

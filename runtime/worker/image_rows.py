@@ -11,14 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llaunch.runtime.config import ModelConfig
 from llaunch.runtime.ipc.messages import NewSeq, StepPlan
 from llaunch.runtime.models.batch import ForwardBatch
-from llaunch.runtime.models.layers import TpGroup
 from llaunch.runtime.models.mrope import rope_index
-from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
-from llaunch.runtime.models.vision_qwen2_5 import tower_class
-from llaunch.runtime.models.weights import load_checkpoint_module
 
 
 @dataclass
@@ -26,12 +21,6 @@ class RowImages:
     positions: torch.Tensor  # [3, prompt_len] M-RoPE positions of the prompt (host)
     delta: int  # a token at sequence index i >= prompt_len has position i + delta
     spans: list[tuple[int, torch.Tensor]]  # (offset in the prompt, embeddings [tokens, hidden]) per image
-
-
-def build_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TpGroup = TpGroup()) -> Qwen2VisionTower:
-    arch = VisionArch.from_dict(cfg.vision)
-    tower = tower_class(arch)(arch, device, dtype, tp)  # Qwen2-VL's or Qwen2.5-VL's
-    return load_checkpoint_module(tower, cfg, device, arch.num_params)
 
 
 class ImageRows:

@@ -39,10 +39,10 @@ from llaunch.runtime.config import VisualConfig
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, SamplingParams, StepPlan
 from llaunch.runtime.models.checkpoint import CheckpointError, model_tensor_name, per_expert_names, read_checkpoint
-from llaunch.runtime.models.loader import build_model
+from llaunch.runtime.models.loader import build_audio_tower, build_model, build_vision_tower
 from llaunch.runtime.visual.encoder import InProcessEmbeds
-from llaunch.runtime.worker.audio_rows import AudioRows, build_audio_tower
-from llaunch.runtime.worker.image_rows import ImageRows, build_tower
+from llaunch.runtime.worker.audio_rows import AudioRows
+from llaunch.runtime.worker.image_rows import ImageRows
 from llaunch.runtime.worker.runner import ModelRunner
 from tests.fixtures.tiny_audio import AudioOracle, clip, write_tiny_qwen2_audio
 from tests.fixtures.tiny_models import model_config_from_folder, write_tiny_checkpoint
@@ -188,7 +188,7 @@ def test_vl_layout(vl, tmp_path, layout, files, names):
     inputs = ImageInputs(cfg, VisualConfig())
     prompt, refs = inputs.splice(rendered, [inputs.process(png, "image")])
     assert len(prompt) == prompt_len
-    rows = ImageRows(InProcessEmbeds(build_tower(cfg, CPU, F32), 2**20))
+    rows = ImageRows(InProcessEmbeds(build_vision_tower(cfg, CPU, F32), 2**20))
     assert greedy(cfg, rows, prompt, refs) == expected
 
 

@@ -29,11 +29,11 @@ from llaunch.runtime.http.openai_serving import OpenAIServing
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.models.checkpoint import read_checkpoint
-from llaunch.runtime.models.loader import build_model
+from llaunch.runtime.models.loader import build_audio_tower, build_model, build_vision_tower
 from llaunch.runtime.models.tokenizer import load_tokenizer
 from llaunch.runtime.visual.encoder import InProcessEmbeds
-from llaunch.runtime.worker.audio_rows import AudioRows, build_audio_tower
-from llaunch.runtime.worker.image_rows import ImageRows, build_tower
+from llaunch.runtime.worker.audio_rows import AudioRows
+from llaunch.runtime.worker.image_rows import ImageRows
 from llaunch.runtime.worker.runner import ModelRunner
 from tests.fixtures.tiny_audio import AudioOracle, clip, write_tiny_qwen2_audio
 from tests.fixtures.tiny_models import model_config_from_folder
@@ -78,7 +78,7 @@ def vl(tmp_path_factory):
     (path / "chat_template.jinja").write_text(VL_TEMPLATE)
     cfg = replace(model_config_from_folder(path), vision=read_checkpoint(str(path)).arch["vision"])
     llm = build_model(cfg, torch.device("cpu"), torch.float32)
-    embeds = InProcessEmbeds(build_tower(cfg, torch.device("cpu"), torch.float32), 2**20)
+    embeds = InProcessEmbeds(build_vision_tower(cfg, torch.device("cpu"), torch.float32), 2**20)
     runner = ModelRunner(llm, llm.make_kv_cache(512, 5, 512), 4, torch.device("cpu"), images=ImageRows(embeds))
     return VlOracle(path), frontend(path, cfg, ImageInputs(cfg, VisualConfig())), runner
 

@@ -13,8 +13,8 @@ from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.vision_qwen2 import VisionArch
 from llaunch.runtime.models.vision_qwen2_5 import Qwen2_5VisionTower, window_order
+from llaunch.runtime.models.loader import build_vision_tower
 from llaunch.runtime.visual.encoder import encode
-from llaunch.runtime.worker.image_rows import build_tower
 from tests.fixtures.tiny_models import model_config_from_folder
 from tests.fixtures.tiny_vl import image_png
 from tests.fixtures.tiny_vl25 import write_tiny_qwen2_5_vl
@@ -56,7 +56,7 @@ def test_tower_matches_transformers(setup, sizes):
     refs = [inputs.process(image_png(w, h, seed), "image") for seed, (w, h) in enumerate(sizes)]
     grids = [tuple(r.grid) for r in refs]
     assert any((h // 2) % 2 or (w // 2) % 2 for _, h, w in grids)  # a window cut short at an edge
-    tower = build_tower(cfg, torch.device("cpu"), torch.float32)
+    tower = build_vision_tower(cfg, torch.device("cpu"), torch.float32)
     assert isinstance(tower, Qwen2_5VisionTower)
     ours = torch.cat(encode(tower, refs))
     pixels = torch.cat([torch.from_numpy(np.frombuffer(r.pixels, dtype=np.float32).copy()) for r in refs])

@@ -11,8 +11,8 @@ from llaunch.runtime.audio.encoder import InProcessAudioEmbeds
 from llaunch.runtime.audio.features import AudioFeatures
 from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, SamplingParams, StepPlan
 from llaunch.runtime.models.checkpoint import read_checkpoint
-from llaunch.runtime.models.loader import build_model
-from llaunch.runtime.worker.audio_rows import AudioRows, build_audio_tower
+from llaunch.runtime.models.loader import build_audio_tower, build_model
+from llaunch.runtime.worker.audio_rows import AudioRows
 from llaunch.runtime.worker.runner import ModelRunner
 from tests.fixtures.tiny_audio import AudioOracle, clip, write_tiny_qwen2_audio
 from tests.fixtures.tiny_models import model_config_from_folder

@@ -10,9 +10,9 @@ from llaunch.runtime.config import VisualConfig
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, SamplingParams, StepPlan
 from llaunch.runtime.models.checkpoint import read_checkpoint
-from llaunch.runtime.models.loader import build_model
+from llaunch.runtime.models.loader import build_model, build_vision_tower
 from llaunch.runtime.visual.encoder import InProcessEmbeds
-from llaunch.runtime.worker.image_rows import ImageRows, build_tower
+from llaunch.runtime.worker.image_rows import ImageRows
 from llaunch.runtime.worker.runner import ModelRunner
 from tests.fixtures.tiny_models import model_config_from_folder
 from tests.fixtures.tiny_vl import VlOracle, image_png, write_tiny_qwen2_vl
@@ -25,7 +25,7 @@ def setup(tmp_path_factory):
     path = write_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
     cfg = replace(model_config_from_folder(path), vision=read_checkpoint(str(path)).arch["vision"])
     model = build_model(cfg, torch.device("cpu"), torch.float32)
-    images = InProcessEmbeds(build_tower(cfg, torch.device("cpu"), torch.float32), 2**20)
+    images = InProcessEmbeds(build_vision_tower(cfg, torch.device("cpu"), torch.float32), 2**20)
     runner = ModelRunner(model, model.make_kv_cache(512, 5, 512), 4, torch.device("cpu"), images=ImageRows(images))
     return VlOracle(path), ImageInputs(cfg, VisualConfig()), runner, images
 

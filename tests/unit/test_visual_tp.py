@@ -19,9 +19,9 @@ import torch.multiprocessing as mp
 
 from llaunch.runtime.ipc.messages import ImageRef
 from llaunch.runtime.models.checkpoint import read_checkpoint
+from llaunch.runtime.models.loader import build_vision_tower
 from llaunch.runtime.visual import tower_tp
 from llaunch.runtime.visual.encoder import encode
-from llaunch.runtime.worker.image_rows import build_tower
 from tests.fixtures.tiny_models import model_config_from_folder
 from tests.fixtures.tiny_vl import write_tiny_qwen2_vl
 
@@ -79,7 +79,7 @@ def rank_main(rank: int, cfg, address: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     group, headers = tower_tp.join(TP, rank, address, torch.device("cpu"))
     try:
-        tower = build_tower(cfg, torch.device("cpu"), torch.float32, group)
+        tower = build_vision_tower(cfg, torch.device("cpu"), torch.float32, group)
         fail_in_block_1(tower, FAIL_AT[rank])
         if rank > 0:
             no_room_for(NO_ROOM)
@@ -113,7 +113,7 @@ def runs(tmp_path_factory):
             for p in ranks.processes:
                 p.kill()
             pytest.fail("the visual tp ranks hung")
-    whole = build_tower(cfg, torch.device("cpu"), torch.float32)
+    whole = build_vision_tower(cfg, torch.device("cpu"), torch.float32)
     return [None if b in FAILED else encode(whole, images) for b, images in enumerate(batches(cfg))], \
         torch.load(root / "tp2.pt")
 
