@@ -28,7 +28,7 @@ from dataclasses import replace
 from llaunch.launcher.ports import EndpointAllocator
 from llaunch.runtime.cache.host_pool import index_path, pool_path
 from llaunch.runtime.encoder_servers import encoder_servers, multimodal
-from llaunch.runtime.visual.embed_shm import embeds_path
+from llaunch.runtime.cache.embed_shm import embeds_path
 from llaunch.runtime.config import Device, KvTransport, LlaunchConfig, Mode, ProcessGraph, ProcessSpec, ZmqMode
 
 # Dialled addresses that no process of this graph binds: the launcher's own control socket,

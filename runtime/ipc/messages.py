@@ -90,7 +90,7 @@ class ImageRef(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     grid: list[int]  # (t, h, w) in patches, before the 2x2 merge
     pixels: bytes = b""  # float32 pixel values [t*h*w, C*T*P*P] (the image processor's)
     replica: int = 0  # the visual server (runtime/visual/) whose embed cache holds its embeddings
-    blocks: list[int] = []  # where: that cache's blocks, in order (runtime/visual/embed_shm.py)
+    blocks: list[int] = []  # where: that cache's blocks, in order (runtime/cache/embed_shm.py)
 
 
 class AddRequest(_Msg):
@@ -269,7 +269,7 @@ class ConstraintsReady(_Msg):
 
 
 class ImagesReady(_Msg):
-    """A visual server's answer to EncodeImages (runtime/visual/messages.py): the images' embeddings are in
+    """A visual server's answer to EncodeImages (runtime/ipc/encoder.py): the images' embeddings are in
     its embed cache, pinned until ReleaseImages, or `error` says why not."""
 
     request_id: str

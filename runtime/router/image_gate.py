@@ -14,7 +14,7 @@ from typing import Optional
 
 from llaunch.runtime.ipc.messages import ImageRef, ImagesReady, TokenBatch
 from llaunch.runtime.router.request import Request
-from llaunch.runtime.visual.messages import EncodeImages, ReleaseImages
+from llaunch.runtime.ipc.encoder import EncodeImages, ReleaseImages
 
 
 def replica_of(image_hash: str, replicas: int) -> int:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from llaunch.runtime.ipc.messages import ImageRef, ImagesReady
-from llaunch.runtime.visual.embed_store import EmbedStore, TooLarge
-from llaunch.runtime.visual.messages import EncodeImages
+from llaunch.runtime.cache.embed_store import EmbedStore, TooLarge
+from llaunch.runtime.ipc.encoder import EncodeImages
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 
 from llaunch.runtime.ipc.messages import ImageRef
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower
-from llaunch.runtime.visual.embed_cache import EmbedCache
+from llaunch.runtime.cache.embed_cache import EmbedCache
 
 
 def batch_pixels(tower: Qwen2VisionTower, images: list[ImageRef]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:

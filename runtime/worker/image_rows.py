@@ -26,7 +26,7 @@ class RowImages:
 class ImageRows:
     def __init__(self, source, merge: int | None = None):
         """`source.embeddings(images)`: each image's embeddings, read from the visual servers' embed
-        cache (runtime/visual/embed_reader.py) or encoded in-process (runtime/visual/encoder.py);
+        cache (runtime/cache/embed_reader.py) or encoded in-process (runtime/visual/encoder.py);
         `merge`: the tower's spatial merge size (None: the in-process source's)."""
         self.source = source
         self.merge = merge or source.merge

@@ -34,7 +34,7 @@ from llaunch.runtime.worker.drafter import Drafter, draft_kv_cache
 from llaunch.runtime.worker.image_rows import ImageRows
 from llaunch.runtime.models.vision_qwen2 import VisionArch
 from llaunch.runtime.encoder_servers import encoder_servers, multimodal
-from llaunch.runtime.visual.embed_reader import ShmEmbeds, image_tokens
+from llaunch.runtime.cache.embed_reader import ShmEmbeds, image_tokens
 from llaunch.runtime.worker.audio_rows import AudioRows
 from llaunch.runtime.models.audio_qwen2 import audio_tokens
 from llaunch.runtime.worker.host_kv import HostKvPool

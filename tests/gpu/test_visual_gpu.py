@@ -1,6 +1,6 @@
 """The visual server's work on a GPU at Qwen2-VL-7B's vision shape (conf/model/qwen2-vl-7b.yaml, random
 weights, bfloat16): a batch of visual.batch_size 1,024x1,024 images encoded in one pass, written to the
-shared-memory embed cache and read back by a worker (runtime/visual/embed_reader.py) bit for bit, each
+shared-memory embed cache and read back by a worker (runtime/cache/embed_reader.py) bit for bit, each
 close to the tower's output for that image alone (the batch does not mix images), the batch within the
 memory the workers leave free at cache.mem_fraction=0.9."""
 from __future__ import annotations
@@ -15,11 +15,11 @@ from llaunch.runtime.cache.host_pool import SHM_DIR
 from llaunch.runtime.ipc.messages import ImageRef
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
 from llaunch.runtime.visual.batcher import VisualBatcher
-from llaunch.runtime.visual.embed_reader import ShmEmbeds, image_tokens
-from llaunch.runtime.visual.embed_shm import num_blocks
-from llaunch.runtime.visual.embed_store import EmbedStore
+from llaunch.runtime.cache.embed_reader import ShmEmbeds, image_tokens
+from llaunch.runtime.cache.embed_shm import num_blocks
+from llaunch.runtime.cache.embed_store import EmbedStore
 from llaunch.runtime.visual.encoder import encode
-from llaunch.runtime.visual.messages import EncodeImages
+from llaunch.runtime.ipc.encoder import EncodeImages
 from gpu.conftest import REPO
 
 BATCH, GRID = 8, [1, 74, 74]  # 1,024 px rounds to 1,036 = 74 patches of 14

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from llaunch.runtime.ipc.messages import ImageRef
-from llaunch.runtime.visual.embed_shm import BLOCK_BYTES
+from llaunch.runtime.cache.embed_shm import BLOCK_BYTES
 
 
 def map_file(path: str, timeout_s: float) -> mmap.mmap:

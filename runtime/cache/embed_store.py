@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from llaunch.runtime.cache.host_pool import create_pool, remove_pool
-from llaunch.runtime.visual.embed_shm import BLOCK_BYTES
+from llaunch.runtime.cache.embed_shm import BLOCK_BYTES
 
 
 class TooLarge(ValueError):

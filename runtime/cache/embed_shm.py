@@ -1,6 +1,6 @@
 """The embed cache's shared memory: one file per visual server, cut into fixed blocks. The visual
-server writes an image's embeddings into free blocks (runtime/visual/embed_store.py) and tells the
-router which; workers map the file read-only and gather those blocks (runtime/visual/embed_reader.py).
+server writes an image's embeddings into free blocks (runtime/cache/embed_store.py) and tells the
+router which; workers map the file read-only and gather those blocks (runtime/cache/embed_reader.py).
 No torch: the launcher plans the paths and removes leftovers with these functions."""
 from __future__ import annotations
 
