@@ -175,7 +175,7 @@ def _kv_hosts(cfg: LlaunchConfig, workers: list[ProcessSpec], instance: str, rou
 
 def _visual_servers(cfg: LlaunchConfig, local, routers: list[ProcessSpec], workers: list[ProcessSpec],
                     instance: str, endpoints: EndpointAllocator) -> list[ProcessSpec]:
-    """A multimodal model: visual.dp visual servers (runtime/visual/process.py), each on its GPU
+    """A multimodal model: visual.dp visual servers (runtime/encoder/process.py), each on its GPU
     (visual.devices, else the node's GPUs in turn), with its embed cache's file. An audio model: audio.dp
     of the same process, named audio.{a} (audio.devices); routers still dial them as visual.{a}."""
     if not multimodal(cfg):
@@ -195,7 +195,7 @@ def _visual_servers(cfg: LlaunchConfig, local, routers: list[ProcessSpec], worke
             r.connects[f"visual.{i}"] = server.binds["encode"]
         for w in workers:
             w.connects[f"embeds.{i}"] = server.binds["embeds"]
-        # visual.tp > 1: the followers of visual.{i}, its tower split over them (runtime/visual/tower_tp.py)
+        # visual.tp > 1: the followers of visual.{i}, its tower split over them (runtime/encoder/tower_tp.py)
         followers = [ProcessSpec(name=f"{v.kind}.{i}.{r}", role="visual", index=i, tp_rank=r, gpus=gpus[r],
                                  connects={"control": instance} | dist) for r in range(1, v.tp)]
         servers += [server, *followers]

@@ -41,7 +41,7 @@ ROLE_MODULES = {
     "config_server": "llaunch.runtime.pd_master.config_server",
     "pd_master": "llaunch.runtime.pd_master.process",  # binds its own HTTP ports (no inherited fd)
     "kv_host": "llaunch.runtime.kv_host.process",  # owns the host KV tier's shared memory
-    "visual": "llaunch.runtime.visual.process",  # encodes images into the embed cache (multimodal models)
+    "visual": "llaunch.runtime.encoder.process",  # encodes images into the embed cache (multimodal models)
 }
 KEY_ROLES = ("frontend", "pd_master")  # the processes that check the API key
 DRAINING_ROLES = ("frontend", "pd_master")  # the processes that answer HTTP and finish in-flight requests

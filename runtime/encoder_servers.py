@@ -1,5 +1,5 @@
 """The encoder servers of a multimodal model, read from the group of its kind: visual.* for a vision
-model (Qwen2-VL), audio.* for an audio model (Qwen2-Audio). Both kinds run runtime/visual/process.py;
+model (Qwen2-VL), audio.* for an audio model (Qwen2-Audio). Both kinds run runtime/encoder/process.py;
 this is the one place that picks the group, so the planner, rules and processes agree."""
 from __future__ import annotations
 

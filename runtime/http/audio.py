@@ -1,8 +1,8 @@
 """The frontend's side of audio (Qwen2-Audio): a chat message's `input_audio` parts (OpenAI's shape:
 base64 `data` + `format`) and `audio_url` parts (`data:` URLs only; http(s) is never fetched) are
 audio parts for the chat template, which writes each clip's text; each clip is decoded
-(runtime/audio/decode.py), checked against the audio.* limits, turned into log-mel features and
-spliced into the prompt as its tokens (runtime/audio/features.py). Every failure is a 400 naming the part.
+(runtime/http/audio_decode.py), checked against the audio.* limits, turned into log-mel features and
+spliced into the prompt as its tokens (runtime/http/audio_features.py). Every failure is a 400 naming the part.
 """
 from __future__ import annotations
 
@@ -60,15 +60,15 @@ class AudioInputs:
     """Reads, checks and featurizes a request's clips (one per frontend process)."""
 
     def __init__(self, model: ModelConfig, audio: AudioConfig):
-        from llaunch.runtime.audio.features import AudioFeatures
+        from llaunch.runtime.http.audio_features import AudioFeatures
 
         self.audio = audio
         self.features = AudioFeatures(model.audio, model.vocab_size, model.path)
         self.image_token_id = self.features.audio_token_id  # what a clip's tokens are checked as
 
     def clip(self, source: AudioSource, param: str):
-        from llaunch.runtime.audio.decode import AudioDecodeError, ClipTooLong, decode
-        from llaunch.runtime.audio.features import SAMPLING_RATE
+        from llaunch.runtime.http.audio_decode import AudioDecodeError, ClipTooLong, decode
+        from llaunch.runtime.http.audio_features import SAMPLING_RATE
         from llaunch.runtime.models.audio_qwen2 import audio_tokens
 
         limit = self.audio.max_clip_bytes

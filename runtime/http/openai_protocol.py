@@ -140,7 +140,7 @@ class ImageUrl(msgspec.Struct, forbid_unknown_fields=True):
 
 class InputAudio(msgspec.Struct, forbid_unknown_fields=True):
     data: str  # base64
-    format: str  # wav, flac, mp3, ogg (runtime/audio/decode.py FORMATS); others: 400
+    format: str  # wav, flac, mp3, ogg (runtime/http/audio_decode.py FORMATS); others: 400
 
 
 class AudioUrl(msgspec.Struct, forbid_unknown_fields=True):

@@ -1,4 +1,4 @@
-"""What a router sends a visual server (runtime/visual/process.py); the answer is ImagesReady on the
+"""What a router sends a visual server (runtime/encoder/process.py); the answer is ImagesReady on the
 router's results socket (runtime/ipc/messages.py)."""
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ class ImageRef(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True)
     offset: int
     grid: list[int]  # (t, h, w) in patches, before the 2x2 merge
     pixels: bytes = b""  # float32 pixel values [t*h*w, C*T*P*P] (the image processor's)
-    replica: int = 0  # the visual server (runtime/visual/) whose embed cache holds its embeddings
+    replica: int = 0  # the visual server (runtime/encoder/) whose embed cache holds its embeddings
     blocks: list[int] = []  # where: that cache's blocks, in order (runtime/cache/embed_shm.py)
 
 

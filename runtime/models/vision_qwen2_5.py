@@ -150,7 +150,7 @@ class Qwen2_5VisionTower(Qwen2VisionTower):
         by_window = lambda t: t.view(-1, unit, t.shape[-1])[order].view(-1, t.shape[-1])  # noqa: E731
         # each image's rows stay together, in order, after the reordering (its windows never leave it);
         # with visual.tp > 1 the whole batch is one run: each row-parallel layer all-reduces once a pass
-        # (runtime/visual/tower_tp.py counts on it), and over more than two ranks NCCL's summation order
+        # (runtime/encoder/tower_tp.py counts on it), and over more than two ranks NCCL's summation order
         # depends on the message's size anyway
         images = [t * h * w for t, h, w in grids]
         rows = images if self.tp.size == 1 else [sum(images)]

@@ -1,5 +1,5 @@
-"""Requests with images wait here, outside the scheduler, until the visual servers have put their
-images' embeddings in the embed cache (runtime/visual/), so no step is planned before the worker can
+"""Requests with images wait here, outside the scheduler, until the visual servers (runtime/encoder/) have put
+their images' embeddings in the embed cache, so no step is planned before the worker can
 read them (the grammar gate's pattern, runtime/router/grammar_gate.py).
 
 A held request's images go to the visual servers as EncodeImages, each image to the replica its hash

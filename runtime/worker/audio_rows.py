@@ -12,7 +12,7 @@ from llaunch.runtime.models.batch import ForwardBatch
 
 class AudioRows:
     def __init__(self, source):
-        """`source.embeddings(clips)`: each clip's embeddings (runtime/audio/encoder.py in-process)."""
+        """`source.embeddings(clips)`: each clip's embeddings (runtime/encoder/in_process.py in-process)."""
         self.source = source
         self.rows: dict[int, list[tuple[int, torch.Tensor]]] = {}  # (offset in the prompt, embeddings) per clip
 

@@ -1,7 +1,7 @@
 """The worker's side of images (Qwen2-VL, Qwen2.5-VL): each row's image embeddings, M-RoPE
 positions and image spans, and what a step's ForwardBatch needs of them.
 
-The vision tower runs in the visual server processes (runtime/visual/process.py): at the step that
+The vision tower runs in the visual server processes (runtime/encoder/process.py): at the step that
 admits a request, every tensor-parallel rank reads its images' embeddings from their shared-memory
 embed cache, where the router's image gate made sure they are (runtime/router/image_gate.py).
 """
@@ -26,7 +26,7 @@ class RowImages:
 class ImageRows:
     def __init__(self, source, merge: int | None = None):
         """`source.embeddings(images)`: each image's embeddings, read from the visual servers' embed
-        cache (runtime/cache/embed_reader.py) or encoded in-process (runtime/visual/encoder.py);
+        cache (runtime/cache/embed_reader.py) or encoded in-process (runtime/encoder/in_process.py);
         `merge`: the tower's spatial merge size (None: the in-process source's)."""
         self.source = source
         self.merge = merge or source.merge

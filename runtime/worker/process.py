@@ -163,7 +163,7 @@ def main() -> None:
                         process_group=group, progress=stage.fraction(loading), expert_parallel=cfg.parallel.ep > 1)
     images = None
     embeds = [spec.connects[f"embeds.{v}"] for v in range(encoder_servers(cfg).dp)] if multimodal(cfg) else []
-    if cfg.model.vision:  # image embeddings come from the visual servers' embed cache (runtime/visual/)
+    if cfg.model.vision:  # image embeddings come from the visual servers' embed cache (runtime/cache/embed_reader.py)
         arch = VisionArch.from_dict(cfg.model.vision)
         images = ImageRows(ShmEmbeds(embeds, image_tokens(arch.spatial_merge_size), arch.hidden_size, dtype, device,
                                      cfg.server.ready_timeout_s), arch.spatial_merge_size)

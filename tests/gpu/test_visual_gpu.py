@@ -14,11 +14,11 @@ import torch
 from llaunch.runtime.cache.host_pool import SHM_DIR
 from llaunch.runtime.ipc.messages import ImageRef
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
-from llaunch.runtime.visual.batcher import VisualBatcher
+from llaunch.runtime.encoder.batcher import VisualBatcher
 from llaunch.runtime.cache.embed_reader import ShmEmbeds, image_tokens
 from llaunch.runtime.cache.embed_shm import num_blocks
 from llaunch.runtime.cache.embed_store import EmbedStore
-from llaunch.runtime.visual.encoder import encode
+from llaunch.runtime.encoder.images import encode
 from llaunch.runtime.ipc.encoder import EncodeImages
 from gpu.conftest import REPO
 

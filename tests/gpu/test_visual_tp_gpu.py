@@ -1,6 +1,6 @@
 """visual.tp=2 on two GPUs at Qwen2-VL-7B's and Qwen2.5-VL-7B's vision shapes (conf/model/qwen2-vl-7b.yaml,
 qwen2.5-vl-7b.yaml: its window-attention tower; model.load_format=dummy weights, bfloat16): the tower split over two processes (NCCL all-reduces, the leader handing its batch of two
-1,024x1,024 images to the follower, runtime/visual/tower_tp.py) gives the whole tower's embeddings up to
+1,024x1,024 images to the follower, runtime/encoder/tower_tp.py) gives the whole tower's embeddings up to
 bfloat16 rounding (the sums run in another order), after a batch the follower had no memory for failed on the
 leader alone (NCCL kept in step: no rank broadcast its pixels)."""
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _images(tower, grid=GRID, count=IMAGES):
 def _rank_main(rank: int, port: int, out: str, profile: str) -> None:
     import torch.distributed as dist
 
-    from llaunch.runtime.visual import tower_tp
+    from llaunch.runtime.encoder import tower_tp
 
     device = torch.device("cuda", rank)
     group, headers = tower_tp.join(2, rank, f"tcp://127.0.0.1:{port}", device)
@@ -77,7 +77,7 @@ def test_visual_tp2_embeddings_match_the_whole_tower(profile):
     import torch.multiprocessing as mp
 
     from llaunch.runtime.models.layers import TpGroup
-    from llaunch.runtime.visual.encoder import encode
+    from llaunch.runtime.encoder.images import encode
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -209,7 +209,7 @@ def test_the_graph_goes_down_when_the_visual_server_dies(vl):
     process behind, and removes the embed cache's file."""
     server, oracle, client = vl
     embeds = [p for p in os.listdir(SHM) if p.startswith("llaunch-embeds-")]
-    [visual] = [pid for pid in server.children() if b"llaunch.runtime.visual.process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    [visual] = [pid for pid in server.children() if b"llaunch.runtime.encoder.process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     graph = server.children()
     os.kill(visual, signal.SIGKILL)
     assert server.proc.wait(60) != 0

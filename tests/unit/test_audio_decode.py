@@ -8,7 +8,7 @@ import wave
 import numpy as np
 import pytest
 
-from llaunch.runtime.audio.decode import AudioDecodeError, ClipTooLong, decode
+from llaunch.runtime.http.audio_decode import AudioDecodeError, ClipTooLong, decode
 
 
 def wav_bytes(samples: np.ndarray, rate: int, width: int) -> bytes:

@@ -33,14 +33,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llaunch.runtime.audio.encoder import InProcessAudioEmbeds
-from llaunch.runtime.audio.features import AudioFeatures
+from llaunch.runtime.encoder.in_process import InProcessAudioEmbeds
+from llaunch.runtime.http.audio_features import AudioFeatures
 from llaunch.runtime.config import VisualConfig
 from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, SamplingParams, StepPlan
 from llaunch.runtime.models.checkpoint import CheckpointError, model_tensor_name, per_expert_names, read_checkpoint
 from llaunch.runtime.models.loader import build_audio_tower, build_model, build_vision_tower
-from llaunch.runtime.visual.encoder import InProcessEmbeds
+from llaunch.runtime.encoder.in_process import InProcessEmbeds
 from llaunch.runtime.worker.audio_rows import AudioRows
 from llaunch.runtime.worker.image_rows import ImageRows
 from llaunch.runtime.worker.runner import ModelRunner

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-from llaunch.runtime.audio.encoder import InProcessAudioEmbeds
+from llaunch.runtime.encoder.in_process import InProcessAudioEmbeds
 from llaunch.runtime.config import AudioConfig, VisualConfig
 from llaunch.runtime.http.audio import AudioInputs
 from llaunch.runtime.http.images import ImageInputs
@@ -31,7 +31,7 @@ from llaunch.runtime.http.request_limits import RequestLimits
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.loader import build_audio_tower, build_model, build_vision_tower
 from llaunch.runtime.models.tokenizer import load_tokenizer
-from llaunch.runtime.visual.encoder import InProcessEmbeds
+from llaunch.runtime.encoder.in_process import InProcessEmbeds
 from llaunch.runtime.worker.audio_rows import AudioRows
 from llaunch.runtime.worker.image_rows import ImageRows
 from llaunch.runtime.worker.runner import ModelRunner

@@ -14,7 +14,7 @@ from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.vision_qwen2 import VisionArch
 from llaunch.runtime.models.vision_qwen2_5 import Qwen2_5VisionTower, window_order
 from llaunch.runtime.models.loader import build_vision_tower
-from llaunch.runtime.visual.encoder import encode
+from llaunch.runtime.encoder.images import encode
 from tests.fixtures.tiny_models import model_config_from_folder
 from tests.fixtures.tiny_vl import image_png
 from tests.fixtures.tiny_vl25 import write_tiny_qwen2_5_vl

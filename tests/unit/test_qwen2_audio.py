@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from llaunch.runtime.audio.encoder import InProcessAudioEmbeds
-from llaunch.runtime.audio.features import AudioFeatures
+from llaunch.runtime.encoder.in_process import InProcessAudioEmbeds
+from llaunch.runtime.http.audio_features import AudioFeatures
 from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, SamplingParams, StepPlan
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.loader import build_audio_tower, build_model

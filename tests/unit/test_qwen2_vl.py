@@ -11,7 +11,7 @@ from llaunch.runtime.http.images import ImageInputs
 from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, SamplingParams, StepPlan
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.loader import build_model, build_vision_tower
-from llaunch.runtime.visual.encoder import InProcessEmbeds
+from llaunch.runtime.encoder.in_process import InProcessEmbeds
 from llaunch.runtime.worker.image_rows import ImageRows
 from llaunch.runtime.worker.runner import ModelRunner
 from tests.fixtures.tiny_models import model_config_from_folder

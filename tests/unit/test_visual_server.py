@@ -12,7 +12,7 @@ import torch
 from llaunch.runtime.ipc.messages import AddRequest, ImageRef, SamplingParams
 from llaunch.runtime.router.image_gate import ImageGate, replica_of
 from llaunch.runtime.router.request import Request
-from llaunch.runtime.visual.batcher import VisualBatcher
+from llaunch.runtime.encoder.batcher import VisualBatcher
 from llaunch.runtime.cache.embed_reader import ShmEmbeds, image_tokens
 from llaunch.runtime.cache.embed_shm import BLOCK_BYTES
 from llaunch.runtime.cache.embed_store import EmbedStore

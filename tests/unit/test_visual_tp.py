@@ -1,5 +1,5 @@
 """visual.tp: the vision tower of a tiny Qwen2-VL checkpoint split over two gloo processes (a leader
-handing its batches to a follower, runtime/visual/tower_tp.py) gives the embeddings of the whole tower
+handing its batches to a follower, runtime/encoder/tower_tp.py) gives the embeddings of the whole tower
 (float32, CPU), for a batch of two images of different sizes and then a batch of one; a batch that
 fails on one rank (or both) mid-forward, on the leader before the hand-over, or on the follower as it
 allocates the batch's pixels, fails on the leader and the batch after it still gives the whole tower's
@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from llaunch.runtime.ipc.messages import ImageRef
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.loader import build_vision_tower
-from llaunch.runtime.visual import tower_tp
-from llaunch.runtime.visual.encoder import encode
+from llaunch.runtime.encoder import tower_tp
+from llaunch.runtime.encoder.images import encode
 from tests.fixtures.tiny_models import model_config_from_folder
 from tests.fixtures.tiny_vl import write_tiny_qwen2_vl
 

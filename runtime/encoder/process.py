@@ -1,10 +1,10 @@
 """A visual server process (visual.{v}, visual.dp of them): loads the model's vision tower (Qwen2-Audio:
 audio.{a}, audio.dp of them, its audio tower encoding clips the same way: a clip travels as an ImageRef), owns one
 shared-memory embed cache (runtime/cache/embed_store.py), and answers the routers' EncodeImages,
-encoding images in batches of up to visual.batch_size / audio.batch_size (runtime/visual/batcher.py). Workers read the
+encoding images in batches of up to visual.batch_size / audio.batch_size (runtime/encoder/batcher.py). Workers read the
 embeddings from the cache; the routers hold a request until its images are there
 (runtime/router/image_gate.py). Its death takes the graph down (the launcher supervises it).
-visual.tp > 1: visual.{v} leads visual.{v}.1.. (its tower split over them, runtime/visual/tower_tp.py)."""
+visual.tp > 1: visual.{v} leads visual.{v}.1.. (its tower split over them, runtime/encoder/tower_tp.py)."""
 from __future__ import annotations
 
 import logging
@@ -18,13 +18,13 @@ from llaunch.runtime.ipc.sockets import Receiver, Sender
 from llaunch.runtime.models.layers import TpGroup
 from llaunch.runtime.models.loader import build_audio_tower, build_vision_tower
 from llaunch.runtime.encoder_servers import encoder_servers
-from llaunch.runtime.visual import tower_tp
-from llaunch.runtime.visual.batcher import VisualBatcher
-from llaunch.runtime.visual.tower_tp import TowerLeader
+from llaunch.runtime.encoder import tower_tp
+from llaunch.runtime.encoder.batcher import VisualBatcher
+from llaunch.runtime.encoder.tower_tp import TowerLeader
 from llaunch.runtime.cache.embed_shm import num_blocks
 from llaunch.runtime.cache.embed_store import EmbedStore
-from llaunch.runtime.audio.encoder import encode_clips
-from llaunch.runtime.visual.encoder import encode as encode_images
+from llaunch.runtime.encoder.clips import encode_clips
+from llaunch.runtime.encoder.images import encode as encode_images
 from llaunch.runtime.ipc.encoder import EncodeImages, ReleaseImages, VisualInbound
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,5 @@
 """Encoding clips with the audio tower: a batch of clips (their log-mel features, from the frontend's
-feature extractor) in one forward pass, and an in-process encoder with its own LRU cache (tests, and
-anything that runs the model without an audio server)."""
+feature extractor) in one forward pass."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +7,6 @@ import torch
 
 from llaunch.runtime.ipc.messages import ImageRef
 from llaunch.runtime.models.audio_qwen2 import Qwen2AudioTower
-from llaunch.runtime.visual.encoder import CachedEncoder
 
 
 @torch.inference_mode()
@@ -17,11 +15,3 @@ def encode_clips(tower: Qwen2AudioTower, clips: list[ImageRef]) -> list[torch.Te
     mel = tower.arch.num_mel_bins
     features = [torch.from_numpy(np.frombuffer(c.pixels, dtype=np.float32).reshape(mel, -1).copy()) for c in clips]
     return tower(features, [c.grid[0] for c in clips])
-
-
-class InProcessAudioEmbeds(CachedEncoder):
-    """Clips encoded here by the audio tower."""
-
-    def __init__(self, tower: Qwen2AudioTower, cache_bytes: int):
-        super().__init__(lambda clips: encode_clips(tower, clips), cache_bytes)
-        self.tower = tower

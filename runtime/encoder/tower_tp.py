@@ -21,7 +21,7 @@ import torch.distributed as dist
 from llaunch.runtime.ipc.messages import ImageRef
 from llaunch.runtime.models.layers import RowParallelLinear, TpGroup
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower
-from llaunch.runtime.visual.encoder import encode
+from llaunch.runtime.encoder.images import encode
 
 log = logging.getLogger(__name__)
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # followers wait for the next batch between requests
