@@ -1,4 +1,7 @@
-"""Choose, per call, between a Triton kernel (CUDA tensors) and the torch reference.
+"""The ops the models call. Each picks, per call, its Triton kernel (CUDA tensors) or the plain-torch
+reference (kernels/reference.py), so the same model code runs on CPU and GPU; which kernels run and how
+they launch is `kernels.settings` (the `kernels` config group). Callers import the ops from here:
+kernels/ has no __init__.py (see pyproject.toml), and `llaunch.kernels.<op>` would name the op's module.
 
 Triton is imported on the first CUDA call only, so CPU-only installs never need it and tests can
 set TRITON_INTERPRET before it is imported. The keyword-only hints (max lengths, top_filters) are

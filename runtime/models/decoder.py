@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from llaunch.kernels import (decode_attention, gated_linear, gelu_tanh_mul, linear, prefill_attention,
-                             qkv_rotary_store_kv, rmsnorm, rope_cos_sin, rotary_store_kv)
+from llaunch.kernels.dispatch import (decode_attention, gated_linear, gelu_tanh_mul, linear, prefill_attention,
+                                      qkv_rotary_store_kv, rmsnorm, rope_cos_sin, rotary_store_kv)
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.models.heads import HeadLayout

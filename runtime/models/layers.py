@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from llaunch.kernels import linear, lm_head_linear, rmsnorm
+from llaunch.kernels.dispatch import linear, lm_head_linear, rmsnorm
 
 
 @dataclass(frozen=True)

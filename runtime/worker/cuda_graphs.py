@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.kernels import pdl
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 
@@ -92,7 +92,7 @@ class DecodeGraphs:
         logits = self.model.forward(batch, self.kv)
         # greedy tokens inside the graph, recorded as each row's last token (a sampling step writes
         # its own over them): an all-greedy step then needs no kernels of its own between replays
-        tokens = kernels.greedy_tokens(logits, rows, self.last_token)
+        tokens = ops.greedy_tokens(logits, rows, self.last_token)
         return logits, tokens
 
     @torch.inference_mode()

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.models.pooling import PooledRows
@@ -129,10 +129,10 @@ class ModelRunner:
         # and sampling's: penalties, then a draw with and without the top-k / top-p search
         f32 = dict(dtype=torch.float32, device=self.device)
         two = lambda value: torch.full((2,), value, **f32)  # noqa: E731
-        penalized = kernels.apply_penalties(logits, torch.zeros_like(logits), two(0.5), two(0.5), two(1.1),
+        penalized = ops.apply_penalties(logits, torch.zeros_like(logits), two(0.5), two(0.5), two(1.1),
                                             torch.zeros(logits.shape, dtype=torch.bool, device=self.device))
         for top_filters in (True, False):
-            kernels.sample(penalized, two(0.7), two(0.9), t([5, -1]), t([1, 2]), t([0, 0]), top_filters=top_filters)
+            ops.sample(penalized, two(0.7), two(0.9), t([5, -1]), t([1, 2]), t([0, 0]), top_filters=top_filters)
         torch.cuda.synchronize()
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.runtime.constrained.mask_fill import StepMasks
 from llaunch.runtime.constrained.row_state import RowConstraint
 from llaunch.runtime.ipc.messages import SamplingParams
@@ -160,7 +160,7 @@ class SamplingState:
         rows_t = to_device(rows, torch.int64, self.device)
         if penalized:
             counts, seen = self._penalty_tables()
-            logits = kernels.apply_penalties(logits, counts[rows_t].to(logits.dtype), self.presence[rows_t],
+            logits = ops.apply_penalties(logits, counts[rows_t].to(logits.dtype), self.presence[rows_t],
                                              self.frequency[rows_t], self.repetition[rows_t], seen[rows_t])
         logits = self._exclude(logits, rows, bitmask)
         drawn = [i for i, r in enumerate(rows) if not self.greedy[r]]
@@ -181,7 +181,7 @@ class SamplingState:
         """Sampled rows' tokens: each row's noise is a hash of its own seed and counter, so a row draws
         the same token whichever rows share its call."""
         offsets = to_device([self.generated[r] for r in rows], torch.int64, self.device)
-        return kernels.sample(logits, self.temperature[rows_t], self.top_p[rows_t], self.top_k[rows_t],
+        return ops.sample(logits, self.temperature[rows_t], self.top_p[rows_t], self.top_k[rows_t],
                               self.seed[rows_t], offsets, top_filters=any(self.filtered[r] for r in rows))
 
     def logprobs(self, logits: torch.Tensor, rows: list[int], tokens: torch.Tensor):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.kernels import reference
 
 LENGTHS = [1, 17, 129, 64, 250]
@@ -103,7 +103,7 @@ def test_reference_window_is_attention_over_the_last_window_tokens(kv_cache):
 def test_decode_sliding_window_gpu(cuda, poisoned, close, kv_cache, heads, dim, softcap, batch, max_len):
     lengths = torch.randint(1, max_len + 1, (batch,)).tolist()
     with poisoned():
-        out, ref = _run(kernels.decode_attention, lengths, *heads, dim, torch.bfloat16, kv_cache, cuda,
+        out, ref = _run(ops.decode_attention, lengths, *heads, dim, torch.bfloat16, kv_cache, cuda,
                         max_len=max_len, window=1024, softcap=softcap)
     close(out, ref)
 
@@ -115,7 +115,7 @@ def test_decode_gpu(cuda, poisoned, close, kv_cache, heads, dim, batch, max_len)
     lengths = torch.randint(max_len // 2, max_len + 1, (batch,)).tolist()
     lengths[0] = 1
     with poisoned():
-        out, ref = _run(kernels.decode_attention, lengths, *heads, dim, torch.bfloat16, kv_cache, cuda,
+        out, ref = _run(ops.decode_attention, lengths, *heads, dim, torch.bfloat16, kv_cache, cuda,
                         max_len=max_len)
     close(out, ref)
 
@@ -126,7 +126,7 @@ def test_decode_replays_in_a_cuda_graph(cuda, close, kv_cache):
     k_cache, v_cache, req_to_slots, rows = kv_cache(lengths, 4, 128, torch.bfloat16, cuda)
     q = torch.randn(64, 28, 128, device=cuda).to(torch.bfloat16)
     seq_lens = torch.tensor(lengths, device=cuda)
-    attend = lambda: kernels.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.088,  # noqa: E731
+    attend = lambda: ops.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.088,  # noqa: E731
                                               max_len=1000)
     attend()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

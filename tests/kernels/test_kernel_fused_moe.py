@@ -6,7 +6,7 @@ and Mixtral-8x7B's expert shapes in bf16, inside a CUDA graph too; and the defau
 import pytest
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.kernels import reference, settings
 from llaunch.kernels.settings import KernelSettings, MoeLaunch
 
@@ -138,9 +138,9 @@ def test_the_ops_take_the_reference_on_cpu():
     x = torch.randn(3, 32)
     w13, w2 = experts(4, 32, 16, torch.float32)
     logits = torch.randn(3, 4)
-    weights, ids = kernels.moe_route(logits, 2, True)
+    weights, ids = ops.moe_route(logits, 2, True)
     assert torch.equal(ids, reference.moe_route(logits, 2, True)[1])
-    assert torch.equal(kernels.fused_moe(x, w13, w2, weights, ids), reference.fused_moe(x, w13, w2, weights, ids))
+    assert torch.equal(ops.fused_moe(x, w13, w2, weights, ids), reference.fused_moe(x, w13, w2, weights, ids))
 
 
 # ---- GPU: the experts of Qwen3-30B-A3B (tp1, tp4), Qwen1.5-MoE-A2.7B and Mixtral-8x7B (tp8) --------------------
@@ -156,7 +156,7 @@ def test_fused_moe_gpu(cuda, poisoned, close, num, top_k, hidden, inter, tokens)
     w13, w2 = experts(num, hidden, inter, torch.bfloat16, cuda)
     weights, ids = routed(tokens, num, top_k, cuda)
     with poisoned():
-        out = kernels.fused_moe(x, w13, w2, weights, ids)
+        out = ops.fused_moe(x, w13, w2, weights, ids)
     close(out, reference.fused_moe(x, w13, w2, weights, ids))
 
 
@@ -167,7 +167,7 @@ def test_route_gpu(cuda, num, top_k):
     bf16 router logits tie exactly in ~1% of 4096 tokens, and there the two may take either of the tied experts
     (and order them either way): a differing choice must be an exact tie with the k-th logit."""
     logits = (torch.randn(4096, num, device=cuda) * 2).to(torch.bfloat16)
-    weights, ids = kernels.moe_route(logits, top_k, renormalize=False)
+    weights, ids = ops.moe_route(logits, top_k, renormalize=False)
     want_weights, want_ids = reference.moe_route(logits, top_k, renormalize=False)
     probs = torch.softmax(logits.float(), dim=-1)
     torch.testing.assert_close(weights, probs.gather(1, ids.long()), atol=1e-6, rtol=1e-5)
@@ -189,8 +189,8 @@ def test_fused_moe_replays_in_a_cuda_graph(cuda, close):
     x = torch.randn(tokens, hidden, device=cuda).to(torch.bfloat16)
 
     def layer(h):
-        weights, ids = kernels.moe_route(kernels.linear(h, gate), top_k, True)
-        return kernels.fused_moe(h, w13, w2, weights, ids)
+        weights, ids = ops.moe_route(ops.linear(h, gate), top_k, True)
+        return ops.fused_moe(h, w13, w2, weights, ids)
 
     layer(x)  # compile outside the capture
     stream = torch.cuda.Stream()

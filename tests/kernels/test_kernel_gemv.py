@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.kernels import reference
 
 
@@ -129,7 +129,7 @@ def test_staged_gemv_gpu_float32_and_float16(cuda, poisoned, close, monkeypatch,
     w = (torch.randn(n, k, device=cuda) / k ** 0.5).to(dtype)
     assert gemv.staged_for(w)
     with poisoned():
-        out = kernels.lm_head_linear(x, w)
+        out = ops.lm_head_linear(x, w)
     assert out.dtype == torch.float32 and torch.equal(out, out.to(dtype).float())  # logits rounded to dtype
     close(out.to(dtype), reference.linear(x, w))
 
@@ -143,7 +143,7 @@ def test_gemv_gpu(cuda, poisoned, close, gpu_shape, n, k, bias):
     w = (torch.randn(n, k, device=cuda) / k ** 0.5).to(torch.bfloat16)
     b = torch.randn(n, device=cuda).to(torch.bfloat16) if bias else None
     with poisoned():
-        out = kernels.linear(x, w, b)
+        out = ops.linear(x, w, b)
     close(out, reference.linear(x, w, b))
 
 
@@ -153,7 +153,7 @@ def test_gated_gemv_gpu(cuda, poisoned, close, gpu_shape, inner, k):
     x = torch.randn(1, k, device=cuda).to(torch.bfloat16)
     w = (2 * torch.randn(2 * inner, k, device=cuda) / k ** 0.5).to(torch.bfloat16)
     with poisoned():
-        out = kernels.gated_linear(x, w)
+        out = ops.gated_linear(x, w)
     close(out, reference.gated_linear(x, w))
 
 
@@ -285,7 +285,7 @@ def test_fp8_gemv_refuses_block_scales(ops):
 @pytest.mark.parametrize("activations", FP8_MODES)
 @pytest.mark.parametrize("n, k, bias", [(4608, 3584, True), (3584, 3584, False), (3584, 18944, False), (5, 24, False)])
 def test_fp8_gemv_gpu(cuda, poisoned, close, activations, n, k, bias):
-    """Qwen2-7B's qkv, o_proj and down_proj as fp8 layers in bf16 steps: kernels.linear's one-row path (the GEMV)
+    """Qwen2-7B's qkv, o_proj and down_proj as fp8 layers in bf16 steps: ops.linear's one-row path (the GEMV)
     against the same e4m3 values multiplied and summed in float32, rounded once to bf16, as the kernel does (the
     reference in bf16 rounds each dequantized weight and input to bf16 too: on the H200 0.1% of the outputs then
     moved by one or two bf16 steps)."""
@@ -295,7 +295,7 @@ def test_fp8_gemv_gpu(cuda, poisoned, close, activations, n, k, bias):
     x = (3 * torch.randn(1, k, device=cuda)).to(torch.bfloat16)
     b = torch.randn(n, device=cuda).to(torch.bfloat16) if bias else None
     with poisoned():
-        out = kernels.linear(x, w, b)
+        out = ops.linear(x, w, b)
     close(out, fp8.reference_linear(x.float(), w, None if b is None else b.float()).to(torch.bfloat16))
 
 
@@ -307,6 +307,6 @@ def test_fp8_gated_gemv_gpu(cuda, poisoned, close, inner, k):
     w = fp8_layer(2 * inner, k, "dynamic", cuda)
     x = (3 * torch.randn(1, k, device=cuda)).to(torch.bfloat16)
     with poisoned():
-        out = kernels.gated_linear(x, w)
+        out = ops.gated_linear(x, w)
     # gate and up summed in float32 and rounded to bf16, then SiLU-and-multiply in bf16 (the kernel's roundings)
     close(out, reference.silu_mul(fp8.reference_linear(x.float(), w).to(torch.bfloat16)))

@@ -3,7 +3,7 @@ ties to the lowest index across and within pieces, and each row's last token wri
 import pytest
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.kernels import greedy, reference
 
 
@@ -56,4 +56,4 @@ def test_greedy_tokens_gpu(cuda, poisoned, batch):
     """Qwen2's vocabulary at the decode graphs' batch sizes."""
     logits = _logits_with_ties(batch, 152064, device=cuda)
     with poisoned():
-        _check(kernels.greedy_tokens, logits)
+        _check(ops.greedy_tokens, logits)

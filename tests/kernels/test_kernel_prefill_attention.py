@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.kernels import reference
 
 # (prefix already cached, new tokens) per sequence, all in one call.
@@ -96,7 +96,7 @@ def test_reference_window_is_attention_over_the_last_window_positions(kv_cache):
 @pytest.mark.parametrize("heads,dim", [((16, 8), 256), ((40, 10), 128)])  # Gemma 3 12B's local layers, Phi-4's
 def test_prefill_sliding_window_gpu(cuda, poisoned, close, kv_cache, window, heads, dim):
     with poisoned():
-        out, ref = _run(kernels.prefill_attention, [(0, 3000), (1500, 700), (0, 1)], *heads, dim, torch.bfloat16,
+        out, ref = _run(ops.prefill_attention, [(0, 3000), (1500, 700), (0, 1)], *heads, dim, torch.bfloat16,
                         kv_cache, cuda, q_view=True, window=window, softcap=50.0 if dim == 256 else 0.0)
     close(out, ref)
 
@@ -107,7 +107,7 @@ def test_prefill_sliding_window_gpu(cuda, poisoned, close, kv_cache, window, hea
 @pytest.mark.parametrize("heads,dim", [((28, 4), 128), ((9, 3), 64)])
 def test_prefill_gpu(cuda, poisoned, close, kv_cache, chunks, heads, dim):
     with poisoned():
-        out, ref = _run(kernels.prefill_attention, chunks, *heads, dim, torch.bfloat16, kv_cache, cuda,
+        out, ref = _run(ops.prefill_attention, chunks, *heads, dim, torch.bfloat16, kv_cache, cuda,
                         q_view=True)
     close(out, ref)
 
@@ -118,6 +118,6 @@ def test_prefill_float32_gpu(cuda, poisoned, close, kv_cache, heads, dim):
     """float32 models (SmolLM2's checkpoint) on a GPU: three-pass TF32 dots stay within float32
     tolerance of the IEEE reference."""
     with poisoned():
-        out, ref = _run(kernels.prefill_attention, [(0, 512), (100, 300)], *heads, dim, torch.float32, kv_cache,
+        out, ref = _run(ops.prefill_attention, [(0, 512), (100, 300)], *heads, dim, torch.float32, kv_cache,
                         cuda, q_view=True)
     close(out, ref)

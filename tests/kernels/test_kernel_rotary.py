@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.kernels import reference
 
 
@@ -49,7 +49,7 @@ def test_rotary_gpu(cuda, poisoned, close, tokens, heads, dim):
     q, k = _qkv(tokens, *heads, dim, torch.bfloat16, cuda)
     positions = torch.randint(0, 32768, (tokens,), device=cuda)
     with poisoned():
-        q_out, k_out = kernels.rotary_embedding(q, k, positions, cos, sin)
+        q_out, k_out = ops.rotary_embedding(q, k, positions, cos, sin)
     ref_q, ref_k = reference.rotary_embedding(q, k, positions, cos, sin)
     close(q_out, ref_q)
     close(k_out, ref_k)
@@ -97,4 +97,4 @@ def test_rotary_store_kv_interpreted(ops, poisoned, close, dtype, tokens, heads,
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,heads,dim", [(1, (28, 4), 128), (4096, (28, 4), 128), (33, (9, 3), 64)])
 def test_rotary_store_kv_gpu(cuda, poisoned, close, tokens, heads, dim):
-    _check_rotary_store(kernels.rotary_store_kv, close, poisoned, tokens, heads, dim, torch.bfloat16, cuda)
+    _check_rotary_store(ops.rotary_store_kv, close, poisoned, tokens, heads, dim, torch.bfloat16, cuda)

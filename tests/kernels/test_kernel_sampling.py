@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.kernels import reference
 
 # One row per sampling mode: greedy, temperature only, top-k, top-p, both, top-k >= vocab, top-p tiny.
@@ -76,7 +76,7 @@ def test_penalties_interpreted(ops, poisoned, close, counts_dtype, dtype):
 def test_sample_gpu(cuda, poisoned):
     logits = torch.randn(len(SEEDS), 152064, device=cuda)
     with poisoned():
-        _check_same_tokens(kernels.sample, logits, steps=8)
+        _check_same_tokens(ops.sample, logits, steps=8)
 
 
 @pytest.mark.gpu
@@ -84,7 +84,7 @@ def test_sample_gpu_matches_cpu_draws(cuda):
     logits = 4 * torch.randn(len(SEEDS), 32000)
     temperature, top_p, top_k, seeds = _sampling_rows("cpu")
     offsets = torch.full_like(seeds, 3)
-    on_gpu = kernels.sample(logits.to(cuda), temperature.to(cuda), top_p.to(cuda), top_k.to(cuda),
+    on_gpu = ops.sample(logits.to(cuda), temperature.to(cuda), top_p.to(cuda), top_k.to(cuda),
                             seeds.to(cuda), offsets.to(cuda))
     assert torch.equal(on_gpu.cpu(), reference.sample(logits, temperature, top_p, top_k, seeds, offsets))
 
@@ -98,5 +98,5 @@ def test_penalties_gpu(cuda, poisoned, close):
     presence, frequency = torch.rand(batch, device=cuda), torch.rand(batch, device=cuda)
     repetition = 1 + torch.rand(batch, device=cuda)
     with poisoned():
-        out = kernels.apply_penalties(logits, counts, presence, frequency, repetition, seen)
+        out = ops.apply_penalties(logits, counts, presence, frequency, repetition, seen)
     close(out, reference.apply_penalties(logits, counts, presence, frequency, repetition, seen))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.kernels import reference
 
 
@@ -33,4 +33,4 @@ def test_store_kv_interpreted(ops, dtype, tokens, kv_heads, dim):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,kv_heads,dim", [(4096, 4, 128), (64, 4, 128), (999, 3, 64)])
 def test_store_kv_gpu(cuda, tokens, kv_heads, dim):
-    _check(kernels.store_kv, tokens, kv_heads, dim, torch.bfloat16, cuda)
+    _check(ops.store_kv, tokens, kv_heads, dim, torch.bfloat16, cuda)

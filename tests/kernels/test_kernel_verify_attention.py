@@ -5,7 +5,7 @@ cached prefix: reference.prefill_attention, whose own K/V are already in the cac
 import pytest
 import torch
 
-from llaunch import kernels
+from llaunch.kernels import dispatch as ops
 from llaunch.kernels import reference
 
 
@@ -43,7 +43,7 @@ def test_verify_tokens_attend_causally_gpu(cuda, poisoned, close, kv_cache, batc
     prefixes = torch.randint(1, 4000, (batch,)).tolist()
     k_cache, v_cache, slots, q, token_rows, lens, chunks = _verify_case(kv_cache, prefixes, n, 28, 4, 128,
                                                                          torch.bfloat16, cuda)
-    attend = lambda: kernels.decode_attention(q, k_cache, v_cache, slots, token_rows, lens, 0.088,  # noqa: E731
+    attend = lambda: ops.decode_attention(q, k_cache, v_cache, slots, token_rows, lens, 0.088,  # noqa: E731
                                               max_len=4096)
     with poisoned():
         attend()  # compile outside the capture

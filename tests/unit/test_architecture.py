@@ -142,3 +142,15 @@ def test_every_package_folder_is_installed():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {_module_name(p) for pkg in PACKAGES for p in (REPO / pkg).rglob("__init__.py")}
     assert folders - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_checkout_root_shadows_no_installed_package():
+    """`python -m pytest` or `python -m llaunch...` from the checkout's root puts the root first on sys.path.
+    transformers >= 5.25 depends on the PyPI package `kernels` and imports it; were kernels/ a regular package,
+    the root's folder would be imported in its place and every transformers model import would fail."""
+    probe = ("import importlib.util, json; s = importlib.util.find_spec('kernels'); "
+             "print(json.dumps(s and s.origin)); import transformers.activations")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    origin = json.loads(run.stdout.splitlines()[0])
+    assert origin is None or not Path(origin).resolve().is_relative_to(REPO / "kernels"), origin
