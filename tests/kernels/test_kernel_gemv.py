@@ -208,7 +208,6 @@ def test_lm_head_takes_the_staged_kernel_where_it_was_measured(monkeypatch, kern
     monkeypatch.setattr(gemv, "_INTERPRETED", False)
     monkeypatch.setattr(pdl, "hopper_or_later", lambda index: True)
     qwen2_7b = torch.empty(152064, 3584, dtype=torch.bfloat16, device="meta")
-    assert gemv.launch_shape(152064, 3584, False) == (16, 256, 4, 4)
     assert gemv.staged_for(qwen2_7b)
     assert not gemv.staged_for(torch.empty(152064, 3583, dtype=torch.bfloat16, device="meta"))  # 7,166-byte rows
     assert not gemv.staged_for(torch.empty(49152, 576, dtype=torch.float32, device="meta"))  # SmolLM2's: cuBLAS

@@ -5,8 +5,6 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from llaunch.launcher import store
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -17,12 +15,6 @@ def test_every_conf_folder_ships_in_the_wheel():
                if p.is_dir() and any(p.glob("*.yaml")) or p == REPO / "conf"}
     assert folders - set(setuptools["packages"]) == set(), "add these to [tool.setuptools] packages in pyproject.toml"
     assert "**/*.yaml" in setuptools["package-data"]["llaunch.conf"]
-
-
-def test_the_profiles_are_found_beside_the_launcher_package():
-    """A checkout: <repo>/launcher and <repo>/conf; a wheel: site-packages/llaunch/{launcher,conf}."""
-    assert store.CONF_DIR == Path(store.__file__).resolve().parent.parent / "conf"
-    assert (store.CONF_DIR / "config.yaml").is_file()
 
 
 def test_without_the_tune_extra_hydras_plugin_scan_stays_quiet():
