@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
 import types
 from typing import Optional
 
@@ -20,7 +19,7 @@ import torch
 from llaunch.kernels import fp8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
-                   "gated_activation", "sampling", "greedy", "fp8_block", "fused_moe")
+                   "gated_activation", "sampling", "greedy", "fp8_block", "fp8_rows", "fused_moe")
 
 
 def _use_triton(t) -> bool:
@@ -31,11 +30,6 @@ def _use_triton(t) -> bool:
 def triton_ops() -> types.SimpleNamespace:
     """The Triton implementations, by op name (imports triton on first use)."""
     modules = {name: importlib.import_module(f"llaunch.kernels.{name}") for name in _KERNEL_MODULES}
-    # Importing `llaunch.kernels.rmsnorm` rebinds the package's `rmsnorm` op to the module: undo that.
-    package = sys.modules["llaunch.kernels"]
-    for name in _KERNEL_MODULES:
-        if name in globals():
-            setattr(package, name, globals()[name])
     return types.SimpleNamespace(
         rmsnorm=modules["rmsnorm"].rmsnorm,
         rotary_embedding=modules["rotary"].rotary_embedding,
@@ -51,6 +45,7 @@ def triton_ops() -> types.SimpleNamespace:
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
         fp8_block_linear=modules["fp8_block"].fp8_block_linear,
+        quantize_rows=modules["fp8_rows"].quantize_rows,
         moe_route=modules["fused_moe"].moe_route,
         fused_moe=modules["fused_moe"].fused_moe,
     )
@@ -162,6 +157,12 @@ def _fp8_row(x, weight: "fp8.Fp8Weight") -> bool:
     return _one_row(x) and weight.block is None
 
 
+def _quantize_rows(x, weight: "fp8.Fp8Weight"):
+    """An fp8 layer's activations per token in one Triton kernel (fp8.quantize_activations' roundings)."""
+    static = weight.input_scale if weight.activations == fp8.STATIC else None
+    return triton_ops().quantize_rows(x.contiguous(), weight.scale_ub, static)
+
+
 def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None):
     """An fp8 layer (kernels/fp8.py): on a GPU cuBLASLt's scaled GEMM, or for block-wise weights the
     Triton block GEMM (kernels/fp8_block.py), or for one row the GEMV; their roundings in torch elsewhere."""
@@ -170,7 +171,7 @@ def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None):
     if x.is_cuda and not settings.current.reference:
         if weight.block is not None and weight.activations != fp8.NONE:
             return triton_ops().fp8_block_linear(x, weight, bias)
-        return fp8.scaled_mm_linear(x, weight, bias)
+        return fp8.scaled_mm_linear(x, weight, bias, quantize=_quantize_rows)
     return fp8.reference_linear(x, weight, bias)
 
 

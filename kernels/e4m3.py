@@ -19,9 +19,9 @@ def round_to_e4m3(y):
     bits = y.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # keep 3 mantissa bits
     normal = bits.to(tl.float32, bitcast=True)
-    # below 2^-6 e4m3 steps by 2^-9, float32's ulp at 24576; the sign is kept for -0
+    # below 2^-6 e4m3 steps by 2^-9, float32's ulp at 24576; the sign bit is kept (-0 and what rounds to it)
     subnormal = (tl.abs(y) + 24576.0) - 24576.0
-    subnormal = tl.where(y < 0, -subnormal, subnormal)
+    subnormal = tl.where(y.to(tl.int32, bitcast=True) < 0, -subnormal, subnormal)
     return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
 
 

@@ -13,7 +13,7 @@ dtype, so CPU tests check the GPU path's numerics (up to the GEMM's accumulation
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,8 @@ def token_scales(x: torch.Tensor, scale_ub: Optional[float] = None) -> torch.Ten
     amax = x.abs().amax(dim=-1, keepdim=True).float()
     if scale_ub is not None:
         amax = amax.clamp(max=scale_ub)
-    return (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    # a tensor divisor, as in group_scales: the true quotient the kernels take (kernels/e4m3.scale_of_absmax)
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
 
 
 def group_scales(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -114,14 +115,16 @@ def reference_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor]
     return F.linear(x, dequantize_weight(w, x.dtype), bias)
 
 
-def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None,
+                     quantize: Callable = quantize_activations) -> torch.Tensor:
     """cuBLASLt's fp8 GEMM with a scale per token (scale_a [M, 1]) and per channel (scale_b [1, N]).
     Weight-only checkpoints (activations none, also block-wise ones) dequantize the weight and run
-    the model dtype's GEMM."""
+    the model dtype's GEMM. `quantize(x [M, K], w)`: the activations' e4m3 values and [M, 1] scales
+    (on a GPU the one-kernel kernels/fp8_rows.py, by way of dispatch.fp8_linear)."""
     if w.activations == NONE:
         return F.linear(x, dequantize_weight(w, x.dtype), bias)
     flat = x.reshape(-1, x.shape[-1])
-    q, scale = quantize_activations(flat, w)
+    q, scale = quantize(flat, w)
     # row-wise scaling wants bfloat16 out; b is the weight's transpose, a column-major [K, N] view
     y = torch._scaled_mm(q, w.weight.t(), scale_a=scale.contiguous(), scale_b=w.scale.view(1, -1),
                          out_dtype=torch.bfloat16)
