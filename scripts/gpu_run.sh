@@ -35,8 +35,8 @@
 # Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), CLIENT_PROCS (bench clients), VOCAB,
 #   VL_IMAGE_SIZE, VL_OUTPUT, VL_PROMPTS_PER_STREAM (the vl cases' image side, output tokens, requests per stream),
 #   AU_SECONDS, AU_OUTPUT, AU_PROMPTS_PER_STREAM (the au cases' clip duration, output tokens, requests per stream),
-#   TESTS (pytest paths and options of the tests step), TRACE=1 (a step trace: each case's first run's
-#   steps by kind, host enqueue and device time).
+#   TESTS (pytest paths and options of the tests step), VARIANTS (the cases once per variant: below),
+#   TRACE=1 (a step trace: each case's first run's steps by kind, host enqueue and device time).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/llaunch-gpu}
@@ -107,13 +107,15 @@ run_case() {  # name run prompts input output concurrency timeout [bench options
   $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$name-$r.txt"
 }
 
-if has cases; then
+serve_cases() {  # one server (SERVE), its launch timed, then every case REPEATS times; results under $OUT
   stamp "serve: llaunch $SERVE"
   start=$($PY -c "import time; print(time.time())")
+  local failed=0
+  rm -f /tmp/trace.jsonl
   llaunch $SERVE server.port=8000 hydra.run.dir=/tmp/llaunch-run ${TRACE:+router.step_trace=/tmp/trace.jsonl} \
     >"$OUT/llaunch.log" 2>&1 &
   lpid=$!
-  if $PY scripts/wait_http.py http://127.0.0.1:8000/health 300; then
+  if $PY scripts/wait_http.py http://127.0.0.1:8000/health 300 $lpid; then
     $PY -c "import time, sys; print(f'launch -> /health 200: {time.time() - float(sys.argv[1]):.1f}s')" "$start" \
       | tee "$OUT/startup.txt"
     MODEL=$(curl -s localhost:8000/v1/models | $PY -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
@@ -151,7 +153,7 @@ if has cases; then
       done
     done
   else
-    status=1; tail -30 "$OUT/llaunch.log"; for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -15 "$f"; done
+    failed=1; tail -30 "$OUT/llaunch.log"; for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -15 "$f"; done
   fi
   kill -TERM $lpid 2>/dev/null; wait $lpid
   for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -30 "$f"; done > "$OUT/process-logs.txt"
@@ -181,6 +183,21 @@ for name, rs in runs.items():
           f"{max(r['p99_ttft_ms'] for r in rs):>16.0f} "
           f"{max(r['median_tpot_ms'] for r in rs):>12.2f} {hit:>9} {host:>9} {sum(r['failed'] for r in rs):>7}")
 PYEOF
+  return $failed
+}
+
+# VARIANTS="name:overrides|name:overrides...": the cases once per variant, served with SERVE plus its
+# overrides, results under $OUT/<name> (one call compares graphs against eager, bf16 against fp8, ...)
+if has cases; then
+  if [ -n "${VARIANTS:-}" ]; then
+    IFS='|' read -ra variants <<< "$VARIANTS"
+    for v in "${variants[@]}"; do
+      stamp "variant ${v%%:*}: ${v#*:}"
+      (OUT="$OUT/${v%%:*}"; SERVE="$SERVE ${v#*:}"; mkdir -p "$OUT"; serve_cases) || status=1
+    done
+  else
+    serve_cases || status=1
+  fi
 fi
 
 if has spec; then
