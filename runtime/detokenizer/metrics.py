@@ -125,6 +125,11 @@ class MetricsHub:
         self.spec_draft_tokens = Counter(prefix + "spec_decode_num_draft_tokens", "Tokens proposed.", m, registry=r)
         self.spec_accepted = Counter(prefix + "spec_decode_num_accepted_tokens", "Proposed tokens accepted.", m,
                                      registry=r)
+        self.spec_accepted_per_pos = Counter(prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposals whose token at this position (0 first) was accepted.",
+                                             [*m, "position"], registry=r)
+        self.spec_backoffs = Counter(prefix + "spec_decode_num_backoffs", "Rows that stopped proposing for a while "
+                                     "because their proposals kept being rejected.", m, registry=r)
         # multimodal models: images looked up in the visual servers' embed cache (vLLM's mm_cache series),
         # and those encoded (a miss joining an encode already under way is not encoded again)
         self.mm_queries = Counter(prefix + "mm_cache_queries", "Images looked up in the embed cache.", m, registry=r)
@@ -137,7 +142,7 @@ class MetricsHub:
         for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
                        self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
                        self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
-                       self.preemptions, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
+                       self.preemptions, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_backoffs,
                        self.mm_queries, self.mm_hits, self.images_encoded):
             family.labels(*self.model)  # every series exists from the start, at zero
         for reason in FINISH_REASONS:
@@ -203,9 +208,13 @@ class MetricsHub:
         self.stalled.labels(*rank).set(float(stats.stalled))
         self.stalls.labels(*rank).inc(stats.stalls - (before.stalls if before else 0))
         for counter, field in ((self.spec_drafts, "spec_verify_rows"), (self.spec_draft_tokens, "spec_proposed"),
-                               (self.spec_accepted, "spec_accepted"), (self.mm_queries, "mm_cache_queries"),
+                               (self.spec_accepted, "spec_accepted"), (self.spec_backoffs, "spec_backoffs"),
+                               (self.mm_queries, "mm_cache_queries"),
                                (self.mm_hits, "mm_cache_hits"), (self.images_encoded, "images_encoded")):
             counter.labels(*self.model).inc(getattr(stats, field) - (getattr(before, field) if before else 0))
+        earlier = before.spec_accepted_per_pos if before else []
+        for pos, count in enumerate(stats.spec_accepted_per_pos):
+            self.spec_accepted_per_pos.labels(*self.model, str(pos)).inc(count - (earlier[pos] if pos < len(earlier) else 0))
 
     @property
     def num_running(self) -> int:

@@ -335,6 +335,8 @@ class RouterStats(_Msg):
     spec_proposed: int = 0  # since start: tokens speculative decoding proposed for verification
     spec_accepted: int = 0  # of those, tokens the model agreed with
     spec_verify_rows: int = 0  # since start: row-steps that verified a proposal
+    spec_accepted_per_pos: list[int] = []  # since start: [i] = verifies that kept their proposal's i-th token
+    spec_backoffs: int = 0  # since start: rows that stopped proposing for a while (their proposals kept failing)
     mm_cache_queries: int = 0  # since start: images looked up in the visual servers' embed caches
     mm_cache_hits: int = 0  # of those, found there (not encoded again)
     images_encoded: int = 0  # since start: images the visual servers encoded for this replica

@@ -85,6 +85,9 @@ class SpecDecoding:
         self.proposed = 0  # since start: tokens proposed to verification
         self.accepted = 0  # of those, tokens the target agreed with
         self.verify_rows = 0  # row-steps that verified a proposal
+        # since start: [i] = verifies whose proposal was accepted past its i-th token (vLLM's per-position
+        # acceptance: where in a proposal the model stops agreeing)
+        self.accepted_per_pos = [0] * (cfg.num_tokens if self.enabled else 0)
         # row → (request id, steps since its last lookup found nothing): such a row keeps pipelining and
         # looks again (waiting for its tokens once) every PROBE_EVERY steps
         self._missed: dict[int, tuple[str, int]] = {}
@@ -181,6 +184,8 @@ class SpecDecoding:
             accepted = len(tokens) - 1
             self.proposed += v.proposed
             self.accepted += accepted
+            for pos in range(accepted):
+                self.accepted_per_pos[pos] += 1
             self.verify_rows += 1
             if req.status is not Status.RUNNING:
                 continue  # ended while the step was out: its slots go back when it is released

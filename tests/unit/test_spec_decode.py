@@ -200,6 +200,7 @@ def test_a_row_whose_proposals_keep_failing_backs_off_until_its_next_probe():
     verify(1, [41, 42, 7])  # two of four kept: its recent yield (1.0 at first) is 1.5
     verify(2, [7])  # none kept: 0.75, still above the bar
     assert sched.spec.backoffs == 0
+    assert sched.spec.accepted_per_pos == [1, 1, 0, 0]  # positions 0 and 1 were accepted once
     verify(3, [7])  # none kept again: 0.375, it backs off
     assert sched.spec.backoffs == 1
     r.steps_in_flight = 1
