@@ -11,26 +11,42 @@ token a step for k steps, writing its KV into the slots the router allocated for
 the step's mirror then writes the last proposal's too.
 
 The draft is replicated on every tp rank (it is small); the first rank's proposals are broadcast,
-so every rank verifies the same tokens. It runs eagerly (no CUDA graphs of its own yet), and reading
-its proposals back to build the verify step costs one device sync per speculating step."""
+so every rank verifies the same tokens. Its k proposing steps run padded, as one CUDA graph per batch bucket
+on a GPU (runtime/worker/draft_graphs.py); reading the proposals back to build the verify step costs one
+device sync per speculating step. The mirror runs eagerly."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
 from llaunch.runtime.ipc.messages import VerifyChunk
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
+from llaunch.runtime.worker.draft_graphs import DraftSteps
 
 
 class Drafter:
-    def __init__(self, model, kv: KvCache, vocab_size: int, device: torch.device, group=None):
+    def __init__(self, model, kv: KvCache, vocab_size: int, device: torch.device, group=None,
+                 num_tokens: int = 0, max_batch: int = 0):
         """`kv`: the draft's cache, sharing the target's req_to_slots. `vocab_size`: the target's
         embedding rows (a larger draft vocabulary's extra ids are never proposed). `group`: the
-        replica's tp ranks, which all verify the first rank's proposals."""
+        replica's tp ranks, which all verify the first rank's proposals. `num_tokens`, `max_batch`: the
+        most tokens a chunk proposes and chunks a step holds (spec.num_tokens, spec.max_batch), which the
+        padded steps cover (`pad_steps`; 0: every proposal runs its steps unpadded)."""
         self.model, self.kv, self.device, self.group = model, kv, device, group
         self.vocab_size = min(vocab_size, model.arch.vocab_size)
         self.embed_rows = model.arch.vocab_size
+        self.num_tokens, self.max_batch = num_tokens, max_batch
+        self.steps: Optional[DraftSteps] = None
+
+    def pad_steps(self, max_len: int, scratch_row: int, scratch_slot: int, capture: bool) -> None:
+        """Proposals of up to max_batch chunks run padded (`capture`: replayed from CUDA graphs)."""
+        if self.num_tokens <= 0 or self.max_batch <= 0:
+            return
+        self.steps = DraftSteps(self, self.num_tokens, self.max_batch, max_len, scratch_row, scratch_slot)
+        if capture:
+            self.steps.capture()
 
     def _ids(self, ids: torch.Tensor) -> torch.Tensor:
         """A model with more embedding rows than the draft can sample an id the draft has no row for
@@ -46,9 +62,12 @@ class Drafter:
         greedy continuation of its last token."""
         if not chunks:
             return
+        wanted = [len(c.token_ids) - 1 for c in chunks]
+        if self.steps is not None and self.steps.fits(chunks):
+            self._share(chunks, wanted, self.steps.run(chunks))
+            return
         for c in chunks:  # the slots of the proposal's positions, which the draft's steps attend over
             self.kv.req_to_slots[c.row, c.start:c.start + len(c.slots)] = self._t(c.slots).to(self.kv.req_to_slots.dtype)
-        wanted = [len(c.token_ids) - 1 for c in chunks]
         current = self._ids(self._t([c.token_ids[0] for c in chunks]))  # each row's latest token, on the device
         proposals = torch.zeros((len(chunks), max(wanted)), dtype=torch.int64, device=self.device)
         for j in range(max(wanted)):
@@ -64,6 +83,10 @@ class Drafter:
             nxt = torch.argmax(self.model.forward(batch, self.kv)[:, :self.vocab_size], dim=-1)
             current[index] = nxt
             proposals[index, j] = nxt
+        self._share(chunks, wanted, proposals)
+
+    def _share(self, chunks: list[VerifyChunk], wanted: list[int], proposals: torch.Tensor) -> None:
+        """Every rank's chunks get the first rank's proposals [chunks, ≥ max(wanted)]."""
         if self.group is not None:  # ranks verify the same tokens even if their drafts' roundings differed
             import torch.distributed as dist
 

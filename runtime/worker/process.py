@@ -182,7 +182,8 @@ def main() -> None:
     max_rows = cfg.router.max_running_requests
     # one extra row and slot: scratch space that padded CUDA-graph rows read and write
     kv = model.make_kv_cache(num_slots + 1, max_rows + 1, cfg.model.max_model_len)
-    drafter = Drafter(draft, draft_kv_cache(draft, kv), model.arch.vocab_size, device, group) if draft else None
+    drafter = Drafter(draft, draft_kv_cache(draft, kv), model.arch.vocab_size, device, group,
+                      num_tokens=cfg.spec.num_tokens, max_batch=min(cfg.spec.max_batch, max_rows)) if draft else None
     host_kv = None  # the host KV tier's pool (cache.cpu_tokens), made by the kv_host process
     if cfg.cache.cpu_tokens > 0:
         stage("mapping the host KV pool")

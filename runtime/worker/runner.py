@@ -105,6 +105,9 @@ class ModelRunner:
             model, kv, self.last_token, verify_tokens, verify_len, scratch_row=max_rows, scratch_slot=kv.num_slots - 1)
         if self.graphs is not None and self.verify_steps is not None:
             self.verify_steps.capture()
+        if drafter is not None:  # the draft's proposing steps, padded like the verify steps
+            drafter.pad_steps(verify_len, scratch_row=max_rows, scratch_slot=kv.num_slots - 1,
+                              capture=self.graphs is not None)
         if device.type == "cuda":
             self._warm_eager(max_rows, kv.num_slots - 1)
 

@@ -69,12 +69,16 @@ def test_ngram_greedy_is_token_identical_on_smollm2(model, n):
 @pytest.mark.parametrize("n", [1, 16])
 def test_draft_greedy_is_token_identical_on_smollm2(model, n):
     """spec.method=draft with SmolLM2 drafting for itself (the only real weights on the host): the
-    draft's eager steps beside the model's graphs keep its KV in step, so nearly every proposal holds."""
+    draft's proposing steps replayed from its CUDA graphs and its eager mirror beside the model's graphs keep
+    its KV in step, so nearly every proposal holds."""
     requests, eos = copy_requests(n)
     kw = dict(kv_slots=16 * 512, max_len=512, device=torch.device("cuda"), cuda_graphs=True, eos_ids=eos)
     plain, _ = serve(model, requests, spec=False, **kw)
-    fast, sched = serve(model, requests, spec=True, draft=model, **kw)
+    runners = []
+    fast, sched = serve(model, requests, spec=True, draft=model, runners=runners, **kw)
     assert fast == plain
+    steps = runners[0].drafter.steps
+    assert steps.graphs and steps.replays > 0, "the draft proposed eagerly: no graph replayed"
     s = sched.spec
     print(f"draft n={n}: {s.accepted}/{s.proposed} proposed tokens accepted")
     assert s.verify_rows > 0 and s.accepted >= 0.9 * s.proposed

@@ -21,12 +21,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int = MAX_LEN,
           device: torch.device = torch.device("cpu"), cuda_graphs: bool = False, eos_ids: tuple = (EOS,),
-          step_tokens: int = 4096, runners: Optional[list] = None, draft=None):
+          step_tokens: int = 4096, runners: Optional[list] = None, draft=None, padded_draft: bool = False):
     """Run (prompt ids, SamplingParams) requests through a Scheduler and a ModelRunner:
     ({request index: (tokens, finish reason)}, scheduler). Every KV slot must be back at the end.
     `step_tokens`: the token budget of a step (small: prompts prefill in chunks beside verify rows).
     `runners`: a list the ModelRunner is appended to (to look at its graphs). `draft`: a draft model
-    (spec.method=draft) instead of n-gram proposals."""
+    (spec.method=draft) instead of n-gram proposals; `padded_draft`: its proposals run as the GPU's CUDA graphs
+    do (runtime/worker/draft_graphs.py), else step by step on the rows that still propose."""
     method = SpecMethod.draft if draft is not None else SpecMethod.ngram
     cfg = SpecConfig(method=method, num_tokens=4, max_batch=16) if spec else None
     sched = Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=step_tokens,
@@ -36,7 +37,8 @@ def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int
     kv = model.make_kv_cache(kv_slots + 1, ROWS + 1, max_len)
     drafter = None
     if spec and draft is not None:
-        drafter = Drafter(draft, draft_kv_cache(draft, kv), model.arch.vocab_size, device)
+        drafter = Drafter(draft, draft_kv_cache(draft, kv), model.arch.vocab_size, device,
+                          num_tokens=cfg.num_tokens if padded_draft or cuda_graphs else 0, max_batch=cfg.max_batch)
     runner = ModelRunner(model, kv, ROWS, device, cuda_graphs=cuda_graphs, eos_ids=eos_ids,
                          verify_tokens=spec_step_tokens(cfg, ROWS) if spec else 0, drafter=drafter)
     if runners is not None:

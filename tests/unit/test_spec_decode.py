@@ -248,6 +248,22 @@ def test_a_draft_model_keeps_greedy_output_token_identical(model, other_draft):
     assert sched.spec.verify_rows > 0 and sched.spec.accepted < sched.spec.proposed  # rejected tails rolled back
 
 
+def test_padded_draft_steps_propose_as_the_unpadded_ones(model, other_draft):
+    """The draft's k steps as the GPU replays them (runtime/worker/draft_graphs.py: every chunk k steps in a
+    bucket of rows, a chunk with less room and the padding rows on the scratch row and slot): the same output,
+    and the same proposals accepted as step by step (which runs only the rows that still propose)."""
+    n = 16
+    stops = {i: [7 + i] for i in range(1, n, 3)}
+    for draft in (model, other_draft):
+        plain, sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40, draft=draft)
+        runners = []
+        padded, padded_sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40, draft=draft,
+                                     padded_draft=True, runners=runners)
+        assert padded == plain
+        assert runners[0].drafter.steps.runs > 0
+        assert (padded_sched.spec.proposed, padded_sched.spec.accepted) == (sched.spec.proposed, sched.spec.accepted)
+
+
 def test_a_draft_with_fewer_embedding_rows_than_the_model(tmp_path, other_draft):
     """The model's padded vocabulary (as Qwen2-7B's 152,064 rows against Qwen2-0.5B's 151,936): its
     random weights sample ids the draft has no row for, and the draft reads past them unharmed."""
