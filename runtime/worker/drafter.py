@@ -13,7 +13,8 @@ the step's mirror then writes the last proposal's too.
 The draft is replicated on every tp rank (it is small); the first rank's proposals are broadcast,
 so every rank verifies the same tokens. Its k proposing steps run padded, as one CUDA graph per batch bucket
 on a GPU (runtime/worker/draft_graphs.py); reading the proposals back to build the verify step costs one
-device sync per speculating step. The mirror runs eagerly."""
+device sync per speculating step. The mirror of a step without prefill chunks runs in the verify steps'
+layout, padded (runtime/worker/verify_graphs.py, the runner's draft_mirror); of the others, eagerly."""
 from __future__ import annotations
 
 import dataclasses

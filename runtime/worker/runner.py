@@ -105,9 +105,17 @@ class ModelRunner:
             model, kv, self.last_token, verify_tokens, verify_len, scratch_row=max_rows, scratch_slot=kv.num_slots - 1)
         if self.graphs is not None and self.verify_steps is not None:
             self.verify_steps.capture()
-        if drafter is not None:  # the draft's proposing steps, padded like the verify steps
+        # spec.method=draft: the draft's proposing steps, and its mirror of a step without prefill chunks as
+        # the verify steps' layout, both padded to buckets (CUDA graphs on a GPU)
+        self.draft_mirror = None
+        if drafter is not None:
             drafter.pad_steps(verify_len, scratch_row=max_rows, scratch_slot=kv.num_slots - 1,
                               capture=self.graphs is not None)
+            self.draft_mirror = VerifySteps(drafter.model, drafter.kv, self.last_token, verify_tokens, verify_len,
+                                            scratch_row=max_rows, scratch_slot=kv.num_slots - 1,
+                                            embed_rows=drafter.embed_rows)
+            if self.graphs is not None:
+                self.draft_mirror.capture()
         if device.type == "cuda":
             self._warm_eager(max_rows, kv.num_slots - 1)
 
@@ -307,8 +315,12 @@ class ModelRunner:
 
     def _draft(self, plan: StepPlan) -> None:
         """spec.method=draft: the draft fills the verify chunks' proposals, then computes the KV of the
-        step's tokens, as the model is about to (the eager batch of the step, whichever path the model takes)."""
+        step's tokens, as the model is about to: a step without prefill chunks in the verify steps' layout
+        (one padded step, a graph on a GPU), else the step's eager batch."""
         self.drafter.propose(plan.verify)
+        if not plan.prefill and self.draft_mirror is not None and self.images is None:
+            self.draft_mirror.run(verify_tokens(plan, list(self.seq_len)))  # the logits are not needed
+            return
         seq_len = list(self.seq_len)
         batch, _ = self.build_batch(plan)
         self.seq_len[:] = seq_len  # the model's own step advances them

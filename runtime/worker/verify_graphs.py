@@ -58,10 +58,12 @@ def verify_tokens(plan: StepPlan, seq_len: list[int]) -> list[list[int]]:
 
 class VerifySteps:
     def __init__(self, model, kv: KvCache, last_token: torch.Tensor, max_tokens: int, max_len: int,
-                 scratch_row: int, scratch_slot: int):
+                 scratch_row: int, scratch_slot: int, embed_rows: Optional[int] = None):
         """`max_tokens`: the largest step padded to a bucket (0: none, every step runs unpadded);
-        `max_len`: the longest context a padded step covers (its attention's split count)."""
+        `max_len`: the longest context a padded step covers (its attention's split count). `embed_rows`: a
+        draft model's embedding rows, when it runs the target's steps (an id past them reads token 0)."""
         self.model, self.kv, self.last_token = model, kv, last_token
+        self.embed_rows = embed_rows
         self.scratch_row, self.scratch_slot, self.max_len = scratch_row, scratch_slot, max_len
         top = min(max_tokens, MAX_VERIFY_GRAPH_TOKENS)
         # every size up to EXACT: a batch-1 verify step of k+1 tokens runs unpadded
@@ -83,6 +85,8 @@ class VerifySteps:
         ids, rows, positions, slots, lens = fields
         self.kv.req_to_slots[rows, positions] = slots.to(self.kv.req_to_slots.dtype)
         input_ids = torch.where(ids >= 0, ids, self.last_token[rows])
+        if self.embed_rows is not None:
+            input_ids = torch.where(input_ids < self.embed_rows, input_ids, torch.zeros_like(input_ids))
         t = ids.shape[0]
         batch = ForwardBatch(
             input_ids=input_ids, positions=positions, out_slots=slots, decode_rows=rows, decode_seq_lens=lens,

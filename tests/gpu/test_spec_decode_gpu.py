@@ -77,8 +77,9 @@ def test_draft_greedy_is_token_identical_on_smollm2(model, n):
     runners = []
     fast, sched = serve(model, requests, spec=True, draft=model, runners=runners, **kw)
     assert fast == plain
-    steps = runners[0].drafter.steps
+    steps, mirror = runners[0].drafter.steps, runners[0].draft_mirror
     assert steps.graphs and steps.replays > 0, "the draft proposed eagerly: no graph replayed"
+    assert mirror.graphs and mirror.replays > 0, "the draft mirrored every step eagerly: no graph replayed"
     s = sched.spec
     print(f"draft n={n}: {s.accepted}/{s.proposed} proposed tokens accepted")
     assert s.verify_rows > 0 and s.accepted >= 0.9 * s.proposed
