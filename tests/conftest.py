@@ -11,6 +11,19 @@ from omegaconf import OmegaConf
 from llaunch.launcher import store
 
 
+# pyproject's `timeout` (120 s) is for tests that start nothing; these kinds get more unless they name their own.
+LONGER_TIMEOUTS = {"slow": 900, "gpu": 600}  # process graphs on 2 busy cores; Triton's first compiles on a GPU
+
+
+@pytest.hookimpl(trylast=True)  # after the folders' hooks, which mark their items slow
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            longest = max((s for mark, s in LONGER_TIMEOUTS.items() if item.get_closest_marker(mark)), default=None)
+            if longest is not None:
+                item.add_marker(pytest.mark.timeout(longest))
+
+
 @pytest.fixture
 def compose_config():
     """`compose_config(*overrides, conf_dir=None) -> LlaunchConfig`, composed as `llaunch` does."""
