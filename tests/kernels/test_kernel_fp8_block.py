@@ -162,6 +162,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.slow  # seconds: make test runs it, make test-fast does not
 def test_block_kernels_build_for_sm90_within_its_shared_memory(sm90_compile):
     """Compiled for an H200 here, without a GPU: the quantizing kernel and the GEMM at each launch
     shape the wrapper picks (fp8 dots, bf16 out), each within 227 KB of shared memory a program."""

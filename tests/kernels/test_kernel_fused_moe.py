@@ -251,6 +251,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.slow  # seconds: make test runs it, make test-fast does not
 def test_default_launches_build_for_sm90_pipelined_within_shared_memory(sm90_compile):
     from tests.kernels.test_sm90_builds import SHARED_LIMIT
 

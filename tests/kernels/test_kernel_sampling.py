@@ -30,6 +30,7 @@ def _check_same_tokens(draw, logits, steps, **hints):
     assert len(set(drawn[:, 1].tolist())) > steps // 2  # the noise really varies with the step
 
 
+@pytest.mark.slow  # seconds: make test runs it, make test-fast does not
 @pytest.mark.parametrize("vocab", [1000, 3001])
 def test_sample_matches_reference_interpreted(ops, poisoned, vocab):
     logits = torch.randn(len(SEEDS), vocab)

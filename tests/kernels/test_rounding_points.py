@@ -30,6 +30,7 @@ def sm90_ptx(sm90_compile):
     return sm90_compile(_COMPILE)
 
 
+@pytest.mark.slow  # seconds: make test runs it, make test-fast does not
 def test_rotary_kernel_compiles_without_a_bf16_fma(sm90_ptx):
     ptx = sm90_ptx["rotary"]
     assert ".target sm_90" in ptx

@@ -4,6 +4,8 @@ and dot precisions the wrappers pick per dtype and head size. A shape over the l
 first launch on the GPU (float32 with head_dim 128 needed 257 KB until the float32 shapes)."""
 import pytest
 
+pytestmark = pytest.mark.slow  # compiles for sm90 in subprocesses: `make test` runs it, `make test-fast` does not
+
 SHARED_LIMIT = 232448  # bytes a program may use on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 
 _COMPILE = r'''
@@ -11,7 +13,7 @@ import importlib, inspect, json, types
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-dec = importlib.import_module("llaunch.kernels.decode_attention")  # the package binds the ops' names
+dec = importlib.import_module("llaunch.kernels.decode_attention")
 pre = importlib.import_module("llaunch.kernels.prefill_attention")
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

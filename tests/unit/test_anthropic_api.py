@@ -16,6 +16,8 @@ from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from unit.http_support import MODEL, REPLY, reply_text, smollm2_tokenizer
 from unit.scripted_frontend import LIMITS, TOOL_REPLY, Server
 
+pytestmark = pytest.mark.slow  # seconds a test: `make test` runs it, `make test-fast` does not
+
 WEATHER = {"name": "get_weather", "description": "Weather of a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 CHAT_WEATHER = {"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],

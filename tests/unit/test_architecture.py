@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("launcher", "runtime", "kernels")
 
@@ -144,6 +146,7 @@ def test_every_package_folder_is_installed():
     assert folders - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
 
 
+@pytest.mark.slow  # seconds: make test runs it, make test-fast does not
 def test_checkout_root_shadows_no_installed_package():
     """`python -m pytest` or `python -m llaunch...` from the checkout's root puts the root first on sys.path.
     transformers >= 5.25 depends on the PyPI package `kernels` and imports it; were kernels/ a regular package,

@@ -12,6 +12,8 @@ import time
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # seconds a test: `make test` runs it, `make test-fast` does not
+
 
 
 # ---- pure functions ------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ from tests.fixtures.tiny_models import model_config_from_folder, write_tiny_chec
 from tests.fixtures.tiny_vl import VlOracle, image_png, write_tiny_qwen2_vl
 from tests.fixtures.tiny_vl25 import Vl25Oracle, write_tiny_qwen2_5_vl
 
+pytestmark = pytest.mark.slow  # seconds a test: `make test` runs it, `make test-fast` does not
+
 CPU, F32 = torch.device("cpu"), torch.float32
 MAX_NEW = 5
 

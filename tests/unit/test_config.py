@@ -124,6 +124,7 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.mark.slow  # seconds: make test runs it, make test-fast does not
 def test_smollm2_profile_and_gguf_reader_agree_with_transformers(compose_config):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

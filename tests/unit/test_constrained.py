@@ -160,6 +160,7 @@ def test_logit_bias_moves_the_greedy_choice_and_logprobs_stay_the_models():
     assert math.isclose(chosen.item(), torch.log_softmax(logits[0], -1)[target].item(), rel_tol=1e-5)
 
 
+@pytest.mark.slow  # seconds: make test runs it, make test-fast does not
 def test_min_p_never_samples_a_token_below_its_floor():
     state = _state(rows=1)
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(1)) * 3

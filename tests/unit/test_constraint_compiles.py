@@ -14,6 +14,8 @@ import pytest
 from unit.http_support import MODEL, smollm2_tokenizer
 from unit.scripted_frontend import Server
 
+pytestmark = pytest.mark.slow  # seconds a test: `make test` runs it, `make test-fast` does not
+
 SLOW = "(a|b|c|d|e|f|g|h)*"  # the regex: compile time grows steeply with its repetitions
 
 

@@ -12,6 +12,8 @@ import pytest
 from fixtures.tiny_models import smollm2_gguf
 from llaunch.runtime.models.checkpoint import read_checkpoint
 
+pytestmark = pytest.mark.slow  # seconds a test: `make test` runs it, `make test-fast` does not
+
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 

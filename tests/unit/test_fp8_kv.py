@@ -28,7 +28,7 @@ from llaunch.runtime.config import CacheConfig, KvDType
 from llaunch.runtime.models.kv_fp8 import use_fp8_kv
 from llaunch.runtime.models.loader import build_model
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TEXT = (
     "The lighthouse keeper had kept the same routine for thirty years. Every evening, an hour before sunset, he "
     "climbed the one hundred and twelve steps of the tower, cleaned the great lens with a soft cloth, checked "

@@ -17,6 +17,8 @@ from llaunch.runtime.models.loader import build_model
 from unit.test_checkpoint_layouts import BASE_MODEL_ALONE, renamed, resave, tensor_names
 from unit.test_rope_scaling import greedy
 
+pytestmark = pytest.mark.slow  # seconds a test: `make test` runs it, `make test-fast` does not
+
 NEW_TOKENS = 12
 PROMPT = torch.randint(3, 40000, (17,), generator=torch.Generator().manual_seed(4)).tolist()  # windows 5, 6, 12 < 17
 GEMMA3_OWN_NAMES = renamed(("model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),

@@ -12,6 +12,8 @@ from llaunch.runtime.http import engine_client
 from unit.http_support import MODEL, smollm2_tokenizer, wait_for
 from unit.scripted_frontend import Server
 
+pytestmark = pytest.mark.slow  # seconds a test: `make test` runs it, `make test-fast` does not
+
 
 @pytest.fixture(scope="module")
 def tok():

@@ -184,6 +184,7 @@ def _zmq_sender_process(address: str) -> None:
     sender.close()
 
 
+@pytest.mark.slow  # seconds: make test runs it, make test-fast does not
 def test_zmq_transfer_from_another_process():
     receiver = ZmqKvReceiver("tcp://127.0.0.1:*", timeout_s=10.0)
     try:

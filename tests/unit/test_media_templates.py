@@ -42,6 +42,8 @@ from tests.fixtures.tiny_vl import TEXT_CONFIG, TOKEN_IDS, VlOracle, data_url, i
 from unit.test_qwen2_audio import generate as generate_audio
 from unit.test_qwen2_vl import generate as generate_vl
 
+pytestmark = pytest.mark.slow  # seconds a test: `make test` runs it, `make test-fast` does not
+
 MAX_NEW = 6
 # Qwen2-VL's own template with add_vision_id: each image numbered ("Picture 1: ") on its own line
 VL_TEMPLATE = (

@@ -20,7 +20,7 @@ from llaunch.runtime.kv_transfer import pair_group
 from llaunch.runtime.kv_transfer.pair_group import JoinSteps, host_pairing, join_as_sender
 from unit.test_kv_transfer import LENGTHS, assert_moved, assert_untouched, make_cache, shuffled_slot_groups
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CPU = torch.device("cpu")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXTRA = [9, 37]  # per sender: "bad-count" (the receiver allocates 5 slots for its 9 tokens), "cancelled"

@@ -217,6 +217,7 @@ def test_children_read_back_the_run_config(planned, tmp_path):
     assert load_run_config(str(write_run_config(run_config_of(cfg, tmp_path / "pd", g)))).router.max_wait_tokens == 0
 
 
+@pytest.mark.slow  # seconds: make test runs it, make test-fast does not
 def test_every_profile_combination_plans_or_names_its_conflict(compose_config):
     """A dry run for another machine: any model x parallel x mode either plans a well-wired graph or
     fails only because the heads do not split over tp (e.g. SmolLM2's 9 heads over tp2)."""

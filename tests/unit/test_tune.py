@@ -2,10 +2,13 @@
 the best trial as a serving profile, the goodput-latency frontier."""
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from llaunch.launcher import tune_objective, tune_report
 from llaunch.runtime.config import BenchConfig
+
+pytestmark = pytest.mark.slow  # seconds a test: `make test` runs it, `make test-fast` does not
 
 
 def run(goodput, good, completed, failed=0, throughput=9.0):

@@ -25,6 +25,8 @@ from llaunch.runtime.encoder.images import encode
 from tests.fixtures.tiny_models import model_config_from_folder
 from tests.fixtures.tiny_vl import write_tiny_qwen2_vl
 
+pytestmark = pytest.mark.slow  # seconds a test: `make test` runs it, `make test-fast` does not
+
 TP = 2
 # (t, h, w) in patches; 16 patches fail on the follower, 8 on the leader, inside block 1 (FAIL_AT);
 # "short": pixels one value short (the leader fails before the hand-over); "mismatch": 8 patches of

@@ -34,6 +34,7 @@ def tiny(tmp_path_factory):
     return {f: write_tiny_checkpoint(tmp_path_factory.mktemp(f), f) for f in ("qwen2", "llama")}
 
 
+@pytest.mark.slow  # seconds: make test runs it, make test-fast does not
 def test_gguf_loader_equals_converted_safetensors():
     folder = smollm2_dir()
     if not (folder / "model.safetensors").is_file():
