@@ -22,7 +22,7 @@ def activations(m: int, k: int, dtype) -> torch.Tensor:
 
 
 def layer(k: int, activations: str = DYNAMIC, scale_ub=None) -> Fp8Weight:
-    q, scale = fp8.quantize_weight(torch.randn(8, k))
+    q, scale = fp8.quantize_weight(torch.randn(64, k))  # cuBLASLt's fp8 GEMM takes N and K in multiples of 16
     input_scale = torch.tensor(0.037) if activations == STATIC else None
     return Fp8Weight(q, scale, activations, input_scale, scale_ub)
 
