@@ -38,9 +38,10 @@ test: setup
 
 # The edit loop's lane: unit and kernel tests that take well under a second each (integration tests, distributed
 # ranks, servers and anything else that takes seconds are marked slow), one pytest-xdist worker per core, each
-# with one torch thread (tiny tensors: two threads a worker made the lane 35% slower on 2 cores).
+# with one torch thread (tiny tensors: two threads a worker made the lane 35% slower on 2 cores), a file's tests
+# on one worker (its module fixtures built once: 12% faster than spreading them).
 test-fast: setup
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n auto -m "not slow and not gpu" tests/unit tests/kernels $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow and not gpu" tests/unit tests/kernels $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(MODELS_DIR) outputs multirun .pytest_cache
