@@ -57,7 +57,11 @@ def test_scaled_mm_matches_the_dequantized_reference(rows, shape, activations):
     assert cosine_rows(got, ref).min().item() >= 0.999
     exact = torch.nn.functional.linear(x.float(), w.float(), bias.float())  # the unquantized layer
     assert cosine_rows(got, exact).min().item() >= COSINE_MIN
-    assert torch.equal(dispatch.linear(x, fp8, bias), got)  # the op the decoder calls takes this path
+    served = dispatch.linear(x, fp8, bias)  # the op the decoder calls
+    if rows == 1:  # one row takes the fp8 GEMV (tests/kernels/test_kernel_gemv.py holds it to these roundings)
+        assert cosine_rows(served, ref).min().item() >= 0.999
+    else:
+        assert torch.equal(served, got)  # more rows take this path
 
 
 def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
