@@ -19,7 +19,7 @@ import torch
 from llaunch.kernels import fp8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
-                   "gated_activation", "sampling", "greedy", "fp8_block", "fp8_rows", "fused_moe", "gemv_rows")
+                   "gated_activation", "sampling", "greedy", "fp8_block", "fp8_rows", "fused_moe")
 
 
 def _use_triton(t) -> bool:
@@ -41,7 +41,6 @@ def triton_ops() -> types.SimpleNamespace:
         gelu_tanh_mul=modules["gated_activation"].gelu_tanh_mul,
         gemv=modules["gemv"].gemv,
         gemv_staged_for=modules["gemv"].staged_for,
-        gemv_rows=modules["gemv_rows"].gemv_rows,
         greedy_tokens=modules["greedy"].greedy_tokens,
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
@@ -152,12 +151,6 @@ def _one_row(x) -> bool:
     return settings.current.triton_gemv and _use_triton(x) and x.dim() == 2 and x.shape[0] == 1
 
 
-def _few_rows(x) -> bool:
-    # 2 to kernels.gemv_rows rows (a verify step, a small decode batch): one pass over the weights for all of them
-    return (settings.current.triton_gemv and _use_triton(x) and x.dim() == 2
-            and 2 <= x.shape[0] <= settings.current.gemv_rows)
-
-
 def _fp8_row(x, weight: "fp8.Fp8Weight") -> bool:
     """A one-row step (batch-1 decode) with per-channel e4m3 weights: the GEMV, which quantizes the row as it
     reads it (cuBLASLt's GEMM needs the row quantized by kernels of its own: ~8 small kernels a layer)."""
@@ -187,8 +180,6 @@ def linear(x, weight, bias=None):
         return fp8_linear(x, weight, bias)
     if _one_row(x):
         return triton_ops().gemv(x, weight, bias)
-    if _few_rows(x):
-        return triton_ops().gemv_rows(x.contiguous(), weight, bias)
     return reference.linear(x, weight, bias)
 
 
@@ -210,8 +201,6 @@ def gated_linear(x, weight):
         return silu_mul(fp8_linear(x, weight))
     if _one_row(x):
         return triton_ops().gemv(x, weight, gated=True)
-    if _few_rows(x):
-        return silu_mul(triton_ops().gemv_rows(x.contiguous(), weight))
     return silu_mul(reference.linear(x, weight))
 
 

@@ -54,10 +54,6 @@ MoeShapes = dict[tuple[int, int, int], list[tuple[Optional[int], MoeLaunch]]]
 class KernelSettings:
     backend: Backend = Backend.triton  # triton kernels, or the plain-torch references everywhere
     gemv: Gemv = Gemv.triton  # batch-1 decode linear layers: the Triton GEMV or cuBLAS
-    # Linear layers of 2 up to this many rows (a speculative verify step's k+1 tokens, small decode batches) through
-    # kernels/gemv_rows.py, one pass over the weights for all rows; 1: cuBLAS for every layer of more than one row.
-    # Not measured yet: compare `python scripts/bench_steps.py --verify` with kernels.gemv_rows=8 and 1.
-    gemv_rows: int = 1
     # Launch shapes per weight shape, overriding kernels/gemv.py's built-in ones: comma-separated
     # `NxK[:gated]=BLOCK_N/BLOCK_K/WARPS[/STAGES]` (N output rows, K inputs; STAGES ≥ 2 runs the
     # TMA-staged kernel, 0 on the LM head's shape keeps it on cuBLAS). Sweep candidates with
@@ -82,8 +78,6 @@ class KernelSettings:
             unknown = sorted(set(getattr(self, key)) - set(PDL_KERNELS))
             if unknown:
                 found.append((f"kernels.{key}", f"kernels.{key}: {unknown} unknown; kernels are {', '.join(PDL_KERNELS)}"))
-        if not 1 <= self.gemv_rows <= 8:
-            found.append(("kernels.gemv_rows", f"kernels.gemv_rows={self.gemv_rows}: 1 (off) to 8 rows"))
         for key, parse in (("gemv_shapes", parse_gemv_shapes), ("moe_shapes", parse_moe_shapes)):
             try:
                 parse(getattr(self, key))
@@ -153,7 +147,6 @@ class _Applied:
         self.settings = settings
         self.reference = Backend(settings.backend) == Backend.reference
         self.triton_gemv = Gemv(settings.gemv) == Gemv.triton
-        self.gemv_rows = settings.gemv_rows
         self.gemv_shapes = parse_gemv_shapes(settings.gemv_shapes)
         self.moe_shapes = parse_moe_shapes(settings.moe_shapes)
         self.pdl = Pdl(settings.pdl)

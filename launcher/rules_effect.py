@@ -286,7 +286,7 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
             "server.unknown_fields", "server.trust_request_chat_template", "server.metrics_prefix"),
     **_each((SERVING, METRICS), "server.metrics_host"),
     **_each((SERVING, GENERATES), "server.chat_template", "server.reasoning_parser"),
-    **_each((SERVING, CUDA_KERNELS), "kernels.backend", "kernels.gemv", "kernels.gemv_rows", "kernels.gemv_shapes",
+    **_each((SERVING, CUDA_KERNELS), "kernels.backend", "kernels.gemv", "kernels.gemv_shapes",
             "kernels.pdl", "kernels.pdl_kernels", "kernels.pdl_late", "kernels.moe_shapes"),
     # speculative decoding (spec_where_rows_decode refuses spec.method on pd nodes and score models)
     **_each((SERVING,), "spec.method"),

@@ -73,15 +73,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024, help="--verify: the row's cached tokens")
     ap.add_argument("--max-k", type=int, default=4, help="--verify: the most proposed tokens timed")
     ap.add_argument("--tiny", action="store_true", help="--verify: a tiny model on the CPU (a smoke run)")
-    ap.add_argument("--gemv-rows", type=int, default=None,
-                    help="kernels.gemv_rows: steps of 2 up to this many rows through kernels/gemv_rows.py")
     args = ap.parse_args()
-    if args.gemv_rows is not None:
-        import dataclasses
-
-        from llaunch.kernels import settings
-
-        settings.configure(dataclasses.replace(settings.current.settings, gemv_rows=args.gemv_rows))
     if args.verify:
         from bench_verify_steps import run_verify  # scripts/ is on the path of a script run
 

@@ -209,9 +209,6 @@ if has verify_steps; then
   stamp "verify steps (k+1 tokens, batch 1) against a decode step, Qwen2-7B shape, CUDA graphs"
   timeout 400 $PY scripts/bench_steps.py --verify | tee "$OUT/verify_steps.jsonl"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  stamp "the same with kernels.gemv_rows=8 (verify rows through kernels/gemv_rows.py instead of cuBLAS)"
-  timeout 400 $PY scripts/bench_steps.py --verify --gemv-rows 8 | tee "$OUT/verify_steps_gemv_rows.jsonl"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 if has baseline; then
