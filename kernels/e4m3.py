@@ -38,3 +38,18 @@ def quantized(x, scale, INTERPRETED: tl.constexpr):
     if INTERPRETED:
         return round_to_e4m3(y)
     return y.to(tl.float8e4nv).to(tl.float32)
+
+
+@triton.jit
+def row_scale(x_ptr, K, scale_ub, HAS_UB: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's dynamic activation scale: its absmax over K columns (clipped to scale_ub where HAS_UB) / 448,
+    floored. BLOCK columns a load: one iteration's loads wait for the previous one's max, so the loop
+    costs about K / BLOCK round trips to L2 (wide blocks: see kernels/gemv.amax_block)."""
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
+    amax = tl.max(amax, axis=0)
+    if HAS_UB:
+        amax = tl.minimum(amax, scale_ub)
+    return scale_of_absmax(amax)

@@ -17,10 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from llaunch.kernels import fp8, gemv_staged, pdl, settings
-from llaunch.kernels.e4m3 import scale_of_absmax
+from llaunch.kernels import fp8, gemv_fp8, gemv_staged, pdl, settings
 from llaunch.kernels.fp8 import Fp8Weight
-from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 from llaunch.kernels.row_dots import row_dots
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -36,10 +34,10 @@ ACT_MODES = {fp8.NONE: 0, fp8.DYNAMIC: 1, fp8.STATIC: 2}  # an fp8 layer's activ
 # (79 → 93 on sm90, a program fewer an SM).
 
 
-def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, STAGES) for a shape. STAGES 0: the register kernel here (for the
-    LM head, called through dispatch.lm_head_linear: cuBLAS); ≥ 2: the TMA-staged kernel
-    (gemv_staged.py) with that pipeline depth. Fixed, not autotuned: the block sizes
+def launch_shape(n: int, k: int, gated: bool, fp8: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, STAGES) for a shape (of e4m3 weights where fp8). STAGES 0: the register
+    kernel here (for the LM head, called through dispatch.lm_head_linear: cuBLAS); ≥ 2: the TMA-staged kernel
+    (gemv_staged.py) with that pipeline depth, for e4m3 weights the tensor-core kernel (gemv_fp8.py). Fixed, not autotuned: the block sizes
     set the summation order, and a timing-dependent pick could make greedy output differ between
     restarts and between replicas. Picked on an H200 by a sweep of Qwen2-7B's layers chained as in a decode
     step (13 GB of distinct weights, with PDL; scripts/bench_gemv_chain.py, removed after 6275284):
@@ -50,6 +48,8 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     overrides = settings.current.gemv_shapes
     if (n, k, gated) in overrides:
         return overrides[(n, k, gated)]
+    if fp8:
+        return _fp8_launch_shape(n, k, gated)
     if n >= 65536:  # an LM head: the staged kernel (run 4: 0.237 ms for Qwen2-7B's, cuBLAS 0.248)
         return 16, 256, 4, 4
     if gated:
@@ -57,6 +57,31 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     if k >= 2048:
         return (2, 1024, 4, 0) if n > k else (4, 1024, 4, 0)
     return 2, max(64, triton.next_power_of_2(k)), 4, 0
+
+
+def _fp8_launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+    """e4m3 weights: a tile holds half the bytes of a bf16 one and every weight is converted before its FMA,
+    so programs take more rows. An H200 sweep of Qwen2-7B's decode step (scripts/bench_decode_shapes.py
+    --fp8, each layer kind's shape varied alone, the step in its CUDA graph) took 3.41 ms with these
+    against 4.37 with bf16's (qkv 8/512/4, o_proj 16/512/8, down_proj 16/512/8), and 3.16 with the gated
+    gate‖up on the tensor cores (32/256/4, 3 stages; the register kernel's best 16/256/4: 3.35). The tensor
+    cores lost on the others (qkv 1.13×, o_proj 1.05×, down_proj 1.69× at their best: too few programs for
+    K = 18,944 without a split of K)."""
+    if gated:
+        return 32, 256, 4, 3
+    if k >= 2048:
+        return (8, 512, 4, 0) if n > k else (16, 512, 8, 0)
+    return 2, max(64, triton.next_power_of_2(k)), 4, 0
+
+
+# The most columns of x one load of the dynamic scale's absmax takes (e4m3.row_scale). On the H200 the fp8
+# decode step took 3.343 / 3.347 / 3.344 ms at 1024 / 4096 / 8192: the loop's round trips are not its cost.
+AMAX_TILE = 4096
+
+
+def amax_block(k: int) -> int:
+    """Columns a load in an fp8 GEMV's absmax of x: all of K up to AMAX_TILE, fewer under the interpreter."""
+    return min(triton.next_power_of_2(k), 256 if _INTERPRETED else AMAX_TILE)
 
 
 def staged_for(weight: torch.Tensor) -> bool:
@@ -72,24 +97,16 @@ def staged_for(weight: torch.Tensor) -> bool:
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset, scale_ub,
                  HAS_SCALE: tl.constexpr, ACT: tl.constexpr, HAS_UB: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 X_AHEAD: tl.constexpr, INTERPRETED: tl.constexpr):
+                 X_AHEAD: tl.constexpr, AMAX_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     x_scale = 1.0
-    if ACT == 1:  # an fp8 layer's dynamic activation scale: the row's absmax over all of K (x is small, in L2)
-        wait_for_previous_kernel(PDL)  # x is the previous kernel's
-        cols = tl.arange(0, BLOCK_K)
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
-        amax = tl.max(amax, axis=0)
-        if HAS_UB:
-            amax = tl.minimum(amax, scale_ub)
-        x_scale = scale_of_absmax(amax)
     if ACT == 2:  # a static activation scale
         x_scale = tl.load(xs_ptr)
-    y, up_y = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED, PDL,
-                       BLOCK_N, BLOCK_K, X_AHEAD, x_scale, ACT != 0, INTERPRETED)
+    # ACT 1, an fp8 layer's dynamic activation scale: row_dots takes x's absmax after the PDL wait
+    y, up_y, x_scale = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED, PDL,
+                                BLOCK_N, BLOCK_K, X_AHEAD, x_scale, ACT != 0, INTERPRETED, ACT == 1, scale_ub, HAS_UB,
+                                AMAX_BLOCK)
     if HAS_SCALE:  # e4m3 weights: each output channel's float32 scale (and the row's) on the float32 sum
         y *= tl.load(s_ptr + rows, mask=row_mask, other=0.0) * x_scale
         if GATED:
@@ -145,7 +162,7 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     if n == 0:
         return out
-    block_n, block_k, warps, stages = launch_shape(n, k, gated)
+    block_n, block_k, warps, stages = launch_shape(n, k, gated, layer is not None)
     # Under PDL the first weight tiles are read before the wait: only a weight no earlier kernel wrote.
     use_pdl = pdl.enabled(x, "gemv") and not copied
     if stages >= 2 and layer is None and gemv_staged.tma_ready(weight):
@@ -153,11 +170,18 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
                                 warps, stages)
         return out
     act = ACT_MODES[layer.activations] if layer is not None else 0
+    # the tensor-core kernel where STAGES >= 2 says so, x is quantized and the GPU is one it was measured on
+    if stages >= 2 and layer is not None and act != ACT_MODES[fp8.NONE] and (
+            _INTERPRETED or pdl.hopper_or_later(x.device.index or 0)):
+        gemv_fp8.gemv_fp8(x, weight, layer.scale, layer.input_scale, layer.scale_ub, bias, out, n, gated,
+                          act == ACT_MODES[fp8.DYNAMIC], pdl.flavor(use_pdl, "gemv"), block_n, block_k, warps, stages,
+                          amax_block(k))
+        return out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, layer.scale if layer is not None else x,
         layer.input_scale if act == ACT_MODES[fp8.STATIC] else x, bias if bias is not None else x, out, n, k,
         weight.stride(0), n * weight.stride(0), (layer.scale_ub or 0.0) if layer is not None else 0.0,
         HAS_SCALE=layer is not None, ACT=act, HAS_UB=layer is not None and layer.scale_ub is not None,
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
-        X_AHEAD=not gated, INTERPRETED=_INTERPRETED, num_warps=warps, launch_pdl=use_pdl)
+        X_AHEAD=not gated, AMAX_BLOCK=amax_block(k), INTERPRETED=_INTERPRETED, num_warps=warps, launch_pdl=use_pdl)
     return out

@@ -5,14 +5,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from llaunch.kernels.e4m3 import quantized
+from llaunch.kernels.e4m3 import quantized, row_scale
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 
 @triton.jit
 def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_AHEAD: tl.constexpr = False, x_scale=1.0,
-             QUANT_X: tl.constexpr = False, INTERPRETED: tl.constexpr = False):
+             QUANT_X: tl.constexpr = False, INTERPRETED: tl.constexpr = False, ROW_SCALE: tl.constexpr = False,
+             scale_ub=0.0, HAS_UB: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 1024):
     """Σ_k w[r, k]·x[k] in float32 for a program's rows (w_rows: a pointer per row), and for the rows
     up_offset further when GATED. Shared by every one-row kernel, so all walk K tile by tile alike;
     the compiler still lays out each kernel's tile, and so its final in-tile sum, on its own.
@@ -21,7 +22,9 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
     X_AHEAD: x's next tile is requested with the weights' next tile, instead of at the top of the
     iteration that uses it (same values, same order: bit-identical sums).
     QUANT_X: each x value is first divided by x_scale and rounded to e4m3 (an fp8 layer's activations; the
-    sums are then of the e4m3 values, to be multiplied by x_scale)."""
+    sums are then of the e4m3 values, to be multiplied by x_scale). ROW_SCALE: x_scale is x's dynamic
+    scale instead, its absmax over all of K (AMAX_BLOCK columns a load) (clipped to scale_ub where HAS_UB) / 448, taken after the PDL
+    wait while the first weight tiles are in flight. Returns the sums and the x_scale used."""
     cols = tl.arange(0, BLOCK_K)
     # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
     # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
@@ -31,6 +34,8 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
     if GATED:
         up = tl.load(w_rows[:, None] + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
     wait_for_previous_kernel(PDL)
+    if ROW_SCALE:  # x is the previous kernel's and small (in L2): every program takes its absmax
+        x_scale = row_scale(x_ptr, K, scale_ub, HAS_UB, AMAX_BLOCK)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if X_AHEAD:
@@ -53,4 +58,4 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
                               eviction_policy="evict_first")
             up_acc += up.to(tl.float32) * x[None, :]
             up = up_next
-    return tl.sum(acc, axis=1), tl.sum(up_acc, axis=1)
+    return tl.sum(acc, axis=1), tl.sum(up_acc, axis=1), x_scale

@@ -70,7 +70,7 @@ def test_x_one_tile_ahead_gives_the_same_sums(ops, gated):
         out = torch.empty(1, n, dtype=x.dtype)
         gemv._gemv_kernel[(triton.cdiv(n, 16),)](x, w, x, x, x, out, n, 300, w.stride(0), n * w.stride(0), 0.0,
                                                  HAS_SCALE=False, ACT=0, HAS_UB=False, HAS_BIAS=False, GATED=gated,
-                                                 PDL=0, BLOCK_N=16, BLOCK_K=64, X_AHEAD=ahead, INTERPRETED=True,
+                                                 PDL=0, BLOCK_N=16, BLOCK_K=64, X_AHEAD=ahead, AMAX_BLOCK=256, INTERPRETED=True,
                                                  num_warps=4)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
@@ -112,7 +112,7 @@ def gpu_shape(request, monkeypatch):
     from llaunch.kernels import gemv
 
     if request.param is not None:
-        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated: request.param)
+        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: request.param)
     return request.param
 
 
@@ -124,7 +124,7 @@ def test_staged_gemv_gpu_float32_and_float16(cuda, poisoned, close, monkeypatch,
     SmolLM2's sizes, as the vocabulary-sized rule sends a float32 one there) and an odd shape."""
     from llaunch.kernels import gemv
 
-    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated: (16, 256, 4, 4))
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (16, 256, 4, 4))
     x = torch.randn(1, k, device=cuda).to(dtype)
     w = (torch.randn(n, k, device=cuda) / k ** 0.5).to(dtype)
     assert gemv.staged_for(w)
@@ -231,12 +231,25 @@ def fp8_layer(n: int, k: int, activations: str = "dynamic", device="cpu"):
 
 
 FP8_MODES = ["dynamic", "static", "none", "dynamic-ub"]
+# e4m3 layers through the built-in shapes, the tensor-core kernel (STAGES >= 2: kernels/gemv_fp8.py;
+# activations "none" stay on the register kernel, whose x is not quantized) and the register kernel
+FP8_KERNELS = {"built-in": None, "tensor-core": (16, 64, 4, 2), "register": (16, 256, 4, 0)}
+
+
+@pytest.fixture(params=list(FP8_KERNELS))
+def fp8_kernel(request, monkeypatch):
+    from llaunch.kernels import gemv
+
+    shape, built_in = FP8_KERNELS[request.param], gemv.launch_shape
+    if shape is not None:
+        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: shape if fp8 else built_in(n, k, gated))
+    return request.param
 
 
 @pytest.mark.parametrize("activations", FP8_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n, k, bias", [(37, 300, True), (64, 256, False), (129, 520, True)])
-def test_fp8_gemv_interpreted(ops, poisoned, close, activations, dtype, n, k, bias):
+def test_fp8_gemv_interpreted(ops, poisoned, close, fp8_kernel, activations, dtype, n, k, bias):
     """Per-channel e4m3 weights: the row quantized as the layer's activation mode says while it is read, and
     reference_linear's roundings (the same e4m3 values, summed in another order)."""
     from llaunch.kernels import fp8
@@ -251,7 +264,7 @@ def test_fp8_gemv_interpreted(ops, poisoned, close, activations, dtype, n, k, bi
 
 @pytest.mark.parametrize("activations", FP8_MODES)
 @pytest.mark.parametrize("inner, k", [(45, 264), (96, 512)])
-def test_fp8_gated_gemv_interpreted(ops, poisoned, close, activations, inner, k):
+def test_fp8_gated_gemv_interpreted(ops, poisoned, close, fp8_kernel, activations, inner, k):
     from llaunch.kernels import fp8
 
     w = fp8_layer(2 * inner, k, activations)
@@ -283,7 +296,7 @@ def test_fp8_gemv_refuses_block_scales(ops):
 @pytest.mark.gpu
 @pytest.mark.parametrize("activations", FP8_MODES)
 @pytest.mark.parametrize("n, k, bias", [(4608, 3584, True), (3584, 3584, False), (3584, 18944, False), (5, 24, False)])
-def test_fp8_gemv_gpu(cuda, poisoned, close, activations, n, k, bias):
+def test_fp8_gemv_gpu(cuda, poisoned, close, fp8_kernel, activations, n, k, bias):
     """Qwen2-7B's qkv, o_proj and down_proj as fp8 layers in bf16 steps: ops.linear's one-row path (the GEMV)
     against the same e4m3 values multiplied and summed in float32, rounded once to bf16, as the kernel does (the
     reference in bf16 rounds each dequantized weight and input to bf16 too: on the H200 0.1% of the outputs then
@@ -300,7 +313,7 @@ def test_fp8_gemv_gpu(cuda, poisoned, close, activations, n, k, bias):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("inner, k", [(18944, 3584), (3, 104)])
-def test_fp8_gated_gemv_gpu(cuda, poisoned, close, inner, k):
+def test_fp8_gated_gemv_gpu(cuda, poisoned, close, fp8_kernel, inner, k):
     from llaunch.kernels import fp8
 
     w = fp8_layer(2 * inner, k, "dynamic", cuda)

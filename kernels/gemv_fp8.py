@@ -1,0 +1,96 @@
+"""The one-row fp8 linear layer (e4m3 weights with per-channel scales) on the tensor cores.
+
+kernels/gemv.py's register kernel converts every e4m3 weight to float32 and multiplies it on the CUDA
+cores: per byte read that is twice the instructions of a bf16 weight, and it streamed at ~2.2 TB/s on an
+H200. Here x's row is quantized once per tile and padded to the 16 rows of an MMA (15 zero rows), and
+each program multiplies its BLOCK_N weight rows by it with tl.dot (e4m3 × e4m3, float32 accumulation),
+the weight tiles pipelined into shared memory STAGES deep by Triton's loop pipeliner. The CUDA cores do
+only x's quantization (shared by the program's rows) and the epilogue.
+
+Same arithmetic as gemv.py's fp8 path up to the order of the sum: x divided by its scale (the row's
+absmax / 448, or the static scale) and rounded to e4m3, products of e4m3 values summed in float32, the sum
+times the channel's and the row's scales, then the bias; gated: silu(gate) · up rounded as the unfused
+path rounds.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from llaunch.kernels.e4m3 import quantized, row_scale
+from llaunch.kernels.pdl_wait import wait_for_previous_kernel
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MMA_ROWS = 16  # the smallest M of an MMA: x's row and 15 zero rows
+
+
+@triton.jit
+def _tile_dot(xq, w, INTERPRETED: tl.constexpr):
+    """[16, BLOCK_K] · [BLOCK_N, BLOCK_K]ᵀ in float32; e4m3 operands on the GPU (the interpreter's dot
+    takes float32: the values are e4m3's, so the products are the same)."""
+    if INTERPRETED:
+        return tl.dot(xq, tl.trans(w.to(tl.float32)))
+    return tl.dot(xq.to(tl.float8e4nv), tl.trans(w), out_dtype=tl.float32)
+
+
+@triton.jit
+def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset, scale_ub,
+                     DYNAMIC: tl.constexpr, HAS_UB: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                     AMAX_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    w_rows = w_ptr + rows.to(tl.int64) * w_stride
+    cols = tl.arange(0, BLOCK_K)
+    first = tl.arange(0, 16)[:, None] == 0  # the MMA's row that holds x
+    wait_for_previous_kernel(PDL)  # x is the previous kernel's
+    if DYNAMIC:  # the row's absmax over all of K (x is small, in L2)
+        x_scale = row_scale(x_ptr, K, scale_ub, HAS_UB, AMAX_BLOCK)
+    else:
+        x_scale = tl.load(xs_ptr)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    up_acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    # x one tile ahead: the pipeliner stages the weight tiles (they feed the dot) but x reaches the dot
+    # through the quantization, so without this every iteration waits an L2 round trip for its x
+    x_next = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k_mask = k0 + cols < K
+        x = x_next.to(tl.float32)
+        x_next = tl.load(x_ptr + k0 + BLOCK_K + cols, mask=k0 + BLOCK_K + cols < K, other=0.0)
+        xq = tl.where(first, quantized(x, x_scale, INTERPRETED)[None, :], 0.0)
+        mask = row_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0.0)
+        acc += _tile_dot(xq, w, INTERPRETED)
+        if GATED:
+            up = tl.load(w_rows[:, None] + up_offset + k0 + cols[None, :], mask=mask, other=0.0)
+            up_acc += _tile_dot(xq, up, INTERPRETED)
+    y = tl.sum(acc, axis=0) * (tl.load(s_ptr + rows, mask=row_mask, other=0.0) * x_scale)  # rows 1-15 are zeros
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        # Round as the unfused path does: linear output to the dtype, silu(gate) to the dtype.
+        gate = y.to(dtype).to(tl.float32)
+        up_y = tl.sum(up_acc, axis=0) * (tl.load(s_ptr + N + rows, mask=row_mask, other=0.0) * x_scale)
+        up_y = up_y.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        y = act * up_y
+    tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
+
+
+def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale, scale_ub, bias, out: torch.Tensor,
+             n: int, gated: bool, dynamic: bool, pdl_flavor: int, block_n: int, block_k: int, warps: int,
+             stages: int, amax_block: int) -> None:
+    """out [1, n] = the fp8 layer (weight e4m3 [N or 2n, K], scale [N] float32) applied to x [1, K], or
+    SiLU-gated over weight = gate‖up; checked by gemv(). dynamic: x's scale from its absmax (clipped to
+    scale_ub where given), else input_scale. pdl_flavor: pdl.flavor()'s value, 0 for a launch without PDL."""
+    k = weight.shape[1]
+    _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, scale, input_scale if input_scale is not None else scale, bias if bias is not None else x, out,
+        n, k, weight.stride(0), n * weight.stride(0), scale_ub or 0.0, DYNAMIC=dynamic,
+        HAS_UB=dynamic and scale_ub is not None, HAS_BIAS=bias is not None, GATED=gated, PDL=pdl_flavor,
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, AMAX_BLOCK=amax_block, INTERPRETED=_INTERPRETED, num_warps=warps,
+        launch_pdl=bool(pdl_flavor))

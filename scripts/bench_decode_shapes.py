@@ -1,0 +1,140 @@
+"""Batch-1 decode step time per set of GEMV launch shapes (kernels.gemv_shapes), as the worker runs the step
+(its decode CUDA graph, PDL as configured by default), on the Qwen2-7B shape with random weights in bf16 or
+fp8 (model.quantization=fp8: e4m3 weights, per-channel scales, dynamic per-token activations). How the
+built-in launch shapes of kernels/gemv.py are picked: each candidate overrides the shape of one layer kind
+and the whole step is timed, so a shape is judged in the chain of kernels it runs in. One JSON line per
+candidate, then the best per layer kind.
+
+    python scripts/bench_decode_shapes.py [--fp8] [--layers 28] [--repeats 50]
+        [--tensor-core] [--amax-tile N] [--candidates "NxK[:gated]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+
+from bench_steps import QWEN2_7B  # scripts/ is on the path of a script run
+from bench_verify_steps import per_step_ms
+
+from llaunch.kernels import gemv, settings
+from llaunch.runtime.models.arch import ModelArch
+from llaunch.runtime.models.decoder import DecoderLM
+from llaunch.runtime.models.fp8_linear import quantize_linears
+from llaunch.runtime.models.layers import TpGroup
+from llaunch.runtime.models.weights import DummySource, load_from
+from llaunch.runtime.worker.cuda_graphs import DecodeGraphs
+
+# Qwen2-7B's one-row linears by their launch-shape key (N, K, gated): qkv, o_proj, gate‖up (N: I), down_proj
+KINDS = {"qkv": "4608x3584", "o_proj": "3584x3584", "gate_up": "18944x3584:gated", "down": "3584x18944"}
+PLAIN = ["2/1024/4", "4/1024/4", "4/2048/4", "8/512/4", "8/1024/4", "8/1024/8", "16/256/4", "16/512/4",
+         "16/512/8", "16/1024/8", "32/256/4", "32/512/8"]
+GATED = ["4/512/4", "8/256/4", "8/512/4", "8/512/8", "16/256/4", "16/256/8", "16/512/8", "32/256/8"]
+# e4m3 weights on the tensor cores (kernels/gemv_fp8.py: STAGES >= 2), the same grid for every kind
+MMA = ["16/128/4/4", "16/256/4/4", "16/256/4/6", "32/128/4/4", "32/256/4/3", "32/256/4/4", "64/128/4/4", "64/256/4/3"]
+
+
+def grid(tensor_core: bool) -> list[tuple[str, str]]:
+    return [(kind, f"{key}={shape}") for kind, key in KINDS.items()
+            for shape in (MMA if tensor_core else GATED if key.endswith(":gated") else PLAIN)]
+
+
+def per_kind(model, repeats: int) -> None:
+    """Each layer kind's one-row products over all layers, back to back in one CUDA graph (PDL as in the
+    decode graphs), with the built-in shapes: the weight bytes read per second."""
+    from llaunch.kernels import dispatch, pdl
+
+    kinds = {"qkv": lambda l: l.self_attn.qkv_proj, "o_proj": lambda l: l.self_attn.o_proj,
+             "gate_up": lambda l: l.mlp.gate_up_proj, "down": lambda l: l.mlp.down_proj}
+    for kind, get in kinds.items():
+        weights = [get(layer).weight for layer in model.layers]
+        tensors = [getattr(w, "weight", w) for w in weights]  # an Fp8Weight's e4m3 tensor
+        gated = kind == "gate_up"
+        x = torch.randn(1, tensors[0].shape[1], device="cuda", dtype=torch.bfloat16)
+
+        def chain():
+            for w in weights:
+                dispatch.gated_linear(x, w) if gated else dispatch.linear(x, w)
+        with pdl.for_graphs():
+            chain()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                chain()
+        ms = per_step_ms(graph.replay, repeats, True)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        print(json.dumps(dict(kind=kind, per_layer_us=round(ms * 1e3 / len(weights), 2), ms=round(ms, 4),
+                              gbps=round(nbytes / ms / 1e6, 1))), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fp8", action="store_true", help="e4m3 weights (model.quantization=fp8)")
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=50, help="steps launched back to back per timing")
+    ap.add_argument("--tensor-core", action="store_true", help="--fp8: the grid of the tensor-core kernel")
+    ap.add_argument("--amax-tile", type=int, default=None, help="--fp8: kernels/gemv.AMAX_TILE (x's absmax loads)")
+    ap.add_argument("--per-kind", action="store_true",
+                    help="first each layer kind's GEMVs alone: all layers' chained in a CUDA graph, GB/s")
+    ap.add_argument("--activations", default=None,
+                    help="--fp8: every layer's activation mode instead of dynamic (none: x not quantized, a diagnosis)")
+    ap.add_argument("--candidates", default=None, help="space-separated kernels.gemv_shapes values")
+    args = ap.parse_args()
+    if args.amax_tile:
+        gemv.AMAX_TILE = args.amax_tile
+    device = torch.device("cuda")
+    arch = ModelArch.from_hf_config(dict(QWEN2_7B, num_hidden_layers=args.layers, model_type="qwen2"))
+    span = args.context + 8
+    model = DecoderLM(arch, TpGroup(0, 1, None), device, torch.bfloat16, span).eval()
+    load_from(model, DummySource(0, device, full_tensors=False))
+    if args.fp8:
+        quantize_linears(model)
+        for module in model.modules():
+            if args.activations and hasattr(module, "activations"):
+                module.activations = args.activations
+    kv = model.make_kv_cache(span + 1, 2, span)
+    kv.req_to_slots[0] = torch.arange(span, dtype=torch.int32, device=device)
+    kv.req_to_slots[1].fill_(span)
+    last_token = torch.full((2,), 7, dtype=torch.int64, device=device)
+    base_settings = settings.current.settings
+    c = args.context
+
+    def step_ms(shapes: str) -> float:
+        settings.configure(dataclasses.replace(base_settings, gemv_shapes=shapes))
+        graphs = DecodeGraphs(model, kv, last_token, 1, span, scratch_row=1, scratch_slot=span)
+        graphs.capture()
+        ms = per_step_ms(lambda: graphs.run([0], [c - 1], [c - 1], [c]), args.repeats, True)
+        del graphs
+        return ms
+
+    where = dict(weights="fp8" if args.fp8 else "bf16", activations=args.activations, amax_tile=gemv.AMAX_TILE, layers=args.layers, context=c,
+                 device=torch.cuda.get_device_name())
+    if args.per_kind:
+        per_kind(model, args.repeats)
+    base = step_ms("")
+    print(json.dumps(dict(kind="built-in", shapes="", ms=round(base, 4), **where)), flush=True)
+    candidates = [("given", s) for s in args.candidates.split()] if args.candidates else grid(args.tensor_core)
+    best: dict[str, tuple[float, str]] = {}
+    for kind, shapes in candidates:
+        try:
+            ms = step_ms(shapes)
+        except Exception as e:  # a shape the compiler refuses (registers, shared memory) is a result too
+            print(json.dumps(dict(kind=kind, shapes=shapes, error=str(e)[:200])), flush=True)
+            continue
+        print(json.dumps(dict(kind=kind, shapes=shapes, ms=round(ms, 4), ratio=round(ms / base, 4))), flush=True)
+        if ms < best.get(kind, (base, ""))[0]:
+            best[kind] = (ms, shapes)
+    combined = ",".join(shapes for _, shapes in best.values())
+    summary = dict(kind="summary", built_in_ms=round(base, 4), best={k: v[1] for k, v in best.items()})
+    if combined:
+        summary.update(combined=combined, combined_ms=round(step_ms(combined), 4), built_in_again_ms=round(step_ms(""), 4))
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
