@@ -1,6 +1,7 @@
 """The docs against the code: docs/configuration.md names every key of the schema (runtime/config.py, as
 `llaunch --help` lists them) and every profile, the README links every page of docs/, and every relative
-link in the README and docs/ reaches a file and, with a #fragment, one of its headings."""
+link in the README and docs/ reaches a file and, with a #fragment, one of its headings; the performance page stays
+current and reproducible from a checkout."""
 from __future__ import annotations
 
 import re
@@ -54,3 +55,12 @@ def test_relative_links_reach_a_file_and_heading(page):
         assert target.exists(), f"{page.name}: {link} does not exist"
         if fragment and target.suffix == ".md":
             assert fragment in anchors(target), f"{page.name}: {link}: no such heading in {target.name}"
+
+
+def test_the_performance_page_is_current_figures_a_reader_can_reproduce():
+    """docs/performance.md stays a page of current figures (≤ 200 lines; the history is in git) whose commands
+    run from a checkout: no path outside the repository (../), no words about how this team borrows GPUs."""
+    text = (REPO / "docs" / "performance.md").read_text()
+    assert len(text.splitlines()) <= 200, "docs/performance.md: keep current figures only (≤ 200 lines)"
+    for words in ("../", "device time", "lent machine", "budget_left"):
+        assert words not in text, f"docs/performance.md mentions {words!r}"
