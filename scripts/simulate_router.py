@@ -35,6 +35,7 @@ def simulate(args, batch_max_tokens: int, max_wait_tokens: int) -> dict:
     sent, now, out_tokens = 0, 0.0, 0
     sent_at: dict[str, float] = {}
     ttft: dict[str, float] = {}
+    e2e: dict[str, float] = {}
 
     def send() -> None:
         nonlocal sent
@@ -65,11 +66,14 @@ def simulate(args, batch_max_tokens: int, max_wait_tokens: int) -> dict:
             if delta.token_ids and delta.request_id not in ttft:
                 ttft[delta.request_id] = now - sent_at[delta.request_id]
             out_tokens += len(delta.token_ids)
-            if delta.finish_reason is not None and sent < args.prompts:
-                send()
-    firsts = sorted(ttft.values())
-    return dict(tok_s=out_tokens / now * 1e3, rows=statistics.mean(rows_per_step), ttft_med=firsts[len(firsts) // 2],
-                ttft_p99=firsts[min(len(firsts) - 1, int(len(firsts) * 0.99))], steps=len(rows_per_step))
+            if delta.finish_reason is not None:
+                e2e[delta.request_id] = now - sent_at[delta.request_id]
+                if sent < args.prompts:
+                    send()
+    firsts, ends = sorted(ttft.values()), sorted(e2e.values())
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(len(xs) * q))]  # noqa: E731
+    return dict(tok_s=out_tokens / now * 1e3, rows=statistics.mean(rows_per_step), ttft_med=pct(firsts, 0.5),
+                ttft_p99=pct(firsts, 0.99), e2e_med=pct(ends, 0.5), e2e_p99=pct(ends, 0.99), steps=len(rows_per_step))
 
 
 def main() -> None:
@@ -92,7 +96,7 @@ def main() -> None:
         r = simulate(args, budget, wait)
         print(f"batch_max_tokens {budget:6} max_wait_tokens {wait:2}: {r['tok_s']:8.0f} out tok/s, "
               f"{r['rows']:6.1f} decode rows a step, TTFT median {r['ttft_med']:6.0f} ms / p99 {r['ttft_p99']:6.0f} ms, "
-              f"{r['steps']} steps")
+              f"E2E median {r['e2e_med']:6.0f} ms / p99 {r['e2e_p99']:6.0f} ms, {r['steps']} steps")
 
 
 if __name__ == "__main__":
