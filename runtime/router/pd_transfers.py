@@ -1,70 +1,69 @@
-"""The scheduler's side of prefill/decode disaggregation (a mixin of runtime/router/scheduler.py's
-Scheduler, whose state it uses: `awaiting_kv`, `transfers`, `kv_commands`, `waiting`, the KV allocator
-and the prompt cache).
+"""The KV transfers of prefill/decode disaggregation, as the scheduler of one instance sees them.
 
 Prefill/decode disaggregation (`pd_role`): a prefill instance runs the master's requests as
 one-token requests, then sends the KV of every prompt token but the last to the decode instance
 (SendKv) and ends them with `kv_sent` once it is acknowledged. A decode instance allocates slots for
 those tokens (less the prefix its prompt cache holds), receives them (ReceiveKv), then admits the
 request like a prompt-cache hit: only the last prompt token is computed, and the first output token
-is sampled here, with the request's own seed and penalties. Requests holding KV without running
+is sampled there, with the request's own seed and penalties. Requests holding KV without running
 (transfers, received KV waiting for a row) count at their peak at admission.
+
+`KvTransfers` keeps which requests wait for slots to receive into, which are moving, and the commands
+for the worker; what a finished transfer does to its request (finished, failed, queued to run) is the
+scheduler's, which owns the requests' lifecycle.
 """
 from __future__ import annotations
 
-from llaunch.runtime.ipc.messages import KvDone, ReceiveKv, SendKv, TokenDelta
+from collections import deque
+from typing import Callable, Optional
+
+from llaunch.runtime.cache.kv_allocator import KvAllocator
+from llaunch.runtime.ipc.messages import CancelKv, ReceiveKv, SendKv
 from llaunch.runtime.router.request import Request, Status
 
 
-class PdTransfers:
-    def admit_transfers(self) -> None:
-        """Decode instance: give waiting transfers their slots, FIFO, while the KV budget allows."""
-        while self.awaiting_kv:
-            req = self.awaiting_kv[0]
+class KvTransfers:
+    def __init__(self, kv: KvAllocator, cache):
+        self.kv, self.cache = kv, cache  # the instance's slots and its prompt cache
+        self.awaiting: deque[Request] = deque()  # decode instance: waiting for slots to receive into
+        self.moving: dict[str, Request] = {}  # request id → request whose KV is being sent / received
+        self.commands: list = []  # SendKv / ReceiveKv / CancelKv for the worker, taken by the router
+
+    def admit(self, fits: Callable[[Request, int], bool]) -> None:
+        """Decode instance: give waiting transfers their slots, FIFO, while `fits` (the scheduler's KV
+        budget, with the request's cached prefix locked) allows."""
+        while self.awaiting:
+            req = self.awaiting[0]
             self.cache.lend(req)  # a prefix cached here is not written again
-            if not self._kv_fits(req, req.prompt_len):
+            if not fits(req, req.prompt_len):
                 self.cache.take_back(req)
                 return
-            self.awaiting_kv.popleft()
+            self.awaiting.popleft()
             new = self.cache.alloc(req.prompt_len - 1 - req.num_cached)
             req.slots = req.slots + new
             req.status = Status.TRANSFER
-            self.transfers[req.id] = req
-            self.kv_commands.append(ReceiveKv(request_id=req.id, pd_id=req.pd.id, slots=new, skip=req.num_cached))
+            self.moving[req.id] = req
+            self.commands.append(ReceiveKv(request_id=req.id, pd_id=req.pd.id, slots=new, skip=req.num_cached))
 
-    def _send_kv(self, req: Request) -> None:
+    def send(self, req: Request) -> None:
         """Prefill instance: the prompt is computed; ship all of it but the last token."""
         req.status = Status.TRANSFER
-        self.transfers[req.id] = req
-        self.kv_commands.append(SendKv(request_id=req.id, pd_id=req.pd.id, slots=req.slots[: req.prompt_len - 1],
-                                       address=req.pd.decode_kv))
+        self.moving[req.id] = req
+        self.commands.append(SendKv(request_id=req.id, pd_id=req.pd.id, slots=req.slots[: req.prompt_len - 1],
+                                    address=req.pd.decode_kv))
 
-    def on_kv_done(self, msg: KvDone) -> list[TokenDelta]:
-        req = self.transfers.pop(msg.request_id, None)
-        if req is None:
-            return []
-        if req.row is not None:  # prefill side: the slots may be cached or freed now
-            if req.status is Status.FINISHED:  # aborted while sending
-                if req.steps_in_flight == 0:
-                    self._release(req)
-                return []
-            delta = self._finish(req, "kv_sent" if msg.error is None else "error")
-            delta.kv_transfer_ms = msg.seconds * 1000
-            return [delta]
-        if msg.error is not None or req.status is Status.FINISHED:
-            self.kv.free(req.slots[req.num_cached:])  # never filled: not for the prompt cache
-            req.slots = req.slots[: req.num_cached]
-            if req.status is Status.FINISHED:
-                self.cache.release(req)
-                return []
-            return [self._finish(req, "error")]
-        req.num_computed = req.prompt_len - 1
-        req.kv_ready = True
-        req.status = Status.WAITING
-        self.waiting.appendleft(req)  # it has waited for its KV already
-        return []
+    def cancel(self, req: Request) -> None:
+        """A receive that no longer matters: its slots stay the worker's until its KvDone."""
+        self.commands.append(CancelKv(request_id=req.id))
 
-    def _holding(self, candidate: Request) -> list[Request]:
-        """Requests holding KV without running: transfers, and received KV waiting for a row."""
-        held = [r for r in self.transfers.values() if r.row is None and r is not candidate]
-        return held + [r for r in self.waiting if r.kv_ready and r is not candidate]
+    def ended(self, request_id: str) -> Optional[Request]:
+        """The request whose transfer a KvDone ends (None: not one of ours any more)."""
+        return self.moving.pop(request_id, None)
+
+    def held(self) -> list[Request]:
+        """Requests whose KV is being received: they hold slots without a row."""
+        return [r for r in self.moving.values() if r.row is None]
+
+    def clear(self) -> None:
+        self.awaiting.clear()
+        self.moving.clear()

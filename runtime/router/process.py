@@ -209,12 +209,12 @@ class Router:
     def send_kv_commands(self) -> None:
         """Transfers the scheduler started or cancelled go to the worker (tp rank 0 holds the link)."""
         sched = self.scheduler
-        if sched.awaiting_kv:
+        if sched.pd.awaiting:
             sched.admit_transfers()
-        for command in sched.kv_commands:
+        for command in sched.pd.commands:
             for w in self.workers:  # each rank moves its own KV heads
                 w.send(command)
-        sched.kv_commands.clear()
+        sched.pd.commands.clear()
 
     def on_kv_done(self, msg: KvDone) -> None:
         """One rank's transfer ended; the request's ends when every rank's has (failed if one did)."""
@@ -316,7 +316,7 @@ class Router:
                 self.maybe_send_stats()
                 continue
             idle = not sched.has_work() and not sched.steps_in_flight
-            waits = sched.transfers or len(self.gate) or len(self.images)  # for worker reports that no step result brings
+            waits = sched.pd.moving or len(self.gate) or len(self.images)  # for worker reports that no step result brings
             self.drain_inbound(block_ms=int(STATS_PERIOD_S * 1000) if idle and not waits else 0)
             self.send_images()
             self.send_kv_commands()

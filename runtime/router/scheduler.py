@@ -20,7 +20,8 @@ finished sequence joins the tree once no step in flight uses it, so KV of a step
 matched. Admission counts the tree's unlocked tokens as free (they are evicted when allocation needs
 room) and its locked ones once, however many requests share them.
 
-Prefill/decode disaggregation (`pd_role`): the KV transfers are runtime/router/pd_transfers.py's.
+Prefill/decode disaggregation (`pd_role`): the KV transfers' bookkeeping is runtime/router/pd_transfers.py's
+(`self.pd`), what their ends do to requests is here.
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ import numpy as np
 
 from llaunch.runtime.cache.kv_allocator import KvAllocator
 from llaunch.runtime.models.memory import PROMPT_LOGPROB_TOKENS
-from llaunch.runtime.ipc.messages import (CancelKv, NewSeq, PrefillChunk, StepPlan,
+from llaunch.runtime.ipc.messages import (KvDone, NewSeq, PrefillChunk, StepPlan,
                                           StepResult, TokenDelta)
-from llaunch.runtime.router.pd_transfers import PdTransfers
+from llaunch.runtime.router.pd_transfers import KvTransfers
 from llaunch.runtime.router.tiered_cache import prompt_cache_for
 from llaunch.runtime.router.prompt_sharing import PromptSharing
 from llaunch.runtime.router.request import Request, Status
@@ -69,7 +70,7 @@ class SchedulerLimits:
     pools_prompt: bool = False  # an embedding model's mean / CLS pooling: requests read every prompt position
 
 
-class Scheduler(PdTransfers):
+class Scheduler:
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
         self.kv = KvAllocator(limits.kv_slots)
@@ -84,9 +85,7 @@ class Scheduler(PdTransfers):
         self._steps_since_admit = 0
         self._in_flight: deque[list[Request]] = deque()  # per step out: its requests, in sample order
         self._in_flight_all: deque[list[Request]] = deque()  # per step out: every request it touches
-        self.awaiting_kv: deque[Request] = deque()  # decode instance: waiting for slots to receive into
-        self.transfers: dict[str, Request] = {}  # request id → request whose KV is being sent / received
-        self.kv_commands: list = []  # SendKv / ReceiveKv / CancelKv for the worker, taken by the router
+        self.pd = KvTransfers(self.kv, self.cache)  # prefill/decode disaggregation's KV moves
         self.spec = SpecDecoding(limits.spec, limits.vocab_size)
         self.sharing = PromptSharing(limits.diverse_mode and limits.prompt_cache and limits.pd_role is None, self.cache)
 
@@ -99,10 +98,10 @@ class Scheduler(PdTransfers):
         if req.peak_tokens + self.limits.pipeline_depth - 1 > self.limits.kv_slots:
             return TokenDelta(request_id=req.id, token_ids=[], finish_reason="error",
                               error=f"it needs {req.peak_tokens} KV slots; the cache holds {self.limits.kv_slots}")
-        if len(self.waiting) + len(self.awaiting_kv) >= self.limits.max_waiting:
+        if len(self.waiting) + len(self.pd.awaiting) >= self.limits.max_waiting:
             return self.overloaded(req.id)
         if req.pd is not None and self.limits.pd_role == "decode":
-            self.awaiting_kv.append(req)
+            self.pd.awaiting.append(req)
         else:
             self._enqueue(req)
         self.by_id[req.id] = req
@@ -127,11 +126,11 @@ class Scheduler(PdTransfers):
         if req is None or req.status is Status.FINISHED:
             return None
         if req.status is Status.WAITING:
-            (self.awaiting_kv if req in self.awaiting_kv else self.waiting).remove(req)
+            (self.pd.awaiting if req in self.pd.awaiting else self.waiting).remove(req)
         if req.status is Status.TRANSFER:
             # its slots are the worker's until KvDone: end it now, free them then
             if req.row is None:
-                self.kv_commands.append(CancelKv(request_id=req.id))
+                self.pd.cancel(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
             self.by_id.pop(req.id, None)
             return TokenDelta(request_id=req.id, token_ids=[], finish_reason="abort")
@@ -263,6 +262,44 @@ class Scheduler(PdTransfers):
         """Whether a chunk of `req` fits this step's prompt-logprob positions (others always do)."""
         return req.sampling.prompt_logprobs < 0 or self._logprob_room > 0
 
+    # ---- prefill/decode disaggregation's KV transfers (runtime/router/pd_transfers.py) --------------
+
+    def admit_transfers(self) -> None:
+        """Decode instance: slots to receive into for the transfers waiting, while the KV budget allows."""
+        self.pd.admit(self._kv_fits)
+
+    def on_kv_done(self, msg: KvDone) -> list[TokenDelta]:
+        """A transfer ended: a sent prompt finishes (kv_sent, or error); received KV makes its request
+        ready to run from its last prompt token, ahead of the wait queue."""
+        req = self.pd.ended(msg.request_id)
+        if req is None:
+            return []
+        if req.row is not None:  # prefill side: the slots may be cached or freed now
+            if req.status is Status.FINISHED:  # aborted while sending
+                if req.steps_in_flight == 0:
+                    self._release(req)
+                return []
+            delta = self._finish(req, "kv_sent" if msg.error is None else "error")
+            delta.kv_transfer_ms = msg.seconds * 1000
+            return [delta]
+        if msg.error is not None or req.status is Status.FINISHED:
+            self.kv.free(req.slots[req.num_cached:])  # never filled: not for the prompt cache
+            req.slots = req.slots[: req.num_cached]
+            if req.status is Status.FINISHED:
+                self.cache.release(req)
+                return []
+            return [self._finish(req, "error")]
+        req.num_computed = req.prompt_len - 1
+        req.kv_ready = True
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)  # it has waited for its KV already
+        return []
+
+    def _holding(self, candidate: Optional[Request]) -> list[Request]:
+        """Requests holding KV without running: transfers, and received KV waiting for a row."""
+        return [r for r in self.pd.held() if r is not candidate] + \
+            [r for r in self.waiting if r.kv_ready and r is not candidate]
+
     def _may_admit(self, decoding: bool) -> bool:
         if not decoding or self._steps_since_admit >= self.limits.max_wait_tokens:
             return True
@@ -331,7 +368,7 @@ class Scheduler(PdTransfers):
                 delta.prompt_logprobs = result.prompt_logprobs[i]
             reason = self._stop_reason(req, token)
             if reason is not None and req.pd is not None and self.limits.pd_role == "prefill":
-                self._send_kv(req)  # the decode instance samples the first token itself
+                self.pd.send(req)  # the decode instance samples the first token itself
                 continue
             if reason is not None:
                 self._finish(req, reason)
@@ -366,9 +403,8 @@ class Scheduler(PdTransfers):
         deltas = [TokenDelta(request_id=rid, token_ids=[], finish_reason=reason, error=error) for rid in self.by_id]
         self.by_id.clear()
         self.waiting.clear()
-        self.awaiting_kv.clear()
         self.running.clear()
-        self.transfers.clear()
+        self.pd.clear()
         self.sharing.clear()
         self._in_flight.clear()
         self._in_flight_all.clear()

@@ -17,7 +17,7 @@ def test_prefill_instance_sends_all_but_the_last_prompt_token_then_frees():
     plan = s.schedule()
     assert [c.row for c in plan.prefill] and s.kv.num_used == 10
     assert answer(s, plan) == []  # no token for the client: the decode instance samples the first one
-    [send] = s.kv_commands
+    [send] = s.pd.commands
     assert send == SendKv(request_id="a", pd_id="x.0", slots=r.slots[:9], address=DECODE_KV)
     assert r.status is Status.TRANSFER and s.schedule() is None  # nothing to run meanwhile
     [delta] = s.on_kv_done(KvDone(request_id="a", seconds=0.004))
@@ -39,7 +39,7 @@ def test_decode_instance_receives_into_slots_then_computes_only_the_last_token()
     s.add(r)
     assert s.schedule() is None  # nothing to prefill: the KV comes from the prefill instance
     s.admit_transfers()
-    [recv] = s.kv_commands
+    [recv] = s.pd.commands
     assert recv == ReceiveKv(request_id="a", pd_id="x.0", slots=r.slots, skip=0) and len(r.slots) == 9
     assert s.on_kv_done(KvDone(request_id="a")) == []
     plan = s.schedule()
@@ -57,7 +57,7 @@ def test_decode_instance_reuses_its_cached_prefix_and_receives_the_rest_into_scr
     answer(s, s.schedule())
     s.add(req("a", 10, 4, pd=PdLink(id="x.0")))
     s.admit_transfers()
-    [recv] = s.kv_commands
+    [recv] = s.pd.commands
     assert recv.skip == 9 and recv.slots == []  # the whole shipped prefix is cached here
 
 
@@ -69,9 +69,9 @@ def test_failed_or_cancelled_receive_frees_its_slots():
     assert s.kv.num_used == 18
     [delta] = s.on_kv_done(KvDone(request_id="a", error="no KV page for 30s"))
     assert delta.finish_reason == "error" and s.kv.num_used == 9
-    s.kv_commands.clear()
+    s.pd.commands.clear()
     assert s.abort("b").finish_reason == "abort"
-    assert s.kv_commands == [CancelKv(request_id="b")] and s.kv.num_used == 9  # the worker still writes there
+    assert s.pd.commands == [CancelKv(request_id="b")] and s.kv.num_used == 9  # the worker still writes there
     assert s.on_kv_done(KvDone(request_id="b", error="cancelled")) == []
     assert s.kv.num_used == 0 and not s.has_work()
 
@@ -81,8 +81,8 @@ def test_transfers_count_at_their_peak_at_admission():
     s.add(req("a", 10, 20, pd=PdLink(id="x.0")))  # peak 29
     s.add(req("b", 10, 20, pd=PdLink(id="y.0")))
     s.admit_transfers()
-    assert [c.request_id for c in s.kv_commands] == ["a"]  # b would overflow once a decodes to its end
-    assert len(s.awaiting_kv) == 1
+    assert [c.request_id for c in s.pd.commands] == ["a"]  # b would overflow once a decodes to its end
+    assert len(s.pd.awaiting) == 1
 
 
 def test_worker_gpus_count_within_the_launchers_visible_devices(monkeypatch):
