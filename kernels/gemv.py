@@ -69,6 +69,15 @@ def _fp8_launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
     K = 18,944 without a split of K)."""
     if gated:
         return 32, 256, 4, 3
+    return _fp8_register_shape(n, k, gated)
+
+
+def _fp8_register_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+    """e4m3 weights through the register kernel: the built-in shapes above, and for a gated gate‖up that
+    the tensor cores do not take (weight-only layers, GPUs before Hopper) bf16's 8/256/4 (sm90 builds: 118
+    registers; 16/256/4 and the tensor cores' 32/256/4 spill to the stack there)."""
+    if gated:
+        return 8, 256, 4, 0
     if k >= 2048:
         return (8, 512, 4, 0) if n > k else (16, 512, 8, 0)
     return 2, max(64, triton.next_power_of_2(k)), 4, 0
@@ -170,13 +179,15 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
                                 warps, stages)
         return out
     act = ACT_MODES[layer.activations] if layer is not None else 0
-    # the tensor-core kernel where STAGES >= 2 says so, x is quantized and the GPU is one it was measured on
-    if stages >= 2 and layer is not None and act != ACT_MODES[fp8.NONE] and (
-            _INTERPRETED or pdl.hopper_or_later(x.device.index or 0)):
-        gemv_fp8.gemv_fp8(x, weight, layer.scale, layer.input_scale, layer.scale_ub, bias, out, n, gated,
-                          act == ACT_MODES[fp8.DYNAMIC], pdl.flavor(use_pdl, "gemv"), block_n, block_k, warps, stages,
-                          amax_block(k))
-        return out
+    if stages >= 2 and layer is not None:
+        # the tensor-core kernel where STAGES >= 2 says so, x is quantized, the tile's K fits an fp8 MMA
+        # (32) and the GPU is one it was measured on; else the register kernel with its own shape
+        if act != ACT_MODES[fp8.NONE] and block_k >= 32 and (_INTERPRETED or pdl.hopper_or_later(x.device.index or 0)):
+            gemv_fp8.gemv_fp8(x, weight, layer.scale, layer.input_scale, layer.scale_ub, bias, out, n, gated,
+                              act == ACT_MODES[fp8.DYNAMIC], pdl.flavor(use_pdl, "gemv"), block_n, block_k, warps,
+                              stages, amax_block(k))
+            return out
+        block_n, block_k, warps, stages = INTERPRETED_SHAPE if _INTERPRETED else _fp8_register_shape(n, k, gated)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, layer.scale if layer is not None else x,
         layer.input_scale if act == ACT_MODES[fp8.STATIC] else x, bias if bias is not None else x, out, n, k,

@@ -78,7 +78,8 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride
         up_y = up_y.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = act * up_y
-    tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
+    # a float32 output still holds the input dtype's rounding, as gemv.py's kernel stores it
+    tl.store(out_ptr + rows, y.to(x_ptr.dtype.element_ty).to(dtype), mask=row_mask)
 
 
 def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale, scale_ub, bias, out: torch.Tensor,

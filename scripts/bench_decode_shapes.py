@@ -80,10 +80,14 @@ def main() -> int:
     ap.add_argument("--amax-tile", type=int, default=None, help="--fp8: kernels/gemv.AMAX_TILE (x's absmax loads)")
     ap.add_argument("--per-kind", action="store_true",
                     help="first each layer kind's GEMVs alone: all layers' chained in a CUDA graph, GB/s")
-    ap.add_argument("--activations", default=None,
+    ap.add_argument("--activations", default=None, choices=["dynamic", "static", "none"],
                     help="--fp8: every layer's activation mode instead of dynamic (none: x not quantized, a diagnosis)")
     ap.add_argument("--candidates", default=None, help="space-separated kernels.gemv_shapes values")
     args = ap.parse_args()
+    if (args.tensor_core or args.amax_tile or args.activations) and not args.fp8:
+        ap.error("--tensor-core, --amax-tile and --activations are for --fp8")
+    if args.amax_tile and args.amax_tile & (args.amax_tile - 1):
+        ap.error("--amax-tile: a power of two")
     if args.amax_tile:
         gemv.AMAX_TILE = args.amax_tile
     device = torch.device("cuda")

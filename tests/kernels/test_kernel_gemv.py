@@ -274,6 +274,22 @@ def test_fp8_gated_gemv_interpreted(ops, poisoned, close, fp8_kernel, activation
     close(out, reference.silu_mul(fp8.reference_linear(x, w)))
 
 
+@pytest.mark.parametrize("activations, shape", [("none", (16, 64, 4, 2)), ("dynamic", (16, 16, 4, 2))])
+def test_fp8_layers_the_tensor_cores_cannot_take_run_the_register_kernel(ops, monkeypatch, close, activations, shape):
+    """A weight-only layer (x is not quantized, so no e4m3 MMA) and a tile of K < 32 (an fp8 MMA's
+    smallest: it would not compile) go to the register kernel whatever kernels.gemv_shapes says."""
+    from llaunch.kernels import fp8, gemv, gemv_fp8
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tensor-core kernel was launched")
+
+    monkeypatch.setattr(gemv_fp8, "gemv_fp8", refuse)
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: shape)
+    w = fp8_layer(37, 300, activations)
+    x = 3 * torch.randn(1, 300)
+    close(ops.gemv(x, w), fp8.reference_linear(x, w))
+
+
 def test_fp8_gemv_quantizes_the_row():
     """The quantization is not a no-op at these inputs: without it the product is another one (so the
     tests above would see a GEMV that skipped it)."""
