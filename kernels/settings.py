@@ -56,7 +56,8 @@ class KernelSettings:
     gemv: Gemv = Gemv.triton  # batch-1 decode linear layers: the Triton GEMV or cuBLAS
     # Launch shapes per weight shape, overriding kernels/gemv.py's built-in ones: comma-separated
     # `NxK[:gated]=BLOCK_N/BLOCK_K/WARPS[/STAGES]` (N output rows, K inputs; STAGES ≥ 2 runs the
-    # TMA-staged kernel, 0 on the LM head's shape keeps it on cuBLAS). Sweep candidates with
+    # TMA-staged kernel, for fp8 weights the tensor-core one; 0 on the LM head's shape keeps it on cuBLAS;
+    # one key serves a shape's bf16 and fp8 weights alike). Sweep candidates with
     # `llaunch -m bench=c1 kernels.gemv_shapes=...` on the GPU they are for.
     gemv_shapes: str = ""
     # Launch shapes of the fused MoE layer's grouped GEMMs (kernels/fused_moe.py) per layer shape, overriding its
