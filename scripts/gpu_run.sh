@@ -32,6 +32,8 @@
 #             results under $OUT/spec
 #   verify_steps  speculative decoding's cost side: batch-1 verify steps of k+1 tokens (k = 1..4) against a
 #             decode step, Qwen2-7B shape, CUDA graphs (scripts/bench_steps.py --verify), $OUT/verify_steps.jsonl
+#   decode_shapes  the batch-1 decode step per GEMV launch shape, each layer kind's GEMVs alone first
+#             (scripts/bench_decode_shapes.py $DECODE_SHAPES_ARGS, default --fp8 --per-kind), $OUT/decode_shapes.jsonl
 # Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), CLIENT_PROCS (bench clients), VOCAB,
 #   VL_IMAGE_SIZE, VL_OUTPUT, VL_PROMPTS_PER_STREAM (the vl cases' image side, output tokens, requests per stream),
 #   AU_SECONDS, AU_OUTPUT, AU_PROMPTS_PER_STREAM (the au cases' clip duration, output tokens, requests per stream),
@@ -208,6 +210,12 @@ fi
 if has verify_steps; then
   stamp "verify steps (k+1 tokens, batch 1) against a decode step, Qwen2-7B shape, CUDA graphs"
   timeout 400 $PY scripts/bench_steps.py --verify | tee "$OUT/verify_steps.jsonl"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+
+if has decode_shapes; then
+  stamp "batch-1 decode step per GEMV launch shape: ${DECODE_SHAPES_ARGS:=--fp8 --per-kind}"
+  (cd scripts && timeout 400 $PY bench_decode_shapes.py $DECODE_SHAPES_ARGS) | grep -v Warning | tee "$OUT/decode_shapes.jsonl"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
