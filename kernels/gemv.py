@@ -46,8 +46,8 @@ def launch_shape(n: int, k: int, gated: bool, fp8: bool = False) -> tuple[int, i
     if _INTERPRETED:
         return INTERPRETED_SHAPE
     overrides = settings.current.gemv_shapes
-    if (n, k, gated) in overrides:
-        return overrides[(n, k, gated)]
+    if (n, k, gated, fp8) in overrides:
+        return overrides[(n, k, gated, fp8)]
     if fp8:
         return _fp8_launch_shape(n, k, gated)
     if n >= 65536:  # an LM head: the staged kernel (run 4: 0.237 ms for Qwen2-7B's, cuBLAS 0.248)

@@ -6,7 +6,7 @@ and the whole step is timed, so a shape is judged in the chain of kernels it run
 candidate, then the best per layer kind.
 
     python scripts/bench_decode_shapes.py [--fp8] [--layers 28] [--repeats 50]
-        [--tensor-core] [--amax-tile N] [--candidates "NxK[:gated]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
+        [--tensor-core] [--amax-tile N] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
 """
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ GATED = ["4/512/4", "8/256/4", "8/512/4", "8/512/8", "16/256/4", "16/256/8", "16
 MMA = ["16/128/4/4", "16/256/4/4", "16/256/4/6", "32/128/4/4", "32/256/4/3", "32/256/4/4", "64/128/4/4", "64/256/4/3"]
 
 
-def grid(tensor_core: bool) -> list[tuple[str, str]]:
-    return [(kind, f"{key}={shape}") for kind, key in KINDS.items()
+def grid(tensor_core: bool, fp8: bool) -> list[tuple[str, str]]:
+    suffix = ":fp8" if fp8 else ""  # e4m3 weights' keys
+    return [(kind, f"{key}{suffix}={shape}") for kind, key in KINDS.items()
             for shape in (MMA if tensor_core else GATED if key.endswith(":gated") else PLAIN)]
 
 
@@ -121,7 +122,7 @@ def main() -> int:
         per_kind(model, args.repeats)
     base = step_ms("")
     print(json.dumps(dict(kind="built-in", shapes="", ms=round(base, 4), **where)), flush=True)
-    candidates = [("given", s) for s in args.candidates.split()] if args.candidates else grid(args.tensor_core)
+    candidates = [("given", s) for s in args.candidates.split()] if args.candidates else grid(args.tensor_core, args.fp8)
     best: dict[str, tuple[float, str]] = {}
     for kind, shapes in candidates:
         try:

@@ -176,14 +176,20 @@ def test_launch_shapes_from_the_config(monkeypatch, kernel_settings):
     """kernels.gemv_shapes (what the chain sweep emits) overrides the built-in shape per weight shape."""
     from llaunch.kernels import gemv, settings
 
-    text = "3584x3584=2/4096/8, 18944x3584:gated=16/256/8/4,"
+    text = "3584x3584=2/4096/8, 18944x3584:gated=16/256/8/4, 18944x3584:gated:fp8=64/256/4/3, 3584x3584:fp8=8/512/4,"
     shapes = settings.parse_gemv_shapes(text)
-    assert shapes == {(3584, 3584, False): (2, 4096, 8, 0), (18944, 3584, True): (16, 256, 8, 4)}
+    assert shapes == {(3584, 3584, False, False): (2, 4096, 8, 0), (18944, 3584, True, False): (16, 256, 8, 4),
+                      (18944, 3584, True, True): (64, 256, 4, 3), (3584, 3584, False, True): (8, 512, 4, 0)}
     monkeypatch.setattr(gemv, "_INTERPRETED", False)
     kernel_settings(gemv_shapes=text)
     assert gemv.launch_shape(3584, 3584, False) == (2, 4096, 8, 0)
     assert gemv.launch_shape(18944, 3584, True) == (16, 256, 8, 4)
     assert gemv.launch_shape(3584, 18944, False) == (4, 1024, 4, 0)  # not overridden: built in
+    # e4m3 weights of the same shapes take the :fp8 keys, and only those
+    assert gemv.launch_shape(18944, 3584, True, fp8=True) == (64, 256, 4, 3)
+    assert gemv.launch_shape(3584, 3584, False, fp8=True) == (8, 512, 4, 0)
+    kernel_settings(gemv_shapes="18944x3584:gated=16/256/8/4")
+    assert gemv.launch_shape(18944, 3584, True, fp8=True) != (16, 256, 8, 4)
 
 
 @pytest.mark.parametrize("text, message", [("3584x3584=2/4096", "is not NxK"), ("3584=2/4096/8", "is not NxK"),
@@ -191,7 +197,8 @@ def test_launch_shapes_from_the_config(monkeypatch, kernel_settings):
                                            ("3584x3584=8/512/4/4", "blocks of at most 256"),
                                            ("3584x3584=8/256/4/1", "STAGES is 0 or ≥ 2"),
                                            ("3584x3584=8/256/4/4/2", "is not NxK"),
-                                           ("3584x3584:fast=2/4096/8", "':gated'")])
+                                           ("3584x3584:fast=2/4096/8", "':gated' and ':fp8'"),
+                                           ("3584x3584:fp8:gated=2/4096/8", "':gated' and ':fp8'")])
 def test_launch_shapes_from_the_config_refuse_bad_values(text, message):
     from llaunch.kernels import settings
 
