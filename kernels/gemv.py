@@ -36,11 +36,11 @@ ACT_MODES = {fp8.NONE: 0, fp8.DYNAMIC: 1, fp8.STATIC: 2}  # an fp8 layer's activ
 
 def launch_shape(n: int, k: int, gated: bool, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, STAGES) for a shape (of e4m3 weights where fp8). STAGES 0: the register
-    kernel here (for the LM head, called through dispatch.lm_head_linear: cuBLAS); ≥ 2: the TMA-staged kernel
-    (gemv_staged.py) with that pipeline depth, for e4m3 weights the tensor-core kernel (gemv_fp8.py). Fixed, not autotuned: the block sizes
-    set the summation order, and a timing-dependent pick could make greedy output differ between
-    restarts and between replicas. Picked on an H200 by a sweep of Qwen2-7B's layers chained as in a decode
-    step (13 GB of distinct weights, with PDL; scripts/bench_gemv_chain.py, removed after 6275284):
+    kernel here (for the LM head, called through dispatch.lm_head_linear: cuBLAS); ≥ 2: the TMA-staged
+    kernel (gemv_staged.py) with that pipeline depth, for e4m3 weights the tensor-core kernel (gemv_fp8.py).
+    Fixed, not autotuned: the block sizes set the summation order, and a timing-dependent pick could make
+    greedy output differ between restarts and between replicas. Picked on an H200 by a sweep of Qwen2-7B's
+    layers chained as in a decode step (13 GB of distinct weights, with PDL; scripts/bench_gemv_chain.py, removed after 6275284):
     tiles of 1k columns (256 for the gated gate‖up, whose programs read two rows per output) × 4 warps,
     more rows per program where outputs are fewer than inputs."""
     if _INTERPRETED:
@@ -182,7 +182,8 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
     if stages >= 2 and layer is not None:
         # the tensor-core kernel where STAGES >= 2 says so, x is quantized, the tile's K fits an fp8 MMA
         # (32) and the GPU is one it was measured on; else the register kernel with its own shape
-        if act != ACT_MODES[fp8.NONE] and block_k >= 32 and (_INTERPRETED or pdl.hopper_or_later(x.device.index or 0)):
+        hopper = _INTERPRETED or pdl.hopper_or_later(x.device.index or 0)
+        if act != ACT_MODES[fp8.NONE] and block_k >= 32 and hopper:
             gemv_fp8.gemv_fp8(x, weight, layer.scale, layer.input_scale, layer.scale_ub, bias, out, n, gated,
                               act == ACT_MODES[fp8.DYNAMIC], pdl.flavor(use_pdl, "gemv"), block_n, block_k, warps,
                               stages, amax_block(k))

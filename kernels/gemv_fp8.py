@@ -1,9 +1,9 @@
 """The one-row fp8 linear layer (e4m3 weights with per-channel scales) on the tensor cores.
 
 kernels/gemv.py's register kernel converts every e4m3 weight to float32 and multiplies it on the CUDA
-cores: per byte read that is twice the instructions of a bf16 weight, and it streamed at ~2.2 TB/s on an
-H200. Here x's row is quantized once per tile and padded to the 16 rows of an MMA (15 zero rows), and
-each program multiplies its BLOCK_N weight rows by it with tl.dot (e4m3 × e4m3, float32 accumulation),
+cores: as many instructions a weight as for bf16, for half the bytes. On an H200 its fp8 GEMVs took as
+long a layer as bf16's (1.6-2.0 TB/s, scripts/bench_decode_shapes.py --fp8 --per-kind). Here x's row
+is quantized once per tile and padded to the 16 rows of an MMA (15 zero rows), and each program multiplies its BLOCK_N weight rows by it with tl.dot (e4m3 × e4m3, float32 accumulation),
 the weight tiles pipelined into shared memory STAGES deep by Triton's loop pipeliner. The CUDA cores do
 only x's quantization (shared by the program's rows) and the epilogue.
 
@@ -24,7 +24,6 @@ from llaunch.kernels.e4m3 import quantized, row_scale
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-MMA_ROWS = 16  # the smallest M of an MMA: x's row and 15 zero rows
 
 
 @triton.jit
@@ -45,7 +44,7 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64) * w_stride
     cols = tl.arange(0, BLOCK_K)
-    first = tl.arange(0, 16)[:, None] == 0  # the MMA's row that holds x
+    first = tl.arange(0, 16)[:, None] == 0  # an MMA's smallest M is 16: x's row, then 15 zero rows
     wait_for_previous_kernel(PDL)  # x is the previous kernel's
     if DYNAMIC:  # the row's absmax over all of K (x is small, in L2)
         x_scale = row_scale(x_ptr, K, scale_ub, HAS_UB, AMAX_BLOCK)
@@ -82,8 +81,8 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride
     tl.store(out_ptr + rows, y.to(x_ptr.dtype.element_ty).to(dtype), mask=row_mask)
 
 
-def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale, scale_ub, bias, out: torch.Tensor,
-             n: int, gated: bool, dynamic: bool, pdl_flavor: int, block_n: int, block_k: int, warps: int,
+def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale, scale_ub, bias,
+             out: torch.Tensor, n: int, gated: bool, dynamic: bool, pdl_flavor: int, block_n: int, block_k: int, warps: int,
              stages: int, amax_block: int) -> None:
     """out [1, n] = the fp8 layer (weight e4m3 [N or 2n, K], scale [N] float32) applied to x [1, K], or
     SiLU-gated over weight = gate‖up; checked by gemv(). dynamic: x's scale from its absmax (clipped to
@@ -93,5 +92,5 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_s
         x, weight, scale, input_scale if input_scale is not None else scale, bias if bias is not None else x, out,
         n, k, weight.stride(0), n * weight.stride(0), scale_ub or 0.0, DYNAMIC=dynamic,
         HAS_UB=dynamic and scale_ub is not None, HAS_BIAS=bias is not None, GATED=gated, PDL=pdl_flavor,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, AMAX_BLOCK=amax_block, INTERPRETED=_INTERPRETED, num_warps=warps,
-        launch_pdl=bool(pdl_flavor))
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, AMAX_BLOCK=amax_block, INTERPRETED=_INTERPRETED,
+        num_warps=warps, launch_pdl=bool(pdl_flavor))

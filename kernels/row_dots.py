@@ -23,8 +23,8 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
     iteration that uses it (same values, same order: bit-identical sums).
     QUANT_X: each x value is first divided by x_scale and rounded to e4m3 (an fp8 layer's activations; the
     sums are then of the e4m3 values, to be multiplied by x_scale). ROW_SCALE: x_scale is x's dynamic
-    scale instead, its absmax over all of K (AMAX_BLOCK columns a load) (clipped to scale_ub where HAS_UB) / 448, taken after the PDL
-    wait while the first weight tiles are in flight. Returns the sums and the x_scale used."""
+    scale instead (e4m3.row_scale: its absmax over all of K, AMAX_BLOCK columns a load), taken after the
+    PDL wait while the first weight tiles are in flight. Returns the sums and the x_scale used."""
     cols = tl.arange(0, BLOCK_K)
     # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
     # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.

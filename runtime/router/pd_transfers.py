@@ -17,14 +17,13 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Optional
 
-from llaunch.runtime.cache.kv_allocator import KvAllocator
 from llaunch.runtime.ipc.messages import CancelKv, ReceiveKv, SendKv
 from llaunch.runtime.router.request import Request, Status
 
 
 class KvTransfers:
-    def __init__(self, kv: KvAllocator, cache):
-        self.kv, self.cache = kv, cache  # the instance's slots and its prompt cache
+    def __init__(self, cache):
+        self.cache = cache  # the instance's prompt cache, which allocates its slots
         self.awaiting: deque[Request] = deque()  # decode instance: waiting for slots to receive into
         self.moving: dict[str, Request] = {}  # request id → request whose KV is being sent / received
         self.commands: list = []  # SendKv / ReceiveKv / CancelKv for the worker, taken by the router

@@ -85,7 +85,7 @@ class Scheduler:
         self._steps_since_admit = 0
         self._in_flight: deque[list[Request]] = deque()  # per step out: its requests, in sample order
         self._in_flight_all: deque[list[Request]] = deque()  # per step out: every request it touches
-        self.pd = KvTransfers(self.kv, self.cache)  # prefill/decode disaggregation's KV moves
+        self.pd = KvTransfers(self.cache)  # prefill/decode disaggregation's KV moves
         self.spec = SpecDecoding(limits.spec, limits.vocab_size)
         self.sharing = PromptSharing(limits.diverse_mode and limits.prompt_cache and limits.pd_role is None, self.cache)
 
