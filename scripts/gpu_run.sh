@@ -38,7 +38,8 @@
 #   VL_IMAGE_SIZE, VL_OUTPUT, VL_PROMPTS_PER_STREAM (the vl cases' image side, output tokens, requests per stream),
 #   AU_SECONDS, AU_OUTPUT, AU_PROMPTS_PER_STREAM (the au cases' clip duration, output tokens, requests per stream),
 #   TESTS (pytest paths and options of the tests step), VARIANTS (the cases once per variant: below),
-#   TRACE=1 (a step trace: each case's first run's steps by kind, host enqueue and device time).
+#   TRACE=1 (a step trace: each case's first run's steps by kind, host enqueue and device time, the device's
+#   waits between steps by cause; the whole trace in $OUT/trace.jsonl.gz).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/llaunch-gpu}
@@ -162,8 +163,9 @@ serve_cases() {  # one server (SERVE), its launch timed, then every case REPEATS
   if [ -n "${TRACE:-}" ]; then
     for c in $CASES; do
       echo "== step trace, $c run 1"
-      $PY scripts/step_trace_report.py /tmp/trace.jsonl --bins 4 --window $(cat "$OUT/window-$c-1.txt") | head -16
+      $PY scripts/step_trace_report.py /tmp/trace.jsonl --bins 4 --pipeline --window $(cat "$OUT/window-$c-1.txt") | head -22
     done
+    gzip -c /tmp/trace.jsonl > "$OUT/trace.jsonl.gz"  # the whole trace (every run), for scripts/step_trace_report.py
   fi
   $PY - "$OUT" <<'PYEOF'
 import glob, json, os, sys

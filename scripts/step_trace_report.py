@@ -9,7 +9,10 @@ step in flight (the device idles for the host); the decode batch and prefill tok
 equal time bins. `--window`: only the steps sent in [START, END] (time.monotonic, as the trace). `--starts`: one line per step that
 starts requests, splitting its latency (with a traced worker's timings): frontend → router (the
 oldest new request's wait when planned), router → worker, the worker's host enqueue time, its device
-time, and sent → returned.
+time, and sent → returned. `--pipeline`: where the device waits between steps (a worker's timings
+needed): each step's device start is taken as the later of its launch and the previous step's device end;
+a gap is split into the wait for the plan (the router had not sent it: it plans a step once the result
+`--depth` steps earlier is back) and the plan's way to a launch (transport, the worker busy).
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ def main() -> int:
     ap.add_argument("--bins", type=int, default=10)
     ap.add_argument("--starts", action="store_true", help="latency split of each step that starts requests")
     ap.add_argument("--window", type=float, nargs=2, metavar=("START", "END"))
+    ap.add_argument("--pipeline", action="store_true", help="the device's waits between steps, by cause")
+    ap.add_argument("--depth", type=int, default=2, help="--pipeline: the router's steps in flight")
     args = ap.parse_args()
     steps = sorted((json.loads(line) for line in open(args.trace)), key=lambda r: r["step"])
     if args.window:
@@ -70,7 +75,48 @@ def main() -> int:
               f"{statistics.mean(r['waiting'] for r in group):8.1f}")
     if args.starts:
         print_starts(steps)
+    if args.pipeline:
+        print_pipeline(steps, args.depth)
     return 0
+
+
+def device_gaps(steps: list[dict], depth: int) -> list[dict]:
+    """Per timed step (consecutive steps in order): the device's idle time before it, split into the wait
+    for the router's plan and the plan's way to a launch, and the router's turnaround (the result `depth`
+    steps earlier back → this plan sent)."""
+    out, device_end, by_step = [], None, {r["step"]: r for r in steps}
+    for r in steps:
+        if "device_s" not in r:
+            device_end = None
+            continue
+        idle = plan_wait = 0.0
+        if device_end is not None:
+            idle = max(0.0, r["started"] - device_end)
+            plan_wait = min(idle, max(0.0, r["sent"] - device_end))
+        earlier = by_step.get(r["step"] - depth)
+        turnaround = r["sent"] - earlier["returned"] if earlier and r["sent"] >= earlier["returned"] else None
+        out.append(dict(kind=kind(r), idle=idle, plan_wait=plan_wait, to_launch=idle - plan_wait,
+                        turnaround=turnaround, device=r["device_s"]))
+        device_end = max(r["started"], device_end or 0.0) + r["device_s"]
+    return out
+
+
+def print_pipeline(steps: list[dict], depth: int) -> None:
+    gaps = device_gaps(steps, depth)
+    if not gaps:
+        print("\nno worker timings in the trace (a GPU worker under router.step_trace records them)")
+        return
+    print(f"\n{'kind':8} {'steps':>6} {'device ms':>9} {'idle ms':>8} {'plan wait':>9} {'to launch':>9} "
+          f"{'turnaround':>10} {'idle s':>7}  (ms a step; turnaround: result back -> plan {depth} steps on sent)")
+    for k in ("decode", "mixed", "prefill"):
+        group = [g for g in gaps if g["kind"] == k]
+        if not group:
+            continue
+        turn = [g["turnaround"] for g in group if g["turnaround"] is not None]
+        mean = lambda key: 1000 * statistics.mean(g[key] for g in group)  # noqa: E731
+        print(f"{k:8} {len(group):6d} {mean('device'):9.2f} {mean('idle'):8.2f} {mean('plan_wait'):9.2f} "
+              f"{mean('to_launch'):9.2f} {1000 * statistics.mean(turn) if turn else float('nan'):10.2f} "
+              f"{sum(g['idle'] for g in group):7.2f}")
 
 
 def print_starts(steps: list[dict]) -> None:

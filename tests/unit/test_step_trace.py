@@ -46,3 +46,25 @@ def test_a_traced_prefill_records_each_part_of_its_latency(tmp_path):
     to_router, to_worker, enqueue, device, forward = lines[0][3:8]
     assert float(to_router) >= 4.0
     assert (to_worker, enqueue, device, forward) == ("0.30", "2.50", "14.20", "15.10")
+
+
+def test_the_pipeline_report_splits_the_device_idle_between_steps_by_cause(tmp_path):
+    # step 0 runs on the device 0.100-0.110; step 1's plan is sent at 0.104 but launched at 0.113
+    # (3 ms after the device ran dry: the worker's side); step 2's plan is sent at 0.128, 8 ms after
+    # step 1's device end at 0.120 (the router's side), launched at 0.129
+    rows = [dict(step=0, sent=0.099, returned=0.111, started=0.100, launch_s=0.0005, device_s=0.010),
+            dict(step=1, sent=0.104, returned=0.121, started=0.113, launch_s=0.0005, device_s=0.007),
+            dict(step=2, sent=0.128, returned=0.140, started=0.129, launch_s=0.0005, device_s=0.010)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(dict(r, decode=4, prefill_tokens=0, chunks=0, new=0, running=4, waiting=0,
+                                            forward_s=0.01)) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, str(REPORT), str(path), "--bins", "1", "--pipeline"], capture_output=True,
+                         text=True, check=True).stdout
+    line = next(line.split() for line in out.splitlines()[out.splitlines().index(next(
+        x for x in out.splitlines() if "plan wait" in x)):] if line.startswith("decode"))
+    steps, device, idle, plan_wait, to_launch, turnaround, idle_s = line[1:8]
+    assert steps == "3" and device == "9.00"
+    assert idle == "4.00"  # (0 + 3 + 9) / 3 ms
+    assert plan_wait == "2.67" and to_launch == "1.33"  # step 2's 8 of its 9 ms waited for the plan; step 1's 3 the worker
+    assert turnaround == "17.00"  # step 2 sent 17 ms after step 0's result came back
+    assert idle_s == "0.01"

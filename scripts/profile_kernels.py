@@ -1,0 +1,133 @@
+"""Which kernels a forward step's device time goes to, bf16 against model.quantization=fp8: the Qwen2-7B shape
+with random weights, a decode step of each --rows (every row holding --context tokens) and a mixed step (64
+decode rows plus one --chunk-len prompt), each captured in a CUDA graph where it can be (as the worker runs
+decode steps) and timed by its replays, then once under torch.profiler: the kernels by device time, summed
+over the step's layers. One JSON line per step and weight format, then the kernel table.
+
+    python scripts/profile_kernels.py [--layers 28] [--rows 1 64 165 256] [--formats bf16 fp8] [--top 12]
+    python scripts/profile_kernels.py --cpu --layers 2   (a smoke run: the CPU's op names, times mean nothing)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_steps import QWEN2_7B, SPAN, step_batch  # scripts/ is on the path of a script run
+from llaunch.runtime.models.arch import ModelArch
+from llaunch.runtime.models.decoder import DecoderLM
+from llaunch.runtime.models.fp8_linear import quantize_linears
+from llaunch.runtime.models.layers import TpGroup
+from llaunch.runtime.models.weights import DummySource, load_from
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+
+
+def build(fmt: str, layers: int, cuda: bool, rows: int):
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = dict(QWEN2_7B, num_hidden_layers=layers, model_type="qwen2", **({} if cuda else TINY))
+    arch = ModelArch.from_hf_config(shape)
+    model = DecoderLM(arch, TpGroup(0, 1, None), device, torch.bfloat16 if cuda else torch.float32, SPAN).eval()
+    load_from(model, DummySource(0, device, full_tensors=False))
+    if fmt == "fp8":
+        quantize_linears(model)
+    kv = model.make_kv_cache(rows * SPAN + 1, rows + 1, SPAN)
+    kv.req_to_slots[:rows] = torch.arange(rows * SPAN, dtype=torch.int32, device=device).view(rows, SPAN)
+    return model, kv
+
+
+def step_fn(model, kv, batch, cuda: bool):
+    """The step as a callable: a CUDA graph's replay where capture works, else the eager forward."""
+    run = lambda: model.forward(batch, kv)  # noqa: E731
+    if not cuda:
+        return run, "eager"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        return graph.replay, "graph"
+    except Exception as e:  # a step whose forward syncs with the host: timed eager
+        print(f"# capture failed ({type(e).__name__}: {str(e)[:80]}): eager", file=sys.stderr)
+        torch.cuda.synchronize()
+        return run, "eager"
+
+
+def device_ms(fn, cuda: bool, repeats: int = 20) -> float:
+    if not cuda:
+        return float("nan")
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def kernel_table(fn, cuda: bool) -> list[tuple[str, float, int]]:
+    """(kernel name, device ms per step, launches per step), largest first."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    totals, counts = defaultdict(float), defaultdict(int)
+    for ev in prof.events():
+        if cuda and ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not cuda and ev.cpu_parent is not None:  # the CPU smoke: top-level ops only
+            continue
+        name = ev.name[:90]
+        totals[name] += (ev.device_time if cuda else ev.cpu_time) / 1e3
+        counts[name] += 1
+    return sorted(((n, t, counts[n]) for n, t in totals.items()), key=lambda x: -x[1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 165, 256], help="decode steps' rows")
+    ap.add_argument("--context", type=int, default=1152, help="tokens each decode row holds")
+    ap.add_argument("--chunk-len", type=int, default=256, help="the mixed step's prompt (0: no mixed step)")
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--cpu", action="store_true")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.cpu
+    shapes = [(r, 0) for r in args.rows] + ([(64, 1)] if args.chunk_len else [])
+    most = max(r for r, _ in shapes) + 1
+    for fmt in args.formats:
+        model, kv = build(fmt, args.layers, cuda, most)
+        for rows, prompts in shapes:
+            batch = step_batch(rows, min(args.context, SPAN - args.chunk_len), prompts, args.chunk_len,
+                               kv.req_to_slots.device)
+            with torch.inference_mode():
+                fn, how = step_fn(model, kv, batch, cuda)
+                ms = device_ms(fn, cuda)
+                table = kernel_table(fn, cuda)
+            print(json.dumps(dict(format=fmt, decode_rows=rows, prefill_tokens=prompts * args.chunk_len,
+                                  layers=args.layers, launch=how, step_ms=round(ms, 3),
+                                  kernels_ms=round(sum(t for _, t, _ in table), 3))))
+            for name, t, n in table[:args.top]:
+                print(f"  {t:8.3f} ms {n:5d}x  {name}")
+            sys.stdout.flush()
+        del model, kv
+        if cuda:
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
