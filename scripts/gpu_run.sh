@@ -37,7 +37,8 @@
 # Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), CLIENT_PROCS (bench clients), VOCAB,
 #   VL_IMAGE_SIZE, VL_OUTPUT, VL_PROMPTS_PER_STREAM (the vl cases' image side, output tokens, requests per stream),
 #   AU_SECONDS, AU_OUTPUT, AU_PROMPTS_PER_STREAM (the au cases' clip duration, output tokens, requests per stream),
-#   TESTS (pytest paths and options of the tests step), VARIANTS (the cases once per variant: below),
+#   TESTS (pytest paths and options of the tests step), RUNS (which runs, e.g. "2 3": their seeds, to add runs to
+#   an earlier call's without repeating its prompts), VARIANTS (the cases once per variant: below),
 #   TRACE=1 (a step trace: each case's first run's steps by kind, host enqueue and device time, the device's
 #   waits between steps by cause; the whole trace in $OUT/trace.jsonl.gz).
 set -u
@@ -123,7 +124,7 @@ serve_cases() {  # one server (SERVE), its launch timed, then every case REPEATS
       | tee "$OUT/startup.txt"
     MODEL=$(curl -s localhost:8000/v1/models | $PY -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
     # runs interleave (run 1 of every case, then run 2, ...): a drifting machine shows in every case alike
-    for r in $(seq 1 "$REPEATS"); do
+    for r in ${RUNS:-$(seq 1 "$REPEATS")}; do
       for c in $CASES; do
         case $c in
           single) run_case single $r 5 512 256 1 120 ;;
