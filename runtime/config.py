@@ -316,8 +316,8 @@ class RouterConfig:
     max_running_requests: int = 1000  # requests in the running batch at once, per replica
     batch_max_tokens: Optional[int] = None  # tokens per forward step; None: derived
     chunked_prefill: bool = True  # long prompts prefill in chunks that share steps with decodes
-    chunked_prefill_size: int = 4096  # tokens of one prompt per step
-    max_wait_tokens: int = 6  # decode steps to run before new prefills join the batch
+    chunked_prefill_size: int = 1024  # tokens of one prompt per step
+    max_wait_tokens: int = 0  # decode steps to run before new prefills join the batch
     # dp > 1: send each request to the replica with the fewest prompt tokens still to prefill (then the
     # least load), so prefills spread evenly over replicas (LightLLM's enable_dp_prefill_balance).
     dp_prefill_balance: bool = False

@@ -246,8 +246,9 @@ def test_batch_max_tokens_default(chunked, max_len, chunk, expected):
 
 
 def test_decode_nodes_do_not_wait_for_prefills():
-    assert derive.resolve_router(RouterConfig(), ModelConfig(), Mode.pd_decode).max_wait_tokens == 0
-    assert derive.resolve_router(RouterConfig(), ModelConfig(), Mode.pd_prefill).max_wait_tokens == 6
+    waits = RouterConfig(max_wait_tokens=6)
+    assert derive.resolve_router(waits, ModelConfig(), Mode.pd_decode).max_wait_tokens == 0
+    assert derive.resolve_router(waits, ModelConfig(), Mode.pd_prefill).max_wait_tokens == 6
 
 
 def test_resolve_sets_a_concrete_device(compose_config):
@@ -255,7 +256,7 @@ def test_resolve_sets_a_concrete_device(compose_config):
     assert cfg.device in (Device.cpu, Device.cuda)
     cpu = derive.resolve(compose_config("model=tiny-llama", "device=cpu"))
     assert cpu.device == Device.cpu and cpu.model.dtype == DType.float32
-    assert cpu.router.batch_max_tokens == 4096 and cpu.model.max_model_len == 512
+    assert cpu.router.batch_max_tokens == 1024 and cpu.model.max_model_len == 512  # a chunk: no less
 
 
 @pytest.mark.parametrize("profile,tp", [("qwen2-7b", 2), ("qwen2-72b", 8), ("smollm2-135m", 1)])

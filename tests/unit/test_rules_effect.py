@@ -48,7 +48,7 @@ EXAMPLES = {
     "affinity": (("router.dp_prefix_affinity=true",), ()),
     "chunked": ((), ("router.chunked_prefill=false",)),
     "not_decode": ((), ("mode=pd_decode",)),
-    "waits": ((), ("router.max_wait_tokens=0",)),
+    "waits": (("router.max_wait_tokens=6",), ("router.max_wait_tokens=0",)),
     "pd_role": (("mode=pd_prefill",), ()),
     "master_dialled": ((), ("mode=pd_decode", "mode.config_server_host=127.0.0.1")),
     "registry": (("mode=pd_master",), ("mode=normal",)),
