@@ -1,7 +1,8 @@
 """fp8 GEMMs of few rows (decode steps of 16-256 rows) on the Qwen2-7B linears: which kernel streams the e4m3
-weights fastest. cuBLASLt picks a 128 x 128 tile for the row-wise scaled GEMM at every M up to 256
+weights fastest. cuBLASLt runs the row-wise scaled GEMM in 128 x 128 tiles at 64-320 rows
 (scripts/profile_kernels.py: 64 rows 3.47 ms a step for the fp8 GEMMs against bf16's 3.61), far from the
-half that fp8's bytes allow. Timed here, each (shape, M): bf16 cuBLAS; torch._scaled_mm with row-wise scales
+half that fp8's bytes allow. Each kernel relaunches on one weight, so the smaller ones partly come from L2:
+compare the methods, not the bytes per second with a model's step. Timed here, each (shape, M): bf16 cuBLAS; torch._scaled_mm with row-wise scales
 (as served) and with one scale per tensor; a Triton tile GEMM (e4m3 x e4m3 on the tensor cores, float32
 accumulation, scales in the epilogue) over tile shapes and splits of K, its output checked against
 _scaled_mm's. One JSON line per (shape, M, method): microseconds (CUDA events, median of 5 x 20 launches)
