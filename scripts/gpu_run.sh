@@ -27,7 +27,7 @@
 #             SERVE="model=qwen2-audio-7b model.load_format=dummy router.max_running_requests=256 server.http_workers=4"
 #             CASES="au16 au16rep" bash scripts/gpu_run.sh cases
 #   baseline  transformers' generate on the same model shape (../shared/bench/hf_baseline.py)
-#   spec      speculative decoding: scripts/bench_spec.sh (SmolLM2, which the tests step converts; a copy-heavy
+#   spec      speculative decoding: scripts/bench_spec.sh (SmolLM2 as prepare cut it, SPEC_SERVE to change; a copy-heavy
 #             workload single-stream and at c64 against spec=none, spec=ngram and spec=ngram spec.max_batch=64),
 #             results under $OUT/spec
 #   verify_steps  speculative decoding's cost side: batch-1 verify steps of k+1 tokens (k = 1..4) against a
@@ -207,7 +207,11 @@ fi
 
 if has spec; then
   stamp "speculative decoding: copy-heavy single stream, spec=none then spec=ngram"
-  OUT="$OUT/spec" PY=$PY bash scripts/bench_spec.sh || status=1
+  if [ ! -f .models/smollm2-135m/model.safetensors ]; then
+    $PY scripts/prepare_models.py --gguf .gpu/smollm2-cut.gguf --out .models 2>&1 | tail -1
+  fi
+  # the cut GGUF has fewer blocks than the smollm2-135m profile says: every dimension from its config.json
+  SERVE="${SPEC_SERVE:-model=llama model.path=$PWD/.models/smollm2-135m}" OUT="$OUT/spec" PY=$PY bash scripts/bench_spec.sh || status=1
 fi
 
 if has verify_steps; then
