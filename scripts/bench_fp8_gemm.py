@@ -1,9 +1,10 @@
 """fp8 GEMMs of few rows (decode steps of 16-256 rows) on the Qwen2-7B linears: which kernel streams the e4m3
 weights fastest. cuBLASLt runs the row-wise scaled GEMM in 128 x 128 tiles at 64-320 rows
 (scripts/profile_kernels.py: 64 rows 3.47 ms a step for the fp8 GEMMs against bf16's 3.61), far from the
-half that fp8's bytes allow. Each kernel relaunches on one weight, so the smaller ones partly come from L2:
-compare the methods, not the bytes per second with a model's step. Timed here, each (shape, M): bf16 cuBLAS; torch._scaled_mm with row-wise scales
-(as served) and with one scale per tensor; a Triton tile GEMM (e4m3 x e4m3 on the tensor cores, float32
+half that fp8's bytes allow. Each launch takes the next of --copies weights, so a weight comes from memory,
+not L2, as in a model's step. Timed here, each (shape, M): bf16 cuBLAS; torch._scaled_mm with row-wise scales
+(as served), with one scale per tensor, and with unit per-tensor scales, float32 out and the row-wise scales in a
+Triton epilogue (the same products and sums as row-wise); a Triton tile GEMM (e4m3 x e4m3 on the tensor cores, float32
 accumulation, scales in the epilogue) over tile shapes and splits of K, its output checked against
 _scaled_mm's. One JSON line per (shape, M, method): microseconds (CUDA events, median of 5 x 20 launches)
 and the weight bytes per second; then per M the four linears' sum per method (what a layer reads).
@@ -50,7 +51,8 @@ def _skinny_kernel(a_ptr, b_ptr, out_ptr, as_ptr, bs_ptr, M, N, K, k_per_split,
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
         else:
             acc = tl.dot(a, b, acc, out_dtype=tl.float32)
-    acc *= tl.load(as_ptr + offs_m, mask=m_in, other=0.0)[:, None] * tl.load(bs_ptr + offs_n, mask=n_in, other=0.0)[None, :]
+    a_s = tl.load(as_ptr + offs_m, mask=m_in, other=0.0)
+    acc *= a_s[:, None] * tl.load(bs_ptr + offs_n, mask=n_in, other=0.0)[None, :]
     out = out_ptr + split * M * N + offs_m[:, None] * N + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
 
@@ -65,6 +67,24 @@ def skinny(q, a_scale, w, w_scale, block_m, block_n, block_k, split, stages, war
     _skinny_kernel[grid](q, w, out, a_scale, w_scale, m, n, k, k_per_split, BLOCK_M=block_m, BLOCK_N=block_n,
                          BLOCK_K=block_k, STAGES=stages, INTERPRETED=INTERPRETED, num_warps=warps)
     return out[0] if split == 1 else out.sum(0).to(torch.bfloat16)
+
+
+@triton.jit
+def _epilogue_kernel(y_ptr, as_ptr, bs_ptr, out_ptr, N, BLOCK_N: tl.constexpr):
+    """out[m, n] = y[m, n] * as[m] * bs[n], cast: the row-wise scales after a per-tensor-scaled GEMM."""
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < N
+    y = tl.load(y_ptr + m * N + offs, mask=mask, other=0.0)
+    y = y * tl.load(as_ptr + m) * tl.load(bs_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + m * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scaled_epilogue(y: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    m, n = y.shape
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=y.device)
+    _epilogue_kernel[(m, triton.cdiv(n, 1024))](y, a_scale, w_scale, out, n, BLOCK_N=1024)
+    return out
 
 
 def timed_us(fn) -> float:
@@ -90,7 +110,8 @@ def configs(m: int):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128, 165, 256])
-    ap.add_argument("--cpu", action="store_true", help="a smoke run of the Triton kernel (TRITON_INTERPRET=1)")
+    ap.add_argument("--copies", type=int, default=8, help="distinct weights per shape, used in turn (L2 holds ~50 MB)")
+    ap.add_argument("--cpu", action="store_true", help="a smoke run of the Triton kernels (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if args.cpu:
         torch.manual_seed(0)
@@ -100,38 +121,59 @@ def main() -> int:
         want = (q.float() @ w.float().t()) * a_s[:, None] * w_s[None, :]
         got = skinny(q, a_s, w, w_s, 16, 32, 128, 2, 1, 4).float()
         err = ((got - want).abs().max() / want.abs().max()).item()
-        print(json.dumps(dict(check="triton vs float32", max_rel_err=err)))
-        return 0 if err < 1e-2 else 1
+        raw = q.float() @ w.float().t()
+        epi = ((scaled_epilogue(raw, a_s, w_s).float() - want).abs().max() / want.abs().max()).item()
+        print(json.dumps(dict(check="triton vs float32", max_rel_err=err, epilogue_max_rel_err=epi)))
+        return 0 if max(err, epi) < 1e-2 else 1
     dev = torch.device("cuda")
     totals: dict = {}
     for m in args.rows:
         for name, (n, k) in SHAPES.items():
             torch.manual_seed(0)
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
-            w_scale = w16.abs().amax(1).float() / 448
-            w8 = (w16.float() / w_scale[:, None]).to(torch.float8_e4m3fn)
             a_scale = x.abs().amax(1, keepdim=True).float() / 448
             q = (x.float() / a_scale).to(torch.float8_e4m3fn)
-            wt = w8.t()
-            t_scale = torch.ones((), device=dev)
-            want = torch._scaled_mm(q, wt, scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+            a_flat = a_scale.view(-1).contiguous()
+            # --copies distinct weights, used in turn: a model's layers each read their own from memory
+            w16s, w8s, w_scales = [], [], []
+            for _ in range(args.copies):
+                w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+                w_scale = w16.abs().amax(1).float() / 448
+                w16s.append(w16)
+                w8s.append((w16.float() / w_scale[:, None]).to(torch.float8_e4m3fn))
+                w_scales.append(w_scale)
+            turn = itertools.count()
+            one = torch.ones((), device=dev)
+            want = torch._scaled_mm(q, w8s[0].t(), scale_a=a_scale, scale_b=w_scales[0].view(1, -1),
+                                    out_dtype=torch.bfloat16)
+
+            def rowwise(i):
+                return torch._scaled_mm(q, w8s[i].t(), scale_a=a_scale, scale_b=w_scales[i].view(1, -1),
+                                        out_dtype=torch.bfloat16)
+
+            def tensor_f32_epilogue(i):
+                y = torch._scaled_mm(q, w8s[i].t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+                return scaled_epilogue(y, a_flat, w_scales[i])
+
             methods = {
-                "bf16": lambda: torch.nn.functional.linear(x, w16),
-                "scaled_mm_rowwise": lambda: torch._scaled_mm(q, wt, scale_a=a_scale, scale_b=w_scale.view(1, -1),
-                                                              out_dtype=torch.bfloat16),
-                "scaled_mm_tensor": lambda: torch._scaled_mm(q, wt, scale_a=t_scale, scale_b=t_scale,
-                                                             out_dtype=torch.bfloat16),
+                "bf16": lambda i: torch.nn.functional.linear(x, w16s[i]),
+                "scaled_mm_rowwise": rowwise,
+                "scaled_mm_tensor": lambda i: torch._scaled_mm(q, w8s[i].t(), scale_a=one, scale_b=one,
+                                                               out_dtype=torch.bfloat16),
+                "tensor_f32_epilogue": tensor_f32_epilogue,
             }
+            err = ((tensor_f32_epilogue(0).float() - want.float()).abs().max() / want.float().abs().max()).item()
+            if err > 2e-2:
+                print(f"# {name} m={m} tensor_f32_epilogue: wrong (max rel err {err:.3g})", file=sys.stderr)
             row = {}
             for method, fn in methods.items():
-                row[method] = timed_us(fn)
+                row[method] = timed_us(lambda fn=fn: fn(next(turn) % args.copies))
             best, best_cfg = float("inf"), None
-            a_flat = a_scale.view(-1).contiguous()
             for cfg in configs(m):
-                fn = lambda cfg=cfg: skinny(q, a_flat, w8, w_scale, **cfg)  # noqa: E731
+                fn = lambda cfg=cfg: skinny(q, a_flat, w8s[next(turn) % args.copies], w_scales[0], **cfg)  # noqa: E731
                 try:
-                    err = ((fn().float() - want.float()).abs().max() / want.float().abs().max()).item()
+                    err = ((skinny(q, a_flat, w8s[0], w_scales[0], **cfg).float() - want.float()).abs().max()
+                           / want.float().abs().max()).item()
                     us = timed_us(fn)
                 except Exception as e:  # a tile shape the compiler refuses (shared memory)
                     print(f"# {name} m={m} {cfg}: {type(e).__name__}", file=sys.stderr)

@@ -65,6 +65,7 @@ def test_the_pipeline_report_splits_the_device_idle_between_steps_by_cause(tmp_p
     steps, device, idle, plan_wait, to_launch, turnaround, idle_s = line[1:8]
     assert steps == "3" and device == "9.00"
     assert idle == "4.00"  # (0 + 3 + 9) / 3 ms
-    assert plan_wait == "2.67" and to_launch == "1.33"  # step 2's 8 of its 9 ms waited for the plan; step 1's 3 the worker
+    # step 2's 8 of its 9 idle ms waited for the plan; step 1's 3 were the worker's
+    assert plan_wait == "2.67" and to_launch == "1.33"
     assert turnaround == "17.00"  # step 2 sent 17 ms after step 0's result came back
     assert idle_s == "0.01"
