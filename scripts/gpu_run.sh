@@ -162,9 +162,10 @@ serve_cases() {  # one server (SERVE), its launch timed, then every case REPEATS
   kill -TERM $lpid 2>/dev/null; wait $lpid
   for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -30 "$f"; done > "$OUT/process-logs.txt"
   if [ -n "${TRACE:-}" ]; then
+    first=$(echo ${RUNS:-1} | cut -d' ' -f1)  # the first run this call made
     for c in $CASES; do
-      echo "== step trace, $c run 1"
-      $PY scripts/step_trace_report.py /tmp/trace.jsonl --bins 4 --pipeline --window $(cat "$OUT/window-$c-1.txt") | head -22
+      echo "== step trace, $c run $first"
+      $PY scripts/step_trace_report.py /tmp/trace.jsonl --bins 4 --pipeline --window $(cat "$OUT/window-$c-$first.txt") | head -22
     done
     gzip -c /tmp/trace.jsonl > "$OUT/trace.jsonl.gz"  # the whole trace (every run), for scripts/step_trace_report.py
   fi
