@@ -4,17 +4,21 @@
 (the lower expert on a tie), renormalized to sum to 1 where the model says so.
 
 `fused_moe`: every (token, k) pair goes to its expert. The pairs are sorted by expert and each expert's run is
-padded to BLOCK_M (`align`, torch ops without a host sync, so decode graphs capture it); then two grouped GEMMs,
+padded to BLOCK_M (`align`: three small kernels without a host sync, so decode graphs capture it); then two grouped GEMMs,
 each program one BLOCK_M run of a single expert: gate‖up with the SiLU-and-multiply in its epilogue ([pairs, I]),
 and down with the routing weight in its epilogue ([pairs, H]); a token's k rows are summed back in token order.
+A step of few pairs (a launch with BLOCK_M 1: by default at most 16 pairs, batch-1 and batch-2 decode of a top-8
+model) runs each pair as two GEMVs instead (row_dots, as the dense batch-1 GEMV): nothing to sort or pad, and the
+weights streamed at the GEMV's bandwidth where 16-row tiles of one valid row read them at ~1.7 TB/s (H200, T=1).
 Pairs whose expert another rank holds (parallel.ep) are computed nowhere here: their rows stay zero.
 
 The roundings are the reference's (kernels/reference.py fused_moe): gate and up, silu(gate), the product, the
 down product and the weighted row each rounded to the model's dtype. Launch shapes: kernels.moe_shapes per layer
-shape (kernels/settings.py), else `default_launch`.
+shape (kernels/settings.py), else those measured on the GPU model (kernels/moe_launches.py), else `default_launch`.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -23,7 +27,9 @@ import triton
 import triton.language as tl
 
 from llaunch.kernels import settings
-from llaunch.kernels.settings import MoeLaunch
+from llaunch.kernels.moe_launches import MOE_SHAPES_BY_DEVICE
+from llaunch.kernels.row_dots import row_dots
+from llaunch.kernels.settings import MoeLaunch, MoeShapes, parse_moe_shapes
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -64,30 +70,76 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     return weights, ids
 
 
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, pairs, expert_start, num_local, BLOCK: tl.constexpr):
+    """counts[e] += the pairs of this block routed to local expert e (atomics: counts starts at zero)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    local = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1).to(tl.int32) - expert_start
+    mine = (offs < pairs) & (local >= 0) & (local < num_local)
+    tl.atomic_add(counts_ptr + local, 1, mask=mine)
+
+
+@triton.jit
+def _runs_kernel(counts_ptr, cursor_ptr, sorted_ptr, block_expert_ptr, padded_ptr, pairs, num_local, max_blocks,
+                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr):
+    """One program: each expert's run padded to BLOCK_M, where runs start (the cursors the placing kernel advances),
+    the expert of every row tile, the used length; every slot set to the padding value `pairs` first."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_local, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(cursor_ptr + experts, ends - padded, mask=experts < num_local)
+    tl.store(padded_ptr, tl.sum(padded, axis=0).to(tl.int64))
+    ends = tl.where(experts < num_local, ends, 2147483647)
+    for first in range(0, max_blocks, BLOCK):
+        blocks = first + tl.arange(0, BLOCK)
+        # searchsorted(ends, block start, right): how many runs end at or before the tile's first row
+        owner = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.minimum(owner, num_local - 1), mask=blocks < max_blocks)
+    for first in range(0, max_blocks * BLOCK_M + 1, FILL):
+        slots = first + tl.arange(0, FILL)
+        tl.store(sorted_ptr + slots, tl.zeros((FILL,), tl.int32) + pairs, mask=slots < max_blocks * BLOCK_M + 1)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, cursor_ptr, sorted_ptr, pairs, expert_start, num_local, BLOCK: tl.constexpr):
+    """Each local pair takes the next slot of its expert's run (the order within a run is the atomics': a row's
+    result does not depend on its place in the tile)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    local = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1).to(tl.int32) - expert_start
+    mine = (offs < pairs) & (local >= 0) & (local < num_local)
+    slot = tl.atomic_add(cursor_ptr + local, 1, mask=mine)
+    tl.store(sorted_ptr + slot, offs.to(tl.int32), mask=mine)
+
+
+_ALIGN_BLOCK = 1024  # pairs per counting / placing program
+
+
 def align(topk_ids: torch.Tensor, num_local: int, expert_start: int, block_m: int):
     """Pairs sorted by expert, each expert's run padded to a multiple of block_m. → (sorted_pairs [max_blocks *
     block_m + 1] int32: pair index t * k + j, or the pair count in padding; block_expert [max_blocks] int32: the
-    local expert of each run of block_m; padded [1]: the used length, blocks past it exit at once). Pairs of experts
-    outside [expert_start, expert_start + num_local) are left out (the last element is where they are dropped)."""
-    pairs = topk_ids.numel()
-    local = topk_ids.reshape(-1).to(torch.int64) - expert_start
-    bucket = torch.where((local >= 0) & (local < num_local), local, num_local)  # num_local: another rank's
-    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=local.device)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
-    padded_counts = (counts[:num_local] + block_m - 1) // block_m * block_m
-    ends = padded_counts.cumsum(0)
+    local expert of each run of block_m; padded [1] int64: the used length, blocks past it exit at once). Pairs of
+    experts outside [expert_start, expert_start + num_local) are left out. Three launches and no host sync (the
+    torch ops it replaced were ~35 launches a layer, most of a batch-1 decode step's MoE time)."""
+    ids = topk_ids.reshape(-1)
+    pairs = ids.numel()
     # at most min(pairs, experts) runs are non-empty, each wasting under block_m rows
     max_blocks = triton.cdiv(pairs + min(pairs, num_local) * (block_m - 1), block_m)
-    dropped = max_blocks * block_m
-    order = torch.argsort(bucket, stable=True)  # by expert, pair order within one
-    in_bucket = torch.arange(pairs, device=local.device) - (counts.cumsum(0) - counts)[bucket[order]]
-    starts = torch.cat([ends - padded_counts, torch.full((1,), dropped, dtype=torch.int64, device=local.device)])
-    sorted_pairs = torch.full((dropped + 1,), pairs, dtype=torch.int32, device=local.device)
-    sorted_pairs.scatter_(0, torch.where(bucket[order] < num_local, starts[bucket[order]] + in_bucket, dropped),
-                          order.to(torch.int32))
-    block_starts = torch.arange(0, dropped, block_m, device=local.device)
-    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_local - 1).to(torch.int32)
-    return sorted_pairs, block_expert, ends[-1:]
+    device = ids.device
+    counts = torch.zeros(2 * num_local, dtype=torch.int32, device=device)  # counts, then the runs' cursors
+    sorted_pairs = torch.empty(max_blocks * block_m + 1, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    padded = torch.empty(1, dtype=torch.int64, device=device)
+    grid = (triton.cdiv(pairs, _ALIGN_BLOCK),)
+    if pairs:
+        _count_kernel[grid](ids, counts, pairs, expert_start, num_local, BLOCK=_ALIGN_BLOCK)
+    block_e = triton.next_power_of_2(num_local)
+    _runs_kernel[(1,)](counts, counts[num_local:], sorted_pairs, block_expert, padded, pairs, num_local, max_blocks,
+                       BLOCK_M=block_m, BLOCK_E=block_e, BLOCK=max(16, min(1024, 16384 // block_e)),
+                       FILL=1024, num_warps=4)
+    if pairs:
+        _place_kernel[grid](ids, counts[num_local:], sorted_pairs, pairs, expert_start, num_local, BLOCK=_ALIGN_BLOCK)
+    return sorted_pairs, block_expert, padded
 
 
 @triton.jit
@@ -175,22 +227,73 @@ def _down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_pt
     tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :], y, mask=valid[:, None] & n_in[None, :])
 
 
-def default_launch(tokens: int, num_local: int) -> MoeLaunch:
-    """Until kernels.moe_shapes says otherwise: a decode step's few pairs per expert take 16-row tiles (tl.dot's
-    least) spread over more column tiles; larger steps 64 × 64 (two accumulators: gate's and up's)."""
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, N, K, expert_start, num_local, stride_xm, stride_we,
+                         stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (token, expert) pair's gate‖up as a GEMV: out[pair, n] = silu(x[token] · gate[e, n]) * (x · up[e, n])."""
+    pair = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_start
+    mine = (expert >= 0) & (expert < num_local)
+    row_mask = rows < tl.where(mine, N, 0)  # another rank's expert (parallel.ep): no row
+    w_rows = w_ptr + tl.where(mine, expert, 0) * stride_we + rows.to(tl.int64) * stride_wn
+    g, u, _ = row_dots(x_ptr + (pair // TOP_K) * stride_xm, w_rows, row_mask, K, N * stride_wn, True, False,
+                       BLOCK_N, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    gate = g.to(dtype).to(tl.float32)  # the grouped kernel's roundings
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + pair * stride_om + rows, (act * u.to(dtype).to(tl.float32)).to(dtype), mask=row_mask)
+
+
+@triton.jit
+def _pair_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, expert_start, num_local, stride_am,
+                      stride_we, stride_wn, stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One pair's down product as a GEMV, times its routing weight: out[pair, n] = weight * (a[pair] · down[e, n])."""
+    pair = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_start
+    mine = (expert >= 0) & (expert < num_local)
+    row_mask = rows < tl.where(mine, N, 0)  # another rank's expert (parallel.ep): no row
+    w_rows = w_ptr + tl.where(mine, expert, 0) * stride_we + rows.to(tl.int64) * stride_wn
+    y, _, _ = row_dots(a_ptr + pair * stride_am, w_rows, row_mask, K, 0, False, False, BLOCK_N, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    y = (y.to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)).to(dtype)
+    tl.store(out_ptr + pair * stride_om + rows, y, mask=row_mask)
+
+
+def default_launch(tokens: int, num_local: int, top_k: int = 1) -> MoeLaunch:
+    """Until kernels.moe_shapes says otherwise: a step of at most 16 pairs runs them as GEMVs (BLOCK_M 1: nothing
+    sorted, no padded rows); a decode step's few pairs per expert take 16-row tiles (tl.dot's least) spread over
+    more column tiles; larger steps 64 × 64 (two accumulators: gate's and up's)."""
     if _INTERPRETED:
-        return MoeLaunch(16, 32, 32, 4, 1, 1)
+        return MoeLaunch(1, 32, 256, 4, 1, 1) if tokens * top_k <= 16 else MoeLaunch(16, 32, 32, 4, 1, 1)
+    if tokens * top_k <= 16:
+        return MoeLaunch(1, 8, 256, 4, 1, 1)
     if tokens <= num_local:
         return MoeLaunch(16, 64, 64, 4, 3, 1)
     return MoeLaunch(64, 64, 64, 4, 3, 8)
 
 
-def launch_for(tokens: int, num_local: int, inter: int, hidden: int) -> MoeLaunch:
-    """kernels.moe_shapes' launch for this layer shape and step size, else the default."""
-    for bound, launch in settings.current.moe_shapes.get((num_local, inter, hidden), ()):
-        if bound is None or tokens <= bound:
-            return launch
-    return default_launch(tokens, num_local)
+def launch_for(tokens: int, num_local: int, inter: int, hidden: int, top_k: int = 1,
+               device_name: Optional[str] = None) -> MoeLaunch:
+    """kernels.moe_shapes' launch for this layer shape and step size, else the one measured on this GPU model
+    (kernels/moe_launches.py), else the default."""
+    shape = (num_local, inter, hidden)
+    for table in (settings.current.moe_shapes, _measured(device_name)):
+        for bound, launch in table.get(shape, ()):
+            if bound is None or tokens <= bound:
+                return launch
+    return default_launch(tokens, num_local, top_k)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(device_name: Optional[str]) -> MoeShapes:
+    return parse_moe_shapes(MOE_SHAPES_BY_DEVICE.get(device_name, ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -211,20 +314,30 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if x.stride(-1) != 1:
         x = x.contiguous()
     assert w13.is_contiguous() and w2.is_contiguous() and w2.shape == (num_local, hidden, inter)
-    launch = launch_for(tokens, num_local, inter, hidden)
-    sorted_pairs, block_expert, padded = align(topk_ids, num_local, expert_start or 0, launch.block_m)
-    num_m = block_expert.shape[0]
+    device_name = _device_name(x.device.index or 0) if x.is_cuda else None
+    launch = launch_for(tokens, num_local, inter, hidden, top_k, device_name)
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     # the rows of pairs whose expert is another rank's are never written: they must read zero
     rows = (torch.empty if expert_start is None else torch.zeros)((pairs, hidden), dtype=x.dtype, device=x.device)
     if pairs == 0:
         return rows.view(tokens, top_k, hidden).sum(dim=1)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    if launch.block_m == 1:  # each pair its own GEMV programs: a decode step's few pairs, nothing to sort
+        ids = topk_ids.reshape(-1)
+        _pair_gate_up_kernel[(pairs, triton.cdiv(inter, launch.block_n))](
+            x, w13, act, ids, inter, hidden, expert_start or 0, num_local, x.stride(0), w13.stride(0), w13.stride(1),
+            act.stride(0), TOP_K=top_k, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, num_warps=launch.warps)
+        _pair_down_kernel[(pairs, triton.cdiv(hidden, launch.block_n))](
+            act, w2, rows, weights, ids, hidden, inter, expert_start or 0, num_local, act.stride(0), w2.stride(0),
+            w2.stride(1), rows.stride(0), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, num_warps=launch.warps)
+        return rows.view(tokens, top_k, hidden).sum(dim=1)
+    sorted_pairs, block_expert, padded = align(topk_ids, num_local, expert_start or 0, launch.block_m)
+    num_m = block_expert.shape[0]
     common = dict(UPCAST=not x.is_cuda, PRECISION=_precision(x), BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
                   BLOCK_K=launch.block_k, GROUP_M=launch.group_m, num_warps=launch.warps, num_stages=launch.stages)
     _gate_up_kernel[(num_m * triton.cdiv(inter, launch.block_n),)](
         x, w13, act, sorted_pairs, block_expert, padded, inter, hidden, pairs, num_m, x.stride(0), w13.stride(0),
         w13.stride(1), act.stride(0), TOP_K=top_k, **common)
-    weights = topk_weights.reshape(-1).float().contiguous()
     _down_kernel[(num_m * triton.cdiv(hidden, launch.block_n),)](
         act, w2, rows, weights, sorted_pairs, block_expert, padded, hidden, inter, pairs, num_m, act.stride(0),
         w2.stride(0), w2.stride(1), rows.stride(0), **common)

@@ -63,7 +63,9 @@ class KernelSettings:
     # Launch shapes of the fused MoE layer's grouped GEMMs (kernels/fused_moe.py) per layer shape, overriding its
     # defaults: comma-separated `ExIxH[@TOKENS]=BLOCK_M/BLOCK_N/BLOCK_K/WARPS/STAGES[/GROUP_M]` (E experts and I
     # intermediate columns on one rank, H hidden; @TOKENS: for steps of at most that many tokens, the smallest bound
-    # that holds winning, none: any step). Sweep with `llaunch -m bench=c64 kernels.moe_shapes=...`.
+    # that holds winning, none: any step; BLOCK_M 1: each (token, expert) pair as two GEMVs of BLOCK_N rows a
+    # program, STAGES and GROUP_M unused). A shape not named takes the launches measured on the GPU model
+    # (kernels/moe_launches.py), else the defaults. Tune with scripts/tune_moe.py on the GPU they are for.
     moe_shapes: str = ""
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
@@ -130,10 +132,14 @@ def parse_moe_shapes(text: str) -> MoeShapes:
             raise ValueError(f"kernels.moe_shapes: {item!r} is not ExIxH[@TOKENS]=BLOCK_M/BLOCK_N/BLOCK_K/WARPS/STAGES"
                              "[/GROUP_M] (positive integers)") from None
         powers = all(v > 0 and v & (v - 1) == 0 for v in (launch.block_m, launch.block_n, launch.block_k, launch.warps))
-        if not powers or min(launch.block_m, launch.block_n, launch.block_k) < 16 or launch.warps > 16 \
-                or launch.stages < 1 or launch.group_m < 1:
+        if launch.block_m == 1:  # the per-pair GEMVs: BLOCK_N output rows a program, K walked BLOCK_K at a time
+            small = launch.block_k < 16
+        else:
+            small = min(launch.block_m, launch.block_n, launch.block_k) < 16
+        if not powers or small or launch.warps > 16 or launch.stages < 1 or launch.group_m < 1:
             raise ValueError(f"kernels.moe_shapes: {item!r}: blocks are powers of two of at least 16 (tl.dot's "
-                             "smallest), warps a power of two up to 16, STAGES and GROUP_M at least 1")
+                             "smallest; BLOCK_M 1 runs each pair as GEMVs, any BLOCK_N), warps a power of two up to "
+                             "16, STAGES and GROUP_M at least 1")
         shapes.setdefault((e, i, h), []).append((int(tokens) if tokens else None, launch))
     for launches in shapes.values():
         launches.sort(key=lambda bound: (bound[0] is None, bound[0] or 0))

@@ -38,14 +38,16 @@ def test_route_interpreted(ops, poisoned, tokens, num, top_k, renormalize):
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("start, local", [(0, 8), (0, 3), (5, 3)])
-def test_align_sorts_pairs_by_expert_in_padded_runs(block_m, start, local):
+@pytest.mark.parametrize("tokens, start, local", [(23, 0, 8), (23, 0, 3), (23, 5, 3),
+                                                  (700, 0, 8), (700, 3, 4)])  # 1,400 pairs: two placing programs
+def test_align_sorts_pairs_by_expert_in_padded_runs(poisoned, block_m, tokens, start, local):
     from llaunch.kernels.fused_moe import align
 
-    ids = torch.randint(0, 8, (23, 2), dtype=torch.int32)
-    ids[:, 1] = (ids[:, 0] + 1 + torch.randint(0, 7, (23,))) % 8  # two different experts per token
+    ids = torch.randint(0, 8, (tokens, 2), dtype=torch.int32)
+    ids[:, 1] = (ids[:, 0] + 1 + torch.randint(0, 7, (tokens,))) % 8  # two different experts per token
     ids[ids == 6] = 2  # expert 6 gets no token
-    sorted_pairs, block_expert, padded = align(ids, local, start, block_m)
+    with poisoned():  # every slot written: pairs, or the padding value
+        sorted_pairs, block_expert, padded = align(ids, local, start, block_m)
     flat, pairs, used = ids.reshape(-1), ids.numel(), int(padded)
     assert used % block_m == 0 and used <= sorted_pairs.numel() - 1
     seen = []
@@ -93,6 +95,27 @@ def test_experts_without_tokens_and_a_crowded_one(ops, poisoned, close):
 
 
 @pytest.mark.parametrize("tokens, num, top_k, hidden, inter", SHAPES)
+@pytest.mark.parametrize("launch", ["1/16/32/4/1/1", "1/8/16/1/1/1", "16/32/32/4/1/1"])
+def test_pair_gemvs_and_grouped_gemms_alike(ops, poisoned, close, launch, tokens, num, top_k, hidden, inter):
+    """Either kind of launch (BLOCK_M 1: each pair's GEMVs, unsorted; else sorted runs of grouped GEMMs) at any
+    step size: the reference's output, whole and as the shares of expert-parallel ranks."""
+    x = torch.randn(tokens, hidden)
+    w13, w2 = experts(num, hidden, inter, torch.float32)
+    weights, ids = routed(tokens, num, top_k)
+    half = num // 2
+    text = ",".join(f"{e}x{inter}x{hidden}={launch}" for e in {num, half, num - half})
+    before = settings.configure(KernelSettings(moe_shapes=text))
+    try:
+        with poisoned():
+            close(ops.fused_moe(x, w13, w2, weights, ids), reference.fused_moe(x, w13, w2, weights, ids))
+        for start, stop in ((0, half), (half, num)):
+            share = ops.fused_moe(x, w13[start:stop].contiguous(), w2[start:stop].contiguous(), weights, ids, start)
+            close(share, reference.fused_moe(x, w13[start:stop], w2[start:stop], weights, ids, start))
+    finally:
+        settings.configure(before)
+
+
+@pytest.mark.parametrize("tokens, num, top_k, hidden, inter", SHAPES)
 def test_expert_parallel_shares_sum_to_the_whole(ops, close, tokens, num, top_k, hidden, inter):
     """Each rank's whole experts (parallel.ep): its share is the reference's for those experts, pairs of the
     other rank's experts add zero, and the shares sum to the layer."""
@@ -127,6 +150,27 @@ def test_moe_shapes_setting_picks_the_launch(ops, close):
         settings.configure(before)
 
 
+def test_launches_measured_on_a_gpu_model_apply_where_moe_shapes_is_silent():
+    """kernels/moe_launches.py's table: a listed GPU model's launches for a listed layer shape; any other GPU or
+    shape the default; kernels.moe_shapes naming the shape wins over the table."""
+    from llaunch.kernels.fused_moe import default_launch, launch_for
+    from llaunch.kernels.moe_launches import MOE_SHAPES_BY_DEVICE
+    from llaunch.kernels.settings import parse_moe_shapes
+
+    measured = parse_moe_shapes(MOE_SHAPES_BY_DEVICE["NVIDIA H200"])[(128, 768, 2048)]
+    (first_bound, first), (_, unbounded) = measured[0], measured[-1]
+    assert launch_for(1, 128, 768, 2048, 8, "NVIDIA H200") == first
+    assert launch_for(first_bound + 1, 128, 768, 2048, 8, "NVIDIA H200") == measured[1][1]
+    assert launch_for(100_000, 128, 768, 2048, 8, "NVIDIA H200") == unbounded
+    assert launch_for(1, 128, 768, 2048, 8, "NVIDIA A100-SXM4-80GB") == default_launch(1, 128, 8)
+    assert launch_for(1, 60, 1408, 2048, 4, "NVIDIA H200") == default_launch(1, 60, 4)
+    before = settings.configure(KernelSettings(moe_shapes="128x768x2048=16/64/64/4/3/1"))
+    try:
+        assert launch_for(1, 128, 768, 2048, 8, "NVIDIA H200") == MoeLaunch(16, 64, 64, 4, 3, 1)
+    finally:
+        settings.configure(before)
+
+
 @pytest.mark.parametrize("text", ["4x24=16/16/16/1/1", "4x24x64=16/16/16/1", "4x24x64=8/16/16/1/1",
                                   "4x24x64=16/24/16/1/1", "4x24x64@0=16/16/16/1/1", "4x24x64=16/16/16/32/1"])
 def test_bad_moe_shapes_are_named(text):
@@ -150,7 +194,7 @@ GPU_SHAPES = [(128, 8, 2048, 768), (128, 8, 2048, 192), (60, 4, 2048, 1408), (8,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num, top_k, hidden, inter", GPU_SHAPES)
-@pytest.mark.parametrize("tokens", [1, 16, 333, 2048])
+@pytest.mark.parametrize("tokens", [1, 2, 16, 333, 2048])  # 1, 2: the pairs' GEMVs (top-8)
 def test_fused_moe_gpu(cuda, poisoned, close, num, top_k, hidden, inter, tokens):
     x = torch.randn(tokens, hidden, device=cuda).to(torch.bfloat16)
     w13, w2 = experts(num, hidden, inter, torch.bfloat16, cuda)
@@ -181,9 +225,10 @@ def test_route_gpu(cuda, num, top_k):
 
 
 @pytest.mark.gpu
-def test_fused_moe_replays_in_a_cuda_graph(cuda, close):
+@pytest.mark.parametrize("tokens", [1, 24])  # the pairs' GEMVs, the sorted grouped GEMMs
+def test_fused_moe_replays_in_a_cuda_graph(cuda, close, tokens):
     """Routing, sorting and both GEMMs capture (no host sync) and replay on new inputs as run eagerly."""
-    num, top_k, hidden, inter, tokens = 128, 8, 2048, 192, 24
+    num, top_k, hidden, inter = 128, 8, 2048, 192
     w13, w2 = experts(num, hidden, inter, torch.bfloat16, cuda)
     gate = (torch.randn(num, hidden, device=cuda) / hidden ** 0.5).to(torch.bfloat16)
     x = torch.randn(tokens, hidden, device=cuda).to(torch.bfloat16)
@@ -217,8 +262,8 @@ from triton.compiler import ASTSource
 moe = importlib.import_module("llaunch.kernels.fused_moe")
 out = {}
 for name, fn in (("gate_up", moe._gate_up_kernel), ("down", moe._down_kernel)):
-    for tokens in (1, 4096):
-        launch = moe.default_launch(tokens, 128)
+    for tokens in (16, 4096):  # the least step of top-8 pairs the grouped GEMMs take by default, a large one
+        launch = moe.default_launch(tokens, 128, 8)
         constexprs = dict(UPCAST=False, PRECISION="tf32", BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
                           BLOCK_K=launch.block_k, GROUP_M=launch.group_m)
         if name == "gate_up":
