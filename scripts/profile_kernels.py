@@ -1,10 +1,11 @@
 """Which kernels a forward step's device time goes to, bf16 against model.quantization=fp8: the Qwen2-7B shape
-with random weights, a decode step of each --rows (every row holding --context tokens) and a mixed step (64
+(--shape qwen3-30b-a3b: the MoE's, bf16 only) with random weights, a decode step of each --rows (every row holding --context tokens) and a mixed step (64
 decode rows plus one --chunk-len prompt), each captured in a CUDA graph where it can be (as the worker runs
 decode steps) and timed by its replays, then once under torch.profiler: the kernels by device time, summed
 over the step's layers. One JSON line per step and weight format, then the kernel table.
 
     python scripts/profile_kernels.py [--layers 28] [--rows 1 64 165 256] [--formats bf16 fp8] [--top 12]
+    python scripts/profile_kernels.py --shape qwen3-30b-a3b --layers 48 --formats bf16
     python scripts/profile_kernels.py --cpu --layers 2   (a smoke run: the CPU's op names, times mean nothing)
 """
 from __future__ import annotations
@@ -25,11 +26,18 @@ from llaunch.runtime.models.layers import TpGroup
 from llaunch.runtime.models.weights import DummySource, load_from
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
+SHAPES = {"qwen2-7b": dict(QWEN2_7B, model_type="qwen2"), "qwen3-30b-a3b": QWEN3_30B_A3B}
+TINY_MOE = dict(TINY, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 
 
-def build(fmt: str, layers: int, cuda: bool, rows: int):
+def build(fmt: str, layers: int, cuda: bool, rows: int, shape_name: str = "qwen2-7b"):
     device = torch.device("cuda" if cuda else "cpu")
-    shape = dict(QWEN2_7B, num_hidden_layers=layers, model_type="qwen2", **({} if cuda else TINY))
+    tiny = TINY_MOE if "num_experts" in SHAPES[shape_name] else TINY
+    shape = dict(SHAPES[shape_name], num_hidden_layers=layers, **({} if cuda else tiny))
     arch = ModelArch.from_hf_config(shape)
     model = DecoderLM(arch, TpGroup(0, 1, None), device, torch.bfloat16 if cuda else torch.float32, SPAN).eval()
     load_from(model, DummySource(0, device, full_tensors=False))
@@ -97,6 +105,7 @@ def kernel_table(fn, cuda: bool) -> list[tuple[str, float, int]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-7b")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 165, 256], help="decode steps' rows")
     ap.add_argument("--context", type=int, default=1152, help="tokens each decode row holds")
@@ -109,7 +118,7 @@ def main() -> int:
     shapes = [(r, 0) for r in args.rows] + ([(64, 1)] if args.chunk_len else [])
     most = max(r for r, _ in shapes) + 1
     for fmt in args.formats:
-        model, kv = build(fmt, args.layers, cuda, most)
+        model, kv = build(fmt, args.layers, cuda, most, args.shape)
         for rows, prompts in shapes:
             batch = step_batch(rows, min(args.context, SPAN - args.chunk_len), prompts, args.chunk_len,
                                kv.req_to_slots.device)
