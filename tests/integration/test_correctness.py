@@ -63,9 +63,12 @@ def test_qwen3_and_mistral_greedy_at_tp2_equals_transformers(family, overrides, 
         check_greedy(server, oracles(family), f"tiny-{family}", max_new=24, eos=set())
 
 
-# The MoE families found by model=auto: Qwen3-MoE with each expert's columns split over two ranks, Qwen2-MoE (its
-# shared expert, a dense layer) likewise, Mixtral with two whole experts on each rank (parallel.ep=2)
-@pytest.mark.parametrize("family,overrides", [("qwen3_moe", ["parallel=tp2"]), ("qwen2_moe", ["parallel=tp2"]),
+# The MoE families found by model=auto: Qwen3-MoE on one rank and with each expert's columns split over two ranks,
+# Qwen2-MoE (its shared expert, a dense layer) likewise and with whole experts on each rank (parallel.ep=2), Mixtral
+# with two whole experts on each rank
+@pytest.mark.parametrize("family,overrides", [("qwen3_moe", []), ("qwen3_moe", ["parallel=tp2"]),
+                                              ("qwen2_moe", ["parallel=tp2"]),
+                                              ("qwen2_moe", ["parallel=tp2", "parallel.ep=2"]),
                                               ("mixtral", ["parallel=tp2", "parallel.ep=2"])])
 def test_moe_greedy_equals_transformers(family, overrides, tmp_path_factory, tiny_dirs, oracles):
     overrides = ["model=auto", *overrides, f"model.path={tiny_dirs[family]}", f"model.name=tiny-{family}",
