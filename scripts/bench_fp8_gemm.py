@@ -3,8 +3,8 @@ weights fastest. cuBLASLt runs the row-wise scaled GEMM in 128 x 128 tiles at 64
 (scripts/profile_kernels.py: 64 rows 3.47 ms a step for the fp8 GEMMs against bf16's 3.61), far from the
 half that fp8's bytes allow. Each launch takes the next of --copies weights, so a weight comes from memory,
 not L2, as in a model's step. Timed here, each (shape, M): bf16 cuBLAS; torch._scaled_mm with row-wise scales
-(as served), with one scale per tensor, and with unit per-tensor scales, float32 out and the row-wise scales in a
-Triton epilogue (the same products and sums as row-wise); a Triton tile GEMM (e4m3 x e4m3 on the tensor cores, float32
+(as served), with one scale per tensor, and with unit per-tensor scales, float32 or bfloat16 out and the row-wise
+scales in a Triton epilogue (the same products and sums as row-wise; bfloat16 out rounds once more); a Triton tile GEMM (e4m3 x e4m3 on the tensor cores, float32
 accumulation, scales in the epilogue) over tile shapes and splits of K, its output checked against
 _scaled_mm's. One JSON line per (shape, M, method): microseconds (CUDA events, median of 5 x 20 launches)
 and the weight bytes per second; then per M the four linears' sum per method (what a layer reads).
@@ -123,6 +123,8 @@ def main() -> int:
         err = ((got - want).abs().max() / want.abs().max()).item()
         raw = q.float() @ w.float().t()
         epi = ((scaled_epilogue(raw, a_s, w_s).float() - want).abs().max() / want.abs().max()).item()
+        epi = max(epi, ((scaled_epilogue(raw.to(torch.bfloat16), a_s, w_s).float() - want).abs().max()
+                        / want.abs().max()).item())
         print(json.dumps(dict(check="triton vs float32", max_rel_err=err, epilogue_max_rel_err=epi)))
         return 0 if max(err, epi) < 1e-2 else 1
     dev = torch.device("cuda")
@@ -155,16 +157,24 @@ def main() -> int:
                 y = torch._scaled_mm(q, w8s[i].t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
                 return scaled_epilogue(y, a_flat, w_scales[i])
 
+            def tensor_bf16_epilogue(i):
+                # the unscaled sums rounded to bf16 (a relative rounding: their magnitude does not matter),
+                # then the row × channel scales: one rounding more than row-wise, cuBLASLt's per-tensor kernel
+                y = torch._scaled_mm(q, w8s[i].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+                return scaled_epilogue(y, a_flat, w_scales[i])
+
             methods = {
                 "bf16": lambda i: torch.nn.functional.linear(x, w16s[i]),
                 "scaled_mm_rowwise": rowwise,
                 "scaled_mm_tensor": lambda i: torch._scaled_mm(q, w8s[i].t(), scale_a=one, scale_b=one,
                                                                out_dtype=torch.bfloat16),
                 "tensor_f32_epilogue": tensor_f32_epilogue,
+                "tensor_bf16_epilogue": tensor_bf16_epilogue,
             }
-            err = ((tensor_f32_epilogue(0).float() - want.float()).abs().max() / want.float().abs().max()).item()
-            if err > 2e-2:
-                print(f"# {name} m={m} tensor_f32_epilogue: wrong (max rel err {err:.3g})", file=sys.stderr)
+            for method in ("tensor_f32_epilogue", "tensor_bf16_epilogue"):
+                err = ((methods[method](0).float() - want.float()).abs().max() / want.float().abs().max()).item()
+                if err > 2e-2:
+                    print(f"# {name} m={m} {method}: wrong (max rel err {err:.3g})", file=sys.stderr)
             row = {}
             for method, fn in methods.items():
                 row[method] = timed_us(lambda fn=fn: fn(next(turn) % args.copies))
