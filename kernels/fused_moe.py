@@ -228,15 +228,23 @@ def _down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_pt
 
 
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, N, K, expert_start, num_local, stride_xm, stride_we,
-                         stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One (token, expert) pair's gate‖up as a GEMV: out[pair, n] = silu(x[token] · gate[e, n]) * (x · up[e, n])."""
+def _pair_rows(w_ptr, ids_ptr, N, expert_start, num_local, stride_we, stride_wn, BLOCK_N: tl.constexpr):
+    """Program (pair, tile)'s pair, its BLOCK_N output rows, which of them exist (none where another rank holds
+    the pair's expert: parallel.ep), and a pointer to each row of the expert's weight."""
     pair = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_start
     mine = (expert >= 0) & (expert < num_local)
-    row_mask = rows < tl.where(mine, N, 0)  # another rank's expert (parallel.ep): no row
-    w_rows = w_ptr + tl.where(mine, expert, 0) * stride_we + rows.to(tl.int64) * stride_wn
+    row_mask = rows < tl.where(mine, N, 0)
+    return pair, rows, row_mask, w_ptr + tl.where(mine, expert, 0) * stride_we + rows.to(tl.int64) * stride_wn
+
+
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, N, K, expert_start, num_local, stride_xm, stride_we,
+                         stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (token, expert) pair's gate‖up as a GEMV: out[pair, n] = silu(x[token] · gate[e, n]) * (x · up[e, n])."""
+    pair, rows, row_mask, w_rows = _pair_rows(w_ptr, ids_ptr, N, expert_start, num_local, stride_we, stride_wn,
+                                              BLOCK_N)
     g, u, _ = row_dots(x_ptr + (pair // TOP_K) * stride_xm, w_rows, row_mask, K, N * stride_wn, True, False,
                        BLOCK_N, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
@@ -249,12 +257,8 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, N, K, expert_start, num
 def _pair_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, expert_start, num_local, stride_am,
                       stride_we, stride_wn, stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One pair's down product as a GEMV, times its routing weight: out[pair, n] = weight * (a[pair] · down[e, n])."""
-    pair = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_start
-    mine = (expert >= 0) & (expert < num_local)
-    row_mask = rows < tl.where(mine, N, 0)  # another rank's expert (parallel.ep): no row
-    w_rows = w_ptr + tl.where(mine, expert, 0) * stride_we + rows.to(tl.int64) * stride_wn
+    pair, rows, row_mask, w_rows = _pair_rows(w_ptr, ids_ptr, N, expert_start, num_local, stride_we, stride_wn,
+                                              BLOCK_N)
     y, _, _ = row_dots(a_ptr + pair * stride_am, w_rows, row_mask, K, 0, False, False, BLOCK_N, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
     y = (y.to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)).to(dtype)
