@@ -38,7 +38,7 @@ def test_route_interpreted(ops, poisoned, tokens, num, top_k, renormalize):
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("tokens, start, local", [(23, 0, 8), (23, 0, 3), (23, 5, 3),
+@pytest.mark.parametrize("tokens, start, local", [(23, 0, 8), (23, 0, 3), (23, 5, 3), (23, 2, 1),  # one expert a rank
                                                   (700, 0, 8), (700, 3, 4)])  # 1,400 pairs: two placing programs
 def test_align_sorts_pairs_by_expert_in_padded_runs(poisoned, block_m, tokens, start, local):
     from llaunch.kernels.fused_moe import align
