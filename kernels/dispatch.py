@@ -19,7 +19,7 @@ import torch
 from llaunch.kernels import fp8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
-                   "gated_activation", "sampling", "greedy", "fp8_block", "fp8_rows", "fused_moe")
+                   "gated_activation", "sampling", "greedy", "fp8_block", "fp8_rows", "fp8_epilogue", "fused_moe")
 
 
 def _use_triton(t) -> bool:
@@ -46,6 +46,7 @@ def triton_ops() -> types.SimpleNamespace:
         sample=modules["sampling"].sample,
         fp8_block_linear=modules["fp8_block"].fp8_block_linear,
         quantize_rows=modules["fp8_rows"].quantize_rows,
+        fp8_epilogue=modules["fp8_epilogue"].scale_rows_and_channels,
         moe_route=modules["fused_moe"].moe_route,
         fused_moe=modules["fused_moe"].fused_moe,
     )
@@ -179,7 +180,8 @@ def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None):
     if x.is_cuda and not settings.current.reference:
         if weight.block is not None and weight.activations != fp8.NONE:
             return triton_ops().fp8_block_linear(x, weight, bias)
-        return fp8.scaled_mm_linear(x, weight, bias, quantize=_quantize_rows)
+        epilogue = triton_ops().fp8_epilogue if settings.current.fp8_epilogue else None
+        return fp8.scaled_mm_linear(x, weight, bias, quantize=_quantize_rows, epilogue=epilogue)
     return fp8.reference_linear(x, weight, bias)
 
 

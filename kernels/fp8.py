@@ -116,15 +116,21 @@ def reference_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor]
 
 
 def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None,
-                     quantize: Callable = quantize_activations) -> torch.Tensor:
+                     quantize: Callable = quantize_activations, epilogue: Optional[Callable] = None) -> torch.Tensor:
     """cuBLASLt's fp8 GEMM with a scale per token (scale_a [M, 1]) and per channel (scale_b [1, N]).
     Weight-only checkpoints (activations none, also block-wise ones) dequantize the weight and run
     the model dtype's GEMM. `quantize(x [M, K], w)`: the activations' e4m3 values and [M, 1] scales
-    (on a GPU the one-kernel kernels/fp8_rows.py, by way of dispatch.fp8_linear)."""
+    (on a GPU the one-kernel kernels/fp8_rows.py, by way of dispatch.fp8_linear). `epilogue(y, row scales,
+    channel scales, bias, dtype)`: the per-tensor GEMM with unit scales instead, its bfloat16 sums scaled (and the
+    bias added) by it (kernels/fp8_epilogue.py, kernels.fp8_gemm=tensor_epilogue)."""
     if w.activations == NONE:
         return F.linear(x, dequantize_weight(w, x.dtype), bias)
     flat = x.reshape(-1, x.shape[-1])
     q, scale = quantize(flat, w)
+    if epilogue is not None:
+        one = torch.ones((), dtype=torch.float32, device=q.device)
+        y = torch._scaled_mm(q, w.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return epilogue(y, scale, w.scale, bias, x.dtype).reshape(*x.shape[:-1], y.shape[-1])
     # row-wise scaling wants bfloat16 out; b is the weight's transpose, a column-major [K, N] view
     y = torch._scaled_mm(q, w.weight.t(), scale_a=scale.contiguous(), scale_b=w.scale.view(1, -1),
                          out_dtype=torch.bfloat16)

@@ -22,6 +22,11 @@ class Gemv(str, Enum):
     cublas = "cublas"  # through torch (cuBLAS), as wider batches are
 
 
+class Fp8Gemm(str, Enum):
+    rowwise = "rowwise"  # cuBLASLt's fp8 GEMM with the token (row) and channel scales in it
+    tensor_epilogue = "tensor_epilogue"  # its per-tensor GEMM with unit scales, the scales in a Triton epilogue
+
+
 class Pdl(str, Enum):
     off = "off"
     graphs = "graphs"  # inside the decode graphs' capture, where it was measured to pay
@@ -67,6 +72,10 @@ class KernelSettings:
     # program, STAGES and GROUP_M unused). A shape not named takes the launches measured on the GPU model
     # (kernels/moe_launches.py), else the defaults. Tune with scripts/tune_moe.py on the GPU they are for.
     moe_shapes: str = ""
+    # fp8 layers' GEMMs of two or more rows (kernels/fp8_epilogue.py): the row-wise scaled GEMM, or the per-tensor
+    # one with unit scales writing bfloat16 sums and the row × channel scales (and bias) applied by one kernel
+    # after it (one rounding more; cuBLASLt's faster kernels at 16-320 rows on an H200: scripts/bench_fp8_gemm.py)
+    fp8_gemm: Fp8Gemm = Fp8Gemm.rowwise
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
     # after their own wait (late) instead of at their top: early triggering cascades resident grids,
@@ -156,6 +165,7 @@ class _Applied:
         self.settings = settings
         self.reference = Backend(settings.backend) == Backend.reference
         self.triton_gemv = Gemv(settings.gemv) == Gemv.triton
+        self.fp8_epilogue = Fp8Gemm(settings.fp8_gemm) == Fp8Gemm.tensor_epilogue
         self.gemv_shapes = parse_gemv_shapes(settings.gemv_shapes)
         self.moe_shapes = parse_moe_shapes(settings.moe_shapes)
         self.pdl = Pdl(settings.pdl)

@@ -64,6 +64,29 @@ def test_scaled_mm_matches_the_dequantized_reference(rows, shape, activations):
         assert torch.equal(served, got)  # more rows take this path
 
 
+@pytest.mark.parametrize("rows", [7, 256, 2048])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
+@pytest.mark.parametrize("activations", [DYNAMIC, STATIC])
+def test_tensor_epilogue_gemm_as_close_as_the_row_wise_one(kernel_settings, rows, shape, activations):
+    """kernels.fp8_gemm=tensor_epilogue: cuBLASLt's per-tensor GEMM with unit scales, its bf16 sums scaled (and the
+    bias added) after it: the reference's roundings but one (cosine ≥ 0.999), as close to the exact layer as the
+    row-wise GEMM."""
+    torch.manual_seed(0)
+    out, inp = shape
+    w = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) * 0.02
+    q, scale = quantize_weight(w)
+    x = torch.randn(rows, inp, device="cuda", dtype=torch.bfloat16)
+    x[:, 7] *= 30
+    input_scale = (x.abs().max().float() / 448) if activations == STATIC else None
+    fp8 = Fp8Weight(q, scale, activations, input_scale)
+    bias = torch.randn(out, device="cuda", dtype=torch.bfloat16) * 0.1
+    kernel_settings(fp8_gemm="tensor_epilogue")
+    got = dispatch.linear(x, fp8, bias)
+    assert got.shape == (rows, out) and got.dtype == torch.bfloat16
+    assert cosine_rows(got, reference_linear(x.float(), fp8, bias.float())).min().item() >= 0.999
+    assert cosine_rows(got, torch.nn.functional.linear(x.float(), w.float(), bias.float())).min().item() >= COSINE_MIN
+
+
 def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
     from gpu.support import batch_of
 
