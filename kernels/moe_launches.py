@@ -4,7 +4,7 @@ torch.cuda.get_device_name; a GPU or a layer shape not listed takes fused_moe.de
 
 NVIDIA H200 (2026-12-04): Qwen3-30B-A3B at tp1 (128 experts of 768 columns, hidden 2,048), bf16, the whole layer
 (align, both GEMMs, the sum) timed per candidate on random routing. Steps of 1-8 tokens with the pairs' GEMVs among
-the candidates (the commit that added this file): 1/8/256/4 won at each, 30.1 / 47.7 / 79.0 / 130.3 µs at
+the candidates (312e819, the commit that added this file): 1/8/256/4 won at each, 30.1 / 47.7 / 79.0 / 130.3 µs at
 1 / 2 / 4 / 8 tokens (the grouped GEMMs' best: 45.0 / 63.1 / 94.6 / 135.1). Steps of 16-2,048 tokens with the
 Triton align and the grouped GEMMs as they are (49-122 candidates each; the default launch's time within 1-7%).
 """
