@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llaunch.kernels.fp8_epilogue import scale_rows_and_channels
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SHAPES = {"qkv": (4608, 3584), "o_proj": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 
@@ -69,22 +71,9 @@ def skinny(q, a_scale, w, w_scale, block_m, block_n, block_k, split, stages, war
     return out[0] if split == 1 else out.sum(0).to(torch.bfloat16)
 
 
-@triton.jit
-def _epilogue_kernel(y_ptr, as_ptr, bs_ptr, out_ptr, N, BLOCK_N: tl.constexpr):
-    """out[m, n] = y[m, n] * as[m] * bs[n], cast: the row-wise scales after a per-tensor-scaled GEMM."""
-    m = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs < N
-    y = tl.load(y_ptr + m * N + offs, mask=mask, other=0.0)
-    y = y * tl.load(as_ptr + m) * tl.load(bs_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + m * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def scaled_epilogue(y: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    m, n = y.shape
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=y.device)
-    _epilogue_kernel[(m, triton.cdiv(n, 1024))](y, a_scale, w_scale, out, n, BLOCK_N=1024)
-    return out
+    """y · row scale · channel scale in bf16: the served epilogue (kernels.fp8_gemm=tensor_epilogue)."""
+    return scale_rows_and_channels(y, a_scale, w_scale, None, torch.bfloat16)
 
 
 def timed_us(fn) -> float:
