@@ -13,6 +13,7 @@ dtype, so CPU tests check the GPU path's numerics (up to the GEMM's accumulation
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -115,6 +116,12 @@ def reference_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor]
     return F.linear(x, dequantize_weight(w, x.dtype), bias)
 
 
+@functools.lru_cache(maxsize=None)
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1 on the device, made once: a fill kernel per fp8 layer otherwise."""
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
 def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None,
                      quantize: Callable = quantize_activations, epilogue: Optional[Callable] = None) -> torch.Tensor:
     """cuBLASLt's fp8 GEMM with a scale per token (scale_a [M, 1]) and per channel (scale_b [1, N]).
@@ -128,7 +135,7 @@ def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor]
     flat = x.reshape(-1, x.shape[-1])
     q, scale = quantize(flat, w)
     if epilogue is not None:
-        one = torch.ones((), dtype=torch.float32, device=q.device)
+        one = _unit_scale(q.device)
         y = torch._scaled_mm(q, w.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
         return epilogue(y, scale, w.scale, bias, x.dtype).reshape(*x.shape[:-1], y.shape[-1])
     # row-wise scaling wants bfloat16 out; b is the weight's transpose, a column-major [K, N] view
