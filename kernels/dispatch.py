@@ -78,20 +78,28 @@ def rotary_embedding(q, k, positions, cos, sin):
     return reference.rotary_embedding(q, k, positions, cos, sin)
 
 
-def rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, kv_scales=None, with_kv=False):
-    """The rotated q; with_kv: (q, k, v) with an fp8 cache's unrounded rotated k and v (prefill reads them)."""
+def rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, kv_scales=None, with_kv=False,
+                    q_norm=None, k_norm=None, eps=0.0):
+    """The rotated q; with_kv: (q, k, v) with an fp8 cache's unrounded rotated k and v (prefill reads them).
+    q_norm / k_norm: each head RMSNorm'd first (Qwen3, Gemma 3), in the rotary kernel where it can."""
+    fused = _use_triton(q) and kv_scales is None and not _partial(q, cos) and k_cache.dtype == k.dtype
+    if q_norm is not None and not fused:
+        q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
+        q_norm = k_norm = None
     if kv_scales is not None:  # an fp8 cache (kernels/kv_fp8.py): quantized on store
         q, k = rotary_embedding(q, k, positions, cos, sin)
         kv_fp8.store_kv(k_cache, v_cache, slots, k, v, kv_scales)
         return (q, k, v) if with_kv else q
     if with_kv:
-        return rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots), None, None
+        return rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, q_norm=q_norm, k_norm=k_norm,
+                               eps=eps), None, None
     if _use_triton(q) and _partial(q, cos):
         q, k = rotary_embedding(q, k, positions, cos, sin)
         store_kv(k_cache, v_cache, slots, k, v)
         return q
     if _use_triton(q) and k_cache.dtype == k.dtype:
-        return triton_ops().rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+        return triton_ops().rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, q_norm, k_norm,
+                                            eps)
     return reference.rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
 
 

@@ -1,7 +1,11 @@
 """Rotate-half (GPT-NeoX) rotary embedding for q and k in one launch: a program per token reads its
 cos/sin row once and rotates every q and k head of that token. `rotary_store_kv` also writes the
-rotated k and the v of each token straight into its KV-cache slot (one launch instead of two)."""
+rotated k and the v of each token straight into its KV-cache slot (one launch instead of two), and with
+q_norm / k_norm first normalizes each head (Qwen3's and Gemma 3's RMSNorm over a head, kernels/rmsnorm.py's
+roundings): three launches a layer become one."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -19,7 +23,8 @@ COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 @triton.jit
 def _rotate_heads(src_ptr, dst_ptr, token, dst_row, src_tok_stride, src_head_stride, n_heads, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                  norm_ptr, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  NORM: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < n_heads) & (dims < HALF)
@@ -29,6 +34,13 @@ def _rotate_heads(src_ptr, dst_ptr, token, dst_row, src_tok_stride, src_head_str
     dst = dst_ptr + dst_row * n_heads * 2 * HALF + heads * 2 * HALF + dims
     # each product rounded to the output dtype first: the reference's (and transformers') rounding points
     ty = dst_ptr.dtype.element_ty
+    if NORM:  # RMSNorm over each head: normalized and rounded, times the weight and rounded (kernels/rmsnorm.py)
+        src_ty = src_ptr.dtype.element_ty
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(norm_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd).to(src_ty).to(tl.float32) * w1).to(src_ty).to(tl.float32)
+        x2 = ((x2 * rstd).to(src_ty).to(tl.float32) * w2).to(src_ty).to(tl.float32)
     a, b = (x1 * cos).to(ty).to(tl.float32), (x2 * sin).to(ty).to(tl.float32)
     c, d = (x2 * cos).to(ty).to(tl.float32), (x1 * sin).to(ty).to(tl.float32)
     tl.store(dst, (a - b).to(ty), mask=mask)
@@ -37,24 +49,26 @@ def _rotate_heads(src_ptr, dst_ptr, token, dst_row, src_tok_stride, src_head_str
 
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, pos_ptr, slots_ptr, cos_ptr, sin_ptr,
-                   q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride, v_head_stride,
-                   n_q_heads, n_k_heads, table_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
-    """STORE: k (rotated) and v go to the caches' row slots[token]; else k to k_out's row token."""
+                   qn_ptr, kn_ptr, eps, q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride,
+                   v_head_stride, n_q_heads, n_k_heads, table_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr, NORM: tl.constexpr,
+                   PDL: tl.constexpr):
+    """STORE: k (rotated) and v go to the caches' row slots[token]; else k to k_out's row token. NORM: each q
+    head by qn's weights, each k head by kn's, RMSNorm'd first."""
     wait_for_previous_kernel(PDL)  # nothing before this reads or writes what an earlier kernel touches
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, token, token, q_tok_stride, q_head_stride, n_q_heads, cos, sin,
-                  HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(q_ptr, q_out_ptr, token, token, q_tok_stride, q_head_stride, n_q_heads, cos, sin, qn_ptr, eps,
+                  HALF, BLOCK_HQ, BLOCK_HALF, NORM)
     if STORE:
         k_row = tl.load(slots_ptr + token).to(tl.int64)
     else:
         k_row = token
-    _rotate_heads(k_ptr, k_out_ptr, token, k_row, k_tok_stride, k_head_stride, n_k_heads, cos, sin,
-                  HALF, BLOCK_HK, BLOCK_HALF)
+    _rotate_heads(k_ptr, k_out_ptr, token, k_row, k_tok_stride, k_head_stride, n_k_heads, cos, sin, kn_ptr, eps,
+                  HALF, BLOCK_HK, BLOCK_HALF, NORM)
     if STORE:
         heads = tl.arange(0, BLOCK_HK)[:, None]
         mask = (heads < n_k_heads) & (dims < HALF)
@@ -64,8 +78,9 @@ def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, pos_ptr
         tl.store(dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
 
 
-def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots) -> torch.Tensor:
-    """Launches the kernel; returns the rotated q. With slots, k and v go to the caches' rows slots[t]."""
+def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots, q_norm=None, k_norm=None, eps=0.0) -> torch.Tensor:
+    """Launches the kernel; returns the rotated q. With slots, k and v go to the caches' rows slots[t]; with
+    q_norm and k_norm ([D] weights), each head RMSNorm'd first."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cos, sin = cos.contiguous(), sin.contiguous()
     tokens, n_q, dim = q.shape
@@ -73,12 +88,17 @@ def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots) -> torch.Tensor:
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return q_out
+    norm = q_norm is not None
+    if norm and not (q_norm.dtype == k_norm.dtype == q.dtype == k.dtype and q_norm.numel() == k_norm.numel() == dim):
+        raise ValueError(f"rotary: head norms of {q_norm.dtype} {tuple(q_norm.shape)} / {k_norm.dtype} "
+                         f"{tuple(k_norm.shape)} for heads of {dim} in {q.dtype}: [D] weights in q's dtype")
     use_pdl = pdl.enabled(q, "rotary")
     _rotary_kernel[(tokens,)](
-        q, k, v, q_out, k_dst, v_dst, positions, positions if slots is None else slots, cos, sin, q.stride(0),
-        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), n_q, n_k, cos.stride(0), HALF=half,
+        q, k, v, q_out, k_dst, v_dst, positions, positions if slots is None else slots, cos, sin,
+        q_norm if norm else cos, k_norm if norm else cos, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), n_q, n_k, cos.stride(0), HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(n_q),
-        BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, PDL=pdl.flavor(use_pdl, "rotary"),
+        BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, NORM=norm, PDL=pdl.flavor(use_pdl, "rotary"),
         num_warps=4, **COMPILE_OPTIONS, launch_pdl=use_pdl)
     return q_out
 
@@ -92,9 +112,12 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, 
 
 
 def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                    q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
+                    eps: float = 0.0) -> torch.Tensor:
     """rotary_embedding, then store_kv of the rotated k and v at slots: returns the rotated q; the caches
-    [num_slots, Hk, D] (contiguous, the dtype of k and v) receive each token's K/V."""
+    [num_slots, Hk, D] (contiguous, the dtype of k and v) receive each token's K/V. q_norm / k_norm ([D], q's
+    dtype): each head through RMSNorm with those weights (and eps) before it is rotated."""
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
     assert k_cache.dtype == k.dtype == v.dtype == v_cache.dtype, "the fused store rounds once, to k's dtype"
-    return _rotate(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    return _rotate(q, k, v, positions, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps)

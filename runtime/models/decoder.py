@@ -86,11 +86,12 @@ class Attention(nn.Module):
         q, k, v = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
             [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         q, k = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # partial rotary: tables of rotary_dim / 2 columns rotate the leading rotary_dim dims of each head
+        # q / k heads RMSNorm'd (in the rotary kernel on a GPU); partial rotary: tables of rotary_dim / 2 columns
+        # rotate the leading rotary_dim dims of each head
+        norms = {} if self.q_norm is None else dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight,
+                                                    eps=self.q_norm.eps)
         return rotary_store_kv(q, k, v.view(t, self.num_kv_heads, d), positions, cos, sin, k_cache, v_cache, out_slots,
-                               self.kv_scales, with_kv=True)
+                               self.kv_scales, with_kv=True, **norms)
 
     def attend(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], batch: ForwardBatch,
                k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slots: torch.Tensor,

@@ -65,13 +65,20 @@ def _qkv_and_caches(tokens, q_heads, kv_heads, dim, dtype, device="cpu"):
     return views, caches, slots
 
 
-def _check_rotary_store(rotary_store_kv, close, poisoned, tokens, heads, dim, dtype, device="cpu"):
+def _check_rotary_store(rotary_store_kv, close, poisoned, tokens, heads, dim, dtype, device="cpu", norm=False):
+    """norm: Qwen3's / Gemma 3's RMSNorm of each q and k head first (its own weights for q and for k)."""
     cos, sin = reference.rope_cos_sin(dim, 4096, 1e6, device=device)
     (q, k, v), (k_cache, v_cache), slots = _qkv_and_caches(tokens, *heads, dim, dtype, device)
     positions = torch.randint(0, 4096, (tokens,), device=device)
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+    norms = {}
+    if norm:
+        weights = (1 + 0.3 * torch.randn(2, dim, device=device)).to(dtype)
+        norms = dict(q_norm=weights[0], k_norm=weights[1], eps=1e-6)
     with poisoned():
-        q_out = rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+        q_out = rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, **norms)
+    if norm:  # the unfused layer: each head through the RMSNorm, then rotated
+        q, k = reference.rmsnorm(q, norms["q_norm"], 1e-6), reference.rmsnorm(k, norms["k_norm"], 1e-6)
     ref_q = reference.rotary_store_kv(q, k, v, positions, cos, sin, ref_k_cache, ref_v_cache, slots)
     close(q_out, ref_q)
     # every slot written matches, every other slot is still NaN (nothing written elsewhere)
@@ -90,11 +97,15 @@ def _tol(dtype):
 @pytest.mark.parametrize("tokens", [1, 19])
 @pytest.mark.parametrize("heads", [(7, 1), (9, 3)])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_rotary_store_kv_interpreted(ops, poisoned, close, dtype, tokens, heads, dim):
-    _check_rotary_store(ops.rotary_store_kv, close, poisoned, tokens, heads, dim, dtype)
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_store_kv_interpreted(ops, poisoned, close, dtype, tokens, heads, dim, norm):
+    _check_rotary_store(ops.rotary_store_kv, close, poisoned, tokens, heads, dim, dtype, norm=norm)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,heads,dim", [(1, (28, 4), 128), (4096, (28, 4), 128), (33, (9, 3), 64)])
-def test_rotary_store_kv_gpu(cuda, poisoned, close, tokens, heads, dim):
-    _check_rotary_store(ops.rotary_store_kv, close, poisoned, tokens, heads, dim, torch.bfloat16, cuda)
+@pytest.mark.parametrize("tokens,heads,dim,norm", [(1, (28, 4), 128, False), (4096, (28, 4), 128, False),
+                                                   (33, (9, 3), 64, False), (1, (32, 8), 128, True),
+                                                   (2048, (32, 4), 128, True), (7, (16, 8), 256, True)])
+def test_rotary_store_kv_gpu(cuda, poisoned, close, tokens, heads, dim, norm):
+    """Qwen2's shape; with the heads' norms Qwen3-8B's, Qwen3-30B-A3B's and Gemma 3 12B's (256-wide heads)."""
+    _check_rotary_store(ops.rotary_store_kv, close, poisoned, tokens, heads, dim, torch.bfloat16, cuda, norm=norm)
