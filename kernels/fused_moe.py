@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from llaunch.kernels import settings
+from llaunch.kernels import pdl, settings
 from llaunch.kernels.moe_launches import MOE_SHAPES_BY_DEVICE
+from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 from llaunch.kernels.row_dots import row_dots
 from llaunch.kernels.settings import MoeLaunch, MoeShapes, parse_moe_shapes
 
@@ -36,9 +37,10 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
+                  PDL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
+    wait_for_previous_kernel(PDL)  # the logits are the router GEMV's
     x = tl.load(logits_ptr + row * stride_l + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
@@ -64,9 +66,11 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int32, device=router_logits.device)
     if tokens:
+        use_pdl = pdl.enabled(router_logits, "moe")
         _route_kernel[(tokens,)](router_logits, weights, ids, experts, router_logits.stride(0), TOP_K=top_k,
-                                 RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(experts),
-                                 BLOCK_TOP=triton.next_power_of_2(top_k), num_warps=1 if experts <= 128 else 4)
+                                 RENORMALIZE=renormalize, PDL=pdl.flavor(use_pdl, "moe"),
+                                 BLOCK_E=triton.next_power_of_2(experts), BLOCK_TOP=triton.next_power_of_2(top_k),
+                                 num_warps=1 if experts <= 128 else 4, launch_pdl=use_pdl)
     return weights, ids
 
 
@@ -228,23 +232,17 @@ def _down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_pt
 
 
 @triton.jit
-def _pair_rows(w_ptr, ids_ptr, N, expert_start, num_local, stride_we, stride_wn, BLOCK_N: tl.constexpr):
-    """Program (pair, tile)'s pair, its BLOCK_N output rows, which of them exist (none where another rank holds
-    the pair's expert: parallel.ep), and a pointer to each row of the expert's weight."""
+def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, N, K, expert_start, num_local, stride_xm, stride_we,
+                         stride_wn, stride_om, TOP_K: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """One (token, expert) pair's gate‖up as a GEMV: out[pair, n] = silu(x[token] · gate[e, n]) * (x · up[e, n])."""
     pair = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wait_for_previous_kernel(PDL)  # the expert ids are the route kernel's: nothing is read before
     expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_start
-    mine = (expert >= 0) & (expert < num_local)
+    mine = (expert >= 0) & (expert < num_local)  # else another rank's (parallel.ep): no row of it here
     row_mask = rows < tl.where(mine, N, 0)
-    return pair, rows, row_mask, w_ptr + tl.where(mine, expert, 0) * stride_we + rows.to(tl.int64) * stride_wn
-
-
-@triton.jit
-def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, N, K, expert_start, num_local, stride_xm, stride_we,
-                         stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One (token, expert) pair's gate‖up as a GEMV: out[pair, n] = silu(x[token] · gate[e, n]) * (x · up[e, n])."""
-    pair, rows, row_mask, w_rows = _pair_rows(w_ptr, ids_ptr, N, expert_start, num_local, stride_we, stride_wn,
-                                              BLOCK_N)
+    w_rows = w_ptr + tl.where(mine, expert, 0) * stride_we + rows.to(tl.int64) * stride_wn
     g, u, _ = row_dots(x_ptr + (pair // TOP_K) * stride_xm, w_rows, row_mask, K, N * stride_wn, True, False,
                        BLOCK_N, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
@@ -254,15 +252,42 @@ def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, N, K, expert_start, num
 
 
 @triton.jit
-def _pair_down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, expert_start, num_local, stride_am,
-                      stride_we, stride_wn, stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One pair's down product as a GEMV, times its routing weight: out[pair, n] = weight * (a[pair] · down[e, n])."""
-    pair, rows, row_mask, w_rows = _pair_rows(w_ptr, ids_ptr, N, expert_start, num_local, stride_we, stride_wn,
-                                              BLOCK_N)
-    y, _, _ = row_dots(a_ptr + pair * stride_am, w_rows, row_mask, K, 0, False, False, BLOCK_N, BLOCK_K)
+def _pair_down_sum_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K, expert_start, num_local, stride_am,
+                          stride_we, stride_wn, stride_om, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                          PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A token's down products for all its pairs at once, weighted and summed: out[t, n] = Σ_k w_k · (a[t·TOP_K + k]
+    · down[e_k, n]). Each program holds a [SLOTS, BLOCK_N, BLOCK_K] tile (SLOTS: TOP_K to a power of two), the
+    next one in flight while it is summed, so a token's k experts stream as one GEMV and no [pairs, H] rows go
+    through memory to a reduce kernel. Each pair's product and weighted row are rounded to the dtype, then summed
+    in float32 (the reference's roundings)."""
+    token = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slots = tl.arange(0, SLOTS)
+    pair = token * TOP_K + slots
+    real = slots < TOP_K
+    wait_for_previous_kernel(PDL)  # ids (the route kernel's) and a (gate‖up's)
+    expert = tl.load(ids_ptr + pair, mask=real, other=-1).to(tl.int64) - expert_start
+    mine = real & (expert >= 0) & (expert < num_local)  # another rank's expert (parallel.ep) adds nothing here
+    row_mask = mine[:, None] & (rows < N)[None, :]
+    w_rows = w_ptr + tl.where(mine, expert, 0)[:, None] * stride_we + rows.to(tl.int64)[None, :] * stride_wn
+    a_rows = a_ptr + pair * stride_am
+    cols = tl.arange(0, BLOCK_K)
+    mask = row_mask[:, :, None] & (cols < K)[None, None, :]
+    w = tl.load(w_rows[:, :, None] + cols[None, None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_rows[:, None] + k0 + cols[None, :], mask=mine[:, None] & (k0 + cols < K)[None, :],
+                    other=0.0).to(tl.float32)
+        nxt = k0 + BLOCK_K + cols
+        mask = row_mask[:, :, None] & (nxt < K)[None, None, :]  # all false after the last tile: no traffic
+        w_next = tl.load(w_rows[:, :, None] + nxt[None, None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * a[:, None, :]
+        w = w_next
     dtype = out_ptr.dtype.element_ty
-    y = (y.to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)).to(dtype)
-    tl.store(out_ptr + pair * stride_om + rows, y, mask=row_mask)
+    y = tl.sum(acc, axis=2).to(dtype).to(tl.float32)
+    weight = tl.load(weights_ptr + pair, mask=real, other=0.0)
+    y = (y * weight[:, None]).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_om + rows, tl.sum(y, axis=0).to(dtype), mask=rows < N)
 
 
 def default_launch(tokens: int, num_local: int, top_k: int = 1) -> MoeLaunch:
@@ -320,21 +345,29 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     assert w13.is_contiguous() and w2.is_contiguous() and w2.shape == (num_local, hidden, inter)
     device_name = _device_name(x.device.index or 0) if x.is_cuda else None
     launch = launch_for(tokens, num_local, inter, hidden, top_k, device_name)
-    act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    # the rows of pairs whose expert is another rank's are never written: they must read zero
-    rows = (torch.empty if expert_start is None else torch.zeros)((pairs, hidden), dtype=x.dtype, device=x.device)
     if pairs == 0:
-        return rows.view(tokens, top_k, hidden).sum(dim=1)
+        return torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
+    act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     if launch.block_m == 1:  # each pair its own GEMV programs: a decode step's few pairs, nothing to sort
         ids = topk_ids.reshape(-1)
+        use_pdl = pdl.enabled(x, "moe")
+        flavor = pdl.flavor(use_pdl, "moe")
         _pair_gate_up_kernel[(pairs, triton.cdiv(inter, launch.block_n))](
             x, w13, act, ids, inter, hidden, expert_start or 0, num_local, x.stride(0), w13.stride(0), w13.stride(1),
-            act.stride(0), TOP_K=top_k, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, num_warps=launch.warps)
-        _pair_down_kernel[(pairs, triton.cdiv(hidden, launch.block_n))](
-            act, w2, rows, weights, ids, hidden, inter, expert_start or 0, num_local, act.stride(0), w2.stride(0),
-            w2.stride(1), rows.stride(0), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, num_warps=launch.warps)
-        return rows.view(tokens, top_k, hidden).sum(dim=1)
+            act.stride(0), TOP_K=top_k, PDL=flavor, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+            num_warps=launch.warps, launch_pdl=use_pdl)
+        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+        # the summing kernel's tile is top_k (to a power of two) × BLOCK_N × BLOCK_K: BLOCK_N shrinks to keep it
+        slots = triton.next_power_of_2(top_k)
+        block_n = max(1, launch.block_n // slots)
+        _pair_down_sum_kernel[(tokens, triton.cdiv(hidden, block_n))](
+            act, w2, out, weights, ids, hidden, inter, expert_start or 0, num_local, act.stride(0), w2.stride(0),
+            w2.stride(1), out.stride(0), TOP_K=top_k, SLOTS=slots, PDL=flavor, BLOCK_N=block_n,
+            BLOCK_K=launch.block_k, num_warps=launch.warps, launch_pdl=use_pdl)
+        return out
+    # the rows of pairs whose expert is another rank's are never written: they must read zero
+    rows = (torch.empty if expert_start is None else torch.zeros)((pairs, hidden), dtype=x.dtype, device=x.device)
     sorted_pairs, block_expert, padded = align(topk_ids, num_local, expert_start or 0, launch.block_m)
     num_m = block_expert.shape[0]
     common = dict(UPCAST=not x.is_cuda, PRECISION=_precision(x), BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,

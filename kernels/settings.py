@@ -34,8 +34,9 @@ class Pdl(str, Enum):
 
 
 # Kernels that may launch with programmatic dependent launch (kernels/pdl.py); "gemv" covers the
-# staged LM head too, "greedy" is the decode graph's closing argmax.
-PDL_KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention", "greedy")
+# staged LM head too, "greedy" is the decode graph's closing argmax, "moe" a decode step's routing and its
+# experts' GEMVs (kernels/fused_moe.py: the steps of few pairs).
+PDL_KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention", "greedy", "moe")
 MAX_TMA_BOX = 256  # elements per dimension of one TMA copy (the staged GEMV's tile bound)
 
 

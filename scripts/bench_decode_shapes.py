@@ -1,12 +1,15 @@
 """Batch-1 decode step time per set of GEMV launch shapes (kernels.gemv_shapes), as the worker runs the step
 (its decode CUDA graph, PDL as configured by default), on the Qwen2-7B shape with random weights in bf16 or
-fp8 (model.quantization=fp8: e4m3 weights, per-channel scales, dynamic per-token activations). How the
+fp8 (model.quantization=fp8: e4m3 weights, per-channel scales, dynamic per-token activations), or on
+Qwen3-30B-A3B's (--shape qwen3-30b-a3b, bf16: its attention's and router's GEMVs, and the step with the MoE
+kernels launched without PDL or letting the next launch only after their wait: kernels.pdl_kernels / pdl_late). How the
 built-in launch shapes of kernels/gemv.py are picked: each candidate overrides the shape of one layer kind
 and the whole step is timed, so a shape is judged in the chain of kernels it runs in. One JSON line per
 candidate, then the best per layer kind.
 
     python scripts/bench_decode_shapes.py [--fp8] [--layers 28] [--repeats 50]
         [--tensor-core] [--amax-tile N] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
+    python scripts/bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48
 """
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ import torch
 
 from bench_steps import QWEN2_7B  # scripts/ is on the path of a script run
 from bench_verify_steps import per_step_ms
+from profile_kernels import QWEN3_30B_A3B
 
 from llaunch.kernels import gemv, settings
+from llaunch.kernels.settings import KernelSettings
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.decoder import DecoderLM
 from llaunch.runtime.models.fp8_linear import quantize_linears
@@ -30,6 +35,10 @@ from llaunch.runtime.worker.cuda_graphs import DecodeGraphs
 
 # Qwen2-7B's one-row linears by their launch-shape key (N, K, gated): qkv, o_proj, gate‖up (N: I), down_proj
 KINDS = {"qkv": "4608x3584", "o_proj": "3584x3584", "gate_up": "18944x3584:gated", "down": "3584x18944"}
+# Qwen3-30B-A3B's: qkv, o_proj and the router (its experts are kernels.moe_shapes', scripts/tune_moe.py)
+MOE_KINDS = {"qkv": "5120x2048", "o_proj": "2048x4096", "router": "128x2048"}
+SHAPES = {"qwen2-7b": (dict(QWEN2_7B, model_type="qwen2"), KINDS), "qwen3-30b-a3b": (QWEN3_30B_A3B, MOE_KINDS)}
+ROUTER = ["1/1024/4", "1/2048/4", "1/2048/8", "2/2048/8", "4/512/4"]
 PLAIN = ["2/1024/4", "4/1024/4", "4/2048/4", "8/512/4", "8/1024/4", "8/1024/8", "16/256/4", "16/512/4",
          "16/512/8", "16/1024/8", "32/256/4", "32/512/8"]
 GATED = ["4/512/4", "8/256/4", "8/512/4", "8/512/8", "16/256/4", "16/256/8", "16/512/8", "32/256/8"]
@@ -37,10 +46,17 @@ GATED = ["4/512/4", "8/256/4", "8/512/4", "8/512/8", "16/256/4", "16/256/8", "16
 MMA = ["16/128/4/4", "16/256/4/4", "16/256/4/6", "32/128/4/4", "32/256/4/3", "32/256/4/4", "64/128/4/4", "64/256/4/3"]
 
 
-def grid(tensor_core: bool, fp8: bool) -> list[tuple[str, str]]:
+def grid(kinds: dict[str, str], tensor_core: bool, fp8: bool) -> list[tuple[str, dict]]:
+    """(layer kind, kernel settings to override) per candidate."""
     suffix = ":fp8" if fp8 else ""  # e4m3 weights' keys
-    return [(kind, f"{key}{suffix}={shape}") for kind, key in KINDS.items()
-            for shape in (MMA if tensor_core else GATED if key.endswith(":gated") else PLAIN)]
+    shapes = [(kind, dict(gemv_shapes=f"{key}{suffix}={shape}")) for kind, key in kinds.items()
+              for shape in (MMA if tensor_core else GATED if key.endswith(":gated") else
+                            ROUTER + PLAIN[:4] if kind == "router" else PLAIN)]
+    if "router" not in kinds:
+        return shapes
+    defaults = KernelSettings()
+    return shapes + [("moe_pdl", dict(pdl_kernels=[k for k in defaults.pdl_kernels if k != "moe"])),
+                     ("moe_pdl", dict(pdl_late=[*defaults.pdl_late, "moe"]))]
 
 
 def per_kind(model, repeats: int) -> None:
@@ -73,6 +89,7 @@ def per_kind(model, repeats: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-7b")
     ap.add_argument("--fp8", action="store_true", help="e4m3 weights (model.quantization=fp8)")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--context", type=int, default=1024)
@@ -87,12 +104,15 @@ def main() -> int:
     args = ap.parse_args()
     if (args.tensor_core or args.amax_tile or args.activations) and not args.fp8:
         ap.error("--tensor-core, --amax-tile and --activations are for --fp8")
+    config, kinds = SHAPES[args.shape]
+    if args.shape != "qwen2-7b" and (args.fp8 or args.per_kind):
+        ap.error("--fp8 and --per-kind are for the qwen2-7b shape")
     if args.amax_tile and args.amax_tile & (args.amax_tile - 1):
         ap.error("--amax-tile: a power of two")
     if args.amax_tile:
         gemv.AMAX_TILE = args.amax_tile
     device = torch.device("cuda")
-    arch = ModelArch.from_hf_config(dict(QWEN2_7B, num_hidden_layers=args.layers, model_type="qwen2"))
+    arch = ModelArch.from_hf_config(dict(config, num_hidden_layers=args.layers))
     span = args.context + 8
     model = DecoderLM(arch, TpGroup(0, 1, None), device, torch.bfloat16, span).eval()
     load_from(model, DummySource(0, device, full_tensors=False))
@@ -108,35 +128,37 @@ def main() -> int:
     base_settings = settings.current.settings
     c = args.context
 
-    def step_ms(shapes: str) -> float:
-        settings.configure(dataclasses.replace(base_settings, gemv_shapes=shapes))
+    def step_ms(overrides: dict) -> float:
+        settings.configure(dataclasses.replace(base_settings, **overrides))
         graphs = DecodeGraphs(model, kv, last_token, 1, span, scratch_row=1, scratch_slot=span)
         graphs.capture()
         ms = per_step_ms(lambda: graphs.run([0], [c - 1], [c - 1], [c]), args.repeats, True)
         del graphs
         return ms
 
-    where = dict(weights="fp8" if args.fp8 else "bf16", activations=args.activations, amax_tile=gemv.AMAX_TILE, layers=args.layers, context=c,
+    where = dict(shape=args.shape, weights="fp8" if args.fp8 else "bf16", activations=args.activations, amax_tile=gemv.AMAX_TILE, layers=args.layers, context=c,
                  device=torch.cuda.get_device_name())
     if args.per_kind:
         per_kind(model, args.repeats)
-    base = step_ms("")
+    base = step_ms({})
     print(json.dumps(dict(kind="built-in", shapes="", ms=round(base, 4), **where)), flush=True)
-    candidates = [("given", s) for s in args.candidates.split()] if args.candidates else grid(args.tensor_core, args.fp8)
+    candidates = ([("given", dict(gemv_shapes=s)) for s in args.candidates.split()] if args.candidates
+                  else grid(kinds, args.tensor_core, args.fp8))
     best: dict[str, tuple[float, str]] = {}
-    for kind, shapes in candidates:
+    for kind, overrides in candidates:
         try:
-            ms = step_ms(shapes)
+            ms = step_ms(overrides)
         except Exception as e:  # a shape the compiler refuses (registers, shared memory) is a result too
-            print(json.dumps(dict(kind=kind, shapes=shapes, error=str(e)[:200])), flush=True)
+            print(json.dumps(dict(kind=kind, **overrides, error=str(e)[:200])), flush=True)
             continue
-        print(json.dumps(dict(kind=kind, shapes=shapes, ms=round(ms, 4), ratio=round(ms / base, 4))), flush=True)
-        if ms < best.get(kind, (base, ""))[0]:
-            best[kind] = (ms, shapes)
+        print(json.dumps(dict(kind=kind, **overrides, ms=round(ms, 4), ratio=round(ms / base, 4))), flush=True)
+        if "gemv_shapes" in overrides and ms < best.get(kind, (base, ""))[0]:
+            best[kind] = (ms, overrides["gemv_shapes"])
     combined = ",".join(shapes for _, shapes in best.values())
     summary = dict(kind="summary", built_in_ms=round(base, 4), best={k: v[1] for k, v in best.items()})
     if combined:
-        summary.update(combined=combined, combined_ms=round(step_ms(combined), 4), built_in_again_ms=round(step_ms(""), 4))
+        summary.update(combined=combined, combined_ms=round(step_ms(dict(gemv_shapes=combined)), 4),
+                       built_in_again_ms=round(step_ms({}), 4))
     print(json.dumps(summary), flush=True)
     return 0
 

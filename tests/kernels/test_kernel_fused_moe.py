@@ -3,6 +3,8 @@ or not), the pairs sorted by expert and padded to the block, and the two grouped
 routing weight fused. Under the interpreter at small awkward shapes (widths no block divides, 1 to 13 experts,
 top-1 to top-3, experts that get no token, expert-parallel halves); on a GPU at Qwen3-30B-A3B's, Qwen1.5-MoE's
 and Mixtral-8x7B's expert shapes in bf16, inside a CUDA graph too; and the default launches built for sm90."""
+import contextlib
+
 import pytest
 import torch
 
@@ -226,8 +228,12 @@ def test_route_gpu(cuda, num, top_k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 24])  # the pairs' GEMVs, the sorted grouped GEMMs
-def test_fused_moe_replays_in_a_cuda_graph(cuda, close, tokens):
-    """Routing, sorting and both GEMMs capture (no host sync) and replay on new inputs as run eagerly."""
+@pytest.mark.parametrize("with_pdl", [False, True])  # captured as the decode graphs are: the MoE kernels with PDL
+def test_fused_moe_replays_in_a_cuda_graph(cuda, close, tokens, with_pdl):
+    """Routing, sorting and both GEMMs capture (no host sync) and replay on new inputs as run eagerly, also with
+    programmatic dependent launch (each kernel waits for the one before it: a missing wait reads stale ids)."""
+    from llaunch.kernels import pdl
+
     num, top_k, hidden, inter = 128, 8, 2048, 192
     w13, w2 = experts(num, hidden, inter, torch.bfloat16, cuda)
     gate = (torch.randn(num, hidden, device=cuda) / hidden ** 0.5).to(torch.bfloat16)
@@ -238,14 +244,15 @@ def test_fused_moe_replays_in_a_cuda_graph(cuda, close, tokens):
         return ops.fused_moe(h, w13, w2, weights, ids)
 
     layer(x)  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer(x)
+    with pdl.for_graphs() if with_pdl else contextlib.nullcontext():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
     for seed in range(3):
         x.copy_(torch.randn(tokens, hidden, device=cuda, generator=torch.Generator(cuda).manual_seed(seed)))
         graph.replay()
