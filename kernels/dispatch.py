@@ -49,7 +49,6 @@ def triton_ops() -> types.SimpleNamespace:
         fp8_epilogue=modules["fp8_epilogue"].scale_rows_and_channels,
         moe_route=modules["fused_moe"].moe_route,
         fused_moe=modules["fused_moe"].fused_moe,
-        moe_experts=modules["fused_moe"].moe_experts,
     )
 
 
@@ -252,14 +251,6 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start: Optional[int] = 
     if _use_triton(x):
         return triton_ops().fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
     return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start)
-
-
-def moe_experts(x, router_logits, top_k: int, renormalize: bool, w13, w2, expert_start: Optional[int] = None):
-    """moe_route then fused_moe (a decode step's routing inside the experts' first kernel on a GPU)."""
-    if _use_triton(x):
-        return triton_ops().moe_experts(x, router_logits, top_k, renormalize, w13, w2, expert_start)
-    weights, ids = reference.moe_route(router_logits, top_k, renormalize)
-    return reference.fused_moe(x, w13, w2, weights, ids, expert_start)
 
 
 def greedy_tokens(logits, rows, last_token):

@@ -8,11 +8,8 @@ padded to BLOCK_M (`align`: three small kernels without a host sync, so decode g
 each program one BLOCK_M run of a single expert: gate‖up with the SiLU-and-multiply in its epilogue ([pairs, I]),
 and down with the routing weight in its epilogue ([pairs, H]); a token's k rows are summed back in token order.
 A step of few pairs (a launch with BLOCK_M 1: by default at most 16 pairs, batch-1 and batch-2 decode of a top-8
-model) runs each pair's gate‖up as a GEMV instead (row_dots, as the dense batch-1 GEMV) and each token's down
-products as one GEMV over its k experts, weighted and summed in its epilogue: nothing to sort or pad, no reduce, and
-the weights streamed at the GEMV's bandwidth where 16-row tiles of one valid row read them at ~1.7 TB/s (H200, T=1).
-`moe_experts` (routing, then the experts) routes such a step inside the gate‖up kernel; both launch with PDL in the
-decode graphs: a batch-1 MoE layer is the router GEMV and two kernels.
+model) runs each pair as two GEMVs instead (row_dots, as the dense batch-1 GEMV): nothing to sort or pad, and the
+weights streamed at the GEMV's bandwidth where 16-row tiles of one valid row read them at ~1.7 TB/s (H200, T=1).
 Pairs whose expert another rank holds (parallel.ep) are computed nowhere here: their rows stay zero.
 
 The roundings are the reference's (kernels/reference.py fused_moe): gate and up, silu(gate), the product, the
@@ -39,11 +36,12 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _top_k(logits_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
-           BLOCK_TOP: tl.constexpr):
-    """One token's routing from its E router logits: (weights, expert ids) of BLOCK_TOP slots, the first TOP_K used."""
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
+    wait_for_previous_kernel(PDL)  # the logits are the router GEMV's
+    x = tl.load(logits_ptr + row * stride_l + experts, mask=experts < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(experts < E, p, -1.0)  # never chosen
@@ -58,16 +56,6 @@ def _top_k(logits_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_
         p = tl.where(experts == chosen, -1.0, p)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=0)
-    return weights, ids
-
-
-@triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  PDL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    wait_for_previous_kernel(PDL)  # the logits are the router GEMV's
-    weights, ids = _top_k(logits_ptr + row * stride_l, E, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOP)
-    slots = tl.arange(0, BLOCK_TOP)
     tl.store(weights_ptr + row * TOP_K + slots, weights, mask=slots < TOP_K)
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
@@ -244,26 +232,14 @@ def _down_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_pt
 
 
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, logits_ptr, weights_ptr, N, K, E, expert_start, num_local,
-                         stride_xm, stride_l, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr, ROUTE: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, PDL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One (token, expert) pair's gate‖up as a GEMV: out[pair, n] = silu(x[token] · gate[e, n]) * (x · up[e, n]).
-    ROUTE: the pair's expert from the token's router logits (the route kernel's _top_k, in every program: one
-    launch fewer), the token's weights and ids stored by its first pair's first program for the down kernel."""
+def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, N, K, expert_start, num_local, stride_xm, stride_we,
+                         stride_wn, stride_om, TOP_K: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """One (token, expert) pair's gate‖up as a GEMV: out[pair, n] = silu(x[token] · gate[e, n]) * (x · up[e, n])."""
     pair = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wait_for_previous_kernel(PDL)  # the expert ids (or logits) are the previous kernel's: nothing is read before
-    if ROUTE:
-        token = pair // TOP_K
-        weights, ids = _top_k(logits_ptr + token * stride_l, E, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOP)
-        slots = tl.arange(0, BLOCK_TOP)
-        expert = tl.sum(tl.where(slots == pair % TOP_K, ids, 0), axis=0).to(tl.int64) - expert_start
-        written = tl.where((pair % TOP_K == 0) & (tl.program_id(1) == 0), TOP_K, 0)  # by one program a token
-        tl.store(weights_ptr + token * TOP_K + slots, weights, mask=slots < written)
-        tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < written)
-    else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_start
+    wait_for_previous_kernel(PDL)  # the expert ids are the route kernel's: nothing is read before
+    expert = tl.load(ids_ptr + pair).to(tl.int64) - expert_start
     mine = (expert >= 0) & (expert < num_local)  # else another rank's (parallel.ep): no row of it here
     row_mask = rows < tl.where(mine, N, 0)
     w_rows = w_ptr + tl.where(mine, expert, 0) * stride_we + rows.to(tl.int64) * stride_wn
@@ -371,10 +347,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     launch = launch_for(tokens, num_local, inter, hidden, top_k, device_name)
     if pairs == 0:
         return torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
-    if launch.block_m == 1:  # each pair its own GEMV programs: a decode step's few pairs, nothing to sort
-        return _pair_gemvs(x, w13, w2, topk_weights, topk_ids, expert_start, launch)
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
+    if launch.block_m == 1:  # each pair its own GEMV programs: a decode step's few pairs, nothing to sort
+        ids = topk_ids.reshape(-1)
+        use_pdl = pdl.enabled(x, "moe")
+        flavor = pdl.flavor(use_pdl, "moe")
+        _pair_gate_up_kernel[(pairs, triton.cdiv(inter, launch.block_n))](
+            x, w13, act, ids, inter, hidden, expert_start or 0, num_local, x.stride(0), w13.stride(0), w13.stride(1),
+            act.stride(0), TOP_K=top_k, PDL=flavor, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+            num_warps=launch.warps, launch_pdl=use_pdl)
+        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+        # the summing kernel's tile is top_k (to a power of two) × BLOCK_N × BLOCK_K: BLOCK_N shrinks to keep it
+        slots = triton.next_power_of_2(top_k)
+        block_n = max(1, launch.block_n // slots)
+        _pair_down_sum_kernel[(tokens, triton.cdiv(hidden, block_n))](
+            act, w2, out, weights, ids, hidden, inter, expert_start or 0, num_local, act.stride(0), w2.stride(0),
+            w2.stride(1), out.stride(0), TOP_K=top_k, SLOTS=slots, PDL=flavor, BLOCK_N=block_n,
+            BLOCK_K=launch.block_k, num_warps=launch.warps, launch_pdl=use_pdl)
+        return out
     # the rows of pairs whose expert is another rank's are never written: they must read zero
     rows = (torch.empty if expert_start is None else torch.zeros)((pairs, hidden), dtype=x.dtype, device=x.device)
     sorted_pairs, block_expert, padded = align(topk_ids, num_local, expert_start or 0, launch.block_m)
@@ -388,58 +379,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         act, w2, rows, weights, sorted_pairs, block_expert, padded, hidden, inter, pairs, num_m, act.stride(0),
         w2.stride(0), w2.stride(1), rows.stride(0), **common)
     return rows.view(tokens, top_k, hidden).sum(dim=1)
-
-
-def moe_experts(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool, w13: torch.Tensor,
-                w2: torch.Tensor, expert_start: Optional[int] = None) -> torch.Tensor:
-    """moe_route, then fused_moe: x [T, H] through its top_k experts of router_logits [T, E]. A step the pairs'
-    GEMVs take (a launch with BLOCK_M 1) routes inside their gate‖up kernel: one launch a layer fewer."""
-    tokens = x.shape[0]
-    num_local, inter = w13.shape[0], w13.shape[1] // 2
-    device_name = _device_name(x.device.index or 0) if x.is_cuda else None
-    launch = launch_for(tokens, num_local, inter, x.shape[1], top_k, device_name)
-    if launch.block_m != 1 or tokens * top_k == 0:
-        weights, ids = moe_route(router_logits, top_k, renormalize)
-        return fused_moe(x, w13, w2, weights, ids, expert_start)
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=x.device)
-    return _pair_gemvs(x, w13, w2, weights, ids, expert_start, launch, (router_logits, renormalize))
-
-
-def _pair_gemvs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, expert_start: Optional[int], launch: MoeLaunch,
-                route: Optional[tuple[torch.Tensor, bool]] = None) -> torch.Tensor:
-    """The experts of a step of few pairs: gate‖up one GEMV per pair, down one GEMV per token over its pairs,
-    weighted and summed. route (router logits, renormalize): the gate‖up kernel routes, writing topk_weights and
-    topk_ids (empty here) for the down kernel."""
-    tokens, hidden = x.shape
-    num_local, inter = w13.shape[0], w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    pairs = tokens * top_k
-    # routed here: the kernels' own buffers; else the caller's routing as the kernels read it
-    ids = topk_ids.reshape(-1) if route is not None else topk_ids.reshape(-1).contiguous()
-    weights = topk_weights.reshape(-1) if route is not None else topk_weights.reshape(-1).float().contiguous()
-    logits, renormalize = route if route is not None else (x, False)
-    if route is not None and logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    use_pdl = pdl.enabled(x, "moe")
-    flavor = pdl.flavor(use_pdl, "moe")
-    experts = logits.shape[1] if route is not None else 1
-    _pair_gate_up_kernel[(pairs, triton.cdiv(inter, launch.block_n))](
-        x, w13, act, ids, logits, weights, inter, hidden, experts, expert_start or 0, num_local, x.stride(0),
-        logits.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, ROUTE=route is not None,
-        RENORMALIZE=renormalize, PDL=flavor, BLOCK_E=triton.next_power_of_2(experts),
-        BLOCK_TOP=triton.next_power_of_2(top_k), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        num_warps=launch.warps, launch_pdl=use_pdl)
-    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-    # the summing kernel's tile is top_k (to a power of two) × BLOCK_N × BLOCK_K: BLOCK_N shrinks to keep it
-    slots = triton.next_power_of_2(top_k)
-    block_n = max(1, launch.block_n // slots)
-    _pair_down_sum_kernel[(tokens, triton.cdiv(hidden, block_n))](
-        act, w2, out, weights, ids, hidden, inter, expert_start or 0, num_local, act.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), TOP_K=top_k, SLOTS=slots, PDL=flavor, BLOCK_N=block_n,
-        BLOCK_K=launch.block_k, num_warps=launch.warps, launch_pdl=use_pdl)
-    return out

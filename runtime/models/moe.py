@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from llaunch.kernels.dispatch import linear, moe_experts
+from llaunch.kernels.dispatch import fused_moe, linear, moe_route
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.layers import Shard, TpGroup
 
@@ -53,9 +53,8 @@ class Experts(nn.Module):
     def checkpoint_shards(self) -> dict[str, list[Shard]]:
         return {"w13": self.gate_up_shards, "w2": self.down_shards}
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
-        """Each token through its top_k experts of router_logits [T, E] (this rank's share of them)."""
-        return moe_experts(x, router_logits, top_k, renormalize, self.w13, self.w2, self.expert_start)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_moe(x, self.w13, self.w2, weights, ids, self.expert_start)
 
 
 class Replicated(nn.Module):
@@ -87,7 +86,8 @@ class SparseMoe(nn.Module):
             Replicated(f"{prefix}.shared_expert_gate.weight", 1, arch.hidden_size, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x), self.top_k, self.renormalize)
+        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
         if self.shared_expert is not None:  # its down projection's partial sum joins the experts' before the reduce
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
         return self.tp.all_reduce(out)

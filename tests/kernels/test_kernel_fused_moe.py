@@ -117,32 +117,6 @@ def test_pair_gemvs_and_grouped_gemms_alike(ops, poisoned, close, launch, tokens
         settings.configure(before)
 
 
-@pytest.mark.parametrize("tokens, num, top_k, hidden, inter", SHAPES + [(2, 128, 8, 64, 32)])
-@pytest.mark.parametrize("launch", ["1/16/32/4/1/1", "16/32/32/4/1/1"])
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_routing_and_experts_in_one_call(ops, poisoned, close, launch, tokens, num, top_k, hidden, inter,
-                                         renormalize):
-    """moe_experts (the decode step's routing inside the pairs' gate‖up kernel; route + fused_moe otherwise) is
-    moe_route then the experts, whole and as expert-parallel shares, with either kind of launch."""
-    x = torch.randn(tokens, hidden)
-    w13, w2 = experts(num, hidden, inter, torch.float32)
-    logits = torch.randn(tokens, num) * 2
-    want_weights, want_ids = reference.moe_route(logits, top_k, renormalize)
-    half = num // 2
-    text = ",".join(f"{e}x{inter}x{hidden}={launch}" for e in {num, half, num - half})
-    before = settings.configure(KernelSettings(moe_shapes=text))
-    try:
-        with poisoned():
-            out = ops.moe_experts(x, logits, top_k, renormalize, w13, w2)
-        close(out, reference.fused_moe(x, w13, w2, want_weights, want_ids))
-        for start, stop in ((0, half), (half, num)):
-            share = ops.moe_experts(x, logits, top_k, renormalize, w13[start:stop].contiguous(),
-                                    w2[start:stop].contiguous(), start)
-            close(share, reference.fused_moe(x, w13[start:stop], w2[start:stop], want_weights, want_ids, start))
-    finally:
-        settings.configure(before)
-
-
 @pytest.mark.parametrize("tokens, num, top_k, hidden, inter", SHAPES)
 def test_expert_parallel_shares_sum_to_the_whole(ops, close, tokens, num, top_k, hidden, inter):
     """Each rank's whole experts (parallel.ep): its share is the reference's for those experts, pairs of the
@@ -265,11 +239,9 @@ def test_fused_moe_replays_in_a_cuda_graph(cuda, close, tokens, with_pdl):
     gate = (torch.randn(num, hidden, device=cuda) / hidden ** 0.5).to(torch.bfloat16)
     x = torch.randn(tokens, hidden, device=cuda).to(torch.bfloat16)
 
-    def layer(h):  # as runtime/models/moe.py: routing inside the experts' first kernel where the pairs' GEMVs run
-        return ops.moe_experts(h, ops.linear(h, gate), top_k, True, w13, w2)
-
-    def apart(h):
-        return ops.fused_moe(h, w13, w2, *ops.moe_route(ops.linear(h, gate), top_k, True))
+    def layer(h):
+        weights, ids = ops.moe_route(ops.linear(h, gate), top_k, True)
+        return ops.fused_moe(h, w13, w2, weights, ids)
 
     layer(x)  # compile outside the capture
     with pdl.for_graphs() if with_pdl else contextlib.nullcontext():
@@ -285,7 +257,6 @@ def test_fused_moe_replays_in_a_cuda_graph(cuda, close, tokens, with_pdl):
         x.copy_(torch.randn(tokens, hidden, device=cuda, generator=torch.Generator(cuda).manual_seed(seed)))
         graph.replay()
         close(out, layer(x))
-        close(out, apart(x))
 
 
 # ---- sm90 builds of the default launches (no GPU needed) ----------------------------------------------------------
