@@ -6,8 +6,9 @@ not L2, as in a model's step. Timed here, each (shape, M): bf16 cuBLAS; torch._s
 (as served), with one scale per tensor, and with unit per-tensor scales, float32 or bfloat16 out and the row-wise
 scales in a Triton epilogue (the same products and sums as row-wise; bfloat16 out rounds once more); a Triton tile GEMM (e4m3 x e4m3 on the tensor cores, float32
 accumulation, scales in the epilogue) over tile shapes and splits of K, its output checked against
-_scaled_mm's. One JSON line per (shape, M, method): microseconds (CUDA events, median of 5 x 20 launches)
-and the weight bytes per second; then per M the four linears' sum per method (what a layer reads).
+_scaled_mm's. One JSON line per (shape, M, method): microseconds (CUDA events, median of 5 replays of 20
+launches captured in a CUDA graph) and the weight bytes per second; then per M the four linears' sum per method
+(what a layer reads).
 
     python scripts/bench_fp8_gemm.py [--rows 16 32 64 128 165 256]
     TRITON_INTERPRET=1 python scripts/bench_fp8_gemm.py --cpu   (a smoke run of the Triton kernel's arithmetic)
@@ -77,13 +78,23 @@ def scaled_epilogue(y: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tenso
 
 
 def timed_us(fn) -> float:
-    fn()
+    """Device time per call of 20 calls replayed from one CUDA graph (as the decode steps run): eager launches of
+    a short GEMM plus a Triton epilogue measured the host's launch time instead (2026-12-04: 267 µs a layer)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiled and warm outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            fn()
+    graph.replay()
     runs = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(20):
-            fn()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
         runs.append(start.elapsed_time(end) * 1000 / 20)
