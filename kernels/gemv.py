@@ -34,8 +34,9 @@ ACT_MODES = {fp8.NONE: 0, fp8.DYNAMIC: 1, fp8.STATIC: 2}  # an fp8 layer's activ
 # (79 → 93 on sm90, a program fewer an SM).
 
 
-def launch_shape(n: int, k: int, gated: bool, fp8: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, STAGES) for a shape (of e4m3 weights where fp8). STAGES 0: the register
+def launch_shape(n: int, k: int, gated: bool, fp8: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, STAGES, SPLIT) for a shape (of e4m3 weights where fp8). SPLIT: K over that
+    many programs a tile (the tensor-core fp8 kernel of an ungated layer; 1 elsewhere). STAGES 0: the register
     kernel here (for the LM head, called through dispatch.lm_head_linear: cuBLAS); ≥ 2: the TMA-staged
     kernel (gemv_staged.py) with that pipeline depth, for e4m3 weights the tensor-core kernel (gemv_fp8.py).
     Fixed, not autotuned: the block sizes set the summation order, and a timing-dependent pick could make
@@ -44,19 +45,19 @@ def launch_shape(n: int, k: int, gated: bool, fp8: bool = False) -> tuple[int, i
     tiles of 1k columns (256 for the gated gate‖up, whose programs read two rows per output) × 4 warps,
     more rows per program where outputs are fewer than inputs."""
     if _INTERPRETED:
-        return INTERPRETED_SHAPE
+        return (*INTERPRETED_SHAPE, 1)
     overrides = settings.current.gemv_shapes
     if (n, k, gated, fp8) in overrides:
         return overrides[(n, k, gated, fp8)]
     if fp8:
-        return _fp8_launch_shape(n, k, gated)
+        return (*_fp8_launch_shape(n, k, gated), 1)
     if n >= 65536:  # an LM head: the staged kernel (run 4: 0.237 ms for Qwen2-7B's, cuBLAS 0.248)
-        return 16, 256, 4, 4
+        return 16, 256, 4, 4, 1
     if gated:
-        return 8, 256, 4, 0
+        return 8, 256, 4, 0, 1
     if k >= 2048:
-        return (2, 1024, 4, 0) if n > k else (4, 1024, 4, 0)
-    return 2, max(64, triton.next_power_of_2(k)), 4, 0
+        return (2, 1024, 4, 0, 1) if n > k else (4, 1024, 4, 0, 1)
+    return 2, max(64, triton.next_power_of_2(k)), 4, 0, 1
 
 
 def _fp8_launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
@@ -171,7 +172,7 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     if n == 0:
         return out
-    block_n, block_k, warps, stages = launch_shape(n, k, gated, layer is not None)
+    block_n, block_k, warps, stages, split = launch_shape(n, k, gated, layer is not None)
     # Under PDL the first weight tiles are read before the wait: only a weight no earlier kernel wrote.
     use_pdl = pdl.enabled(x, "gemv") and not copied
     if stages >= 2 and layer is None and gemv_staged.tma_ready(weight):
@@ -186,7 +187,7 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
         if act != ACT_MODES[fp8.NONE] and block_k >= 32 and hopper:
             gemv_fp8.gemv_fp8(x, weight, layer.scale, layer.input_scale, layer.scale_ub, bias, out, n, gated,
                               act == ACT_MODES[fp8.DYNAMIC], pdl.flavor(use_pdl, "gemv"), block_n, block_k, warps,
-                              stages, amax_block(k))
+                              stages, amax_block(k), 1 if gated else split)
             return out
         block_n, block_k, warps, stages = INTERPRETED_SHAPE if _INTERPRETED else _fp8_register_shape(n, k, gated)
     _gemv_kernel[(triton.cdiv(n, block_n),)](

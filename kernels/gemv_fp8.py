@@ -7,6 +7,11 @@ is quantized once per tile and padded to the 16 rows of an MMA (15 zero rows), a
 the weight tiles pipelined into shared memory STAGES deep by Triton's loop pipeliner. The CUDA cores do
 only x's quantization (shared by the program's rows) and the epilogue.
 
+A narrow layer (o_proj, down_proj: N / BLOCK_N programs, fewer than an H200 has SMs) splits K over SPLIT
+programs a tile: each stores its float32 partial sums, and the tile's last program to finish (a counter per
+tile, taken and reset by atomics) adds the SPLIT partials in split order (the result does not depend on which
+program ends last) and applies the epilogue: no second kernel.
+
 Same arithmetic as gemv.py's fp8 path up to the order of the sum: x divided by its scale (the row's
 absmax / 448, or the static scale) and rounded to e4m3, products of e4m3 values summed in float32, the sum
 times the channel's and the row's scales, then the bias; gated: silu(gate) · up rounded as the unfused
@@ -24,6 +29,20 @@ from llaunch.kernels.e4m3 import quantized, row_scale
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Per device, the split kernels' arrival counters (one per output tile), zero between launches: each launch's
+# last program resets its tiles'. Grown outside CUDA-graph capture only; a grown-out buffer is kept alive, as
+# graphs captured earlier still address it.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    held = _COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"gemv_fp8: {tiles} split-K counters first needed inside a CUDA-graph capture "
+                               "(the warm-up before it allocates them)")
+        held.append(torch.zeros(max(4096, triton.next_power_of_2(tiles)), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 @triton.jit
@@ -36,11 +55,13 @@ def _tile_dot(xq, w, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset, scale_ub,
-                     DYNAMIC: tl.constexpr, HAS_UB: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                     PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     AMAX_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_ptr, N, K, w_stride, up_offset,
+                     scale_ub, DYNAMIC: tl.constexpr, HAS_UB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr, SPLIT: tl.constexpr, AMAX_BLOCK: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+    tile = tl.program_id(0)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64) * w_stride
     cols = tl.arange(0, BLOCK_K)
@@ -52,13 +73,17 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride
         x_scale = tl.load(xs_ptr)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     up_acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    # this program's share of K: whole tiles, SPLIT shares (the last ones may be empty)
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    k_begin = tl.program_id(1) * per_split
+    k_end = tl.minimum(k_begin + per_split, K)
     # x one tile ahead: the pipeliner stages the weight tiles (they feed the dot) but x reaches the dot
     # through the quantization, so without this every iteration waits an L2 round trip for its x
-    x_next = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        k_mask = k0 + cols < K
+    x_next = tl.load(x_ptr + k_begin + cols, mask=k_begin + cols < k_end, other=0.0)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
+        k_mask = k0 + cols < k_end
         x = x_next.to(tl.float32)
-        x_next = tl.load(x_ptr + k0 + BLOCK_K + cols, mask=k0 + BLOCK_K + cols < K, other=0.0)
+        x_next = tl.load(x_ptr + k0 + BLOCK_K + cols, mask=k0 + BLOCK_K + cols < k_end, other=0.0)
         xq = tl.where(first, quantized(x, x_scale, INTERPRETED)[None, :], 0.0)
         mask = row_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows[:, None] + k0 + cols[None, :], mask=mask, other=0.0)
@@ -66,7 +91,28 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride
         if GATED:
             up = tl.load(w_rows[:, None] + up_offset + k0 + cols[None, :], mask=mask, other=0.0)
             up_acc += _tile_dot(xq, up, INTERPRETED)
-    y = tl.sum(acc, axis=0) * (tl.load(s_ptr + rows, mask=row_mask, other=0.0) * x_scale)  # rows 1-15 are zeros
+    y = tl.sum(acc, axis=0)  # rows 1-15 are zeros
+    last = True
+    if SPLIT > 1:  # (never GATED: gemv_fp8 refuses it) the partial sums, then the tile's last program adds them
+        tl.store(part_ptr + tl.program_id(1) * N + rows, y, mask=row_mask)
+        tl.debug_barrier()  # every thread's partial stored before the arrival is counted (a release at GPU scope)
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT - 1
+        if last:
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+            y = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT):  # in split order, whoever arrived last
+                y += tl.load(part_ptr + split * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+    if last:
+        _epilogue(y, up_acc, x_ptr, s_ptr, b_ptr, out_ptr, rows, row_mask, N, x_scale, HAS_BIAS, GATED)
+
+
+@triton.jit
+def _epilogue(y, up_acc, x_ptr, s_ptr, b_ptr, out_ptr, rows, row_mask, N, x_scale, HAS_BIAS: tl.constexpr,
+              GATED: tl.constexpr):
+    """A tile's float32 sums of e4m3 products → out: the channel's and the row's scales, the bias; gated:
+    silu(gate) · up."""
+    y = y * (tl.load(s_ptr + rows, mask=row_mask, other=0.0) * x_scale)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
@@ -83,14 +129,20 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride
 
 def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_scale, scale_ub, bias,
              out: torch.Tensor, n: int, gated: bool, dynamic: bool, pdl_flavor: int, block_n: int, block_k: int, warps: int,
-             stages: int, amax_block: int) -> None:
+             stages: int, amax_block: int, split: int = 1) -> None:
     """out [1, n] = the fp8 layer (weight e4m3 [N or 2n, K], scale [N] float32) applied to x [1, K], or
     SiLU-gated over weight = gate‖up; checked by gemv(). dynamic: x's scale from its absmax (clipped to
-    scale_ub where given), else input_scale. pdl_flavor: pdl.flavor()'s value, 0 for a launch without PDL."""
+    scale_ub where given), else input_scale. pdl_flavor: pdl.flavor()'s value, 0 for a launch without PDL.
+    split > 1: K over that many programs a tile (ungated layers)."""
+    if split > 1 and gated:
+        raise ValueError("gemv_fp8: a split of K is for ungated layers (gate‖up has programs enough)")
     k = weight.shape[1]
-    _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
+    tiles = triton.cdiv(n, block_n)
+    parts = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    counts = _counters(x.device, tiles) if split > 1 else out
+    _gemv_fp8_kernel[(tiles, split)](
         x, weight, scale, input_scale if input_scale is not None else scale, bias if bias is not None else x, out,
-        n, k, weight.stride(0), n * weight.stride(0), scale_ub or 0.0, DYNAMIC=dynamic,
+        parts, counts, n, k, weight.stride(0), n * weight.stride(0), scale_ub or 0.0, DYNAMIC=dynamic,
         HAS_UB=dynamic and scale_ub is not None, HAS_BIAS=bias is not None, GATED=gated, PDL=pdl_flavor,
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, AMAX_BLOCK=amax_block, INTERPRETED=_INTERPRETED,
-        num_warps=warps, launch_pdl=bool(pdl_flavor))
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT=split, AMAX_BLOCK=amax_block,
+        INTERPRETED=_INTERPRETED, num_warps=warps, launch_pdl=bool(pdl_flavor))

@@ -61,9 +61,10 @@ class KernelSettings:
     backend: Backend = Backend.triton  # triton kernels, or the plain-torch references everywhere
     gemv: Gemv = Gemv.triton  # batch-1 decode linear layers: the Triton GEMV or cuBLAS
     # Launch shapes per weight shape, overriding kernels/gemv.py's built-in ones: comma-separated
-    # `NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS[/STAGES]` (N output rows, K inputs; `:fp8` for e4m3 weights,
+    # `NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS[/STAGES[/SPLIT]]` (N output rows, K inputs; `:fp8` for e4m3 weights,
     # model.quantization=fp8, whose shapes are their own; STAGES ≥ 2 runs the TMA-staged kernel, for fp8
-    # weights the tensor-core one; 0 on the LM head's shape keeps it on cuBLAS). Sweep candidates with
+    # weights the tensor-core one; 0 on the LM head's shape keeps it on cuBLAS; SPLIT, fp8 tensor-core shapes
+    # of ungated layers only: K over that many programs an output tile). Sweep candidates with
     # `llaunch -m bench=c1 kernels.gemv_shapes=...` on the GPU they are for.
     gemv_shapes: str = ""
     # Launch shapes of the fused MoE layer's grouped GEMMs (kernels/fused_moe.py) per layer shape, overriding its
@@ -99,8 +100,9 @@ class KernelSettings:
         return found
 
 
-def parse_gemv_shapes(text: str) -> dict[tuple[int, int, bool, bool], tuple[int, int, int, int]]:
-    """`gemv_shapes` as {(N, K, gated, fp8): (BLOCK_N, BLOCK_K, WARPS, STAGES)}."""
+def parse_gemv_shapes(text: str) -> dict[tuple[int, int, bool, bool], tuple[int, int, int, int, int]]:
+    """`gemv_shapes` as {(N, K, gated, fp8): (BLOCK_N, BLOCK_K, WARPS, STAGES, SPLIT)}; SPLIT (default 1): K over
+    that many programs a tile, for the fp8 tensor-core kernel of an ungated layer (kernels/gemv_fp8.py)."""
     shapes = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         try:
@@ -110,11 +112,12 @@ def parse_gemv_shapes(text: str) -> dict[tuple[int, int, bool, bool], tuple[int,
             kind = kind.removesuffix("fp8").rstrip(":") if fp8 else kind
             n, k = (int(v) for v in dims.split("x"))
             values = [int(v) for v in value.split("/")]
-            if len(values) not in (3, 4):
+            if len(values) not in (3, 4, 5):
                 raise ValueError
-            block_n, block_k, warps, stages = (*values, 0)[:4]
+            block_n, block_k, warps, stages, split = [*values, *(0, 1)[len(values) - 3:]]
         except ValueError:
-            raise ValueError(f"kernels.gemv_shapes: {item!r} is not NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS[/STAGES]") from None
+            raise ValueError(f"kernels.gemv_shapes: {item!r} is not "
+                             "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS[/STAGES[/SPLIT]]") from None
         powers = all(v > 0 and v & (v - 1) == 0 for v in (block_n, block_k, warps))
         if kind not in ("", "gated") or not powers or warps > 16:
             raise ValueError(f"kernels.gemv_shapes: {item!r}: blocks and warps must be powers of two (warps ≤ 16), "
@@ -122,7 +125,10 @@ def parse_gemv_shapes(text: str) -> dict[tuple[int, int, bool, bool], tuple[int,
         if stages and (stages < 2 or max(block_n, block_k) > MAX_TMA_BOX or block_k < 16):
             raise ValueError(f"kernels.gemv_shapes: {item!r}: STAGES is 0 or ≥ 2, and the staged kernel (≥ 2) "
                              f"takes blocks of at most {MAX_TMA_BOX} (a TMA box) and BLOCK_K ≥ 16 (16-byte rows)")
-        shapes[(n, k, kind == "gated", fp8)] = (block_n, block_k, warps, stages)
+        if split != 1 and (split < 1 or not fp8 or kind == "gated" or stages < 2):
+            raise ValueError(f"kernels.gemv_shapes: {item!r}: SPLIT (≥ 1) is for the fp8 tensor-core kernel (STAGES "
+                             "≥ 2) of an ungated layer: an ':fp8' key without ':gated'")
+        shapes[(n, k, kind == "gated", fp8)] = (block_n, block_k, warps, stages, split)
     return shapes
 
 

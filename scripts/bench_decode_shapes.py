@@ -44,13 +44,17 @@ PLAIN = ["2/1024/4", "4/1024/4", "4/2048/4", "8/512/4", "8/1024/4", "8/1024/8", 
 GATED = ["4/512/4", "8/256/4", "8/512/4", "8/512/8", "16/256/4", "16/256/8", "16/512/8", "32/256/8"]
 # e4m3 weights on the tensor cores (kernels/gemv_fp8.py: STAGES >= 2), the same grid for every kind
 MMA = ["16/128/4/4", "16/256/4/4", "16/256/4/6", "32/128/4/4", "32/256/4/3", "32/256/4/4", "64/128/4/4", "64/256/4/3"]
+# and K split over SPLIT programs a tile (ungated layers: qkv, o_proj, down_proj have too few tiles for 132 SMs)
+MMA_SPLIT = ["16/256/4/4/2", "16/256/4/4/4", "32/256/4/3/2", "32/256/4/3/4", "32/256/4/4/8", "64/256/4/3/4",
+             "16/128/4/4/8", "32/128/4/4/8"]
 
 
 def grid(kinds: dict[str, str], tensor_core: bool, fp8: bool) -> list[tuple[str, dict]]:
     """(layer kind, kernel settings to override) per candidate."""
     suffix = ":fp8" if fp8 else ""  # e4m3 weights' keys
     shapes = [(kind, dict(gemv_shapes=f"{key}{suffix}={shape}")) for kind, key in kinds.items()
-              for shape in (MMA if tensor_core else GATED if key.endswith(":gated") else
+              for shape in (MMA + ([] if key.endswith(":gated") else MMA_SPLIT) if tensor_core else
+                            GATED if key.endswith(":gated") else
                             ROUTER + PLAIN[:4] if kind == "router" else PLAIN)]
     if "router" not in kinds:
         return shapes

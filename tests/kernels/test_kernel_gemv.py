@@ -112,7 +112,7 @@ def gpu_shape(request, monkeypatch):
     from llaunch.kernels import gemv
 
     if request.param is not None:
-        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: request.param)
+        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (*request.param, 1))
     return request.param
 
 
@@ -124,7 +124,7 @@ def test_staged_gemv_gpu_float32_and_float16(cuda, poisoned, close, monkeypatch,
     SmolLM2's sizes, as the vocabulary-sized rule sends a float32 one there) and an odd shape."""
     from llaunch.kernels import gemv
 
-    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (16, 256, 4, 4))
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (16, 256, 4, 4, 1))
     x = torch.randn(1, k, device=cuda).to(dtype)
     w = (torch.randn(n, k, device=cuda) / k ** 0.5).to(dtype)
     assert gemv.staged_for(w)
@@ -176,27 +176,34 @@ def test_launch_shapes_from_the_config(monkeypatch, kernel_settings):
     """kernels.gemv_shapes (what the chain sweep emits) overrides the built-in shape per weight shape."""
     from llaunch.kernels import gemv, settings
 
-    text = "3584x3584=2/4096/8, 18944x3584:gated=16/256/8/4, 18944x3584:gated:fp8=64/256/4/3, 3584x3584:fp8=8/512/4,"
+    text = ("3584x3584=2/4096/8, 18944x3584:gated=16/256/8/4, 18944x3584:gated:fp8=64/256/4/3, 3584x3584:fp8=8/512/4,"
+            "3584x18944:fp8=32/256/4/3/4")
     shapes = settings.parse_gemv_shapes(text)
-    assert shapes == {(3584, 3584, False, False): (2, 4096, 8, 0), (18944, 3584, True, False): (16, 256, 8, 4),
-                      (18944, 3584, True, True): (64, 256, 4, 3), (3584, 3584, False, True): (8, 512, 4, 0)}
+    assert shapes == {(3584, 3584, False, False): (2, 4096, 8, 0, 1), (18944, 3584, True, False): (16, 256, 8, 4, 1),
+                      (18944, 3584, True, True): (64, 256, 4, 3, 1), (3584, 3584, False, True): (8, 512, 4, 0, 1),
+                      (3584, 18944, False, True): (32, 256, 4, 3, 4)}
     monkeypatch.setattr(gemv, "_INTERPRETED", False)
     kernel_settings(gemv_shapes=text)
-    assert gemv.launch_shape(3584, 3584, False) == (2, 4096, 8, 0)
-    assert gemv.launch_shape(18944, 3584, True) == (16, 256, 8, 4)
-    assert gemv.launch_shape(3584, 18944, False) == (4, 1024, 4, 0)  # not overridden: built in
+    assert gemv.launch_shape(3584, 3584, False) == (2, 4096, 8, 0, 1)
+    assert gemv.launch_shape(18944, 3584, True) == (16, 256, 8, 4, 1)
+    assert gemv.launch_shape(3584, 18944, False) == (4, 1024, 4, 0, 1)  # not overridden: built in
     # e4m3 weights of the same shapes take the :fp8 keys, and only those
-    assert gemv.launch_shape(18944, 3584, True, fp8=True) == (64, 256, 4, 3)
-    assert gemv.launch_shape(3584, 3584, False, fp8=True) == (8, 512, 4, 0)
+    assert gemv.launch_shape(18944, 3584, True, fp8=True) == (64, 256, 4, 3, 1)
+    assert gemv.launch_shape(3584, 3584, False, fp8=True) == (8, 512, 4, 0, 1)
+    assert gemv.launch_shape(3584, 18944, False, fp8=True) == (32, 256, 4, 3, 4)
     kernel_settings(gemv_shapes="18944x3584:gated=16/256/8/4")
-    assert gemv.launch_shape(18944, 3584, True, fp8=True) != (16, 256, 8, 4)
+    assert gemv.launch_shape(18944, 3584, True, fp8=True) != (16, 256, 8, 4, 1)
 
 
 @pytest.mark.parametrize("text, message", [("3584x3584=2/4096", "is not NxK"), ("3584=2/4096/8", "is not NxK"),
                                            ("3584x3584=3/4096/8", "powers of two"),
                                            ("3584x3584=8/512/4/4", "blocks of at most 256"),
                                            ("3584x3584=8/256/4/1", "STAGES is 0 or ≥ 2"),
-                                           ("3584x3584=8/256/4/4/2", "is not NxK"),
+                                           ("3584x3584=8/256/4/4/2/1", "is not NxK"),
+                                           ("3584x3584=8/256/4/4/2", "SPLIT"),  # bf16: no split kernel
+                                           ("3584x3584:gated:fp8=8/256/4/4/2", "SPLIT"),
+                                           ("3584x3584:fp8=8/256/4/0/2", "SPLIT"),  # the register kernel
+                                           ("3584x3584:fp8=8/256/4/4/0", "SPLIT"),
                                            ("3584x3584:fast=2/4096/8", "':gated' and ':fp8'"),
                                            ("3584x3584:fp8:gated=2/4096/8", "':gated' and ':fp8'")])
 def test_launch_shapes_from_the_config_refuse_bad_values(text, message):
@@ -240,7 +247,8 @@ def fp8_layer(n: int, k: int, activations: str = "dynamic", device="cpu"):
 FP8_MODES = ["dynamic", "static", "none", "dynamic-ub"]
 # e4m3 layers through the built-in shapes, the tensor-core kernel (STAGES >= 2: kernels/gemv_fp8.py;
 # activations "none" stay on the register kernel, whose x is not quantized) and the register kernel
-FP8_KERNELS = {"built-in": None, "tensor-core": (16, 64, 4, 2), "register": (16, 256, 4, 0)}
+FP8_KERNELS = {"built-in": None, "tensor-core": (16, 64, 4, 2, 1), "register": (16, 256, 4, 0, 1),
+               "tensor-core-split": (16, 64, 4, 2, 3)}  # K over 3 programs a tile, uneven (and empty) shares
 
 
 @pytest.fixture(params=list(FP8_KERNELS))
@@ -291,10 +299,57 @@ def test_fp8_layers_the_tensor_cores_cannot_take_run_the_register_kernel(ops, mo
         raise AssertionError("the tensor-core kernel was launched")
 
     monkeypatch.setattr(gemv_fp8, "gemv_fp8", refuse)
-    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: shape)
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (*shape, 1))
     w = fp8_layer(37, 300, activations)
     x = 3 * torch.randn(1, 300)
     close(ops.gemv(x, w), fp8.reference_linear(x, w))
+
+
+def test_split_k_counters_are_zero_after_each_launch(ops, close, monkeypatch):
+    """The split kernel's tile counters (taken by each program, reset by the tile's last) read zero after a launch,
+    so the next launch's last program is found again: repeated launches give the reference's output each time."""
+    from llaunch.kernels import fp8, gemv, gemv_fp8
+
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (8, 32, 4, 2, 4))
+    w = fp8_layer(50, 200)  # 7 tiles, K in 4 shares of 2, 2, 2, 1 tiles
+    for seed in range(3):
+        x = 3 * torch.randn(1, 200, generator=torch.Generator().manual_seed(seed))
+        close(ops.gemv(x, w), fp8.reference_linear(x, w))
+        assert not gemv_fp8._counters(x.device, 7).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_pdl", [False, True])
+def test_split_k_fp8_gemv_replays_in_a_cuda_graph(cuda, close, monkeypatch, with_pdl):
+    """Qwen2-7B's down_proj as the split tensor-core kernel, chained twice in a captured graph as a decode step
+    launches it (with PDL: each launch's programs wait for the previous one before touching the counters)."""
+    import contextlib
+
+    from llaunch.kernels import fp8, gemv, pdl
+
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (32, 256, 4, 3, 4) if fp8 else
+                        (2, 1024, 4, 0, 1))
+    first, second = fp8_layer(3584, 18944, "dynamic", cuda), fp8_layer(18944, 3584, "dynamic", cuda)
+    x = (3 * torch.randn(1, 18944, device=cuda)).to(torch.bfloat16)
+
+    def chain():
+        return ops.linear(ops.linear(x, first), second)
+
+    chain()
+    with pdl.for_graphs() if with_pdl else contextlib.nullcontext():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+    for seed in range(3):
+        x.copy_((3 * torch.randn(1, 18944, device=cuda, generator=torch.Generator(cuda).manual_seed(seed))))
+        graph.replay()
+        assert torch.equal(out, chain())  # the sum order is fixed: replayed = eager, bit for bit
+        close(ops.linear(x, first), fp8.reference_linear(x.float(), first).to(torch.bfloat16))
 
 
 def test_fp8_gemv_quantizes_the_row():

@@ -137,3 +137,44 @@ def test_staged_gemv_builds_fit_and_load_x_only_after_the_pdl_wait(staged_builds
         first_wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
         first_tma = next(i for i, line in enumerate(lines) if "cp.async.bulk.tensor" in line)
         assert first_tma < first_wait, f"{name}: no weight tile requested before the PDL wait"
+
+
+_COMPILE_SPLIT = r'''
+import importlib, inspect, json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+fp8 = importlib.import_module("llaunch.kernels.gemv_fp8")
+
+fn = fp8._gemv_fp8_kernel
+out = {}
+for split in (1, 4):
+    constexprs = dict(DYNAMIC=True, HAS_UB=False, HAS_BIAS=False, GATED=False, PDL=1, BLOCK_N=32, BLOCK_K=256,
+                      STAGES=3, SPLIT=split, AMAX_BLOCK=4096, INTERPRETED=False)
+    names = list(inspect.signature(fn.fn).parameters)
+    types = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32",
+             "scale_ub": "fp32"}
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n in ("N", "K")}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    out[f"split={split}"] = dict(shared=kernel.metadata.shared, ptx=kernel.asm["ptx"])
+print(json.dumps(out))
+'''
+
+
+def test_split_k_fp8_gemv_counts_arrivals_after_its_partials_and_reads_theirs_from_l2(sm90_compile):
+    """The fp8 tensor-core GEMV with K split (kernels/gemv_fp8.py) for sm90: each program stores its partial sums,
+    then one thread takes the tile's counter with an acquire-release atomic at GPU scope after a barrier (every
+    thread's partial is stored before the arrival counts); the last program reads the partials past L1
+    (ld.global.cg: another SM wrote them) and resets the counter. Unsplit, no atomics at all."""
+    builds = sm90_compile(_COMPILE_SPLIT)
+    assert builds["split=1"]["shared"] <= SHARED_LIMIT and "atom." not in builds["split=1"]["ptx"]
+    lines = builds["split=4"]["ptx"].splitlines()
+    assert builds["split=4"]["shared"] <= SHARED_LIMIT
+    atoms = [i for i, line in enumerate(lines) if "atom." in line]
+    assert [lines[i].split()[1] for i in atoms] == ["atom.global.gpu.acq_rel.add.u32", "atom.global.gpu.relaxed.exch.b32"]
+    assert all(lines[i].lstrip().startswith("@%p") for i in atoms)  # predicated: one thread of the program
+    partial_store = max(i for i, line in enumerate(lines[:atoms[0]]) if "st.global" in line)
+    assert any("bar.sync" in line for line in lines[partial_store:atoms[0]])
+    partial_loads = [i for i, line in enumerate(lines) if "ld.global.cg" in line]
+    assert len(partial_loads) == 4 and min(partial_loads) > atoms[0]
