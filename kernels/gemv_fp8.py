@@ -73,10 +73,13 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, coun
         x_scale = tl.load(xs_ptr)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     up_acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    # this program's share of K: whole tiles, SPLIT shares (the last ones may be empty)
-    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
-    k_begin = tl.program_id(1) * per_split
-    k_end = tl.minimum(k_begin + per_split, K)
+    if SPLIT == 1:
+        k_begin = 0
+        k_end = K
+    else:  # this program's share of K: whole tiles, SPLIT shares (the last ones may be empty)
+        per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+        k_begin = tl.program_id(1) * per_split
+        k_end = tl.minimum(k_begin + per_split, K)
     # x one tile ahead: the pipeliner stages the weight tiles (they feed the dot) but x reaches the dot
     # through the quantization, so without this every iteration waits an L2 round trip for its x
     x_next = tl.load(x_ptr + k_begin + cols, mask=k_begin + cols < k_end, other=0.0)
