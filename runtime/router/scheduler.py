@@ -86,7 +86,7 @@ class Scheduler:
         self._in_flight: deque[list[Request]] = deque()  # per step out: its requests, in sample order
         self._in_flight_all: deque[list[Request]] = deque()  # per step out: every request it touches
         self.pd = KvTransfers(self.cache)  # prefill/decode disaggregation's KV moves
-        self.spec = SpecDecoding(limits.spec, limits.vocab_size)
+        self.spec = SpecDecoding(limits.spec, limits.vocab_size, limits.max_model_len)
         self.sharing = PromptSharing(limits.diverse_mode and limits.prompt_cache and limits.pd_role is None, self.cache)
 
     # ---- requests in -----------------------------------------------------------------------
@@ -313,6 +313,7 @@ class Scheduler:
         live += self._holding(candidate)
         # finished requests whose steps are still out hold their slots a little longer
         lingering = sum(len(r.slots) - r.num_cached for r in self.running.values() if r.status is Status.FINISHED)
+        lingering += self.spec.void_slots  # void chained verifies' slots, freed when their step returns
         shared = self.cache.locked
         margin = lim.pipeline_depth - 1  # a finished request frees its KV this many steps late
         n = len(live) + 1

@@ -8,7 +8,17 @@ row is planned as a VerifyChunk (its last token + the proposal, k+1 query tokens
 the chunked-prefill path); the worker samples all k+1 positions, keeps the longest prefix the target
 agrees with plus one token of its own (runtime/worker/spec_verify.py), and the router frees the KV
 slots of the rejected tail. A proposing row needs its last token, so it is planned only when no step
-of it is in flight (it forgoes pipelining; rows that cannot speculate keep it).
+of it is in flight (rows that cannot speculate keep pipelining), with one exception:
+
+Chained verifies (greedy n-gram rows). While a row's verify is in flight, the router may plan the row's next
+verify as if it kept the whole proposal and its own token after it is the one the n-gram lookup predicts: the
+chunk starts with that guess at the position after the in-flight chunk, followed by the proposal that
+continues it. On copy-heavy text the guess holds and the row pipelines its verifies like decode steps. When
+the in-flight verdict differs (a token rejected, another bonus token, a stop), the chained chunk is void: its
+slots leave the request (freed when its verdict comes back, which is dropped), its positions are planned
+again, and the row's next chunk carries its tokens and position explicitly (the worker's length and last
+token of the row came from the void chunk). The greedy verdicts do not depend on what the chained chunk
+computed, so the output is the unchained one token for token.
 
 Speculation is off for a step whose decode batch exceeds spec.max_batch (verifying k+1 tokens per row
 then costs more than it saves), and for rows whose tokens are not drawn from the model's plain
@@ -68,15 +78,29 @@ BACKOFF_BELOW = 0.5
 @dataclass
 class _Verifying:
     req: Request
-    proposed: int  # tokens proposed (the chunk holds one more: the row's last token)
+    proposed: int  # tokens proposed (the chunk holds one more: the row's last token, or a chained guess)
+    proposal: list[int]
+    slots: list[int]
+    assumed: Optional[list[int]] = None  # the verdict a chained successor assumed (the proposal + the guess)
+    chained: Optional["_Verifying"] = None  # that successor, planned while this was in flight
+    base: Optional["_Verifying"] = None  # the verify this one chained onto, until its verdict held
+    void: bool = False  # its assumption failed: the verdict is dropped, the slots freed
+
+
+@dataclass
+class _Chain:
+    base: _Verifying  # the row's verify in flight
+    guess: int  # its predicted own token: the chained chunk's first
+    assumed: list[int]
 
 
 class SpecDecoding:
     """Per scheduler: which decode rows verify proposals this step, and the verdicts' bookkeeping.
     `sched` below is the Scheduler that owns it (not imported: it imports this module)."""
 
-    def __init__(self, cfg: Optional["SpecConfig"], vocab_size: int = 2**62):
+    def __init__(self, cfg: Optional["SpecConfig"], vocab_size: int = 2**62, max_model_len: int = 2**62):
         self.cfg = cfg
+        self.max_model_len = max_model_len
         self.vocab_size = vocab_size  # an image's tokens (ids past it) have no embedding row: never proposed
         method = getattr(cfg.method, "value", cfg.method) if cfg is not None else "none"
         self.enabled = method in ("ngram", "draft")
@@ -93,18 +117,39 @@ class SpecDecoding:
         self._missed: dict[int, tuple[str, int]] = {}
         self._yield: dict[int, tuple[str, float]] = {}  # row → (request id, recent accepted tokens per verify)
         self.backoffs = 0  # since start: rows that stopped proposing for a while (their proposals kept failing)
+        self._flying: dict[int, _Verifying] = {}  # row → its latest verify in flight
+        self._chains: dict[int, _Chain] = {}  # split → plan: rows whose verify chains onto the one in flight
+        self._explicit: dict[int, str] = {}  # row → request id: its next chunk must carry its tokens (after a void)
+        self.void_slots = 0  # slots of void chunks still in flight (held beyond any request's peak)
+        self.chained = 0  # since start: chained verifies planned
+        self.voided = 0  # of those, the ones whose assumption failed
 
     def split(self, sched: Any, decoding: list[Request]) -> tuple[list[Request], dict[int, list[int]]]:
         """(rows that decode one token as usual, {row: proposal} for rows that verify one). A row that
         speculates and has a step in flight sits this step out (its last token is not known yet),
         unless its last lookup found nothing or its proposals kept failing: then it decodes pipelined
-        until its next probe."""
-        if not self.enabled or len(decoding) > self.cfg.max_batch:
+        until its next probe. Above spec.max_batch decode rows nothing proposes; a row whose verify is still out
+        sits out then too (a decode of it would start where the verdict is not yet known)."""
+        if not self.enabled:
             return decoding, {}
+        off = len(decoding) > self.cfg.max_batch
         plain: list[Request] = []
         proposals: dict[int, list[int]] = {}
-        lim = sched.limits
         for req in decoding:
+            flying = self._flying.get(req.row)
+            if flying is not None and flying.req is req:  # a verify of it is out: chain onto it, or sit out
+                chain = None if off else self._chain(req, flying)
+                if chain is not None:
+                    proposals[req.row] = chain[1]
+                    self._chains[req.row] = chain[0]
+                continue
+            if self._explicit.get(req.row) == req.id:  # after a void chunk: a chunk with its tokens and position
+                proposals[req.row] = [] if off or not speculates(req.sampling, len(req.output_ids)) else \
+                    self._proposal(req)
+                continue
+            if off:
+                plain.append(req)
+                continue
             if not speculates(req.sampling, len(req.output_ids)):
                 plain.append(req)
                 continue
@@ -116,13 +161,7 @@ class SpecDecoding:
                 continue
             if req.steps_in_flight:
                 continue
-            room = min(self.cfg.num_tokens, req.max_new_tokens - len(req.output_ids) - 1,
-                       lim.max_model_len - req.num_tokens - 1)
-            if self.drafted:  # placeholders: the draft proposes on the worker
-                proposal = [0] * max(room, 0)
-            else:
-                proposal = propose(req.prompt_ids + req.output_ids, room, self.cfg.ngram_min, self.cfg.ngram_max)
-                proposal = proposal[:next((i for i, t in enumerate(proposal) if t >= self.vocab_size), len(proposal))]
+            proposal = self._proposal(req)
             if proposal:
                 proposals[req.row] = proposal
                 self._missed.pop(req.row, None)
@@ -130,9 +169,51 @@ class SpecDecoding:
                 plain.append(req)
                 self._missed[req.row] = (req.id, 0)
         if proposals and not self._peaks_fit(sched, sum(len(p) for p in proposals.values())):
-            plain += [sched.running[row] for row in proposals]  # under KV pressure: no speculation
-            proposals = {}
+            # under KV pressure: no speculation; a chained row sits out, a row after a void chunk gets an
+            # explicit chunk of its last token alone
+            for row in list(proposals):
+                req = sched.running[row]
+                self._chains.pop(row, None)
+                if self._explicit.get(row) == req.id:
+                    proposals[row] = []
+                else:
+                    del proposals[row]
+                    if not (self._flying.get(row) is not None and self._flying[row].req is req):
+                        plain.append(req)
         return plain, proposals
+
+    def _room(self, req: Request, ahead: int = 0) -> int:
+        """Tokens a proposal of this row may hold within its length limits, `ahead` tokens (a verify in flight,
+        assumed kept whole) after its output."""
+        return min(self.cfg.num_tokens, req.max_new_tokens - len(req.output_ids) - ahead - 1,
+                   self.max_model_len - req.num_tokens - ahead - 1)
+
+    def _lookup(self, tokens: list[int], k: int) -> list[int]:
+        proposal = propose(tokens, k, self.cfg.ngram_min, self.cfg.ngram_max)
+        return proposal[:next((i for i, t in enumerate(proposal) if t >= self.vocab_size), len(proposal))]
+
+    def _proposal(self, req: Request) -> list[int]:
+        room = self._room(req)
+        if self.drafted:  # placeholders: the draft proposes on the worker
+            return [0] * max(room, 0)
+        return self._lookup(req.prompt_ids + req.output_ids, room) if room > 0 else []
+
+    def _chain(self, req: Request, flying: _Verifying) -> Optional[tuple[_Chain, list[int]]]:
+        """The chained verify onto `flying` (in flight, its verdict unknown): (the chain, its proposal) where the
+        row is a greedy n-gram row, `flying` holds no assumption yet and the lookup predicts both the token after
+        its proposal and more tokens after that; else None (the row sits the step out)."""
+        if (self.drafted or not req.sampling.greedy or flying.void or flying.chained is not None
+                or flying.base is not None or not flying.proposal):  # one assumption at a time
+            return None
+        history = req.prompt_ids + req.output_ids + flying.proposal  # output_ids ends with flying's first token
+        guess = self._lookup(history, 1)
+        room = self._room(req, flying.proposed + 1)
+        if not guess or room < 1:
+            return None
+        proposal = self._lookup(history + guess, room)
+        if not proposal:
+            return None
+        return _Chain(flying, guess[0], flying.proposal + guess), proposal
 
     def _peaks_fit(self, sched: Any, extra: int) -> bool:
         """Could every live request hold its peak KV at once (after `extra` proposal slots)? Then no
@@ -142,21 +223,29 @@ class SpecDecoding:
         peaks = sum(r.peak_tokens - r.num_cached + margin for r in live)
         lingering = sum(len(r.slots) - r.num_cached for r in sched.running.values() if r.status is Status.FINISHED)
         waiting_kv = sum(len(r.slots) - r.num_cached for r in sched._holding(None))
-        return peaks + lingering + waiting_kv + sched.cache.locked + extra <= sched.limits.kv_slots
+        return (peaks + lingering + waiting_kv + self.void_slots + sched.cache.locked + extra
+                <= sched.limits.kv_slots)
 
     def plan(self, sched: Any, plan: StepPlan, proposals: dict[int, list[int]]) -> list[Request]:
         """Add the verify chunks to `plan`; their requests (to count as touched by the step)."""
         rows: list[_Verifying] = []
         for row, proposal in proposals.items():
             req = sched.running[row]
+            chain = self._chains.pop(row, None)
             n = len(proposal) + 1
             slots = sched.cache.alloc(n)
-            plan.verify.append(VerifyChunk(row=row, token_ids=[req.output_ids[-1]] + proposal,
-                                           start=req.num_computed, slots=slots))
+            first = chain.guess if chain is not None else req.output_ids[-1]
+            plan.verify.append(VerifyChunk(row=row, token_ids=[first] + proposal, start=req.num_computed, slots=slots))
             req.slots.extend(slots)
             req.num_computed += n
             req.num_planned += n
-            rows.append(_Verifying(req, len(proposal)))
+            entry = _Verifying(req, len(proposal), list(proposal), slots)
+            if chain is not None:
+                chain.base.assumed, chain.base.chained, entry.base = chain.assumed, entry, chain.base
+                self.chained += 1
+            self._flying[row] = entry
+            self._explicit.pop(row, None)
+            rows.append(entry)
         if rows:
             self._out[plan.step] = rows
         return [v.req for v in rows]
@@ -170,6 +259,20 @@ class SpecDecoding:
             self._missed[req.row] = (req.id, 0)
             self.backoffs += 1
 
+    def _void(self, req: Request, chained: _Verifying) -> None:
+        """`chained` assumed a verdict that did not come: its slots (the request's last ones: nothing of the row
+        was planned after it) leave the request, its positions are planned again, and the row's next chunk
+        carries its tokens and position."""
+        n = len(chained.slots)
+        assert req.slots[-n:] == chained.slots, "a void chunk's slots are the request's last"
+        del req.slots[-n:]
+        req.num_computed -= n
+        req.num_planned -= n
+        chained.void = True
+        self.void_slots += n
+        self.voided += 1
+        self._explicit[req.row] = req.id
+
     def verified(self, sched: Any, result: StepResult) -> list:
         """The verdicts of a step's verify rows: free the rejected tail's KV, then append the tokens
         one at a time (a stop condition mid-proposal drops the rest). Returns the TokenDeltas."""
@@ -181,6 +284,12 @@ class SpecDecoding:
         deltas = []
         for v, tokens in zip(rows, result.verified):
             req = v.req
+            if self._flying.get(req.row) is v:
+                del self._flying[req.row]
+            if v.void:  # computed on a failed assumption: its slots were taken off the request when it failed
+                sched.kv.free(v.slots)
+                self.void_slots -= len(v.slots)
+                continue
             accepted = len(tokens) - 1
             self.proposed += v.proposed
             self.accepted += accepted
@@ -189,6 +298,11 @@ class SpecDecoding:
             self.verify_rows += 1
             if req.status is not Status.RUNNING:
                 continue  # ended while the step was out: its slots go back when it is released
+            if v.chained is not None:
+                if tokens != v.assumed:
+                    self._void(req, v.chained)
+                else:
+                    v.chained.base = None  # it stands: the row may chain onto it
             self._track_yield(req, accepted)
             rejected = v.proposed - accepted
             if rejected:

@@ -55,6 +55,9 @@ def test_greedy_output_is_token_identical_with_speculation(model):
     assert fast == want
     assert sched.spec.accepted > 0 and sched.spec.verify_rows > 0  # it did speculate, and it paid off
     assert sched.spec.accepted <= sched.spec.proposed
+    print(f"chained {sched.spec.chained}, void {sched.spec.voided}, verify rows {sched.spec.verify_rows}")
+    # verifies chained onto the one in flight, kept and voided ones (a rejection, a stop, another own token)
+    assert sched.spec.chained > sched.spec.voided > 0 and sched.spec.void_slots == 0
 
 
 def _rows(kv_slots: int, max_batch: int, vocab_size: int = 2**62):
@@ -76,6 +79,63 @@ def test_speculation_is_off_above_max_batch():
     assert sched.spec.split(sched, reqs) == (reqs, {})  # 4 rows > max_batch 3: no row verifies
     plain, proposals = sched.spec.split(sched, reqs[:3])
     assert plain == [] and sorted(proposals) == [0, 1, 2] and proposals[0][0] == 41
+
+
+def test_a_row_whose_verify_is_out_sits_out_above_max_batch():
+    """Above spec.max_batch nothing proposes, but a row whose verify is still out does not decode either: its
+    position and last token are the verdict's, not known yet (a decode planned then would overwrite the KV of
+    a token it may keep, and take the slot its rejected tail frees)."""
+    from llaunch.runtime.ipc.messages import StepPlan
+
+    sched, reqs = _rows(SLOTS, max_batch=3)
+    plain, proposals = sched.spec.split(sched, reqs[:1])
+    sched.spec.plan(sched, StepPlan(step=1), proposals)
+    reqs[0].steps_in_flight = 1
+    assert sched.spec.split(sched, reqs) == (reqs[1:], {})
+
+
+def test_a_chained_verify_stands_on_the_verdict_it_assumed():
+    """While a greedy row's verify is out, its next verify is planned as if the whole proposal and the token the
+    lookup predicts after it were kept: it starts with that guess where the first chunk ends. The verdict it
+    assumed keeps it; another one voids it: its slots leave the request (freed when it returns), the row sits
+    out meanwhile, then plans a chunk with its own last token at the position after what it kept."""
+    from llaunch.runtime.ipc.messages import StepPlan, StepResult
+
+    def step(sched, r, n):
+        plan = StepPlan(step=n)
+        sched.spec.plan(sched, plan, sched.spec.split(sched, [r])[1])
+        r.steps_in_flight += 1
+        return plan.verify[0] if plan.verify else None
+
+    def verdict(sched, r, n, kept):
+        deltas = sched.spec.verified(sched, StepResult(step=n, rows=[], token_ids=[], verified=[kept]))
+        r.steps_in_flight -= 1
+        return deltas
+
+    for agree in (True, False):
+        sched, reqs = _rows(SLOTS, max_batch=16)
+        r = reqs[0]
+        start = r.num_computed
+        first = step(sched, r, 1)
+        assert first.token_ids == [40, 41, 42, 60, 40] and first.start == start
+        chained = step(sched, r, 2)  # after "... 60 40" the prompt goes on "41": the guess, then "42 60 40 41"
+        assert chained.token_ids == [41, 42, 60, 40, 41] and chained.start == start + 5
+        assert sched.spec.split(sched, [r]) == ([], {})  # one chained verify at a time
+        kept = [41, 42, 60, 40, 41] if agree else [41, 42, 7]
+        verdict(sched, r, 1, kept)
+        assert r.output_ids == [40] + kept
+        if agree:
+            assert r.num_computed == start + 10 and r.slots == first.slots + chained.slots
+            continue
+        # void: the chained chunk's slots are off the request; the rejected tail of the first is freed
+        assert r.slots == first.slots[:3] and r.num_computed == start + 3 and sched.spec.void_slots == 5
+        assert sched.kv.num_used == 3 + 5
+        assert sched.spec.split(sched, [r]) == ([], {})  # the void chunk is still out: the row waits
+        assert verdict(sched, r, 2, [41, 42, 60, 40, 41, 9]) == []  # dropped
+        assert sched.spec.void_slots == 0 and sched.kv.num_used == 3 and r.output_ids == [40] + kept
+        again = step(sched, r, 3)  # its own last token, at the position after the kept ones
+        assert again.token_ids[0] == 7 and again.start == start + 3
+        assert sched.spec.chained == 1 and sched.spec.voided == 1
 
 
 def test_proposals_stop_before_an_image_token():
