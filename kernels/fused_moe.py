@@ -8,8 +8,10 @@ padded to BLOCK_M (`align`: three small kernels without a host sync, so decode g
 each program one BLOCK_M run of a single expert: gate‖up with the SiLU-and-multiply in its epilogue ([pairs, I]),
 and down with the routing weight in its epilogue ([pairs, H]); a token's k rows are summed back in token order.
 A step of few pairs (a launch with BLOCK_M 1: by default at most 16 pairs, batch-1 and batch-2 decode of a top-8
-model) runs each pair as two GEMVs instead (row_dots, as the dense batch-1 GEMV): nothing to sort or pad, and the
-weights streamed at the GEMV's bandwidth where 16-row tiles of one valid row read them at ~1.7 TB/s (H200, T=1).
+model) runs each pair's gate‖up as a GEMV instead (row_dots, as the dense batch-1 GEMV), and each token's down
+products as one GEMV over its k experts, weighted and summed in its epilogue (no [pairs, H] rows, no reduce):
+nothing to sort or pad, and the weights streamed at the GEMV's bandwidth where 16-row tiles of one valid row read
+them at ~1.7 TB/s (H200, T=1). Routing and these two kernels launch with PDL in the decode graphs.
 Pairs whose expert another rank holds (parallel.ep) are computed nowhere here: their rows stay zero.
 
 The roundings are the reference's (kernels/reference.py fused_moe): gate and up, silu(gate), the product, the

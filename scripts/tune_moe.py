@@ -89,8 +89,9 @@ def candidates(tokens: int, layer: Layer) -> list[MoeLaunch]:
             continue
         found.append(MoeLaunch(bm, bn, bk, warps, stages, group))
     if tokens * layer.top_k <= 64:  # few pairs: each its own GEMVs (BLOCK_M 1), BLOCK_N rows a program
-        found += [MoeLaunch(1, bn, bk, warps, 1, 1) for bn, bk, warps in itertools.product((4, 8, 16), (128, 256, 512),
-                                                                                            (4, 8))
+        # (the down GEMV sums a token's k experts in one program: its tile is k x BLOCK_N/k x BLOCK_K)
+        found += [MoeLaunch(1, bn, bk, warps, 1, 1) for bn, bk, warps in itertools.product((4, 8, 16, 32),
+                                                                                            (128, 256, 512, 1024), (4, 8))
                   if (warps == 8) == (bn * bk >= 4096)]
     return found
 
