@@ -11,7 +11,8 @@
 #   c64   C64_NUM (256) prompts at concurrency 64: speculation must not be slower than none. The spec server
 #         runs the default policy (no speculation in steps of more than spec.max_batch decode rows);
 #         spec_mb64 speculates up to 64 rows: if it beats none at c64, the default spec.max_batch can rise.
-# Servers (VARIANTS, default "none spec spec_mb64"): none = spec=none, spec = $SPEC, spec_mb64 = $SPEC spec.max_batch=64.
+# Servers (VARIANTS, default "none spec spec_mb64"): none = spec=none, spec = $SPEC, spec_mb64 = $SPEC spec.max_batch=64,
+# unchained = $SPEC spec.chain=false (each proposing row waits for its verdict: what chaining gains).
 # Each server warms with a short run of each case (not counted), then runs every case REPEATS (3) times on fresh
 # prompts; the summary's row is a server's slowest run, its ratio against the slowest run of none.
 # Variables: SERVE (llaunch overrides of every server), SPEC (default spec=ngram), CASES, VARIANTS, NUM, C64_NUM, REPEATS,
@@ -45,7 +46,8 @@ for variant in $VARIANTS; do
     none) overrides="spec=none" ;;
     spec) overrides="$SPEC" ;;
     spec_mb64) overrides="$SPEC spec.max_batch=64" ;;
-    *) echo "unknown variant $variant (none, spec, spec_mb64)"; status=1; continue ;;
+    unchained) overrides="$SPEC spec.chain=false" ;;
+    *) echo "unknown variant $variant (none, spec, spec_mb64, unchained)"; status=1; continue ;;
   esac
   echo "== serve: llaunch $SERVE $overrides"
   "$LLAUNCH" $SERVE $overrides server.port="$PORT" hydra.run.dir="$OUT/run-$variant" >"$OUT/llaunch-$variant.log" 2>&1 &

@@ -202,7 +202,7 @@ class SpecDecoding:
         """The chained verify onto `flying` (in flight, its verdict unknown): (the chain, its proposal) where the
         row is a greedy n-gram row, `flying` holds no assumption yet and the lookup predicts both the token after
         its proposal and more tokens after that; else None (the row sits the step out)."""
-        if (self.drafted or not req.sampling.greedy or flying.void or flying.chained is not None
+        if (self.drafted or not self.cfg.chain or not req.sampling.greedy or flying.void or flying.chained is not None
                 or flying.base is not None or not flying.proposal):  # one assumption at a time
             return None
         history = req.prompt_ids + req.output_ids + flying.proposal  # output_ids ends with flying's first token
