@@ -76,7 +76,8 @@ def graph_tree(cfg: RunConfig) -> Tree:
     if spec is not None and spec.method.value != "none":  # runtime/router/spec_decode.py
         draft = getattr(cfg, "draft_model", None)
         source = (f"the draft model {escape(draft.path)}, in every worker" if draft is not None
-                  else f"suffixes of {spec.ngram_max}..{spec.ngram_min} tokens")
+                  else f"suffixes of {spec.ngram_max}..{spec.ngram_min} tokens"
+                  + ("; a greedy row's verifies chained" if getattr(spec, "chain", False) else ""))
         tree.add(f"[dim]speculative decoding[/] {spec.method.value}: {spec.num_tokens} proposed tokens per row and "
                  f"step ({source}), off above {spec.max_batch} decode rows")
     if cfg.parallel.cuda_mps:
