@@ -74,6 +74,9 @@ for variant in $VARIANTS; do
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
       done
     done
+    # the server's speculation counters since its start (warm-up run included): chained and voided verifies
+    curl -s "localhost:$PORT/metrics" | grep -E "^llaunch:spec_decode_num_(drafts|chained|voided|backoffs)_total" \
+      | sed "s/^/   $variant /"
   else
     status=1; tail -20 "$OUT/llaunch-$variant.log"
   fi

@@ -130,6 +130,10 @@ class MetricsHub:
                                              [*m, "position"], registry=r)
         self.spec_backoffs = Counter(prefix + "spec_decode_num_backoffs", "Rows that stopped proposing for a while "
                                      "because their proposals kept being rejected.", m, registry=r)
+        self.spec_chained = Counter(prefix + "spec_decode_num_chained", "Verifies planned while the row's previous "
+                                    "verify was out, on the verdict they assumed (spec.chain).", m, registry=r)
+        self.spec_voided = Counter(prefix + "spec_decode_num_voided", "Chained verifies dropped: the verdict they "
+                                   "assumed did not come.", m, registry=r)
         # multimodal models: images looked up in the visual servers' embed cache (vLLM's mm_cache series),
         # and those encoded (a miss joining an encode already under way is not encoded again)
         self.mm_queries = Counter(prefix + "mm_cache_queries", "Images looked up in the embed cache.", m, registry=r)
@@ -143,6 +147,7 @@ class MetricsHub:
                        self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
                        self.prompt_tokens, self.generation_tokens, self.prefix_queries, self.prefix_hits,
                        self.preemptions, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_backoffs,
+                       self.spec_chained, self.spec_voided,
                        self.mm_queries, self.mm_hits, self.images_encoded):
             family.labels(*self.model)  # every series exists from the start, at zero
         for reason in FINISH_REASONS:
@@ -209,6 +214,7 @@ class MetricsHub:
         self.stalls.labels(*rank).inc(stats.stalls - (before.stalls if before else 0))
         for counter, field in ((self.spec_drafts, "spec_verify_rows"), (self.spec_draft_tokens, "spec_proposed"),
                                (self.spec_accepted, "spec_accepted"), (self.spec_backoffs, "spec_backoffs"),
+                               (self.spec_chained, "spec_chained"), (self.spec_voided, "spec_voided"),
                                (self.mm_queries, "mm_cache_queries"),
                                (self.mm_hits, "mm_cache_hits"), (self.images_encoded, "images_encoded")):
             counter.labels(*self.model).inc(getattr(stats, field) - (getattr(before, field) if before else 0))

@@ -337,6 +337,8 @@ class RouterStats(_Msg):
     spec_verify_rows: int = 0  # since start: row-steps that verified a proposal
     spec_accepted_per_pos: list[int] = []  # since start: [i] = verifies that kept their proposal's i-th token
     spec_backoffs: int = 0  # since start: rows that stopped proposing for a while (their proposals kept failing)
+    spec_chained: int = 0  # since start: verifies planned while the row's previous verify was out (spec.chain)
+    spec_voided: int = 0  # of those, dropped: the verdict they assumed did not come
     mm_cache_queries: int = 0  # since start: images looked up in the visual servers' embed caches
     mm_cache_hits: int = 0  # of those, found there (not encoded again)
     images_encoded: int = 0  # since start: images the visual servers encoded for this replica

@@ -201,7 +201,8 @@ class Router:
                                               stalls=self.health.stalls, spec_proposed=s.spec.proposed,
                                               spec_accepted=s.spec.accepted, spec_verify_rows=s.spec.verify_rows,
                                               spec_accepted_per_pos=list(s.spec.accepted_per_pos),
-                                              spec_backoffs=s.spec.backoffs,
+                                              spec_backoffs=s.spec.backoffs, spec_chained=s.spec.chained,
+                                              spec_voided=s.spec.voided,
                                               mm_cache_queries=self.images.queries, mm_cache_hits=self.images.hits,
                                               images_encoded=self.images.encoded))
             self._last_stats = now

@@ -130,14 +130,16 @@ def test_speculation_counters_add_what_each_replica_reports():
     summed over dp replicas, position by position (vLLM's spec_decode_num_accepted_tokens_per_pos)."""
     hub = MetricsHub("m", dp=2, prefix="llaunch:")
 
-    def report(rank: int, per_pos: list[int], backoffs: int) -> None:
+    def report(rank: int, per_pos: list[int], backoffs: int, chained: int = 0, voided: int = 0) -> None:
         hub.record_stats(RouterStats(time=1.0, running=1, waiting=0, kv_used=1, kv_total=10, dp_rank=rank,
-                                     spec_accepted_per_pos=per_pos, spec_backoffs=backoffs))
+                                     spec_accepted_per_pos=per_pos, spec_backoffs=backoffs, spec_chained=chained,
+                                     spec_voided=voided))
 
-    report(0, [3, 1, 0, 0], 1)
-    report(0, [5, 2, 1, 0], 1)
-    report(1, [2, 2, 2, 1], 2)
+    report(0, [3, 1, 0, 0], 1, 4, 1)
+    report(0, [5, 2, 1, 0], 1, 9, 2)
+    report(1, [2, 2, 2, 1], 2, 5, 5)
     got = {(f.name, s.labels.get("position")): s.value for f in parse_prometheus(hub.render()) for s in f.samples
            if s.name.startswith("llaunch:spec_decode_num_")}
     assert [got[("llaunch:spec_decode_num_accepted_tokens_per_pos", str(i))] for i in range(4)] == [7, 4, 3, 1]
     assert got[("llaunch:spec_decode_num_backoffs", None)] == 3
+    assert got[("llaunch:spec_decode_num_chained", None)] == 14 and got[("llaunch:spec_decode_num_voided", None)] == 7
