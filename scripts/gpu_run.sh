@@ -9,6 +9,8 @@
 # STEPS (default: install tests cases baseline):
 #   prepare   (here) .gpu/: the Qwen2 tokenizer, the baseline script, SmolLM2's GGUF cut to fewer blocks
 #             (scripts/cut_gguf.py: the whole GGUF is 98 MB, a call carries at most 64 MiB)
+#   stamp     (here, before each call) .gpu/commit.txt: the commit the tree is at, which the run prints (a copy of
+#             the working tree may carry another checkout's .git)
 #   install   the wheelhouse into /tmp/site, llaunch editable
 #   tests     TRITON_INTERPRET=0 pytest -m gpu tests/kernels tests/gpu (SmolLM2: the cut GGUF, converted there)
 #   cases     one server (SERVE), launch -> /health timed, then CASES (default: single c64 c256; also long,
@@ -73,6 +75,13 @@ if has prepare; then
   exit 0
 fi
 
+if has stamp; then
+  mkdir -p .gpu
+  { git log -1 --format='%h %s' | cut -c1-90; git diff --quiet HEAD || echo " + uncommitted changes"; } | tr -d '\n' > .gpu/commit.txt
+  cat .gpu/commit.txt; echo
+  exit 0
+fi
+
 if has install; then
   stamp "install"
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -81,7 +90,8 @@ if has install; then
 fi
 export PYTHONPATH=/tmp/site
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
+if [ -f .gpu/commit.txt ]; then echo "commit (stamped) $(head -c 100 .gpu/commit.txt)"; else
+  git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100; fi
 [ -f .gpu/qwen2-tokenizer.tar.xz ] && [ ! -f .models/qwen2-tokenizer/tokenizer.json ] && \
   mkdir -p .models && tar xJf .gpu/qwen2-tokenizer.tar.xz -C .models
 [ -f .gpu/llama3-tokenizer.tar.xz ] && [ ! -f .models/llama3-tokenizer/tokenizer.json ] && \
