@@ -78,8 +78,7 @@ BACKOFF_BELOW = 0.5
 @dataclass
 class _Verifying:
     req: Request
-    proposed: int  # tokens proposed (the chunk holds one more: the row's last token, or a chained guess)
-    proposal: list[int]
+    proposal: list[int]  # the chunk holds one more token first: the row's last, or a chained guess
     slots: list[int]
     assumed: Optional[list[int]] = None  # the verdict a chained successor assumed (the proposal + the guess)
     chained: Optional["_Verifying"] = None  # that successor, planned while this was in flight
@@ -91,7 +90,6 @@ class _Verifying:
 class _Chain:
     base: _Verifying  # the row's verify in flight
     guess: int  # its predicted own token: the chained chunk's first
-    assumed: list[int]
 
 
 class SpecDecoding:
@@ -207,13 +205,13 @@ class SpecDecoding:
             return None
         history = req.prompt_ids + req.output_ids + flying.proposal  # output_ids ends with flying's first token
         guess = self._lookup(history, 1)
-        room = self._room(req, flying.proposed + 1)
+        room = self._room(req, len(flying.proposal) + 1)
         if not guess or room < 1:
             return None
         proposal = self._lookup(history + guess, room)
         if not proposal:
             return None
-        return _Chain(flying, guess[0], flying.proposal + guess), proposal
+        return _Chain(flying, guess[0]), proposal
 
     def _peaks_fit(self, sched: Any, extra: int) -> bool:
         """Could every live request hold its peak KV at once (after `extra` proposal slots)? Then no
@@ -239,9 +237,10 @@ class SpecDecoding:
             req.slots.extend(slots)
             req.num_computed += n
             req.num_planned += n
-            entry = _Verifying(req, len(proposal), list(proposal), slots)
+            entry = _Verifying(req, list(proposal), slots)
             if chain is not None:
-                chain.base.assumed, chain.base.chained, entry.base = chain.assumed, entry, chain.base
+                chain.base.assumed = chain.base.proposal + [chain.guess]
+                chain.base.chained, entry.base = entry, chain.base
                 self.chained += 1
             self._flying[row] = entry
             self._explicit.pop(row, None)
@@ -291,7 +290,7 @@ class SpecDecoding:
                 self.void_slots -= len(v.slots)
                 continue
             accepted = len(tokens) - 1
-            self.proposed += v.proposed
+            self.proposed += len(v.proposal)
             self.accepted += accepted
             for pos in range(accepted):
                 self.accepted_per_pos[pos] += 1
@@ -304,7 +303,7 @@ class SpecDecoding:
                 else:
                     v.chained.base = None  # it stands: the row may chain onto it
             self._track_yield(req, accepted)
-            rejected = v.proposed - accepted
+            rejected = len(v.proposal) - accepted
             if rejected:
                 sched.kv.free(req.slots[-rejected:])
                 del req.slots[-rejected:]
