@@ -50,7 +50,7 @@ def launch_shape(n: int, k: int, gated: bool, fp8: bool = False) -> tuple[int, i
     if (n, k, gated, fp8) in overrides:
         return overrides[(n, k, gated, fp8)]
     if fp8:
-        return (*_fp8_launch_shape(n, k, gated), 1)
+        return _fp8_launch_shape(n, k, gated)
     if n >= 65536:  # an LM head: the staged kernel (run 4: 0.237 ms for Qwen2-7B's, cuBLAS 0.248)
         return 16, 256, 4, 4, 1
     if gated:
@@ -60,17 +60,20 @@ def launch_shape(n: int, k: int, gated: bool, fp8: bool = False) -> tuple[int, i
     return 2, max(64, triton.next_power_of_2(k)), 4, 0, 1
 
 
-def _fp8_launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+def _fp8_launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int, int]:
     """e4m3 weights: a tile holds half the bytes of a bf16 one and every weight is converted before its FMA,
     so programs take more rows. An H200 sweep of Qwen2-7B's decode step (scripts/bench_decode_shapes.py
     --fp8, each layer kind's shape varied alone, the step in its CUDA graph) took 3.41 ms with these
     against 4.37 with bf16's (qkv 8/512/4, o_proj 16/512/8, down_proj 16/512/8), and 3.16 with the gated
-    gate‖up on the tensor cores (32/256/4, 3 stages; the register kernel's best 16/256/4: 3.35). The tensor
-    cores lost on the others (qkv 1.13×, o_proj 1.05×, down_proj 1.69× at their best: too few programs for
-    K = 18,944 without a split of K)."""
+    gate‖up on the tensor cores (32/256/4, 3 stages; the register kernel's best 16/256/4: 3.35), 2.80 with
+    down_proj there too, K split over 8 programs a tile (64/256/4, 3 stages; 2.92 at 32/256/4/4/8, 2.99 at
+    16 splits, 3.33-4.44 at 2-4 splits: too few programs for 132 SMs). The tensor cores lost on the square
+    and wide ones (o_proj 3.19-3.30 ms, qkv 3.18-3.38 with 1-8 splits)."""
     if gated:
-        return 32, 256, 4, 3
-    return _fp8_register_shape(n, k, gated)
+        return 32, 256, 4, 3, 1
+    if k > 2 * n:  # a down_proj: few output tiles over a long K
+        return 64, 256, 4, 3, 8
+    return (*_fp8_register_shape(n, k, gated), 1)
 
 
 def _fp8_register_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:

@@ -74,10 +74,12 @@ class KernelSettings:
     # program, STAGES and GROUP_M unused). A shape not named takes the launches measured on the GPU model
     # (kernels/moe_launches.py), else the defaults. Tune with scripts/tune_moe.py on the GPU they are for.
     moe_shapes: str = ""
-    # fp8 layers' GEMMs of two or more rows (kernels/fp8_epilogue.py): the row-wise scaled GEMM, or the per-tensor
-    # one with unit scales writing bfloat16 sums and the row × channel scales (and bias) applied by one kernel
-    # after it (one rounding more; the per-tensor GEMM took 16-30% less time at 16-256 rows on an H200: bench_fp8_gemm.py)
-    fp8_gemm: Fp8Gemm = Fp8Gemm.rowwise
+    # fp8 layers' GEMMs of two or more rows (kernels/fp8_epilogue.py): cuBLASLt's per-tensor GEMM with unit scales
+    # writing bfloat16 sums and the row × channel scales (and bias) applied by one kernel after it (one rounding
+    # more), or the row-wise scaled GEMM. On an H200 (CUDA graphs, Qwen2-7B's four linears a layer) the first took
+    # 83-130 µs at 16-256 rows against 122-166 (scripts/bench_fp8_gemm.py); served at c64, 1.29× bf16 against the
+    # row-wise GEMM's 1.12× (docs/performance.md)
+    fp8_gemm: Fp8Gemm = Fp8Gemm.tensor_epilogue
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
     # after their own wait (late) instead of at their top: early triggering cascades resident grids,

@@ -41,7 +41,9 @@ SHAPES = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]
 @pytest.mark.parametrize("rows", [1, 7, 256, 2048])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
 @pytest.mark.parametrize("activations", [DYNAMIC, STATIC, NONE])
-def test_scaled_mm_matches_the_dequantized_reference(rows, shape, activations):
+def test_scaled_mm_matches_the_dequantized_reference(kernel_settings, rows, shape, activations):
+    """kernels.fp8_gemm=rowwise: cuBLASLt's GEMM with the token and channel scales in it."""
+    kernel_settings(fp8_gemm="rowwise")
     torch.manual_seed(0)
     out, inp = shape
     w = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) * 0.02
