@@ -59,6 +59,12 @@ def test_defaults(compose_config):
         cfg.model.name = "x"  # the composed config is the frozen schema, not a DictConfig
 
 
+def test_the_kernels_profile_serves_the_kernels_defaults(compose_config):
+    """conf/kernels/default.yaml restates kernels/settings.py's defaults for --help; a value it lags behind
+    (pdl_kernels without 'moe' served every MoE decode step without PDL) would silently replace the one measured."""
+    assert compose_config().kernels == KernelSettings()
+
+
 def test_models_dir_resolver_follows_the_environment(compose_config, monkeypatch, tmp_path):
     monkeypatch.setenv("LLAUNCH_MODELS_DIR", str(tmp_path))
     assert compose_config().model.path == f"{tmp_path}/smollm2-135m"
