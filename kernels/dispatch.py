@@ -19,7 +19,8 @@ import torch
 from llaunch.kernels import fp8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
-                   "gated_activation", "sampling", "greedy", "fp8_block", "fp8_rows", "fp8_epilogue", "fused_moe")
+                   "gated_activation", "sampling", "greedy", "fp8_block", "fp8_rows", "fp8_epilogue", "fused_moe",
+                   "skinny_gemm")
 
 
 def _use_triton(t) -> bool:
@@ -41,6 +42,8 @@ def triton_ops() -> types.SimpleNamespace:
         gelu_tanh_mul=modules["gated_activation"].gelu_tanh_mul,
         gemv=modules["gemv"].gemv,
         gemv_staged_for=modules["gemv"].staged_for,
+        skinny_gemm=modules["skinny_gemm"].skinny_gemm,
+        skinny_takes=modules["skinny_gemm"].takes,
         greedy_tokens=modules["greedy"].greedy_tokens,
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
@@ -160,6 +163,11 @@ def _one_row(x) -> bool:
     return settings.current.triton_gemv and _use_triton(x) and x.dim() == 2 and x.shape[0] == 1
 
 
+def _few_rows(x, weight) -> bool:
+    # 2..kernels.skinny_rows rows (a verify step, a small decode batch): one pass over the weights on the tensor cores
+    return settings.current.settings.skinny_rows >= 2 and _use_triton(x) and triton_ops().skinny_takes(x, weight)
+
+
 def _fp8_row(x, weight: "fp8.Fp8Weight") -> bool:
     """A one-row step (batch-1 decode) with per-channel e4m3 weights: the GEMV, which quantizes the row as it
     reads it (cuBLASLt's GEMM needs the row quantized by kernels of its own: ~8 small kernels a layer)."""
@@ -190,6 +198,8 @@ def linear(x, weight, bias=None):
         return fp8_linear(x, weight, bias)
     if _one_row(x):
         return triton_ops().gemv(x, weight, bias)
+    if _few_rows(x, weight):
+        return triton_ops().skinny_gemm(x, weight, bias)
     return reference.linear(x, weight, bias)
 
 
@@ -198,9 +208,12 @@ def lm_head_linear(x, weight):
     vocabulary-sized weight on Hopper: 0.237 ms for Qwen2-7B's against cuBLAS's 0.248), else cuBLAS.
     kernels.gemv_shapes with STAGES 0 for the LM head's shape keeps it on cuBLAS. The logits come in
     x's dtype or, from the staged GEMV, already in float32 (same values, bf16-rounded as cuBLAS +
-    .float(): no cast kernel after it in the decode graph)."""
+    .float(): no cast kernel after it in the decode graph). 2..kernels.skinny_rows rows (a verify step): the
+    skinny GEMM (kernels/skinny_gemm.py), in x's dtype."""
     if _one_row(x) and triton_ops().gemv_staged_for(weight):
         return triton_ops().gemv(x, weight, out_dtype=torch.float32)
+    if _few_rows(x, weight):
+        return triton_ops().skinny_gemm(x, weight)
     return reference.linear(x, weight)
 
 
@@ -211,6 +224,8 @@ def gated_linear(x, weight):
         return silu_mul(fp8_linear(x, weight))
     if _one_row(x):
         return triton_ops().gemv(x, weight, gated=True)
+    if _few_rows(x, weight):
+        return triton_ops().skinny_gemm(x, weight, gated=True)
     return silu_mul(reference.linear(x, weight))
 
 

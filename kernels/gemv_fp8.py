@@ -27,24 +27,9 @@ import triton.language as tl
 
 from llaunch.kernels.e4m3 import quantized, row_scale
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
+from llaunch.kernels.split_k import counters
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Per device, the split kernels' arrival counters (one per output tile), zero between launches: each launch's
-# last program resets its tiles'. Grown outside CUDA-graph capture only; a grown-out buffer is kept alive, as
-# graphs captured earlier still address it.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    held = _COUNTERS.setdefault(device, [])
-    if not held or held[-1].numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"gemv_fp8: {tiles} split-K counters first needed inside a CUDA-graph capture "
-                               "(the warm-up before it allocates them)")
-        held.append(torch.zeros(max(4096, triton.next_power_of_2(tiles)), dtype=torch.int32, device=device))
-    return held[-1]
-
-
 @triton.jit
 def _tile_dot(xq, w, INTERPRETED: tl.constexpr):
     """[16, BLOCK_K] · [BLOCK_N, BLOCK_K]ᵀ in float32; e4m3 operands on the GPU (the interpreter's dot
@@ -142,7 +127,7 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, input_s
     k = weight.shape[1]
     tiles = triton.cdiv(n, block_n)
     parts = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    counts = _counters(x.device, tiles) if split > 1 else out
+    counts = counters(x.device, tiles) if split > 1 else out
     _gemv_fp8_kernel[(tiles, split)](
         x, weight, scale, input_scale if input_scale is not None else scale, bias if bias is not None else x, out,
         parts, counts, n, k, weight.stride(0), n * weight.stride(0), scale_ub or 0.0, DYNAMIC=dynamic,

@@ -80,6 +80,12 @@ class KernelSettings:
     # 83-130 µs at 16-256 rows against 122-166 (scripts/bench_fp8_gemm.py); served at c64, 1.29× bf16 against the
     # row-wise GEMM's 1.12× (docs/performance.md)
     fp8_gemm: Fp8Gemm = Fp8Gemm.tensor_epilogue
+    # Linear layers of 2 to this many rows (≤ 16: verify steps of speculative decoding, small decode batches) on the
+    # tensor cores in one pass over the weights (kernels/skinny_gemm.py) instead of cuBLAS; 0: cuBLAS
+    skinny_rows: int = 0
+    # Its launch shapes per weight shape, overriding the built-in ones: comma-separated
+    # `NxK[:gated]=BLOCK_N/BLOCK_K/WARPS/STAGES[/SPLIT]` (SPLIT: K over that many programs a tile, ungated layers)
+    skinny_shapes: str = ""
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
     # after their own wait (late) instead of at their top: early triggering cascades resident grids,
@@ -94,7 +100,11 @@ class KernelSettings:
             unknown = sorted(set(getattr(self, key)) - set(PDL_KERNELS))
             if unknown:
                 found.append((f"kernels.{key}", f"kernels.{key}: {unknown} unknown; kernels are {', '.join(PDL_KERNELS)}"))
-        for key, parse in (("gemv_shapes", parse_gemv_shapes), ("moe_shapes", parse_moe_shapes)):
+        if not 0 <= self.skinny_rows <= 16:
+            found.append(("kernels.skinny_rows", f"kernels.skinny_rows: {self.skinny_rows} is not 0 (off) to 16 (an "
+                                                 "MMA's rows)"))
+        for key, parse in (("gemv_shapes", parse_gemv_shapes), ("moe_shapes", parse_moe_shapes),
+                           ("skinny_shapes", parse_skinny_shapes)):
             try:
                 parse(getattr(self, key))
             except ValueError as e:
@@ -131,6 +141,29 @@ def parse_gemv_shapes(text: str) -> dict[tuple[int, int, bool, bool], tuple[int,
             raise ValueError(f"kernels.gemv_shapes: {item!r}: SPLIT (≥ 1) is for the fp8 tensor-core kernel (STAGES "
                              "≥ 2) of an ungated layer: an ':fp8' key without ':gated'")
         shapes[(n, k, kind == "gated", fp8)] = (block_n, block_k, warps, stages, split)
+    return shapes
+
+
+def parse_skinny_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int, int, int, int]]:
+    """`skinny_shapes` as {(N, K, gated): (BLOCK_N, BLOCK_K, WARPS, STAGES, SPLIT)}; SPLIT defaults to 1."""
+    shapes = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            key, value = item.split("=")
+            dims, _, kind = key.partition(":")
+            n, k = (int(v) for v in dims.split("x"))
+            values = [int(v) for v in value.split("/")]
+            if len(values) not in (4, 5) or kind not in ("", "gated"):
+                raise ValueError
+            block_n, block_k, warps, stages, split = [*values, 1][:5]
+        except ValueError:
+            raise ValueError(f"kernels.skinny_shapes: {item!r} is not NxK[:gated]=BLOCK_N/BLOCK_K/WARPS/STAGES[/SPLIT]") \
+                from None
+        powers = all(v > 0 and v & (v - 1) == 0 for v in (block_n, block_k, warps))
+        if not powers or min(block_n, block_k) < 16 or warps > 16 or stages < 1 or split < 1 or (kind and split > 1):
+            raise ValueError(f"kernels.skinny_shapes: {item!r}: blocks are powers of two of at least 16 (an MMA's), "
+                             "warps a power of two up to 16, STAGES and SPLIT at least 1, SPLIT 1 on a ':gated' shape")
+        shapes[(n, k, kind == "gated")] = (block_n, block_k, warps, stages, split)
     return shapes
 
 
@@ -177,6 +210,7 @@ class _Applied:
         self.fp8_epilogue = Fp8Gemm(settings.fp8_gemm) == Fp8Gemm.tensor_epilogue
         self.gemv_shapes = parse_gemv_shapes(settings.gemv_shapes)
         self.moe_shapes = parse_moe_shapes(settings.moe_shapes)
+        self.skinny_shapes = parse_skinny_shapes(settings.skinny_shapes)
         self.pdl = Pdl(settings.pdl)
         self.pdl_kernels = frozenset(settings.pdl_kernels)
         self.pdl_late = frozenset(settings.pdl_late)

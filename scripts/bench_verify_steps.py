@@ -4,7 +4,8 @@ of one row, runtime/worker/verify_graphs.py), on the Qwen2-7B shape with random 
 target (issue #24): a verify step costs <= 1.15x a decode step for k <= 4, the weights being read
 once for all k+1 tokens. Prints one JSON line per step with its time and its ratio to decode.
 
-    python scripts/bench_steps.py --verify [--context 1024] [--max-k 4]     (a GPU)
+    python scripts/bench_steps.py --verify [--context 1024] [--max-k 4] [--skinny-rows 16]   (a GPU; --skinny-rows:
+        the verify steps again with their linear layers through kernels/skinny_gemm.py)
     python scripts/bench_steps.py --verify --tiny                             (CPU smoke: a tiny model, eager)
 
 Each figure is the wall time per step of `--repeats` steps launched back to back (host and device
@@ -13,12 +14,14 @@ and the token copy are not in either figure).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
 
 import torch
 
+from llaunch.kernels import settings
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.decoder import DecoderLM
 from llaunch.runtime.models.layers import TpGroup
@@ -50,7 +53,8 @@ def step_tokens(n: int, context: int) -> list[list[int]]:
     return [[7] * n, [0] * n, pos, pos, [p + 1 for p in pos]]
 
 
-def run_verify(shape: dict, layers: int, context: int, max_k: int, repeats: int, tiny: bool) -> int:
+def run_verify(shape: dict, layers: int, context: int, max_k: int, repeats: int, tiny: bool,
+               skinny_rows: int = 0) -> int:
     cuda = torch.cuda.is_available() and not tiny
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -77,11 +81,20 @@ def run_verify(shape: dict, layers: int, context: int, max_k: int, repeats: int,
     where = dict(device=str(torch.cuda.get_device_name() if cuda else "cpu"), dtype=str(dtype).split(".")[-1],
                  layers=arch.num_hidden_layers, context=context, graphs=cuda)
     print(json.dumps(dict(step="decode", k=0, tokens=1, ms=round(base, 4), ratio=1.0, **where)))
-    worst = 0.0
-    for k in range(1, max_k + 1):
-        tokens = step_tokens(k + 1, context)
-        ms = per_step_ms(lambda: verify.run(tokens), repeats, cuda)
-        worst = max(worst, ms / base)
-        print(json.dumps(dict(step="verify", k=k, tokens=k + 1, ms=round(ms, 4), ratio=round(ms / base, 3), **where)))
-    print(json.dumps(dict(step="summary", worst_verify_ratio=round(worst, 3), target=1.15, met=worst <= 1.15)))
+    for rows in [0] + ([skinny_rows] if skinny_rows else []):  # cuBLAS, then the skinny GEMM (kernels.skinny_rows)
+        if rows:
+            settings.configure(dataclasses.replace(settings.current.settings, skinny_rows=rows))
+            del verify
+            verify = VerifySteps(model, kv, last_token, max_k + 1, span, scratch_row=1, scratch_slot=span)
+            if cuda:
+                verify.capture()
+        worst = 0.0
+        for k in range(1, max_k + 1):
+            tokens = step_tokens(k + 1, context)
+            ms = per_step_ms(lambda: verify.run(tokens), repeats, cuda)
+            worst = max(worst, ms / base)
+            print(json.dumps(dict(step="verify", k=k, tokens=k + 1, skinny_rows=rows, ms=round(ms, 4),
+                                  ratio=round(ms / base, 3), **where)))
+        print(json.dumps(dict(step="summary", skinny_rows=rows, worst_verify_ratio=round(worst, 3), target=1.15,
+                              met=worst <= 1.15)))
     return 0

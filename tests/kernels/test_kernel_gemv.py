@@ -308,14 +308,14 @@ def test_fp8_layers_the_tensor_cores_cannot_take_run_the_register_kernel(ops, mo
 def test_split_k_counters_are_zero_after_each_launch(ops, close, monkeypatch):
     """The split kernel's tile counters (taken by each program, reset by the tile's last) read zero after a launch,
     so the next launch's last program is found again: repeated launches give the reference's output each time."""
-    from llaunch.kernels import fp8, gemv, gemv_fp8
+    from llaunch.kernels import fp8, gemv, split_k
 
     monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (8, 32, 4, 2, 4))
     w = fp8_layer(50, 200)  # 7 tiles, K in 4 shares of 2, 2, 2, 1 tiles
     for seed in range(3):
         x = 3 * torch.randn(1, 200, generator=torch.Generator().manual_seed(seed))
         close(ops.gemv(x, w), fp8.reference_linear(x, w))
-        assert not gemv_fp8._counters(x.device, 7).any()
+        assert not split_k.counters(x.device, 7).any()
 
 
 @pytest.mark.gpu

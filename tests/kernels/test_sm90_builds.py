@@ -178,3 +178,44 @@ def test_split_k_fp8_gemv_counts_arrivals_after_its_partials_and_reads_theirs_fr
     assert any("bar.sync" in line for line in lines[partial_store:atoms[0]])
     partial_loads = [i for i, line in enumerate(lines) if "ld.global.cg" in line]
     assert len(partial_loads) == 4 and min(partial_loads) > atoms[0]
+
+
+_COMPILE_SKINNY = r'''
+import importlib, inspect, json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+sk = importlib.import_module("llaunch.kernels.skinny_gemm")
+
+fn = sk._skinny_kernel
+out = {}
+# the built-in shapes: Qwen2-7B's down_proj (K split 4 ways), gate‖up (gated, whole K), PDL as in the decode graphs
+for name, (block_n, gated, split) in {"down": (64, False, 4), "gate_up": (32, True, 1), "lm_head": (64, False, 1)}.items():
+    constexprs = dict(HAS_BIAS=False, GATED=gated, PDL=1, BLOCK_N=block_n, BLOCK_K=128, STAGES=4, SPLIT=split,
+                      INTERPRETED=False)
+    names = list(inspect.signature(fn.fn).parameters)
+    types = {"part_ptr": "*fp32", "count_ptr": "*i32"}
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n][0] == "*" or n in ("N", "K", "x_stride", "w_stride", "out_stride", "up_offset")}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    out[name] = dict(shared=kernel.metadata.shared, ptx=kernel.asm["ptx"])
+print(json.dumps(out))
+'''
+
+
+def test_skinny_gemm_builds_fit_and_multiply_on_the_tensor_cores(sm90_compile):
+    """The 2-16-row GEMM (kernels/skinny_gemm.py) for sm90 at its built-in shapes: it fits in shared memory, its
+    products are MMA instructions (not FMAs on the CUDA cores), its weight tiles are staged by asynchronous copies
+    (the loop pipeliner), and the split build counts its arrival after its partials as the fp8 GEMV's does."""
+    builds = sm90_compile(_COMPILE_SKINNY)
+    for name, build in builds.items():
+        assert build["shared"] <= SHARED_LIMIT, name
+        assert "mma" in build["ptx"] and "cp.async" in build["ptx"], name
+        assert ("atom." in build["ptx"]) == (name == "down"), name
+    lines = builds["down"]["ptx"].splitlines()
+    atoms = [i for i, line in enumerate(lines) if "atom." in line]
+    assert [lines[i].split()[1] for i in atoms] == ["atom.global.gpu.acq_rel.add.u32", "atom.global.gpu.relaxed.exch.b32"]
+    partial_store = max(i for i, line in enumerate(lines[:atoms[0]]) if "st.global" in line)
+    assert any("bar.sync" in line for line in lines[partial_store:atoms[0]])
+    assert min(i for i, line in enumerate(lines) if "ld.global.cg" in line) > atoms[0]
