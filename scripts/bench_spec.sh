@@ -16,7 +16,8 @@
 # Each server warms with a short run of each case (not counted), then runs every case REPEATS (3) times on fresh
 # prompts; the summary's row is a server's slowest run, its ratio against the slowest run of none.
 # Variables: SERVE (llaunch overrides of every server), SPEC (default spec=ngram), CASES, VARIANTS, NUM, C64_NUM, REPEATS,
-#   INPUT, OUTPUT, VOCAB (prompt ids drawn below it), PORT, OUT, PY.
+#   INPUT, OUTPUT, VOCAB (prompt ids drawn below it), PORT, OUT, PY, TRACE=1 (each server's router.step_trace: after
+#   its runs, where run 1 of each case spent its time by step kind, decode and verify apart, and the device's waits).
 set -u
 if [ -z "${PY:-}" ]; then  # unset: the repo's venv where there is one
   PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
@@ -50,7 +51,10 @@ for variant in $VARIANTS; do
     *) echo "unknown variant $variant (none, spec, spec_mb64, unchained)"; status=1; continue ;;
   esac
   echo "== serve: llaunch $SERVE $overrides"
-  "$LLAUNCH" $SERVE $overrides server.port="$PORT" hydra.run.dir="$OUT/run-$variant" >"$OUT/llaunch-$variant.log" 2>&1 &
+  trace=${TRACE:+$OUT/trace-$variant.jsonl}
+  rm -f "$OUT/trace-$variant.jsonl"
+  "$LLAUNCH" $SERVE $overrides server.port="$PORT" hydra.run.dir="$OUT/run-$variant" ${trace:+router.step_trace=$trace} \
+    >"$OUT/llaunch-$variant.log" 2>&1 &
   lpid=$!
   up=0
   for _ in $(seq 1 600); do  # until /health answers, or the launcher exits (a refused config, a crash)
@@ -67,13 +71,22 @@ for variant in $VARIANTS; do
         read -r num conc seed < <(case_args "$c") || { status=1; continue; }
         [ "$r" = 0 ] && num=$(( conc * 2 < num ? conc * 2 : num ))
         echo "-- $variant $c run $r: $num prompts, concurrency $conc"
+        $PY -c "import time; print(time.monotonic())" > "$OUT/window-$variant-$c-$r.txt"
         $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --model "$model" --copy-prompts \
           --num-prompts "$num" --input-len "$INPUT" --output-len "$OUTPUT" --concurrency "$conc" --warmup 1 \
           --vocab-size "$VOCAB" --seed $(( seed + 1000 * r )) --result-file "$OUT/bench-$variant-$c-$r.json" 2>&1 \
           | grep -E "Output token throughput|Median TPOT|Spec decode|Failed"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$variant-$c-$r.txt"
       done
     done
+    if [ -n "$trace" ]; then  # run 1 of each case, from the router's step trace
+      for c in $CASES; do
+        echo "   $variant $c run 1, step trace:"
+        $PY scripts/step_trace_report.py "$trace" --bins 1 --pipeline --window $(cat "$OUT/window-$variant-$c-1.txt") \
+          | sed "s/^/   /"
+      done
+    fi
     # the server's speculation counters since its start (warm-up run included): chained and voided verifies
     curl -s "localhost:$PORT/metrics" | grep -E "^llaunch:spec_decode_num_(drafts|chained|voided|backoffs)_total" \
       | sed "s/^/   $variant /"

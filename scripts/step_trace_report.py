@@ -2,7 +2,8 @@
 
     python scripts/step_trace_report.py TRACE.jsonl [--bins 10] [--starts] [--window START END]
 
-Per step kind (decode only, mixed decode + prefill, prefill only): steps, time between consecutive
+Per step kind (decode only, verify: speculative decoding's verify chunks with or without decode rows, mixed decode +
+prefill, prefill only): steps, time between consecutive
 results, decode rows and prefill tokens per step and, with a GPU worker's timings, its host enqueue
 and device time per step (a step whose enqueue exceeds its device time is host-bound); time with no
 step in flight (the device idles for the host); the decode batch and prefill tokens over the run in
@@ -22,10 +23,15 @@ import statistics
 import sys
 
 
+KINDS = ("decode", "verify", "mixed", "prefill")
+
+
 def kind(r: dict) -> str:
-    if r["prefill_tokens"] and r["decode"]:
-        return "mixed"
-    return "prefill" if r["prefill_tokens"] else "decode"
+    """decode; verify (speculative decoding: a verify chunk, perhaps beside decode rows); mixed (decode or verify
+    rows beside a prefill chunk); prefill."""
+    if r["prefill_tokens"]:
+        return "mixed" if r["decode"] or r.get("verify") else "prefill"
+    return "verify" if r.get("verify") else "decode"
 
 
 def main() -> int:
@@ -51,8 +57,8 @@ def main() -> int:
         last_return = max(last_return, r["returned"])
     print(f"{len(steps)} steps over {end - start:.2f} s; no step in flight for {idle:.2f} s")
     print(f"{'kind':8} {'steps':>6} {'time s':>8} {'ms/step':>8} {'decode rows':>11} {'prefill tok':>11} "
-          f"{'enqueue ms':>10} {'device ms':>9}")
-    for k in ("decode", "mixed", "prefill"):
+          f"{'enqueue ms':>10} {'device ms':>9} {'verify tok':>10}")
+    for k in KINDS:
         group = [r for r in steps if kind(r) == k]
         if group:
             t = sum(r["span"] for r in group)
@@ -61,7 +67,8 @@ def main() -> int:
             device = f"{1000 * statistics.mean(r['device_s'] for r in timed):9.2f}" if timed else f"{'-':>9}"
             print(f"{k:8} {len(group):6d} {t:8.2f} {1000 * t / len(group):8.2f} "
                   f"{statistics.mean(r['decode'] for r in group):11.1f} "
-                  f"{statistics.mean(r['prefill_tokens'] for r in group):11.1f} {host} {device}")
+                  f"{statistics.mean(r['prefill_tokens'] for r in group):11.1f} {host} {device} "
+                  f"{statistics.mean(r.get('verify_tokens', 0) for r in group):10.1f}")
     width = (end - start) / args.bins
     print(f"\n{'t (s)':>8} {'steps':>6} {'decode rows':>11} {'prefill tok/s':>13} {'output tok/s':>12} {'waiting':>8}")
     for b in range(args.bins):
@@ -108,7 +115,7 @@ def print_pipeline(steps: list[dict], depth: int) -> None:
         return
     print(f"\n{'kind':8} {'steps':>6} {'device ms':>9} {'idle ms':>8} {'plan wait':>9} {'to launch':>9} "
           f"{'turnaround':>10} {'idle s':>7}  (ms a step; turnaround: result back -> plan {depth} steps on sent)")
-    for k in ("decode", "mixed", "prefill"):
+    for k in KINDS:
         group = [g for g in gaps if g["kind"] == k]
         if not group:
             continue

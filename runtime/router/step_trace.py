@@ -1,7 +1,7 @@
 """A per-step trace of what the router planned and when the tokens came back, for finding where a
 workload's time goes (idle gaps, step sizes, decode batch over time). Off unless router.step_trace
 names a file; one JSON line per step: step, sent and returned (time.monotonic), decode rows, prefill
-tokens and chunks, new requests, running and waiting counts, the worker's forward seconds; with the
+tokens and chunks, verify chunks (speculative decoding) and their tokens, new requests, running and waiting counts, the worker's forward seconds; with the
 worker's timings (`started`, `launch_s`, `device_s`) and, for a step that starts requests, how long
 the oldest of them had waited since the frontend stamped it (`arrival_lag`), a prefill's time to first
 token splits into frontend → router, router → worker, host enqueue, device and the way back."""
@@ -33,7 +33,8 @@ class StepTrace:
         self._open[plan.step] = {"step": plan.step, "sent": time.monotonic(), "decode": len(plan.decode_rows),
                                  "prefill_tokens": sum(len(c.token_ids) for c in plan.prefill),
                                  "chunks": len(plan.prefill), "new": len(plan.new), "running": running,
-                                 "waiting": waiting}
+                                 "waiting": waiting, "verify": len(plan.verify),
+                                 "verify_tokens": sum(len(c.token_ids) for c in plan.verify)}
         if arrivals:
             self._open[plan.step]["arrival_lag"] = time.time() - min(arrivals)
 

@@ -69,3 +69,32 @@ def test_the_pipeline_report_splits_the_device_idle_between_steps_by_cause(tmp_p
     assert plan_wait == "2.67" and to_launch == "1.33"
     assert turnaround == "17.00"  # step 2 sent 17 ms after step 0's result came back
     assert idle_s == "0.01"
+
+
+def test_verify_steps_are_their_own_kind(tmp_path):
+    """Speculative decoding's verify chunks are recorded with their tokens, and the report times verify steps
+    apart from decode steps (a verify step beside decode rows is a verify step; beside a prefill, mixed)."""
+    from llaunch.runtime.ipc.messages import VerifyChunk
+
+    path = tmp_path / "trace.jsonl"
+    trace = StepTrace(str(path))
+    plans = [StepPlan(step=0, decode_rows=[1], decode_slots=[9]),
+             StepPlan(step=1, decode_rows=[1], decode_slots=[10],
+                      verify=[VerifyChunk(row=0, token_ids=[4, 5, 6], start=20, slots=[30, 31, 32])]),
+             StepPlan(step=2, verify=[VerifyChunk(row=0, token_ids=[7, 8], start=23, slots=[33, 34])])]
+    for plan in plans:
+        trace.planned(plan, running=2, waiting=0)
+        sent = trace._open[plan.step]["sent"]
+        trace.returned(StepResult(step=plan.step, rows=[1], token_ids=[3], forward_s=0.002, started=sent,
+                                  launch_s=0.0001, device_s=0.001 * (plan.step + 1)))
+    trace.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["verify"], r["verify_tokens"]) for r in records] == [(0, 0), (1, 3), (1, 2)]
+    out = subprocess.run([sys.executable, str(REPORT), str(path), "--bins", "1", "--pipeline"], capture_output=True,
+                         text=True, check=True).stdout
+    kinds, pipeline = out.split("\n\n")[0], out.split("\n\n")[-1]  # the kinds' table, the device's waits
+    rows = {line.split()[0]: line.split() for line in kinds.splitlines()[2:]}
+    assert set(rows) == {"decode", "verify"} and (rows["decode"][1], rows["verify"][1]) == ("1", "2")
+    assert (rows["decode"][-1], rows["verify"][-1]) == ("0.0", "2.5")  # verify tokens a step
+    waits = {line.split()[0]: line.split() for line in pipeline.splitlines()[1:]}
+    assert (waits["decode"][2], waits["verify"][2]) == ("1.00", "2.50")  # device ms a step
