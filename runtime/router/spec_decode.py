@@ -16,8 +16,8 @@ chunk starts with that guess at the position after the in-flight chunk, followed
 continues it. On copy-heavy text the guess holds and the row pipelines its verifies like decode steps. When
 the in-flight verdict differs (a token rejected, another bonus token, a stop), the chained chunk is void: its
 slots leave the request (freed when its verdict comes back, which is dropped), its positions are planned
-again, and the row's next chunk carries its tokens and position explicitly (the worker's length and last
-token of the row came from the void chunk). The greedy verdicts do not depend on what the chained chunk
+again at once, and the row's next chunk carries its tokens and position explicitly (the worker's length and last
+token of the row come from the void chunk, which runs first). The greedy verdicts do not depend on what the chained chunk
 computed, so the output is the unchained one token for token.
 
 Speculation is off for a step whose decode batch exceeds spec.max_batch (verifying k+1 tokens per row
@@ -135,7 +135,10 @@ class SpecDecoding:
         proposals: dict[int, list[int]] = {}
         for req in decoding:
             flying = self._flying.get(req.row)
-            if flying is not None and flying.req is req:  # a verify of it is out: chain onto it, or sit out
+            # a verify of it is out: chain onto it, or sit out. A void one is no reason to wait: the explicit chunk
+            # below queues behind it on the worker (its tokens, positions and slots its own; the void verdict, applied
+            # first, sets nothing the explicit one does not set again)
+            if flying is not None and flying.req is req and not flying.void:
                 chain = None if off else self._chain(req, flying)
                 if chain is not None:
                     proposals[req.row] = chain[1]

@@ -101,8 +101,9 @@ def test_a_row_whose_verify_is_out_sits_out_above_max_batch():
 def test_a_chained_verify_stands_on_the_verdict_it_assumed():
     """While a greedy row's verify is out, its next verify is planned as if the whole proposal and the token the
     lookup predicts after it were kept: it starts with that guess where the first chunk ends. The verdict it
-    assumed keeps it; another one voids it: its slots leave the request (freed when it returns), the row sits
-    out meanwhile, then plans a chunk with its own last token at the position after what it kept."""
+    assumed keeps it; another one voids it: its slots leave the request (freed when it returns), and the row plans
+    at once a chunk with its own last token at the position after what it kept (behind the void one on the
+    worker: the device does not wait a round trip for the void verdict)."""
     from llaunch.runtime.ipc.messages import StepPlan, StepResult
 
     def step(sched, r, n):
@@ -134,11 +135,13 @@ def test_a_chained_verify_stands_on_the_verdict_it_assumed():
         # void: the chained chunk's slots are off the request; the rejected tail of the first is freed
         assert r.slots == first.slots[:3] and r.num_computed == start + 3 and sched.spec.void_slots == 5
         assert sched.kv.num_used == 3 + 5
-        assert sched.spec.split(sched, [r]) == ([], {})  # the void chunk is still out: the row waits
-        assert verdict(sched, r, 2, [41, 42, 60, 40, 41, 9]) == []  # dropped
-        assert sched.spec.void_slots == 0 and sched.kv.num_used == 3 and r.output_ids == [40] + kept
-        again = step(sched, r, 3)  # its own last token, at the position after the kept ones
-        assert again.token_ids[0] == 7 and again.start == start + 3
+        again = step(sched, r, 3)  # its own last token, at the position after the kept ones, the void chunk still out
+        assert again.token_ids[0] == 7 and again.start == start + 3 and r.slots == first.slots[:3] + again.slots
+        assert again.token_ids == [7]  # nothing follows "7" in the prompt: no proposal, so nothing to chain onto
+        assert sched.spec.split(sched, [r]) == ([], {})
+        assert verdict(sched, r, 2, [41, 42, 60, 40, 41, 9]) == []  # the void verdict: dropped
+        assert sched.spec.void_slots == 0 and sched.kv.num_used == 3 + len(again.slots)
+        assert r.output_ids == [40] + kept
         assert sched.spec.chained == 1 and sched.spec.voided == 1
 
 
