@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llaunch.kernels import fp8, gemv_fp8, gemv_staged, pdl, settings
+from llaunch.kernels import fp8, gemv_fp8, gemv_staged, pdl, settings, skinny_gemm
 from llaunch.kernels.fp8 import Fp8Weight
 from llaunch.kernels.row_dots import row_dots
 
@@ -172,6 +172,9 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
     n = n_total // 2 if gated else n_total
     if out_dtype not in (None, x.dtype, torch.float32) or (gated and out_dtype not in (None, x.dtype)):
         raise ValueError(f"gemv: out_dtype {out_dtype} for {x.dtype} input (float32 or the input's, ungated)")
+    if (layer is None and out_dtype in (None, x.dtype) and x.dtype in (torch.bfloat16, torch.float16)
+            and (n, k, gated) in settings.current.skinny_one_row):
+        return skinny_gemm.skinny_gemm(x, weight, bias, gated=gated)  # kernels.skinny_one_row: the tensor cores
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     if n == 0:
         return out

@@ -86,6 +86,9 @@ class KernelSettings:
     # Its launch shapes per weight shape, overriding the built-in ones: comma-separated
     # `NxK[:gated]=BLOCK_N/BLOCK_K/WARPS/STAGES[/SPLIT]` (SPLIT: K over that many programs a tile, ungated layers)
     skinny_shapes: str = ""
+    # Weight shapes `NxK[:gated]` whose one-row products (batch-1 decode) run that kernel too, not the GEMV
+    # (kernels/gemv.py); sweep with scripts/bench_decode_shapes.py --skinny
+    skinny_one_row: List[str] = field(default_factory=list)
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
     # after their own wait (late) instead of at their top: early triggering cascades resident grids,
@@ -104,7 +107,7 @@ class KernelSettings:
             found.append(("kernels.skinny_rows", f"kernels.skinny_rows: {self.skinny_rows} is not 0 (off) to 16 (an "
                                                  "MMA's rows)"))
         for key, parse in (("gemv_shapes", parse_gemv_shapes), ("moe_shapes", parse_moe_shapes),
-                           ("skinny_shapes", parse_skinny_shapes)):
+                           ("skinny_shapes", parse_skinny_shapes), ("skinny_one_row", parse_weight_shapes)):
             try:
                 parse(getattr(self, key))
             except ValueError as e:
@@ -167,6 +170,21 @@ def parse_skinny_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int
     return shapes
 
 
+def parse_weight_shapes(names: List[str]) -> frozenset[tuple[int, int, bool]]:
+    """`skinny_one_row` as {(N, K, gated)}."""
+    shapes = set()
+    for name in names:
+        dims, _, kind = name.strip().partition(":")
+        try:
+            n, k = (int(v) for v in dims.split("x"))
+        except ValueError:
+            n = k = 0
+        if min(n, k) < 1 or kind not in ("", "gated"):
+            raise ValueError(f"kernels.skinny_one_row: {name!r} is not a weight shape NxK[:gated]")
+        shapes.add((n, k, kind == "gated"))
+    return frozenset(shapes)
+
+
 def parse_moe_shapes(text: str) -> MoeShapes:
     """`moe_shapes` as {(E, I, H): [(max tokens or None, MoeLaunch)]}, each list's bounds ascending, None last."""
     shapes: MoeShapes = {}
@@ -211,6 +229,7 @@ class _Applied:
         self.gemv_shapes = parse_gemv_shapes(settings.gemv_shapes)
         self.moe_shapes = parse_moe_shapes(settings.moe_shapes)
         self.skinny_shapes = parse_skinny_shapes(settings.skinny_shapes)
+        self.skinny_one_row = parse_weight_shapes(settings.skinny_one_row)
         self.pdl = Pdl(settings.pdl)
         self.pdl_kernels = frozenset(settings.pdl_kernels)
         self.pdl_late = frozenset(settings.pdl_late)

@@ -13,7 +13,8 @@ partials in split order).
 A row's sums do not depend on the other rows (each output is its own row of the MMA, summed in K order), so a
 verify chunk's logits are those of its tokens alone. Same roundings as the GEMV (kernels/gemv.py) up to the order
 of the sum: float32 sums, the bias added in float32, gated: the linear outputs and silu(gate) rounded to the dtype.
-Off unless kernels.skinny_rows says how many rows it takes (dispatch.linear).
+Off unless kernels.skinny_rows says how many rows it takes (dispatch.linear), or kernels.skinny_one_row names a
+weight shape whose one-row products it takes from the GEMV (kernels/gemv.py).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int, int]:
     if override is not None:
         return override
     if _INTERPRETED:
-        return INTERPRETED_SHAPE
+        return (*INTERPRETED_SHAPE[:4], 1) if gated else INTERPRETED_SHAPE
     block_n, block_k = (32 if gated else 64), 128
     tiles = triton.cdiv(n, block_n)
     split = 1

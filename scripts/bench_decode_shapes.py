@@ -9,7 +9,8 @@ candidate, then the best per layer kind.
 
     python scripts/bench_decode_shapes.py [--fp8] [--layers 28] [--repeats 50]
         [--tensor-core] [--amax-tile N] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
-    python scripts/bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48
+    python scripts/bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48 [--skinny]   (--skinny: each kind on the
+        tensor cores, kernels.skinny_one_row, instead of the GEMV)
 """
 from __future__ import annotations
 
@@ -47,6 +48,37 @@ MMA = ["16/128/4/4", "16/256/4/4", "16/256/4/6", "32/128/4/4", "32/256/4/3", "32
 # and K split over SPLIT programs a tile (ungated layers: qkv, o_proj, down_proj have too few tiles for 132 SMs)
 MMA_SPLIT = ["16/256/4/4/2", "16/256/4/4/4", "32/256/4/3/2", "32/256/4/3/4", "32/256/4/4/8", "64/256/4/3/4",
              "16/128/4/4/8", "32/128/4/4/8"]
+
+
+# bf16 one-row layers on the tensor cores instead of the GEMV (kernels/skinny_gemm.py, kernels.skinny_one_row):
+# BLOCK_N/BLOCK_K/WARPS/STAGES/SPLIT, K split on ungated layers
+SKINNY = ["64/128/4/4/1", "64/128/4/4/2", "64/128/4/4/4", "32/128/4/4/4", "32/128/4/4/8", "64/256/4/3/2",
+          "128/128/8/3/1", "128/128/8/3/2"]
+SKINNY_GATED = ["32/128/4/4", "64/128/4/4", "32/256/4/3", "16/128/4/4", "64/128/8/3"]
+
+
+def skinny_grid(kinds: dict[str, str]) -> list[tuple[str, dict]]:
+    """(layer kind, kernel settings) per candidate: the kind's shape on the tensor cores at each launch."""
+    return [(kind, dict(skinny_one_row=[key], skinny_shapes=f"{key}={launch}")) for kind, key in kinds.items()
+            for launch in (SKINNY_GATED if key.endswith(":gated") else SKINNY)]
+
+
+def merged(overrides: list[dict]) -> dict:
+    """One set of kernel settings from each kind's best: the launch-shape strings joined, the shape lists added."""
+    out: dict = {}
+    for o in overrides:
+        for key, value in o.items():
+            if isinstance(value, list):
+                out[key] = out.get(key, []) + value
+            else:
+                out[key] = f"{out[key]},{value}" if key in out else value
+    return out
+
+
+def serve_args(overrides: dict) -> str:
+    """The llaunch overrides that serve these settings."""
+    return " ".join(f"kernels.{k}=[{','.join(v)}]" if isinstance(v, list) else f'kernels.{k}="{v}"'
+                    for k, v in overrides.items())
 
 
 def grid(kinds: dict[str, str], tensor_core: bool, fp8: bool) -> list[tuple[str, dict]]:
@@ -105,9 +137,14 @@ def main() -> int:
     ap.add_argument("--activations", default=None, choices=["dynamic", "static", "none"],
                     help="--fp8: every layer's activation mode instead of dynamic (none: x not quantized, a diagnosis)")
     ap.add_argument("--candidates", default=None, help="space-separated kernels.gemv_shapes values")
+    ap.add_argument("--skinny", action="store_true",
+                    help="bf16: each layer kind's one-row products on the tensor cores (kernels.skinny_one_row) at "
+                         "several launches (kernels.skinny_shapes) instead of the GEMV's shapes")
     args = ap.parse_args()
     if (args.tensor_core or args.amax_tile or args.activations) and not args.fp8:
         ap.error("--tensor-core, --amax-tile and --activations are for --fp8")
+    if args.skinny and (args.fp8 or args.candidates):
+        ap.error("--skinny is for bf16 weights, without --candidates")
     config, kinds = SHAPES[args.shape]
     if args.shape != "qwen2-7b" and (args.fp8 or args.per_kind):
         ap.error("--fp8 and --per-kind are for the qwen2-7b shape")
@@ -147,8 +184,8 @@ def main() -> int:
     base = step_ms({})
     print(json.dumps(dict(kind="built-in", shapes="", ms=round(base, 4), **where)), flush=True)
     candidates = ([("given", dict(gemv_shapes=s)) for s in args.candidates.split()] if args.candidates
-                  else grid(kinds, args.tensor_core, args.fp8))
-    best: dict[str, tuple[float, str]] = {}
+                  else skinny_grid(kinds) if args.skinny else grid(kinds, args.tensor_core, args.fp8))
+    best: dict[str, tuple[float, dict]] = {}
     for kind, overrides in candidates:
         try:
             ms = step_ms(overrides)
@@ -156,13 +193,13 @@ def main() -> int:
             print(json.dumps(dict(kind=kind, **overrides, error=str(e)[:200])), flush=True)
             continue
         print(json.dumps(dict(kind=kind, **overrides, ms=round(ms, 4), ratio=round(ms / base, 4))), flush=True)
-        if "gemv_shapes" in overrides and ms < best.get(kind, (base, ""))[0]:
-            best[kind] = (ms, overrides["gemv_shapes"])
-    combined = ",".join(shapes for _, shapes in best.values())
+        if kind != "moe_pdl" and ms < best.get(kind, (base, {}))[0]:  # launch shapes: the best per kind combine
+            best[kind] = (ms, overrides)
+    combined = merged([o for _, o in best.values()])
     summary = dict(kind="summary", built_in_ms=round(base, 4), best={k: v[1] for k, v in best.items()})
     if combined:
-        summary.update(combined=combined, combined_ms=round(step_ms(dict(gemv_shapes=combined)), 4),
-                       built_in_again_ms=round(step_ms({}), 4))
+        summary.update(combined=combined, combined_ms=round(step_ms(combined), 4),
+                       built_in_again_ms=round(step_ms({}), 4), serve=serve_args(combined))
     print(json.dumps(summary), flush=True)
     return 0
 

@@ -61,7 +61,7 @@ def test_skinny_gemm_refuses_what_it_cannot_run(ops, monkeypatch):
         ops.skinny_gemm(torch.randn(2, 32).half(), torch.randn(7, 32).half(), gated=True)
     with pytest.raises(ValueError, match="columns"):
         ops.skinny_gemm(torch.randn(2, 16).half(), w)
-    monkeypatch.setattr(skinny_gemm, "INTERPRETED_SHAPE", SHAPES["split"])
+    monkeypatch.setattr(skinny_gemm.settings.current, "skinny_shapes", {(4, 32, True): (16, 16, 4, 1, 2)})  # a split
     with pytest.raises(ValueError, match="ungated"):
         ops.skinny_gemm(torch.randn(2, 32).half(), torch.randn(8, 32).half(), gated=True)
 
@@ -109,12 +109,13 @@ GPU_SHAPES = [(4608, 3584, True, False), (3584, 3584, False, False), (3584, 1894
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
 @pytest.mark.parametrize("n, k, bias, gated", GPU_SHAPES, ids=[f"{n}x{k}{':gated' if g else ''}" for n, k, _, g in GPU_SHAPES])
 def test_skinny_gemm_gpu(cuda, poisoned, close, kernel_settings, rows, n, k, bias, gated):
-    """bf16 through dispatch with kernels.skinny_rows=16 (the op the decoder calls) against the float32 product
-    rounded once to bf16, as the kernel rounds; each row alone gives the same bits (rows do not mix)."""
-    kernel_settings(skinny_rows=16)
+    """bf16 through dispatch with kernels.skinny_rows=16 and the shape in kernels.skinny_one_row (the op the decoder
+    calls) against the float32 product rounded once to bf16, as the kernel rounds; each row alone gives the same
+    bits (rows do not mix)."""
+    kernel_settings(skinny_rows=16, skinny_one_row=[f"{n}x{k}:gated" if gated else f"{n}x{k}"])
     x = torch.randn(rows, k, device=cuda).to(torch.bfloat16)
     w = (torch.randn(n, k, device=cuda) / k ** 0.5).to(torch.bfloat16)
     b = torch.randn(n, device=cuda).to(torch.bfloat16) if bias else None
@@ -160,3 +161,27 @@ def test_split_skinny_gemm_replays_in_a_cuda_graph(cuda, close, kernel_settings,
         assert torch.equal(out, chain())  # the sum order is fixed: replayed = eager, bit for bit
         mid = reference.linear(x.float(), down.float()).to(torch.bfloat16)
         close(ops.linear(x, down), mid)
+
+
+def test_kernels_skinny_one_row_takes_the_named_shapes_from_the_gemv(ops, kernel_settings, monkeypatch):
+    """kernels.skinny_one_row: a named weight shape's one-row products (batch-1 decode) run the skinny GEMM, gated or
+    not, as it computes them for more rows; other shapes, float32 rows and float32 logits stay on the GEMV."""
+    from llaunch.kernels import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "INTERPRETED_SHAPE", SHAPES["split"])
+    w, gate_up = (torch.randn(37, 300) / 300 ** 0.5).half(), (torch.randn(2 * 45, 264) / 264 ** 0.5).half()
+    x, xg = torch.randn(1, 300).half(), torch.randn(1, 264).half()
+    calls = []
+    real = skinny_gemm.skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    kernel_settings(skinny_one_row=["37x300", "45x264:gated"])
+    assert torch.equal(ops.gemv(x, w), real(x, w)) and torch.equal(ops.gemv(xg, gate_up, gated=True),
+                                                                    real(xg, gate_up, gated=True))
+    assert len(calls) == 2
+    ops.gemv(torch.randn(1, 300), w.float())  # float32: the GEMV
+    ops.gemv(x, w, out_dtype=torch.float32)  # float32 logits: the GEMV
+    ops.gemv(torch.randn(1, 264).half(), (torch.randn(45, 264)).half())  # not named
+    assert len(calls) == 2
+    from llaunch.kernels.settings import KernelSettings
+
+    assert [key for key, _ in KernelSettings(skinny_one_row=["37x300:fp8"]).problems()] == ["kernels.skinny_one_row"]
