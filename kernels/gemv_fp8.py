@@ -27,7 +27,7 @@ import triton.language as tl
 
 from llaunch.kernels.e4m3 import quantized, row_scale
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
-from llaunch.kernels.split_k import counters
+from llaunch.kernels.split_k import arrive, counters, k_share
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
@@ -58,13 +58,7 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, coun
         x_scale = tl.load(xs_ptr)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     up_acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    if SPLIT == 1:
-        k_begin = 0
-        k_end = K
-    else:  # this program's share of K: whole tiles, SPLIT shares (the last ones may be empty)
-        per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
-        k_begin = tl.program_id(1) * per_split
-        k_end = tl.minimum(k_begin + per_split, K)
+    k_begin, k_end = k_share(K, BLOCK_K, SPLIT)
     # x one tile ahead: the pipeliner stages the weight tiles (they feed the dot) but x reaches the dot
     # through the quantization, so without this every iteration waits an L2 round trip for its x
     x_next = tl.load(x_ptr + k_begin + cols, mask=k_begin + cols < k_end, other=0.0)
@@ -83,11 +77,8 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, coun
     last = True
     if SPLIT > 1:  # (never GATED: gemv_fp8 refuses it) the partial sums, then the tile's last program adds them
         tl.store(part_ptr + tl.program_id(1) * N + rows, y, mask=row_mask)
-        tl.debug_barrier()  # every thread's partial stored before the arrival is counted (a release at GPU scope)
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        last = arrived == SPLIT - 1
+        last = arrive(count_ptr, tile, SPLIT)
         if last:
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
             y = tl.zeros([BLOCK_N], dtype=tl.float32)
             for split in tl.static_range(SPLIT):  # in split order, whoever arrived last
                 y += tl.load(part_ptr + split * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")

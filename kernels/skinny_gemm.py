@@ -27,7 +27,7 @@ import triton.language as tl
 
 from llaunch.kernels import pdl, settings
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
-from llaunch.kernels.split_k import counters
+from llaunch.kernels.split_k import arrive, counters, k_share
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 16  # an MMA's smallest M
@@ -75,13 +75,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x
     x_rows = x_ptr + m.to(tl.int64) * x_stride
     cols = tl.arange(0, BLOCK_K)
     wait_for_previous_kernel(PDL)  # x is the previous kernel's
-    if SPLIT == 1:
-        k_begin = 0
-        k_end = K
-    else:  # this program's share of K: whole tiles, SPLIT shares (the last ones may be empty)
-        per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
-        k_begin = tl.program_id(1) * per_split
-        k_end = tl.minimum(k_begin + per_split, K)
+    k_begin, k_end = k_share(K, BLOCK_K, SPLIT)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     up_acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
@@ -98,11 +92,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x
     if SPLIT > 1:  # (never GATED: skinny_gemm refuses it) the partial sums, then the tile's last program adds them
         parts = part_ptr + m[:, None] * N + rows[None, :]  # [SPLIT, 16, N] float32
         tl.store(parts + tl.program_id(1) * 16 * N, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial stored before the arrival is counted (a release at GPU scope)
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        last = arrived == SPLIT - 1
+        last = arrive(count_ptr, tile, SPLIT)
         if last:
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
             acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
             for split in tl.static_range(SPLIT):  # in split order, whoever arrived last
                 acc += tl.load(parts + split * 16 * N, mask=out_mask, other=0.0, cache_modifier=".cg")

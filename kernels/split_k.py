@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 # Per device; grown outside CUDA-graph capture only; a grown-out buffer is kept alive, as graphs captured earlier
 # still address it.
@@ -23,3 +24,29 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor:
                                "(the warm-up before it allocates them)")
         held.append(torch.zeros(max(4096, triton.next_power_of_2(tiles)), dtype=torch.int32, device=device))
     return held[-1]
+
+
+@triton.jit
+def k_share(K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """(k_begin, k_end) of this program's share of K, program_id(1) of SPLIT: whole BLOCK_K tiles, the last shares
+    possibly empty; all of K when SPLIT is 1."""
+    k_begin = 0
+    k_end = K
+    if SPLIT > 1:
+        per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+        k_begin = tl.program_id(1) * per_split
+        k_end = tl.minimum(k_begin + per_split, K)
+    return k_begin, k_end
+
+
+@triton.jit
+def arrive(count_ptr, tile, SPLIT: tl.constexpr):
+    """Called once this program's partial sums are stored: counts its arrival at `tile`'s counter and returns whether
+    it came last; the last one resets the counter and may read every share's partials (with .cg loads: other SMs
+    wrote them, past this SM's L1)."""
+    tl.debug_barrier()  # every thread's partial stored before the arrival is counted (a release at GPU scope)
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT - 1
+    if last:
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+    return last
