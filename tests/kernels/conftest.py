@@ -67,6 +67,30 @@ def cuda():
     return torch.device("cuda")
 
 
+def capture_graph(fn, with_pdl: bool):
+    """(graph, fn's output as captured): fn run eagerly, once on a side stream, then captured in a CUDA graph (with
+    PDL as the decode graphs launch, where with_pdl), as the worker captures its steps."""
+    from llaunch.kernels import pdl
+
+    fn()
+    with pdl.for_graphs() if with_pdl else contextlib.nullcontext():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+    return graph, out
+
+
+@pytest.fixture
+def captured():
+    """capture_graph, for the GPU tests that replay kernels as the decode graphs do."""
+    return capture_graph
+
+
 @pytest.fixture
 def close():
     return assert_close

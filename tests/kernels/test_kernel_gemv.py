@@ -320,12 +320,10 @@ def test_split_k_counters_are_zero_after_each_launch(ops, close, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_pdl", [False, True])
-def test_split_k_fp8_gemv_replays_in_a_cuda_graph(cuda, close, monkeypatch, with_pdl):
+def test_split_k_fp8_gemv_replays_in_a_cuda_graph(cuda, close, captured, monkeypatch, with_pdl):
     """Qwen2-7B's down_proj as the split tensor-core kernel, chained twice in a captured graph as a decode step
     launches it (with PDL: each launch's programs wait for the previous one before touching the counters)."""
-    import contextlib
-
-    from llaunch.kernels import fp8, gemv, pdl
+    from llaunch.kernels import fp8, gemv
 
     monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (32, 256, 4, 3, 4) if fp8 else
                         (2, 1024, 4, 0, 1))
@@ -335,16 +333,7 @@ def test_split_k_fp8_gemv_replays_in_a_cuda_graph(cuda, close, monkeypatch, with
     def chain():
         return ops.linear(ops.linear(x, first), second)
 
-    chain()
-    with pdl.for_graphs() if with_pdl else contextlib.nullcontext():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
+    graph, out = captured(chain, with_pdl)
     for seed in range(3):
         x.copy_((3 * torch.randn(1, 18944, device=cuda, generator=torch.Generator(cuda).manual_seed(seed))))
         graph.replay()

@@ -1,8 +1,6 @@
 """The skinny GEMM (kernels/skinny_gemm.py): linear layers of 2-16 rows on the tensor cores, plain, with bias and
 gated gate‖up, K split or whole, against the torch references they replace; through dispatch where
 kernels.skinny_rows takes them; rows independent of each other; replayed in a CUDA graph with PDL."""
-import contextlib
-
 import pytest
 import torch
 
@@ -132,11 +130,9 @@ def test_skinny_gemm_gpu(cuda, poisoned, close, kernel_settings, rows, n, k, bia
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_pdl", [False, True])
-def test_split_skinny_gemm_replays_in_a_cuda_graph(cuda, close, kernel_settings, with_pdl):
+def test_split_skinny_gemm_replays_in_a_cuda_graph(cuda, close, captured, kernel_settings, with_pdl):
     """Qwen2-7B's down_proj (K split) then gate‖up, 5 rows as a verify step launches them, chained in a captured
     graph (with PDL: each launch waits for the previous one before touching the split counters)."""
-    from llaunch.kernels import pdl
-
     kernel_settings(skinny_rows=16)
     down = (torch.randn(3584, 18944, device=cuda) / 18944 ** 0.5).to(torch.bfloat16)
     gate_up = (torch.randn(37888, 3584, device=cuda) / 3584 ** 0.5).to(torch.bfloat16)
@@ -145,16 +141,7 @@ def test_split_skinny_gemm_replays_in_a_cuda_graph(cuda, close, kernel_settings,
     def chain():
         return ops.gated_linear(ops.linear(x, down), gate_up)
 
-    chain()
-    with pdl.for_graphs() if with_pdl else contextlib.nullcontext():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
+    graph, out = captured(chain, with_pdl)
     for seed in range(3):
         x.copy_(torch.randn(5, 18944, device=cuda, generator=torch.Generator(cuda).manual_seed(seed)))
         graph.replay()
