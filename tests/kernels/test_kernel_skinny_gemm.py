@@ -113,7 +113,7 @@ def test_skinny_gemm_gpu(cuda, poisoned, close, kernel_settings, rows, n, k, bia
     """bf16 through dispatch with kernels.skinny_rows=16 and the shape in kernels.skinny_one_row (the op the decoder
     calls) against the float32 product rounded once to bf16, as the kernel rounds; each row alone gives the same
     bits (rows do not mix)."""
-    kernel_settings(skinny_rows=16, skinny_one_row=[f"{n}x{k}:gated" if gated else f"{n}x{k}"])
+    kernel_settings(skinny_rows=16, skinny_one_row=[f"{n // 2}x{k}:gated" if gated else f"{n}x{k}"])  # gated: N = I
     x = torch.randn(rows, k, device=cuda).to(torch.bfloat16)
     w = (torch.randn(n, k, device=cuda) / k ** 0.5).to(torch.bfloat16)
     b = torch.randn(n, device=cuda).to(torch.bfloat16) if bias else None
