@@ -292,7 +292,8 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
     # speculative decoding (spec_where_rows_decode refuses spec.method on pd nodes and score models)
     **_each((SERVING,), "spec.method"),
     **_each((SERVING, SPECULATES), "spec.num_tokens", "spec.max_batch"),
-    **_each((SERVING, NGRAM), "spec.ngram_min", "spec.ngram_max", "spec.chain"),
+    **_each((SERVING, NGRAM), "spec.ngram_min", "spec.ngram_max", "spec.chain",
+            "spec.adaptive"),
     **_each((SERVING, DRAFT), "spec.draft_model_path"),
     # encoder servers: encoder_group_matches_model refuses their keys on a model without that encoder,
     # visual_tp_valid visual.tp on a model without a vision tower

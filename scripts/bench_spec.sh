@@ -13,7 +13,8 @@
 #         spec_mb64 speculates up to 64 rows: if it beats none at c64, the default spec.max_batch can rise.
 # Servers (VARIANTS, default "none spec spec_mb64"): none = spec=none, spec = $SPEC, spec_mb64 = $SPEC spec.max_batch=64,
 # unchained = $SPEC spec.chain=false (each proposing row waits for its verdict: what chaining gains), k8 = $SPEC
-# spec.num_tokens=8 (longer proposals: on a model whose steps cost the same at 5 and 9 tokens, more tokens a verify).
+# spec.num_tokens=8 (longer proposals: on a model whose steps cost the same at 5 and 9 tokens, more tokens a verify),
+# adaptive = $SPEC spec.adaptive=true (each row's proposals 1 token longer than it recently accepted).
 # Each server warms with a short run of each case (not counted), then runs every case REPEATS (3) times on fresh
 # prompts; the summary's row is a server's slowest run, its ratio against the slowest run of none.
 # Variables: SERVE (llaunch overrides of every server), SPEC (default spec=ngram), CASES, VARIANTS, NUM, C64_NUM, REPEATS,
@@ -50,7 +51,8 @@ for variant in $VARIANTS; do
     spec_mb64) overrides="$SPEC spec.max_batch=64" ;;
     unchained) overrides="$SPEC spec.chain=false" ;;
     k8) overrides="$SPEC spec.num_tokens=8" ;;
-    *) echo "unknown variant $variant (none, spec, spec_mb64, unchained, k8)"; status=1; continue ;;
+    adaptive) overrides="$SPEC spec.adaptive=true" ;;
+    *) echo "unknown variant $variant (none, spec, spec_mb64, unchained, k8, adaptive)"; status=1; continue ;;
   esac
   echo "== serve: llaunch $SERVE $overrides"
   trace=${TRACE:+$OUT/trace-$variant.jsonl}

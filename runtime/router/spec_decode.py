@@ -20,6 +20,10 @@ again at once, and the row's next chunk carries its tokens and position explicit
 token of the row come from the void chunk, which runs first). The greedy verdicts do not depend on what the chained chunk
 computed, so the output is the unchained one token for token.
 
+With spec.adaptive an n-gram row proposes 1 + its recent accepted tokens per verify (halved each verify, from
+spec.num_tokens at its start), at most spec.num_tokens: fewer tokens verified where they keep failing, and a chained
+verify's assumption (the whole proposal kept) holds more often.
+
 Speculation is off for a step whose decode batch exceeds spec.max_batch (verifying k+1 tokens per row
 then costs more than it saves), and for rows whose tokens are not drawn from the model's plain
 distribution (penalties, exclusions, logprobs, prompt logprobs): they decode one token a step.
@@ -27,6 +31,7 @@ KV stays exact: a step speculates only while every live request could reach its 
 growth faster than one token a step can never make an allocation fail."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -114,6 +119,8 @@ class SpecDecoding:
         # looks again (waiting for its tokens once) every PROBE_EVERY steps
         self._missed: dict[int, tuple[str, int]] = {}
         self._yield: dict[int, tuple[str, float]] = {}  # row → (request id, recent accepted tokens per verify)
+        # spec.adaptive: row → (request id, recent accepted tokens per verify, from num_tokens at its start)
+        self._depth: dict[int, tuple[str, float]] = {}
         self.backoffs = 0  # since start: rows that stopped proposing for a while (their proposals kept failing)
         self._flying: dict[int, _Verifying] = {}  # row → its latest verify in flight
         self._chains: dict[int, _Chain] = {}  # split → plan: rows whose verify chains onto the one in flight
@@ -185,9 +192,23 @@ class SpecDecoding:
 
     def _room(self, req: Request, ahead: int = 0) -> int:
         """Tokens a proposal of this row may hold within its length limits, `ahead` tokens (a verify in flight,
-        assumed kept whole) after its output."""
-        return min(self.cfg.num_tokens, req.max_new_tokens - len(req.output_ids) - ahead - 1,
+        assumed kept whole) after its output: spec.num_tokens, or with spec.adaptive one more than the row
+        recently accepted."""
+        return min(self._k(req), req.max_new_tokens - len(req.output_ids) - ahead - 1,
                    self.max_model_len - req.num_tokens - ahead - 1)
+
+    def _k(self, req: Request) -> int:
+        k = self.cfg.num_tokens
+        if not getattr(self.cfg, "adaptive", False) or self.drafted:
+            return k
+        rid, recent = self._depth.get(req.row, (None, float(k)))
+        return k if rid != req.id else max(1, min(k, math.ceil(recent) + 1))
+
+    def _track_depth(self, req: Request, accepted: int) -> None:
+        rid, recent = self._depth.get(req.row, (req.id, float(self.cfg.num_tokens)))
+        if rid != req.id:
+            recent = float(self.cfg.num_tokens)
+        self._depth[req.row] = (req.id, 0.5 * recent + 0.5 * accepted)
 
     def _lookup(self, tokens: list[int], k: int) -> list[int]:
         proposal = propose(tokens, k, self.cfg.ngram_min, self.cfg.ngram_max)
@@ -306,6 +327,7 @@ class SpecDecoding:
                 else:
                     v.chained.base = None  # it stands: the row may chain onto it
             self._track_yield(req, accepted)
+            self._track_depth(req, accepted)
             rejected = len(v.proposal) - accepted
             if rejected:
                 sched.kv.free(req.slots[-rejected:])

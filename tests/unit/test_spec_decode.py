@@ -44,16 +44,16 @@ def cut_at(tokens: list[int], stop: int) -> tuple[list[int], str]:
     return (tokens[:tokens.index(stop) + 1], "stop") if stop in tokens else (tokens, "length")
 
 
-@pytest.mark.parametrize("chain", [True, False])
-def test_greedy_output_is_token_identical_with_speculation(model, chain):
+@pytest.mark.parametrize("chain, adaptive", [(True, False), (False, False), (True, True)])
+def test_greedy_output_is_token_identical_with_speculation(model, chain, adaptive):
     """16 requests; max_tokens (40, 23, 17, 31) and stop tokens land mid-proposal; 40-token steps make
     later prompts prefill in chunks in the steps where earlier rows verify. Chained verifies (spec.chain) kept
-    and voided, or none."""
+    and voided, or none; proposals as long as each row recently accepted (spec.adaptive)."""
     n = 16
     plain, _ = serve(model, greedy_requests(n), spec=False, step_tokens=40)
     stops = {i: [plain[i][0][-3]] for i in range(1, n, 2)}  # odd requests stop at their last-but-two token's first use
     want = {i: cut_at(plain[i][0], stops[i][0]) if i in stops else plain[i] for i in range(n)}
-    fast, sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40, chain=chain)
+    fast, sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40, chain=chain, adaptive=adaptive)
     assert fast == want
     assert sched.spec.accepted > 0 and sched.spec.verify_rows > 0  # it did speculate, and it paid off
     assert sched.spec.accepted <= sched.spec.proposed
@@ -64,10 +64,11 @@ def test_greedy_output_is_token_identical_with_speculation(model, chain):
     assert sched.spec.chained > sched.spec.voided > 0 and sched.spec.void_slots == 0
 
 
-def _rows(kv_slots: int, max_batch: int, vocab_size: int = 2**62):
+def _rows(kv_slots: int, max_batch: int, vocab_size: int = 2**62, adaptive: bool = False):
     limits = SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=256, chunked_prefill=True,
                              chunked_prefill_size=256, max_wait_tokens=1, token_ratio=0.0, max_model_len=MAX_LEN,
-                             eos_ids=(EOS,), spec=SpecConfig(method=SpecMethod.ngram, max_batch=max_batch),
+                             eos_ids=(EOS,), spec=SpecConfig(method=SpecMethod.ngram, max_batch=max_batch,
+                                                             adaptive=adaptive),
                              vocab_size=vocab_size)
     sched = Scheduler(limits)
     reqs = [Request(AddRequest(str(i), 0, p, sp, 0.0), sp) for i, (p, sp) in enumerate(greedy_requests(4))]
@@ -143,6 +144,30 @@ def test_a_chained_verify_stands_on_the_verdict_it_assumed():
         assert sched.spec.void_slots == 0 and sched.kv.num_used == 3 + len(again.slots)
         assert r.output_ids == [40] + kept
         assert sched.spec.chained == 1 and sched.spec.voided == 1
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_adaptive_proposals_follow_what_the_row_accepted(adaptive):
+    """spec.adaptive: a row proposes num_tokens (4) at first, then 1 + its recent accepted tokens per verify (an
+    average halved each verify: 4 → 2 → 2 → 1 → 1.5 after verifies that kept 0, 2, 0 and 2 of their proposals).
+    Without it, 4 every time."""
+    from llaunch.runtime.ipc.messages import StepPlan, StepResult
+    from llaunch.runtime.router.spec_decode import propose
+
+    sched, reqs = _rows(SLOTS, max_batch=16, adaptive=adaptive)
+    r = reqs[0]
+    lengths = []
+    for step, accepted in enumerate([0, 2, 0, 2, 0]):
+        plan = StepPlan(step=step)
+        sched.spec.plan(sched, plan, sched.spec.split(sched, [r])[1])
+        proposal = plan.verify[0].token_ids[1:]
+        lengths.append(len(proposal))
+        # the verdict: `accepted` tokens and the model's own after them, here the copy's next token (the text goes on
+        # copying, so every lookup finds 4 tokens: only the row's recent acceptance limits its proposal)
+        kept = proposal[:accepted]
+        kept += propose(r.prompt_ids + r.output_ids + kept, 1, 1, 3)
+        sched.spec.verified(sched, StepResult(step=step, rows=[], token_ids=[], verified=[kept]))
+    assert lengths == ([4, 3, 3, 2, 3] if adaptive else [4, 4, 4, 4, 4])
 
 
 def test_proposals_stop_before_an_image_token():
