@@ -38,28 +38,11 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from llaunch.runtime.ipc.messages import SamplingParams, StepPlan, StepResult, VerifyChunk
+from llaunch.runtime.router.ngram import TokenHistory, propose
 from llaunch.runtime.router.request import Request, Status
 
 if TYPE_CHECKING:
     from llaunch.runtime.config import SpecConfig
-
-
-def propose(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
-    """The up to `k` tokens that followed the latest earlier occurrence of the longest suffix of
-    `tokens` (ngram_max down to ngram_min tokens long); [] when none occurred."""
-    n_tok = len(tokens)
-    if k <= 0 or n_tok < ngram_min + 1:
-        return []
-    arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(ngram_max, n_tok - 1), ngram_min - 1, -1):
-        suffix = arr[n_tok - n:]
-        # windows starting at 0 .. n_tok-n-1 (the suffix itself excluded)
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:n_tok - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start:start + k]
-    return []
 
 
 def speculates(sp: SamplingParams, produced: int) -> bool:
@@ -121,6 +104,7 @@ class SpecDecoding:
         self._yield: dict[int, tuple[str, float]] = {}  # row → (request id, recent accepted tokens per verify)
         # spec.adaptive: row → (request id, recent accepted tokens per verify, from num_tokens at its start)
         self._depth: dict[int, tuple[str, float]] = {}
+        self._histories: dict[int, tuple[str, TokenHistory]] = {}  # row → (request id, its tokens as an array)
         self.backoffs = 0  # since start: rows that stopped proposing for a while (their proposals kept failing)
         self._flying: dict[int, _Verifying] = {}  # row → its latest verify in flight
         self._chains: dict[int, _Chain] = {}  # split → plan: rows whose verify chains onto the one in flight
@@ -210,7 +194,15 @@ class SpecDecoding:
             recent = float(self.cfg.num_tokens)
         self._depth[req.row] = (req.id, 0.5 * recent + 0.5 * accepted)
 
-    def _lookup(self, tokens: list[int], k: int) -> list[int]:
+    def _lookup(self, req: Request, k: int, ahead: list[int] = ()) -> list[int]:
+        """The proposal after the row's tokens and then `ahead` (a chained verify's assumed tokens)."""
+        rid, history = self._histories.get(req.row, (None, None))
+        if rid != req.id:
+            history = TokenHistory()
+            self._histories[req.row] = (req.id, history)
+        tokens = history.sync(req.prompt_ids, req.output_ids)
+        if ahead:
+            tokens = np.concatenate([tokens, np.asarray(ahead, dtype=np.int64)])
         proposal = propose(tokens, k, self.cfg.ngram_min, self.cfg.ngram_max)
         return proposal[:next((i for i, t in enumerate(proposal) if t >= self.vocab_size), len(proposal))]
 
@@ -218,7 +210,7 @@ class SpecDecoding:
         room = self._room(req)
         if self.drafted:  # placeholders: the draft proposes on the worker
             return [0] * max(room, 0)
-        return self._lookup(req.prompt_ids + req.output_ids, room) if room > 0 else []
+        return self._lookup(req, room) if room > 0 else []
 
     def _chain(self, req: Request, flying: _Verifying) -> Optional[tuple[_Chain, list[int]]]:
         """The chained verify onto `flying` (in flight, its verdict unknown): (the chain, its proposal) where the
@@ -227,12 +219,12 @@ class SpecDecoding:
         if (self.drafted or not self.cfg.chain or not req.sampling.greedy or flying.void or flying.chained is not None
                 or flying.base is not None or not flying.proposal):  # one assumption at a time
             return None
-        history = req.prompt_ids + req.output_ids + flying.proposal  # output_ids ends with flying's first token
-        guess = self._lookup(history, 1)
+        # output_ids ends with flying's first token; its proposal follows
+        guess = self._lookup(req, 1, flying.proposal)
         room = self._room(req, len(flying.proposal) + 1)
         if not guess or room < 1:
             return None
-        proposal = self._lookup(history + guess, room)
+        proposal = self._lookup(req, room, flying.proposal + guess)
         if not proposal:
             return None
         return _Chain(flying, guess[0]), proposal
