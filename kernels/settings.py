@@ -174,6 +174,8 @@ def parse_weight_shapes(names: List[str]) -> frozenset[tuple[int, int, bool]]:
     """`skinny_one_row` as {(N, K, gated)}."""
     shapes = set()
     for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"kernels.skinny_one_row: {name!r} is not a weight shape NxK[:gated]")
         dims, _, kind = name.strip().partition(":")
         try:
             n, k = (int(v) for v in dims.split("x"))

@@ -10,14 +10,16 @@ rows of a fused gate‖up weight side by side and writes silu(gate) · up. A nar
 output tiles than SMs) splits K over SPLIT programs a tile (kernels/split_k.py: the tile's last program adds the
 partials in split order).
 
-A row's sums do not depend on the other rows (each output is its own row of the MMA, summed in K order), so a
-verify chunk's logits are those of its tokens alone. Same roundings as the GEMV (kernels/gemv.py) up to the order
+A row's sums do not depend on the other rows of the launch (each output is its own row of the MMA, summed in K
+order); steps of one row or of more than kernels.skinny_rows run other kernels (the GEMV, cuBLAS), whose sums are
+ordered otherwise, so bf16 output can still depend on a step's rows. Same roundings as the GEMV (kernels/gemv.py) up to the order
 of the sum: float32 sums, the bias added in float32, gated: the linear outputs and silu(gate) rounded to the dtype.
 Off unless kernels.skinny_rows says how many rows it takes (dispatch.linear), or kernels.skinny_one_row names a
 weight shape whose one-row products it takes from the GEMV (kernels/gemv.py).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -113,7 +115,13 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Does this product run here: 2..kernels.skinny_rows rows of a 16-bit x and weight, 16-byte aligned rows?"""
     rows = settings.current.settings.skinny_rows
     return (x.dim() == 2 and 2 <= x.shape[0] <= rows and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == x.shape[1])
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+            and (not x.is_cuda or _mma_16bit(x.device.index or 0)))
+
+
+@functools.cache
+def _mma_16bit(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 8  # bf16 MMAs: Ampere on
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -128,6 +136,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         raise ValueError(f"skinny_gemm: x has {x.shape[1]} columns, weight {weight.shape[1]}")
     if gated and weight.shape[0] % 2:
         raise ValueError(f"skinny_gemm: a gated weight stacks gate and up, so it needs an even row count, got {weight.shape[0]}")
+    if gated and bias is not None:
+        raise ValueError("skinny_gemm: a gated layer without bias (its epilogue adds none to the up half)")
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
     bias = bias.contiguous() if bias is not None else None

@@ -76,7 +76,8 @@ def main() -> int:
         group = [r for r in steps if lo <= r["returned"] < hi]
         if not group:
             continue
-        out = sum(r["decode"] + r["chunks"] for r in group)  # upper bound: every chunk counted as sampling
+        # every chunk counted as sampling (an upper bound), a verify row as one token (its accepted ones untraced)
+        out = sum(r["decode"] + r["chunks"] + r.get("verify", 0) for r in group)
         print(f"{lo - start:8.1f} {len(group):6d} {statistics.mean(r['decode'] for r in group):11.1f} "
               f"{sum(r['prefill_tokens'] for r in group) / width:13.0f} {out / width:12.0f} "
               f"{statistics.mean(r['waiting'] for r in group):8.1f}")

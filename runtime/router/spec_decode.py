@@ -20,8 +20,8 @@ again at once, and the row's next chunk carries its tokens and position explicit
 token of the row come from the void chunk, which runs first). The greedy verdicts do not depend on what the chained chunk
 computed, so the output is the unchained one token for token.
 
-With spec.adaptive an n-gram row proposes 1 + its recent accepted tokens per verify (halved each verify, from
-spec.num_tokens at its start), at most spec.num_tokens: fewer tokens verified where they keep failing, and a chained
+With spec.adaptive an n-gram row proposes 1 + its recent accepted tokens per verify (an average halved each verify,
+from spec.num_tokens at its start; rounded), at most spec.num_tokens: fewer tokens verified where they keep failing, and a chained
 verify's assumption (the whole proposal kept) holds more often.
 
 Speculation is off for a step whose decode batch exceeds spec.max_batch (verifying k+1 tokens per row
@@ -31,7 +31,6 @@ KV stays exact: a step speculates only while every live request could reach its 
 growth faster than one token a step can never make an allocation fail."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -186,7 +185,7 @@ class SpecDecoding:
         if not getattr(self.cfg, "adaptive", False) or self.drafted:
             return k
         rid, recent = self._depth.get(req.row, (None, float(k)))
-        return k if rid != req.id else max(1, min(k, math.ceil(recent) + 1))
+        return k if rid != req.id else max(1, min(k, int(recent + 0.5) + 1))  # rounded half up
 
     def _track_depth(self, req: Request, accepted: int) -> None:
         rid, recent = self._depth.get(req.row, (req.id, float(self.cfg.num_tokens)))

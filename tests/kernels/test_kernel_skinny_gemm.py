@@ -59,6 +59,8 @@ def test_skinny_gemm_refuses_what_it_cannot_run(ops, monkeypatch):
         ops.skinny_gemm(torch.randn(2, 32).half(), torch.randn(7, 32).half(), gated=True)
     with pytest.raises(ValueError, match="columns"):
         ops.skinny_gemm(torch.randn(2, 16).half(), w)
+    with pytest.raises(ValueError, match="without bias"):
+        ops.skinny_gemm(torch.randn(2, 32).half(), w, torch.randn(4).half(), gated=True)
     monkeypatch.setattr(skinny_gemm.settings.current, "skinny_shapes", {(4, 32, True): (16, 16, 4, 1, 2)})  # a split
     with pytest.raises(ValueError, match="ungated"):
         ops.skinny_gemm(torch.randn(2, 32).half(), torch.randn(8, 32).half(), gated=True)
@@ -171,4 +173,5 @@ def test_kernels_skinny_one_row_takes_the_named_shapes_from_the_gemv(ops, kernel
     assert len(calls) == 2
     from llaunch.kernels.settings import KernelSettings
 
-    assert [key for key, _ in KernelSettings(skinny_one_row=["37x300:fp8"]).problems()] == ["kernels.skinny_one_row"]
+    for bad in (["37x300:fp8"], ["37x"], [37]):
+        assert [key for key, _ in KernelSettings(skinny_one_row=bad).problems()] == ["kernels.skinny_one_row"], bad
