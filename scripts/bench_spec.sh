@@ -103,19 +103,21 @@ done
 $PY - "$OUT" "$CASES" "$VARIANTS" "$REPEATS" <<'PYEOF'
 import json, os, sys
 out, cases, variants, repeats = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), int(sys.argv[4])
-print(f"{'case':5} {'server':10} {'runs':>4} {'out tok/s min':>13} {'max':>8} {'vs none':>8} {'TPOT med ms':>12} {'acceptance':>11} {'tok/verify':>11} {'failed':>7}")
+print(f"{'case':5} {'server':10} {'runs':>4} {'out tok/s min':>13} {'max':>8} {'vs none':>8} {'TPOT med ms':>12} {'acceptance':>11} {'tok/verify':>11} {'hit rate':>9} {'failed':>7}")
 for c in cases:
     runs = {}  # per server, its measured runs (run 0 warmed it); the row shows the slowest run's figures
     for v in variants:
         rs = [json.load(open(p)) for r in range(1, repeats + 1) if os.path.exists(p := os.path.join(out, f"bench-{v}-{c}-{r}.json"))]
         if rs:
-            runs[v] = (min(rs, key=lambda x: x["output_throughput"]), max(x["output_throughput"] for x in rs), len(rs))
+            hits = [x.get("prefix_cache_hit_rate") for x in rs]  # the highest of the runs: fresh prompts hit ~0
+            hit = "n/a" if None in hits else f"{100 * max(hits):.2f}%"
+            runs[v] = (min(rs, key=lambda x: x["output_throughput"]), max(x["output_throughput"] for x in rs), len(rs), hit)
     base = runs.get("none", ({},))[0].get("output_throughput")
-    for v, (r, best, n) in runs.items():
+    for v, (r, best, n, hit) in runs.items():
         acc = f"{100 * r['spec_acceptance_rate']:.1f}%" if "spec_acceptance_rate" in r else "n/a"
         per = f"{r['spec_tokens_per_verify']:.2f}" if "spec_tokens_per_verify" in r else "n/a"
         ratio = f"{r['output_throughput'] / base:.2f}x" if base else "n/a"
         print(f"{c:5} {v:10} {n:>4} {r['output_throughput']:>13.1f} {best:>8.1f} {ratio:>8} {r['median_tpot_ms']:>12.2f} "
-              f"{acc:>11} {per:>11} {r['failed']:>7}")
+              f"{acc:>11} {per:>11} {hit:>9} {r['failed']:>7}")
 PYEOF
 exit $status
