@@ -23,8 +23,10 @@ Prompt-cache workloads (the prompts are still random token ids):
                    tokens, after the previous answer is back; --num-prompts counts conversations
 When the server exposes `<prefix>:prefix_cache_{queries,hits}_total` (llaunch, vLLM), the hit rate
 over the measured run is reported too; when it exposes `<prefix>:spec_decode_*` (speculative
-decoding), the proposals, acceptance rate and tokens per verify step. --copy-prompts: each prompt is a
-random text of --input-len/2 tokens twice (the model continues by copying: n-gram speculation's case).
+decoding), the proposals, acceptance rate and tokens per verify step. --copy-prompts: each prompt holds a
+text twice, which the model continues by copying (n-gram speculation's case): `text` (the default) a passage of
+this repository's docs or code (--tokenizer: the served model's tokenizer.json or its folder), `random` random
+token ids (scripts/bench_spec.py).
 
 Traffic-shaped workloads (scripts/bench_trace.py; single-turn, no shared prefix):
   --trace FILE.jsonl   replay a recorded trace: its arrival times (--request-rate is ignored), prompt
@@ -58,7 +60,7 @@ from bench_workload import (CacheCounts, RequestOutput, StreamTimer, arrival_off
                             compute_metrics, conversation_turns, fetch_metrics, prefix_cache_counts,
                             random_prompts)
 from bench_trace import prompts_of_lengths, read_trace, sharegpt_lengths, trace_workload  # noqa: E402
-from bench_spec import copy_prompts, spec_counts, spec_result  # noqa: E402
+from bench_spec import copy_prompts, spec_counts, spec_result, text_copy_prompts, tokenizer_of  # noqa: E402
 from bench_table import print_table  # noqa: E402
 import bench_images  # noqa: E402 (--images-per-request: chat completions with images)
 
@@ -164,8 +166,10 @@ def build_workload(args: argparse.Namespace) -> tuple[list, list[float], Optiona
             offsets = arrival_offsets(args.num_prompts, args.request_rate, args.seed)
         prompts = prompts_of_lengths(in_lens, args.vocab_size, args.seed)
         return [[p] for p in prompts], offsets, out_lens
-    if args.copy_prompts:  # a text seen twice, continued by copying it: n-gram speculation's best case
-        prompts = copy_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
+    if args.copy_prompts:  # a text seen twice, continued by copying it: n-gram speculation's case
+        prompts = (copy_prompts(args.num_prompts, args.input_len, args.vocab_size, args.seed)
+                   if args.copy_prompts == "random" else
+                   text_copy_prompts(args.num_prompts, args.input_len, tokenizer_of(args.tokenizer), args.seed))
         return [[p] for p in prompts], arrival_offsets(args.num_prompts, args.request_rate, args.seed), None
     conversations = conversation_turns(args.num_prompts, args.input_len, args.vocab_size, args.seed,
                                        args.shared_prefix_groups, args.shared_prefix_len, args.multi_turn)
@@ -294,8 +298,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="structured output: an OpenAI response_format object (JSON, or @FILE) sent with every request")
     ap.add_argument("--fresh-schemas", action="store_true",
                     help="give every request's json_schema a property no earlier request had (cold compiles)")
-    ap.add_argument("--copy-prompts", action="store_true",
-                    help="each prompt is a random text of input-len/2 tokens twice: the model continues by copying it")
+    ap.add_argument("--copy-prompts", nargs="?", const="text", choices=("text", "random"), default=None,
+                    help="each prompt holds a text twice, which the model continues by copying: `text` (default) a "
+                         "passage of this repository's docs or code, `random` random token ids")
+    ap.add_argument("--tokenizer", default=None,
+                    help="--copy-prompts text: the served model's tokenizer.json, or the folder holding it")
     ap.add_argument("--max-model-len", type=int, default=None, help="sharegpt lengths are cut to fit this")
     bench_images.add_args(ap)
     args = ap.parse_args(argv)
@@ -311,6 +318,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error("--trace and --lengths sharegpt are single-turn workloads: no --multi-turn or --shared-prefix-*")
     if bench_images.is_chat(args) and (args.multi_turn > 1 or args.client_procs > 1 or args.trace):
         ap.error("--images-per-request / --audio-per-request: single-turn, one client process, no --trace")
+    if args.copy_prompts == "text" and not args.tokenizer:
+        ap.error("--copy-prompts text needs --tokenizer (the served model's tokenizer.json or its folder)")
     if args.response_format is not None:
         text = args.response_format
         if text.startswith("@"):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Speculative decoding's benchmark: a copy-heavy workload (scripts/bench_serving.py --copy-prompts: a
-# random text twice, which the model continues by copying) against servers without and with speculation,
-# one server at a time on the same port; output tok/s side by side with the acceptance, per case.
+# Speculative decoding's benchmark: a copy-heavy workload (scripts/bench_serving.py --copy-prompts: a passage of
+# this repository's docs or code twice, which the model continues by copying, as it re-emits a text it edits;
+# COPY=random: random token ids twice) against servers without and with speculation, one server at a time on the
+# same port; output tok/s side by side with the acceptance, per case.
 #
 #   bash scripts/bench_spec.sh                     (a GPU: SmolLM2, cases c1 and c64, three servers)
 #   SERVE="device=cpu model.dtype=float32" CASES=c1 NUM=2 INPUT=64 OUTPUT=16 bash scripts/bench_spec.sh   (CPU smoke)
@@ -18,7 +19,8 @@
 # Each server warms with a short run of each case (not counted), then runs every case REPEATS (3) times on fresh
 # prompts; the summary's row is a server's slowest run, its ratio against the slowest run of none.
 # Variables: SERVE (llaunch overrides of every server), SPEC (default spec=ngram), CASES, VARIANTS, NUM, C64_NUM, REPEATS,
-#   INPUT, OUTPUT, VOCAB (prompt ids drawn below it), PORT, OUT, PY, TRACE=1 (each server's router.step_trace: after
+#   INPUT, OUTPUT, COPY (text or random), TOKENIZER (COPY=text: the served model's tokenizer.json or its folder,
+#   default .models/smollm2-135m), VOCAB (COPY=random: prompt ids drawn below it), PORT, OUT, PY, TRACE=1 (each server's router.step_trace: after
 #   its runs, where run 1 of each case spent its time by step kind, decode and verify apart, and the device's waits).
 set -u
 if [ -z "${PY:-}" ]; then  # unset: the repo's venv where there is one
@@ -32,6 +34,7 @@ CASES=${CASES:-c1 c64}
 VARIANTS=${VARIANTS:-none spec spec_mb64}
 NUM=${NUM:-8}; C64_NUM=${C64_NUM:-256}; INPUT=${INPUT:-1024}; OUTPUT=${OUTPUT:-256}; REPEATS=${REPEATS:-3}
 VOCAB=${VOCAB:-49152}; PORT=${PORT:-8000}
+COPY=${COPY:-text}; TOKENIZER=${TOKENIZER:-.models/smollm2-135m}
 OUT=${OUT:-/tmp/llaunch-spec}
 mkdir -p "$OUT"
 status=0
@@ -76,9 +79,9 @@ for variant in $VARIANTS; do
         [ "$r" = 0 ] && num=$(( conc * 2 < num ? conc * 2 : num ))
         echo "-- $variant $c run $r: $num prompts, concurrency $conc"
         $PY -c "import time; print(time.monotonic())" > "$OUT/window-$variant-$c-$r.txt"
-        $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --model "$model" --copy-prompts \
+        $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --model "$model" --copy-prompts "$COPY" \
           --num-prompts "$num" --input-len "$INPUT" --output-len "$OUTPUT" --concurrency "$conc" --warmup 1 \
-          --vocab-size "$VOCAB" --seed $(( seed + 1000 * r )) --result-file "$OUT/bench-$variant-$c-$r.json" 2>&1 \
+          --vocab-size "$VOCAB" --tokenizer "$TOKENIZER" --seed $(( seed + 1000 * r )) --result-file "$OUT/bench-$variant-$c-$r.json" 2>&1 \
           | grep -E "Output token throughput|Median TPOT|Spec decode|Failed"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$variant-$c-$r.txt"

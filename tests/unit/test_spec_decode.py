@@ -237,6 +237,41 @@ def test_greedy_verdict_is_the_agreeing_prefix_and_one_more():
 # ---- the benchmark's figures -------------------------------------------------------------------
 
 def test_bench_reads_the_spec_counters_and_builds_copy_prompts():
+    bench = _bench_spec()
+    text = ('llaunch:spec_decode_num_drafts_total{model_name="m"} 10.0\n'
+            'llaunch:spec_decode_num_draft_tokens_total{model_name="m"} 40.0\n'
+            'llaunch:spec_decode_num_accepted_tokens_total{model_name="m"} 25.0\n')
+    after = bench.spec_counts(text)
+    assert after == (10.0, 40.0, 25.0) and bench.spec_counts("llaunch:other_total 1.0\n") is None
+    result = bench.spec_result((2.0, 8.0, 5.0), after)
+    assert result["spec_acceptance_rate"] == 20 / 32 and result["spec_tokens_per_verify"] == 1 + 20 / 8
+    prompts = bench.copy_prompts(3, 10, 500, seed=1)
+    assert all(len(p) == 10 and p[:5] == p[5:] for p in prompts) and prompts[0] != prompts[1]
+
+
+def test_text_copy_prompts_give_a_passage_of_the_corpus_twice_after_a_header_no_other_prompt_shares(tmp_path):
+    bench = _bench_spec()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("".join(chr(65 + i % 26) for i in range(300)))
+    (tmp_path / "docs" / "b.md").write_text("".join(chr(97 + i % 26) for i in range(170)))
+    tokenize = lambda text: [ord(c) for c in text]  # noqa: E731 (a character a token)
+    prompts = bench.text_copy_prompts(30, 60, tokenize, seed=3, root=tmp_path)  # 12 + 6 passages of 25 characters
+    corpus = [ord(c) for c in (tmp_path / "docs" / "a.md").read_text() + (tmp_path / "docs" / "b.md").read_text()]
+    assert all(len(p) == 60 for p in prompts)
+    heads, passages = set(), set()
+    for p in prompts:
+        head, body = p[:p.index(ord("\n")) + 1], p[p.index(ord("\n")) + 1:]
+        heads.add(tuple(head[:2]))
+        passage = body[:body.index(ord("\n"))]  # the passage, the blank line, then the passage again
+        assert len(passage) >= 20 and body[len(passage) + 2:] == passage[:len(body) - len(passage) - 2]
+        assert any(corpus[j:j + len(passage)] == passage for j in range(len(corpus)))
+        passages.add(tuple(passage))
+    assert len(heads) >= 28  # prompts share no prefix (two tokens: but by chance), though passages repeat
+    assert len(passages) == 18  # every passage of the corpus, in 30 prompts
+    assert prompts[:5] != bench.text_copy_prompts(5, 60, tokenize, seed=4, root=tmp_path)
+
+
+def _bench_spec():
     import importlib.util
     import sys
 
@@ -247,15 +282,7 @@ def test_bench_reads_the_spec_counters_and_builds_copy_prompts():
     spec = importlib.util.spec_from_file_location("bench_spec", REPO / "scripts" / "bench_spec.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    text = ('llaunch:spec_decode_num_drafts_total{model_name="m"} 10.0\n'
-            'llaunch:spec_decode_num_draft_tokens_total{model_name="m"} 40.0\n'
-            'llaunch:spec_decode_num_accepted_tokens_total{model_name="m"} 25.0\n')
-    after = bench.spec_counts(text)
-    assert after == (10.0, 40.0, 25.0) and bench.spec_counts("llaunch:other_total 1.0\n") is None
-    result = bench.spec_result((2.0, 8.0, 5.0), after)
-    assert result["spec_acceptance_rate"] == 20 / 32 and result["spec_tokens_per_verify"] == 1 + 20 / 8
-    prompts = bench.copy_prompts(3, 10, 500, seed=1)
-    assert all(len(p) == 10 and p[:5] == p[5:] for p in prompts) and prompts[0] != prompts[1]
+    return bench
 
 
 def test_a_row_without_proposals_keeps_pipelining_until_its_next_probe():
