@@ -120,11 +120,17 @@ def target_env(python_version: str) -> dict[str, str]:
             "platform_release": "", "platform_version": "", "extra": ""}
 
 
-def roots(with_model: bool) -> list[Requirement]:
+PARTS = ("tune", "test")  # --without: the tune extra (tuning sweeps), the GPU tests' extras
+
+
+def roots(with_model: bool, without: tuple[str, ...] = ()) -> list[Requirement]:
+    """llaunch's dependencies, and those of the parts not left out (a call carries 64 MiB: one that runs no tuning
+    sweep or no test leaves their wheels behind)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    reqs = [Requirement(r) for r in project["dependencies"] + extras["tune"]]
-    reqs += [r for r in map(Requirement, extras["test"]) if canonicalize_name(r.name) in GPU_TEST_EXTRAS]
+    reqs = [Requirement(r) for r in project["dependencies"] + (extras["tune"] if "tune" not in without else [])]
+    if "test" not in without:
+        reqs += [r for r in map(Requirement, extras["test"]) if canonicalize_name(r.name) in GPU_TEST_EXTRAS]
     return reqs + ([Requirement(DEFAULT_MODEL)] if with_model else [])
 
 
@@ -204,10 +210,10 @@ def pick(out: Path, name: str, spec: SpecifierSet) -> Wheel | None:
     return max(found, key=lambda w: w.version, default=None)
 
 
-def build(out: Path, python_version: str, with_model: bool = False) -> dict[str, Wheel]:
+def build(out: Path, python_version: str, with_model: bool = False, without: tuple[str, ...] = ()) -> dict[str, Wheel]:
     """Fetch the closure into out; keep one wheel per package there, nothing else; return it by name."""
     out.mkdir(parents=True, exist_ok=True)
-    env, want = target_env(python_version), roots(with_model)
+    env, want = target_env(python_version), roots(with_model, without)
     house: dict[str, Wheel] = {}
     for _ in range(MAX_ROUNDS):
         asks: dict[str, list[tuple[Requirement, str]]] = {}
@@ -242,10 +248,13 @@ def main() -> int:
     ap.add_argument("--out", default=".whl")
     ap.add_argument("--python-version", default="3.12", help="the target's Python (the GPU host's: 3.12)")
     ap.add_argument("--with-default-model", action="store_true", help=f"also fetch {DEFAULT_MODEL}")
+    ap.add_argument("--without", action="append", choices=PARTS, default=[],
+                    help="leave out a part's wheels: tune (tuning sweeps: optuna and what it needs, ~4 MiB), test "
+                         "(the GPU tests' clients: openai, ~3 MiB); repeatable")
     args = ap.parse_args()
     out = Path(args.out)
     try:
-        house = build(out, args.python_version, args.with_default_model)
+        house = build(out, args.python_version, args.with_default_model, tuple(args.without))
     except ClosureError as e:
         print(f"build_wheelhouse: {e}", file=sys.stderr)
         return 1

@@ -136,3 +136,12 @@ def test_what_the_image_lacks_or_has_too_old_is_fetched_and_its_cuda_stack_never
     assert need(f"anyio>{anyio}", "anyio<5") == {"anyio": f"<5,>{anyio}"}
     with pytest.raises(wheelhouse.ClosureError, match=r"torch .*torch>=99"):
         need("torch>=99")
+
+
+def test_a_call_that_runs_no_tuning_sweep_or_no_test_leaves_their_roots_out(wheelhouse):
+    names = lambda *without: {canonicalize_name(r.name) for r in wheelhouse.roots(False, without)}  # noqa: E731
+    whole, serve = names(), names("tune", "test")
+    assert {"optuna", "hydra-optuna-sweeper", "openai", "pytest"} <= whole
+    assert not {"optuna", "hydra-optuna-sweeper", "openai", "pytest"} & serve
+    assert {"hydra-core", "quart", "pyzmq", "gguf"} <= serve
+    assert names("tune") == whole - {"optuna", "hydra-optuna-sweeper", "sqlalchemy", "alembic"}
