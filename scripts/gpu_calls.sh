@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The device calls the open GPU work needs, one per name, each planned to end inside one call's 600 s from a fresh
+# machine (install included); what a call carries is a folder of ignored files, and 64 MiB in all with the tree.
+#
+#   here, once:  python scripts/build_wheelhouse.py --out .whl --without tune
+#                python scripts/build_wheelhouse.py --out .whl-serve --without tune --without test
+#                bash scripts/gpu_run.sh prepare
+#   here, before each call:  bash scripts/gpu_run.sh stamp
+#   there:       bash scripts/gpu_calls.sh NAME     (results under $OUT)
+#
+# NAME      carry                                        what it runs
+# suite     .whl .gpu                                    the GPU suite (must be green for kernel changes), then
+#                                                        the verify step through the skinny GEMM against cuBLAS
+#                                                        (#38: verify <= 1.15x decode), then fp8act's runs if time is left
+# moe       .whl-serve .gpu                              #40: the qwen3-30b-a3b decode step per launch shape of its
+#                                                        one-row layers on the tensor cores, then single served with
+#                                                        the winners (MoE kernels under PDL as served now)
+# kv8       .whl-serve .gpu                              #37: c256 with bf16 KV against fp8 KV, Qwen2-7B shape
+# kvlong    .whl-serve .gpu                              #37: c256 of 8,192-token prompts (KV beyond bf16's room)
+# spec      .whl-serve .gpu-spec                         #38: n-gram speculation on SmolLM2 cut to 18 blocks (a model
+#                                                        that copies), text copies: none / ngram / adaptive / k8,
+#                                                        c1 and c64, with the step trace
+# fp8act    .whl-serve .gpu                              #37: the fp8 GEMVs with x's absmax vs a static scale vs none
+# (.gpu without .gpu-spec: gpu_run.sh prepare writes the spec cut apart, 51 MB as xz, for the spec call alone.)
+# A session's 1,800 device seconds hold about three calls (each ~40-90 s of start and transfers beside its run):
+# suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
+set -u
+NAME=${1:?"which call: suite, fp8act, moe, kv8, kvlong, spec"}
+OUT=${OUT:-/tmp/llaunch-gpu}
+export OUT
+T0=$(date +%s)
+BUDGET=${BUDGET:-570}  # seconds of the call's 600 this script may use (the start and the transfers are outside it)
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+# run an optional step only when it has `need` seconds left, under a timeout of what is left
+optional() {  # need command...
+  local need=$1; shift
+  local rest; rest=$(left)
+  if [ "$rest" -lt "$need" ]; then echo "[skipped: $rest s left, $need needed] $*"; return 0; fi
+  timeout $(( rest - 10 )) "$@"
+}
+install() {  # from whichever wheelhouse the call carried
+  WHEELS=$([ -d .whl ] && echo .whl || echo .whl-serve) bash scripts/gpu_run.sh install "$@"
+  export PYTHONPATH=/tmp/site
+}
+fp8_activations() {  # the fp8 decode step's GEMVs per layer kind: x's absmax (as served), a static scale, none
+  for a in dynamic static none; do
+    (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --per-kind --activations $a) | grep -v Warning \
+      | tee -a "$OUT/fp8_activations.jsonl"
+  done
+}
+QWEN7B="model=qwen2-7b model.load_format=dummy router.max_running_requests=256 server.http_workers=4"
+
+case $NAME in
+  suite)
+    install tests
+    optional 90 python3 scripts/bench_steps.py --verify --skinny-rows 16 | tee "$OUT/verify_skinny.jsonl"
+    fp8_activations ;;
+  fp8act)
+    install
+    fp8_activations ;;
+  moe)
+    install
+    (cd scripts && optional 200 python3 bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48 --skinny) \
+      | grep -v Warning | tee "$OUT/moe_shapes.jsonl"
+    serve=$(python3 -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), ""))' "$OUT/moe_shapes.jsonl")
+    echo "winners: ${serve:-none (the built-in launches stay)}"
+    SERVE="model=qwen3-30b-a3b model.load_format=dummy server.http_workers=4" CASES=single \
+      VARIANTS="built_in:|winners:$serve" optional 200 bash scripts/gpu_run.sh cases ;;
+  kv8)
+    install
+    SERVE="$QWEN7B" CASES=c256 VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" optional 300 bash scripts/gpu_run.sh cases ;;
+  kvlong)
+    install
+    SERVE="$QWEN7B" CASES=long256 REPEATS=${REPEATS:-1} VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" \
+      optional 300 bash scripts/gpu_run.sh cases ;;
+  spec)
+    install
+    TRACE=1 VARIANTS=${VARIANTS:-"none spec adaptive k8"} optional 300 bash scripts/gpu_run.sh spec ;;
+  *) echo "unknown call $NAME (suite, fp8act, moe, kv8, kvlong, spec)"; exit 2 ;;
+esac
+echo "[$(( $(date +%s) - T0 ))s] $NAME done"
