@@ -21,11 +21,14 @@
 #                                                        that copies), text copies: none / ngram / adaptive / k8,
 #                                                        c1 and c64, with the step trace
 # fp8act    .whl-serve .gpu                              #37: the fp8 GEMVs with x's absmax vs a static scale vs none
+# moetune   .whl-serve                                   #40: Mixtral-8x7B's MoE launches per step size (tune_moe.py;
+#                                                        kernels/moe_launches.py holds Qwen3-30B-A3B's alone), then
+#                                                        the kernels.moe_shapes line to store there
 # (.gpu without .gpu-spec: gpu_run.sh prepare writes the spec cut apart, 51 MB as xz, for the spec call alone.)
 # A session's 1,800 device seconds hold about three calls (each ~40-90 s of start and transfers beside its run):
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 set -u
-NAME=${1:?"which call: suite, fp8act, moe, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, fp8act, moe, moetune, kv8, kvlong, spec"}
 OUT=${OUT:-/tmp/llaunch-gpu}
 export OUT
 T0=$(date +%s)
@@ -68,6 +71,10 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     echo "winners: ${serve:-none (the built-in launches stay)}"
     SERVE="model=qwen3-30b-a3b model.load_format=dummy server.http_workers=4" CASES=single \
       VARIANTS="built_in:|winners:$serve" optional 200 bash scripts/gpu_run.sh cases ;;
+  moetune)
+    install
+    optional 200 python3 scripts/tune_moe.py --experts 8 --inter 14336 --hidden 4096 --top-k 2 --copies 2 \
+      --budget-s $(( $(left) - 60 )) --out "$OUT/moe_shapes_mixtral.txt" | tee "$OUT/tune_moe_mixtral.jsonl" ;;
   kv8)
     install
     SERVE="$QWEN7B" CASES=c256 VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" optional 300 bash scripts/gpu_run.sh cases ;;
@@ -78,6 +85,6 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
   spec)
     install
     TRACE=1 VARIANTS=${VARIANTS:-"none spec adaptive k8"} optional 300 bash scripts/gpu_run.sh spec ;;
-  *) echo "unknown call $NAME (suite, fp8act, moe, kv8, kvlong, spec)"; exit 2 ;;
+  *) echo "unknown call $NAME (suite, fp8act, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"
