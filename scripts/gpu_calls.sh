@@ -2,9 +2,8 @@
 # The device calls the open GPU work needs, one per name, each planned to end inside one call's 600 s from a fresh
 # machine (install included); what a call carries is a folder of ignored files, and 64 MiB in all with the tree.
 #
-#   here, once:  python scripts/build_wheelhouse.py --out .whl --without tune
-#                python scripts/build_wheelhouse.py --out .whl-serve --without tune --without test
-#                bash scripts/gpu_run.sh prepare
+#   here, once:  bash scripts/gpu_run.sh prepare     (.whl, .whl-serve, .gpu, .gpu-spec: all ignored, so a fresh
+#                checkout makes them again)
 #   here, before each call:  bash scripts/gpu_run.sh stamp
 #   there:       bash scripts/gpu_calls.sh NAME     (results under $OUT)
 #

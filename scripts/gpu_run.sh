@@ -3,12 +3,13 @@
 # wheelhouse, run the GPU tests (thresholds against transformers: a miss fails the run), serve the
 # benchmark model and run the cases of the benchmark protocol, then transformers' baseline.
 #
-#   here:   python scripts/build_wheelhouse.py --out .whl --without tune && bash scripts/gpu_run.sh prepare
-#           (a call that only serves and benchmarks, spec among them: --without test too, 10.6 MiB instead of 13.4)
+#   here:   bash scripts/gpu_run.sh prepare   (.gpu, .gpu-spec and, where missing, the wheelhouses: .whl without the tune
+#           extra, 13.4 MiB; .whl-serve without the test extras too, 10.6 MiB, for calls that only serve and benchmark)
 #   there:  OUT=$OUT bash scripts/gpu_run.sh [STEPS...]
 #
 # STEPS (default: install tests cases baseline):
-#   prepare   (here) .gpu/: the Qwen2 tokenizer, the baseline script, SmolLM2's GGUF cut to fewer blocks
+#   prepare   (here) .whl, .whl-serve (scripts/build_wheelhouse.py), .gpu/: the Qwen2 tokenizer, the baseline script,
+#             SmolLM2's GGUF cut to fewer blocks
 #             (scripts/cut_gguf.py: the whole GGUF is 98 MB, a call carries at most 64 MiB): smollm2-cut.gguf for
 #             the tests (11 blocks), .gpu-spec/smollm2-spec.gguf.xz for spec (18 blocks that keep it a model that
 #             copies text; carry it with the --without test wheels and without the tokenizers)
@@ -72,6 +73,9 @@ SMOLLM2_SPEC_BLOCKS=${SMOLLM2_SPEC_BLOCKS:-0-2,7,8,11,15-20,22-24,27-29}
 
 if has prepare; then
   mkdir -p .gpu
+  # the wheelhouses, where missing: the tests' (no tuning sweep's) and the serving calls' (no test's either)
+  [ -d .whl ] || .venv/bin/python scripts/build_wheelhouse.py --out .whl --without tune | tail -1
+  [ -d .whl-serve ] || .venv/bin/python scripts/build_wheelhouse.py --out .whl-serve --without tune --without test | tail -1
   cp ../shared/bench/hf_baseline.py .gpu/
   # the multimodal profiles' tokenizers too, where scripts/prepare_vl_tokenizer.py wrote them
   tar cJf .gpu/qwen2-tokenizer.tar.xz -C .models qwen2-tokenizer $(cd .models && ls -d qwen2-vl-tokenizer qwen2-audio-tokenizer 2>/dev/null)
