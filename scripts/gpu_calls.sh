@@ -14,7 +14,8 @@
 # moe       .whl-serve .gpu                              #40: the qwen3-30b-a3b decode step per launch shape of its
 #                                                        one-row layers on the tensor cores, then single served with
 #                                                        the winners (MoE kernels under PDL as served now)
-# kv8       .whl-serve .gpu                              #37: c256 with bf16 KV against fp8 KV, Qwen2-7B shape
+# kv8       .whl-serve .gpu                              #37: c256 with bf16 KV against fp8 KV, and fp8 weights with fp8
+#                                                        KV, Qwen2-7B shape
 # kvlong    .whl-serve .gpu                              #37: c256 of 8,192-token prompts (KV beyond bf16's room)
 # spec      .whl-serve .gpu-spec                         #38: n-gram speculation on SmolLM2 cut to 18 blocks (a model
 #                                                        that copies), text copies: none / ngram / adaptive / k8,
@@ -76,7 +77,9 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
       --budget-s $(( $(left) - 60 )) --out "$OUT/moe_shapes_mixtral.txt" | tee "$OUT/tune_moe_mixtral.jsonl" ;;
   kv8)
     install
-    SERVE="$QWEN7B" CASES=c256 VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" optional 300 bash scripts/gpu_run.sh cases ;;
+    # and fp8 weights with fp8 KV: at c256 the KV reads are a third of a step, which fp8 weights alone leave as they are
+    SERVE="$QWEN7B" CASES=c256 VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3|fp8all:model.quantization=fp8 cache.kv_dtype=fp8_e4m3" \
+      optional 300 bash scripts/gpu_run.sh cases ;;
   kvlong)
     install
     SERVE="$QWEN7B" CASES=long256 REPEATS=${REPEATS:-1} VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" \
