@@ -18,8 +18,8 @@
 #                                                        KV, Qwen2-7B shape
 # kvlong    .whl-serve .gpu                              #37: c256 of 8,192-token prompts (KV beyond bf16's room)
 # spec      .whl-serve .gpu-spec                         #38: n-gram speculation on SmolLM2 cut to 18 blocks (a model
-#                                                        that copies), text copies: none / ngram / adaptive / k8,
-#                                                        c1 and c64, with the step trace
+#                                                        that copies), text copies: none / ngram / max_batch 64 /
+#                                                        adaptive / k8, c1 and c64, with the step trace
 # fp8act    .whl-serve .gpu                              #37: the fp8 GEMVs with x's absmax vs a static scale vs none
 # moetune   .whl-serve                                   #40: Mixtral-8x7B's MoE launches per step size (tune_moe.py;
 #                                                        kernels/moe_launches.py holds Qwen3-30B-A3B's alone), then
@@ -86,7 +86,7 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
       optional 300 bash scripts/gpu_run.sh cases ;;
   spec)
     install
-    TRACE=1 VARIANTS=${VARIANTS:-"none spec adaptive k8"} optional 300 bash scripts/gpu_run.sh spec ;;
+    TRACE=1 VARIANTS=${VARIANTS:-"none spec spec_mb64 adaptive k8"} optional 300 bash scripts/gpu_run.sh spec ;;
   *) echo "unknown call $NAME (suite, fp8act, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"
