@@ -65,10 +65,10 @@ REPEATS=${REPEATS:-3}
 SMOLLM2_BLOCKS=${SMOLLM2_BLOCKS:-0-2,8,11,16,18,24,27-29}  # prepare: the 11 of SmolLM2's 30 blocks whose loss hurts it most (the whole model does not fit)
 SMOLLM2_EMBEDDING=${SMOLLM2_EMBEDDING:-Q4_0}  # prepare: the cut's token embedding type (the original: Q8_0)
 # prepare: the 18 blocks the spec step's model keeps (what one call carries beside the serving wheels, xz-compressed),
-# chosen by dropping one block at a time, the one whose loss least raised the next-token loss on this repo's docs and
-# least lowered the copying of a passage given twice (float32, teacher-forced: 80% / 83% of a doc / code passage's
-# second copy, the whole model 95% / 93%, the 11 blocks above ~0); on bench_spec.sh's text copies it proposes 3.9
-# tokens a verify at k = 4 (the whole model 3.4: it strays from the copy more)
+# chosen by scripts/choose_cut_blocks.py (drop the block whose loss least raises the next-token loss on this repo's
+# docs and least lowers the copying of a passage given twice). scripts/spec_acceptance.py, float32: this cut predicts
+# 80% of a passage's second copy and yields 3.86 / 5.49 tokens a verify at k = 4 / 8 on bench_spec.sh's text copies;
+# the whole model 93%, 3.41 / 4.64 (it strays from the copy more); the tests' 11 blocks above 4%, 2.22 / 2.31
 SMOLLM2_SPEC_BLOCKS=${SMOLLM2_SPEC_BLOCKS:-0-2,7,8,11,15-20,22-24,27-29}
 
 if has prepare; then

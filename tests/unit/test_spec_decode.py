@@ -392,3 +392,22 @@ def test_a_draft_with_fewer_embedding_rows_than_the_model(tmp_path, other_draft)
     assert any(t >= 49152 for tokens, _ in plain.values() for t in tokens)  # the case arises
     drafted, sched = serve(padded, greedy_requests(4), spec=True, draft=other_draft)
     assert drafted == plain and sched.spec.verify_rows > 0
+
+
+def test_the_offline_acceptance_replay_counts_verifies_as_greedy_n_gram_speculation_takes_them():
+    import importlib.util
+    import sys
+
+    from unit.spec_support import REPO
+
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("spec_acceptance", REPO / "scripts" / "spec_acceptance.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    # copying the prompt: 2 (its last token) proposes 3 4, both kept, plus the model's own: 3 tokens a verify
+    assert replay.tokens_per_verify(prompt + [1], [2, 3, 4, 5, 6, 7], k=2) == 6 / 2
+    # the model strays after 3 4: the proposal 5 6 fails at once, and then nothing matches the history
+    assert replay.tokens_per_verify(prompt + [1], [2, 3, 4, 99, 98, 97], k=2) == 6 / 4
+    assert replay.tokens_per_verify([5], [6, 7, 8], k=4) == 1.0  # no proposal: a token a step
