@@ -3,8 +3,8 @@
 
 `text` (the default) is what speculation is for: a passage of this repository's docs or code given twice, which a
 model continues with a third copy, as it re-emits most of a text it edits or code it refactors. SmolLM2-135M
-predicts 93-95% of such a copy's tokens (teacher-forced, float32). `random` gives random token ids twice: a
-model copies them badly (SmolLM2-135M 55%), so most proposals fail."""
+predicts 93% of such a copy's tokens (scripts/spec_acceptance.py: teacher-forced, float32). `random` gives random
+token ids twice, which a model copies badly (SmolLM2-135M about half of them), so many proposals fail."""
 from __future__ import annotations
 
 from pathlib import Path
