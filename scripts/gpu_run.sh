@@ -66,16 +66,22 @@ SMOLLM2_BLOCKS=${SMOLLM2_BLOCKS:-0-2,8,11,16,18,24,27-29}  # prepare: the 11 of 
 SMOLLM2_EMBEDDING=${SMOLLM2_EMBEDDING:-Q4_0}  # prepare: the cut's token embedding type (the original: Q8_0)
 # prepare: the 18 blocks the spec step's model keeps (what one call carries beside the serving wheels, xz-compressed),
 # chosen by scripts/choose_cut_blocks.py (drop the block whose loss least raises the next-token loss on this repo's
-# docs and least lowers the copying of a passage given twice). scripts/spec_acceptance.py, float32: this cut predicts
-# 80% of a passage's second copy and yields 3.86 / 5.49 tokens a verify at k = 4 / 8 on bench_spec.sh's text copies;
-# the whole model 93%, 3.41 / 4.64 (it strays from the copy more); the tests' 11 blocks above 4%, 2.22 / 2.31
+# docs and least lowers the copying of a passage given twice): it predicts ~80% of a passage's second copy, the
+# whole model 93%, the tests' 11 blocks above 4% (scripts/spec_acceptance.py, float32, with its tokens a verify)
 SMOLLM2_SPEC_BLOCKS=${SMOLLM2_SPEC_BLOCKS:-0-2,7,8,11,15-20,22-24,27-29}
 
 if has prepare; then
   mkdir -p .gpu
-  # the wheelhouses, where missing: the tests' (no tuning sweep's) and the serving calls' (no test's either)
-  [ -d .whl ] || .venv/bin/python scripts/build_wheelhouse.py --out .whl --without tune | tail -1
-  [ -d .whl-serve ] || .venv/bin/python scripts/build_wheelhouse.py --out .whl-serve --without tune --without test | tail -1
+  # the wheelhouses, where missing: the tests' (no tuning sweep's) and the serving calls' (no test's either); each
+  # built aside and moved in whole, so an interrupted build is never taken for a house
+  for house in ".whl:--without tune" ".whl-serve:--without tune --without test"; do
+    dir=${house%%:*}
+    [ -d "$dir" ] && continue
+    rm -rf "$dir.part"
+    .venv/bin/python scripts/build_wheelhouse.py --out "$dir.part" ${house#*:} > /tmp/wheelhouse.log 2>&1 \
+      || { tail -5 /tmp/wheelhouse.log; exit 1; }
+    mv "$dir.part" "$dir"
+  done
   cp ../shared/bench/hf_baseline.py .gpu/
   # the multimodal profiles' tokenizers too, where scripts/prepare_vl_tokenizer.py wrote them
   tar cJf .gpu/qwen2-tokenizer.tar.xz -C .models qwen2-tokenizer $(cd .models && ls -d qwen2-vl-tokenizer qwen2-audio-tokenizer 2>/dev/null)
@@ -88,7 +94,13 @@ if has prepare; then
   mkdir -p .gpu-spec  # apart: the spec call carries it alone (58 MB, 51 MB as xz)
   .venv/bin/python scripts/cut_gguf.py "$gguf" .gpu-spec/smollm2-spec.gguf --blocks "$SMOLLM2_SPEC_BLOCKS" --embedding "$SMOLLM2_EMBEDDING"
   xz -f -T2 -6 .gpu-spec/smollm2-spec.gguf
-  ls -la .gpu; du -sh .gpu .whl
+  ls -la .gpu .gpu-spec
+  # what each call carries beside the tree (64 MiB in all): the suite .whl + .gpu, serving calls .whl-serve + .gpu,
+  # spec .whl-serve + .gpu-spec
+  tree=$(git ls-files -z | xargs -0 cat | wc -c)
+  for carry in ".whl .gpu" ".whl-serve .gpu" ".whl-serve .gpu-spec"; do
+    du -sb $carry | awk -v tree="$tree" -v c="$carry" '{s += $1} END {printf "carry %s: %.2f of 64 MiB with the tree\n", c, (s + tree) / 2^20}'
+  done
   exit 0
 fi
 
@@ -245,11 +257,12 @@ if has spec; then
   stamp "speculative decoding: copy-heavy single stream, spec=none then spec=ngram"
   spec_gguf=.gpu/smollm2-cut.gguf
   if [ -f .gpu-spec/smollm2-spec.gguf.xz ]; then spec_gguf=/tmp/smollm2-spec.gguf; xz -dc .gpu-spec/smollm2-spec.gguf.xz > $spec_gguf; fi
-  if [ ! -f .models/smollm2-spec/model.safetensors ]; then
-    $PY scripts/prepare_models.py --gguf $spec_gguf --out .models/spec 2>&1 | tail -1 && mv .models/spec/smollm2-135m .models/smollm2-spec
-  fi
+  # converted beside the tests' model (its stamp names the source: a changed cut converts again)
+  $PY scripts/prepare_models.py --gguf $spec_gguf --out .models/spec > /tmp/prepare-spec.log 2>&1 \
+    || { tail -5 /tmp/prepare-spec.log; exit 1; }
   # the cut GGUF has fewer blocks than the smollm2-135m profile says: every dimension from its config.json
-  SERVE="${SPEC_SERVE:-model=llama model.path=$PWD/.models/smollm2-spec}" TOKENIZER=${TOKENIZER:-.models/smollm2-spec} \
+  # (with SPEC_SERVE naming another model, TOKENIZER names its tokenizer too)
+  SERVE="${SPEC_SERVE:-model=llama model.path=$PWD/.models/spec/smollm2-135m}" TOKENIZER=${TOKENIZER:-.models/spec/smollm2-135m} \
     OUT="$OUT/spec" PY=$PY bash scripts/bench_spec.sh || status=1
 fi
 

@@ -384,3 +384,15 @@ def test_chat_media_are_made_before_the_run_and_each_request_gets_its_own(bench,
     bench_images.pregenerate(args, 2)
     twice = [bench_images.chat_payload(args, [1], 4)["messages"][0]["content"][:2] for _ in range(2)]
     assert twice[0] == twice[1]
+
+
+def test_copy_prompts_are_text_by_default_and_text_needs_the_tokenizer(bench):
+    with pytest.raises(SystemExit):  # text copies are token ids of the served model's tokenizer: it must be named
+        bench.parse_args(["--model", "m", "--copy-prompts"])
+    args = bench.parse_args(["--model", "m", "--copy-prompts", "random"])
+    assert args.copy_prompts == "random"
+    args = bench.parse_args(["--model", "m", "--copy-prompts", "--tokenizer", "/x", "--num-prompts", "3"])
+    assert args.copy_prompts == "text" and args.tokenizer == "/x"
+    conversations, _, _ = bench.build_workload(bench.parse_args(
+        ["--model", "m", "--copy-prompts", "random", "--input-len", "10", "--vocab-size", "500", "--num-prompts", "3"]))
+    assert [len(c) for c in conversations] == [1, 1, 1] and all(p[:5] == p[5:] for [p] in conversations)

@@ -263,7 +263,7 @@ def test_text_copy_prompts_give_a_passage_of_the_corpus_twice_after_a_header_no_
         head, body = p[:p.index(ord("\n")) + 1], p[p.index(ord("\n")) + 1:]
         heads.add(tuple(head[:2]))
         passage = body[:body.index(ord("\n"))]  # the passage, the blank line, then the passage again
-        assert len(passage) >= 20 and body[len(passage) + 2:] == passage[:len(body) - len(passage) - 2]
+        assert len(passage) == 25 and body[len(passage) + 2:] == passage[:len(body) - len(passage) - 2]
         assert any(corpus[j:j + len(passage)] == passage for j in range(len(corpus)))
         passages.add(tuple(passage))
     assert len(heads) >= 28  # prompts share no prefix (two tokens: but by chance), though passages repeat
@@ -406,8 +406,9 @@ def test_the_offline_acceptance_replay_counts_verifies_as_greedy_n_gram_speculat
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    # copying the prompt: 2 (its last token) proposes 3 4, both kept, plus the model's own: 3 tokens a verify
-    assert replay.tokens_per_verify(prompt + [1], [2, 3, 4, 5, 6, 7], k=2) == 6 / 2
-    # the model strays after 3 4: the proposal 5 6 fails at once, and then nothing matches the history
-    assert replay.tokens_per_verify(prompt + [1], [2, 3, 4, 99, 98, 97], k=2) == 6 / 4
-    assert replay.tokens_per_verify([5], [6, 7, 8], k=4) == 1.0  # no proposal: a token a step
+    # copying the prompt: 1 (its last token) proposes 2 3, both kept, plus the model's own: 3 tokens a verify
+    assert replay.replay(prompt + [1], [2, 3, 4, 5, 6, 7], k=2) == (3.0, 3.0)
+    # the model strays after 4: the proposal 5 6 fails at once (1 token), then nothing matches the history
+    # (2 steps without a proposal): 2 verifies of 3 + 1 tokens, 4 steps for 6 tokens
+    assert replay.replay(prompt + [1], [2, 3, 4, 99, 98, 97], k=2) == (2.0, 6 / 4)
+    assert replay.replay([5], [6, 7, 8], k=4) == (1.0, 1.0)  # no proposal: a token a step
