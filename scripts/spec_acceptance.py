@@ -90,12 +90,11 @@ def main(argv=None) -> int:
     tokenize = tokenizer_of(args.model)
     # as the benchmark's requests (ignore_eos): an end-of-sequence token is output like any other, no stop
     greedy = copy.deepcopy(model.generation_config)
-    greedy.eos_token_id, greedy.do_sample = None, False
+    greedy.eos_token_id, greedy.do_sample, greedy.max_new_tokens = None, False, args.output_len
     sums = {k: (0.0, 0.0) for k in args.k}
     for i, prompt in enumerate(text_copy_prompts(args.prompts, args.input_len, tokenize, args.seed)):
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=args.output_len, do_sample=False,
-                                 generation_config=greedy)[0, len(prompt):].tolist()
+            out = model.generate(torch.tensor([prompt]), generation_config=greedy)[0, len(prompt):].tolist()
         per = {k: replay(prompt, out, k) for k in args.k}
         print(f"prompt {i}: " + "  ".join(f"k={k} {v:.2f} a verify, {s:.2f} a step" for k, (v, s) in per.items()),
               flush=True)
