@@ -97,6 +97,13 @@ def amax_block(k: int) -> int:
     return min(triton.next_power_of_2(k), 256 if _INTERPRETED else AMAX_TILE)
 
 
+def swap_ab(weight: torch.Tensor, n: int, k: int, gated: bool, block_n: int, block_k: int) -> bool:
+    """Does an e4m3 layer's tensor-core GEMV take its weight tiles by TMA as the MMA's A operand: its shape named in
+    kernels.fp8_swap_ab, tiles a TMA box holds and a weight a descriptor can address."""
+    return ((n, k, gated) in settings.current.fp8_swap_ab and max(block_n, block_k) <= settings.MAX_TMA_BOX
+            and gemv_staged.tma_ready(weight))
+
+
 def staged_for(weight: torch.Tensor) -> bool:
     """Does a one-row product with this weight run the staged kernel: a launch shape with STAGES ≥ 2
     (the built-in one for an LM head, or kernels.gemv_shapes), a weight TMA can address, and a GPU
@@ -193,7 +200,7 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
         if act != ACT_MODES[fp8.NONE] and block_k >= 32 and hopper:
             gemv_fp8.gemv_fp8(x, weight, layer.scale, layer.input_scale, layer.scale_ub, bias, out, n, gated,
                               act == ACT_MODES[fp8.DYNAMIC], pdl.flavor(use_pdl, "gemv"), block_n, block_k, warps,
-                              stages, amax_block(k), 1 if gated else split)
+                              stages, amax_block(k), 1 if gated else split, swap_ab(weight, n, k, gated, block_n, block_k))
             return out
         block_n, block_k, warps, stages = INTERPRETED_SHAPE if _INTERPRETED else _fp8_register_shape(n, k, gated)
     _gemv_kernel[(triton.cdiv(n, block_n),)](

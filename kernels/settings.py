@@ -89,6 +89,10 @@ class KernelSettings:
     # Weight shapes `NxK[:gated]` whose one-row products (batch-1 decode) run that kernel too, not the GEMV
     # (kernels/gemv.py); sweep with scripts/bench_decode_shapes.py --skinny
     skinny_one_row: List[str] = field(default_factory=list)
+    # Weight shapes `NxK[:gated]` of e4m3 layers whose one-row products on the tensor cores (kernels/gemv_fp8.py: a
+    # kernels.gemv_shapes STAGES ≥ 2) take the weight tile as the MMA's A operand and x as B (swap AB), not x as A;
+    # compare with scripts/bench_decode_shapes.py --fp8 --tensor-core --swap-ab
+    fp8_swap_ab: List[str] = field(default_factory=list)
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
     # after their own wait (late) instead of at their top: early triggering cascades resident grids,
@@ -107,9 +111,10 @@ class KernelSettings:
             found.append(("kernels.skinny_rows", f"kernels.skinny_rows: {self.skinny_rows} is not 0 (off) to 16 (an "
                                                  "MMA's rows)"))
         for key, parse in (("gemv_shapes", parse_gemv_shapes), ("moe_shapes", parse_moe_shapes),
-                           ("skinny_shapes", parse_skinny_shapes), ("skinny_one_row", parse_weight_shapes)):
+                           ("skinny_shapes", parse_skinny_shapes), ("skinny_one_row", parse_weight_shapes),
+                           ("fp8_swap_ab", parse_weight_shapes)):
             try:
-                parse(getattr(self, key))
+                parse(getattr(self, key), key) if parse is parse_weight_shapes else parse(getattr(self, key))
             except ValueError as e:
                 found.append((f"kernels.{key}", str(e)))
         return found
@@ -170,19 +175,19 @@ def parse_skinny_shapes(text: str) -> dict[tuple[int, int, bool], tuple[int, int
     return shapes
 
 
-def parse_weight_shapes(names: List[str]) -> frozenset[tuple[int, int, bool]]:
-    """`skinny_one_row` as {(N, K, gated)}."""
+def parse_weight_shapes(names: List[str], key: str = "skinny_one_row") -> frozenset[tuple[int, int, bool]]:
+    """A list of weight shapes (`skinny_one_row`, `fp8_swap_ab`: the key, for messages) as {(N, K, gated)}."""
     shapes = set()
     for name in names:
         if not isinstance(name, str):
-            raise ValueError(f"kernels.skinny_one_row: {name!r} is not a weight shape NxK[:gated]")
+            raise ValueError(f"kernels.{key}: {name!r} is not a weight shape NxK[:gated]")
         dims, _, kind = name.strip().partition(":")
         try:
             n, k = (int(v) for v in dims.split("x"))
         except ValueError:
             n = k = 0
         if min(n, k) < 1 or kind not in ("", "gated"):
-            raise ValueError(f"kernels.skinny_one_row: {name!r} is not a weight shape NxK[:gated]")
+            raise ValueError(f"kernels.{key}: {name!r} is not a weight shape NxK[:gated]")
         shapes.add((n, k, kind == "gated"))
     return frozenset(shapes)
 
@@ -232,6 +237,7 @@ class _Applied:
         self.moe_shapes = parse_moe_shapes(settings.moe_shapes)
         self.skinny_shapes = parse_skinny_shapes(settings.skinny_shapes)
         self.skinny_one_row = parse_weight_shapes(settings.skinny_one_row)
+        self.fp8_swap_ab = parse_weight_shapes(settings.fp8_swap_ab, "fp8_swap_ab")
         self.pdl = Pdl(settings.pdl)
         self.pdl_kernels = frozenset(settings.pdl_kernels)
         self.pdl_late = frozenset(settings.pdl_late)

@@ -8,7 +8,7 @@ and the whole step is timed, so a shape is judged in the chain of kernels it run
 candidate, then the best per layer kind.
 
     python scripts/bench_decode_shapes.py [--fp8] [--layers 28] [--repeats 50]
-        [--tensor-core] [--amax-tile N] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
+        [--tensor-core] [--swap-ab] [--amax-tile N] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
     python scripts/bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48 [--skinny]   (--skinny: each kind on the
         tensor cores, kernels.skinny_one_row, instead of the GEMV)
 """
@@ -95,6 +95,25 @@ def grid(kinds: dict[str, str], tensor_core: bool, fp8: bool) -> list[tuple[str,
                      ("moe_pdl", dict(pdl_late=[*defaults.pdl_late, "moe"]))]
 
 
+def dims(key: str) -> tuple[int, int, bool]:
+    """(N, K, gated) of a layer kind's key NxK[:gated]."""
+    shape, _, kind = key.partition(":")
+    n, k = (int(v) for v in shape.split("x"))
+    return n, k, kind == "gated"
+
+
+def swapped(candidates: list[tuple[str, dict]], kinds: dict[str, str]) -> list[tuple[str, dict]]:
+    """--swap-ab: each layer kind with its built-in shape, then each candidate, again with the weights as the MMA's A
+    operand (kernels.fp8_swap_ab names the kind's weight shape) after it as is."""
+    out = [(kind, dict(fp8_swap_ab=[key])) for kind, key in kinds.items()
+           if gemv.launch_shape(*dims(key), True)[3] >= 2]  # built in on the tensor cores
+    for kind, overrides in candidates:
+        out.append((kind, overrides))
+        if kind in kinds:
+            out.append((kind, dict(overrides, fp8_swap_ab=[kinds[kind]])))
+    return out
+
+
 def per_kind(model, repeats: int) -> None:
     """Each layer kind's one-row products over all layers, back to back in one CUDA graph (PDL as in the
     decode graphs), with the built-in shapes: the weight bytes read per second."""
@@ -131,6 +150,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=50, help="steps launched back to back per timing")
     ap.add_argument("--tensor-core", action="store_true", help="--fp8: the grid of the tensor-core kernel")
+    ap.add_argument("--swap-ab", action="store_true",
+                    help="--fp8: each tensor-core candidate again with the weights as the MMA's A operand "
+                         "(kernels.fp8_swap_ab), and each kind's built-in shape so")
     ap.add_argument("--amax-tile", type=int, default=None, help="--fp8: kernels/gemv.AMAX_TILE (x's absmax loads)")
     ap.add_argument("--per-kind", action="store_true",
                     help="first each layer kind's GEMVs alone: all layers' chained in a CUDA graph, GB/s")
@@ -141,8 +163,8 @@ def main() -> int:
                     help="bf16: each layer kind's one-row products on the tensor cores (kernels.skinny_one_row) at "
                          "several launches (kernels.skinny_shapes) instead of the GEMV's shapes")
     args = ap.parse_args()
-    if (args.tensor_core or args.amax_tile or args.activations) and not args.fp8:
-        ap.error("--tensor-core, --amax-tile and --activations are for --fp8")
+    if (args.tensor_core or args.swap_ab or args.amax_tile or args.activations) and not args.fp8:
+        ap.error("--tensor-core, --swap-ab, --amax-tile and --activations are for --fp8")
     if args.skinny and (args.fp8 or args.candidates):
         ap.error("--skinny is for bf16 weights, without --candidates")
     config, kinds = SHAPES[args.shape]
@@ -185,6 +207,10 @@ def main() -> int:
     print(json.dumps(dict(kind="built-in", shapes="", ms=round(base, 4), **where)), flush=True)
     candidates = ([("given", dict(gemv_shapes=s)) for s in args.candidates.split()] if args.candidates
                   else skinny_grid(kinds) if args.skinny else grid(kinds, args.tensor_core, args.fp8))
+    if args.swap_ab:
+        named = {key: kind for kind, key in KINDS.items()}  # a given candidate of one shape: its layer kind
+        candidates = swapped([(named.get(o["gemv_shapes"].split("=")[0].removesuffix(":fp8"), kind), o)
+                              for kind, o in candidates], KINDS)
     best: dict[str, tuple[float, dict]] = {}
     for kind, overrides in candidates:
         try:

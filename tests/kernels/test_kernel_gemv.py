@@ -195,6 +195,18 @@ def test_launch_shapes_from_the_config(monkeypatch, kernel_settings):
     assert gemv.launch_shape(18944, 3584, True, fp8=True) != (16, 256, 8, 4, 1)
 
 
+def test_fp8_swap_ab_from_the_config(kernel_settings):
+    """kernels.fp8_swap_ab: the named weight shapes (gated ones by I, as the launch shapes key them) swap; a name that
+    is not a weight shape is refused with the key in the message."""
+    from llaunch.kernels import settings
+
+    kernel_settings(fp8_swap_ab=["3584x18944", "18944x3584:gated"])
+    assert settings.current.fp8_swap_ab == {(3584, 18944, False), (18944, 3584, True)}
+    for bad in (["3584"], ["3584x18944:fp8"], [7]):
+        with pytest.raises(ValueError, match="kernels.fp8_swap_ab"):
+            kernel_settings(fp8_swap_ab=bad)
+
+
 @pytest.mark.parametrize("text, message", [("3584x3584=2/4096", "is not NxK"), ("3584=2/4096/8", "is not NxK"),
                                            ("3584x3584=3/4096/8", "powers of two"),
                                            ("3584x3584=8/512/4/4", "blocks of at most 256"),
@@ -248,17 +260,26 @@ FP8_MODES = ["dynamic", "static", "none", "dynamic-ub"]
 # e4m3 layers through the built-in shapes, the tensor-core kernel (STAGES >= 2: kernels/gemv_fp8.py;
 # activations "none" stay on the register kernel, whose x is not quantized) and the register kernel
 FP8_KERNELS = {"built-in": None, "tensor-core": (16, 64, 4, 2, 1), "register": (16, 256, 4, 0, 1),
-               "tensor-core-split": (16, 64, 4, 2, 3)}  # K over 3 programs a tile, uneven (and empty) shares
+               "tensor-core-split": (16, 64, 4, 2, 3),  # K over 3 programs a tile, uneven (and empty) shares
+               # the weights as the MMA's A operand (kernels.fp8_swap_ab), a Hopper warpgroup's 64 rows, split or not
+               "swap-ab": (64, 64, 4, 2, 1), "swap-ab-split": (64, 64, 4, 2, 3)}
 
 
 @pytest.fixture(params=list(FP8_KERNELS))
 def fp8_kernel(request, monkeypatch):
-    from llaunch.kernels import gemv
+    from llaunch.kernels import gemv, settings
 
     shape, built_in = FP8_KERNELS[request.param], gemv.launch_shape
     if shape is not None:
         monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: shape if fp8 else built_in(n, k, gated))
+    if request.param.startswith("swap-ab"):  # every shape: a set that holds them all
+        monkeypatch.setattr(settings.current, "fp8_swap_ab", _EveryShape())
     return request.param
+
+
+class _EveryShape(frozenset):
+    def __contains__(self, shape):
+        return True
 
 
 @pytest.mark.parametrize("activations", FP8_MODES)
@@ -320,13 +341,18 @@ def test_split_k_counters_are_zero_after_each_launch(ops, close, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_pdl", [False, True])
-def test_split_k_fp8_gemv_replays_in_a_cuda_graph(cuda, close, captured, monkeypatch, with_pdl):
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_split_k_fp8_gemv_replays_in_a_cuda_graph(cuda, close, captured, monkeypatch, kernel_settings, with_pdl,
+                                                  swap_ab):
     """Qwen2-7B's down_proj as the split tensor-core kernel, chained twice in a captured graph as a decode step
-    launches it (with PDL: each launch's programs wait for the previous one before touching the counters)."""
+    launches it (with PDL: each launch's programs wait for the previous one before touching the counters); and with
+    both layers' weights by TMA as the MMA's A operand (kernels.fp8_swap_ab)."""
     from llaunch.kernels import fp8, gemv
 
-    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (32, 256, 4, 3, 4) if fp8 else
-                        (2, 1024, 4, 0, 1))
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (64 if swap_ab else 32, 256, 4, 3, 4)
+                        if fp8 else (2, 1024, 4, 0, 1))
+    if swap_ab:
+        kernel_settings(fp8_swap_ab=["3584x18944", "18944x3584"])
     first, second = fp8_layer(3584, 18944, "dynamic", cuda), fp8_layer(18944, 3584, "dynamic", cuda)
     x = (3 * torch.randn(1, 18944, device=cuda)).to(torch.bfloat16)
 

@@ -149,7 +149,7 @@ fn = fp8._gemv_fp8_kernel
 out = {}
 for split in (1, 4):
     constexprs = dict(DYNAMIC=True, HAS_UB=False, HAS_BIAS=False, GATED=False, PDL=1, BLOCK_N=32, BLOCK_K=256,
-                      STAGES=3, SPLIT=split, AMAX_BLOCK=4096, INTERPRETED=False)
+                      STAGES=3, SPLIT=split, AMAX_BLOCK=4096, SWAP_AB=False, INTERPRETED=False)
     names = list(inspect.signature(fn.fn).parameters)
     types = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32",
              "scale_ub": "fp32"}
@@ -178,6 +178,46 @@ def test_split_k_fp8_gemv_counts_arrivals_after_its_partials_and_reads_theirs_fr
     assert any("bar.sync" in line for line in lines[partial_store:atoms[0]])
     partial_loads = [i for i, line in enumerate(lines) if "ld.global.cg" in line]
     assert len(partial_loads) == 4 and min(partial_loads) > atoms[0]
+
+
+_COMPILE_SWAP = r'''
+import importlib, inspect, json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+fp8 = importlib.import_module("llaunch.kernels.gemv_fp8")
+
+fn = fp8._gemv_fp8_kernel
+out = {}
+# scripts/gpu_calls.sh's candidates (BLOCK_N, BLOCK_K, STAGES, SPLIT, gated) and gate‖up's built-in tile of 32 rows
+for block_n, block_k, stages, split, gated in ((64, 256, 3, 2, False), (64, 128, 4, 4, False), (64, 256, 3, 1, True),
+                                               (32, 256, 3, 1, True)):
+    constexprs = dict(DYNAMIC=True, HAS_UB=False, HAS_BIAS=False, GATED=gated, PDL=1, BLOCK_N=block_n,
+                      BLOCK_K=block_k, STAGES=stages, SPLIT=split, AMAX_BLOCK=4096, SWAP_AB=True, INTERPRETED=False)
+    names = list(inspect.signature(fn.fn).parameters)
+    types = {"w_ptr": f"tensordesc<fp8e4nv[{block_n}, {block_k}]>", "s_ptr": "*fp32", "xs_ptr": "*fp32",
+             "part_ptr": "*fp32", "count_ptr": "*i32", "scale_ub": "fp32"}
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n in ("N", "K")}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+    out[f"{block_n}/{block_k}/{stages}/{split}{'/gated' if gated else ''}"] = dict(shared=kernel.metadata.shared,
+                                                                                  ptx=kernel.asm["ptx"])
+print(json.dumps(out))
+'''
+
+
+def test_swapped_fp8_gemv_builds_stream_weights_by_tma_into_fp8_warpgroup_mmas(sm90_compile):
+    """kernels.fp8_swap_ab's GEMV for sm90: the weight tiles come by TMA and feed e4m3 × e4m3 warpgroup MMAs of 64
+    weight rows by x's 16 columns, within an SM's shared memory; a tile of 32 rows builds too, to mma.sync on operands
+    converted to f16 (as the unswapped kernel's dot of 16 x rows does: triton 3.9)."""
+    builds = sm90_compile(_COMPILE_SWAP)
+    assert len(builds) == 4
+    for name, build in builds.items():
+        assert build["shared"] <= SHARED_LIMIT, name
+        ptx = build["ptx"]
+        assert "cp.async.bulk.tensor" in ptx, name
+        wgmma = "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in ptx
+        assert wgmma == name.startswith("64/"), name
 
 
 _COMPILE_SKINNY = r'''
