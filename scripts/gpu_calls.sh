@@ -20,6 +20,9 @@
 # spec      .whl-serve .gpu-spec                         #38: n-gram speculation on SmolLM2 cut to 18 blocks (a model
 #                                                        that copies), text copies: none / ngram / max_batch 64 /
 #                                                        adaptive / k8, c1 and c64, with the step trace
+# fp8       .whl .gpu                                    #37 in one call: the fp8 tests mended since the last suite,
+#                                                        swap AB (kernels.fp8_swap_ab) vs the built-in GEMVs, kv8's
+#                                                        c256 bf16 KV vs fp8 KV
 # fp8act    .whl-serve .gpu                              #37: the fp8 GEMVs with x's absmax vs a static scale vs none
 # moetune   .whl-serve                                   #40: Mixtral-8x7B's MoE launches per step size (tune_moe.py;
 #                                                        kernels/moe_launches.py holds Qwen3-30B-A3B's alone), then
@@ -28,7 +31,7 @@
 # A session's 1,800 device seconds hold about three calls (each ~40-90 s of start and transfers beside its run):
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 set -u
-NAME=${1:?"which call: suite, fp8act, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, fp8, fp8act, moe, moetune, kv8, kvlong, spec"}
 OUT=${OUT:-/tmp/llaunch-gpu}
 export OUT
 T0=$(date +%s)
@@ -48,7 +51,9 @@ install() {  # from whichever wheelhouse the call carried
 }
 fp8_activations() {  # the fp8 decode step's GEMVs per layer kind: x's absmax (as served), a static scale, none
   for a in dynamic static none; do
-    (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --per-kind --activations $a) | grep -v Warning \
+    # one candidate (the built-in qkv shape) for the step time beside the per-kind figures, not the register grid
+    (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --per-kind --activations $a \
+      --candidates 4608x3584:fp8=8/512/4) | grep -v Warning \
       | tee -a "$OUT/fp8_activations.jsonl"
   done
 }
@@ -70,6 +75,13 @@ case $NAME in
   fp8act)
     install
     fp8_activations ;;
+  fp8)  # #37 in one call: the tests mended since the last suite, swap AB against the built-in kernels, then kv8's c256
+    install
+    TESTS="tests/kernels/test_kernel_fp8_rows.py tests/kernels/test_kernel_gemv.py -k fp8" optional 60 \
+      bash scripts/gpu_run.sh tests
+    (cd scripts && RESERVE=300 optional 60 python3 bench_decode_shapes.py --fp8 --swap-ab --candidates "$SWAP_CANDIDATES") \
+      | grep -v Warning | tee "$OUT/fp8_swap_ab.jsonl"
+    SERVE="$QWEN7B" CASES=c256 VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" optional 250 bash scripts/gpu_run.sh cases ;;
   moe)
     install
     # the sweep stops where the two servers after it (~120 s each: 61 GB of dummy weights, 3 runs) would not fit
@@ -97,6 +109,6 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
   spec)
     install
     TRACE=1 VARIANTS=${VARIANTS:-"none spec spec_mb64 adaptive k8"} optional 300 bash scripts/gpu_run.sh spec ;;
-  *) echo "unknown call $NAME (suite, fp8act, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
+  *) echo "unknown call $NAME (suite, fp8, fp8act, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"

@@ -54,9 +54,12 @@ def test_strided_rows_and_no_rows():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("k", [3584, 18944])
 @pytest.mark.parametrize("mode,scale_ub", [(DYNAMIC, None), (DYNAMIC, 1.5), (STATIC, None)])
-def test_rows_quantized_as_the_reference_gpu(k, mode, scale_ub):
+@pytest.mark.parametrize("gemm", ["tensor_epilogue", "rowwise"])
+def test_rows_quantized_as_the_reference_gpu(kernel_settings, k, mode, scale_ub, gemm):
     """Qwen2-7B's widths in bf16 on the GPU, 300 rows: the kernel's true-quotient scale and e4m3 cast equal
-    torch's, and the GEMM through it equals the torch-quantized GEMM."""
+    torch's, and the GEMM through it (either kernels.fp8_gemm: the per-tensor GEMM with the scales in its epilogue,
+    the default, or the row-wise scaled one) equals the same GEMM of the torch-quantized rows."""
+    kernel_settings(fp8_gemm=gemm)
     x, w = activations(300, k, torch.bfloat16).cuda(), layer(k, mode, scale_ub)
     w = Fp8Weight(w.weight.cuda(), w.scale.cuda(), w.activations,
                   None if w.input_scale is None else w.input_scale.cuda(), w.scale_ub)
@@ -64,4 +67,5 @@ def test_rows_quantized_as_the_reference_gpu(k, mode, scale_ub):
     want_q, want_scale = quantize_activations(x, w)
     assert torch.equal(scale, want_scale.contiguous())
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(dispatch.fp8_linear(x, w), fp8.scaled_mm_linear(x, w))
+    epilogue = dispatch.triton_ops().fp8_epilogue if gemm == "tensor_epilogue" else None
+    assert torch.equal(dispatch.fp8_linear(x, w), fp8.scaled_mm_linear(x, w, epilogue=epilogue))
