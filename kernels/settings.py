@@ -81,8 +81,10 @@ class KernelSettings:
     # row-wise GEMM's 1.12× (docs/performance.md)
     fp8_gemm: Fp8Gemm = Fp8Gemm.tensor_epilogue
     # Linear layers of 2 to this many rows (≤ 16: verify steps of speculative decoding, small decode batches) on the
-    # tensor cores in one pass over the weights (kernels/skinny_gemm.py) instead of cuBLAS; 0: cuBLAS
-    skinny_rows: int = 0
+    # tensor cores in one pass over the weights (kernels/skinny_gemm.py) instead of cuBLAS; 0: cuBLAS. On an H200
+    # (Qwen2-7B shape, graphs, context 1,024) a verify step of k = 1-4 took 1.12-1.14 decode steps so against cuBLAS's
+    # 1.21-1.22 (scripts/bench_steps.py --verify --skinny-rows 16, docs/performance.md)
+    skinny_rows: int = 16
     # Its launch shapes per weight shape, overriding the built-in ones: comma-separated
     # `NxK[:gated]=BLOCK_N/BLOCK_K/WARPS/STAGES[/SPLIT]` (SPLIT: K over that many programs a tile, ungated layers)
     skinny_shapes: str = ""

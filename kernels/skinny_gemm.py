@@ -14,8 +14,8 @@ A row's sums do not depend on the other rows of the launch (each output is its o
 order); steps of one row or of more than kernels.skinny_rows run other kernels (the GEMV, cuBLAS), whose sums are
 ordered otherwise, so bf16 output can still depend on a step's rows. Same roundings as the GEMV (kernels/gemv.py) up to the order
 of the sum: float32 sums, the bias added in float32, gated: the linear outputs and silu(gate) rounded to the dtype.
-Off unless kernels.skinny_rows says how many rows it takes (dispatch.linear), or kernels.skinny_one_row names a
-weight shape whose one-row products it takes from the GEMV (kernels/gemv.py).
+kernels.skinny_rows says how many rows it takes (dispatch.linear; 16 by default, 0: none), kernels.skinny_one_row
+names weight shapes whose one-row products it takes from the GEMV (kernels/gemv.py).
 """
 from __future__ import annotations
 

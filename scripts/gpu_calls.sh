@@ -77,11 +77,13 @@ case $NAME in
     fp8_activations ;;
   fp8)  # #37 in one call: the tests mended since the last suite, swap AB against the built-in kernels, then kv8's c256
     install
-    TESTS="tests/kernels/test_kernel_fp8_rows.py tests/kernels/test_kernel_gemv.py -k fp8" optional 60 \
-      bash scripts/gpu_run.sh tests
-    (cd scripts && RESERVE=300 optional 60 python3 bench_decode_shapes.py --fp8 --swap-ab --candidates "$SWAP_CANDIDATES") \
+    # and the ones that serve 2-16 rows through kernels.skinny_rows, on by default since e6a11e0
+    TESTS="tests/kernels/test_kernel_fp8_rows.py tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_skinny_gemm.py
+      tests/gpu/test_spec_decode_gpu.py tests/gpu/test_verify_graphs_gpu.py tests/gpu/test_mixed_graphs_gpu.py" \
+      optional 60 bash scripts/gpu_run.sh tests
+    (cd scripts && RESERVE=220 optional 60 python3 bench_decode_shapes.py --fp8 --swap-ab --candidates "$SWAP_CANDIDATES") \
       | grep -v Warning | tee "$OUT/fp8_swap_ab.jsonl"
-    SERVE="$QWEN7B" CASES=c256 VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" optional 250 bash scripts/gpu_run.sh cases ;;
+    SERVE="$QWEN7B" CASES=c256 VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" optional 200 bash scripts/gpu_run.sh cases ;;
   moe)
     install
     # the sweep stops where the two servers after it (~120 s each: 61 GB of dummy weights, 3 runs) would not fit

@@ -67,10 +67,12 @@ def test_skinny_gemm_refuses_what_it_cannot_run(ops, monkeypatch):
 
 
 def test_kernels_skinny_rows_says_which_products_it_takes(kernel_settings):
-    """Off by default; with kernels.skinny_rows=R the 16-bit products of 2..R rows, nothing else."""
+    """2..16 rows by default; with kernels.skinny_rows=R the 16-bit products of 2..R rows, nothing else; 0: none."""
     from llaunch.kernels import skinny_gemm
 
     w = torch.randn(8, 32).half()
+    assert skinny_gemm.takes(torch.randn(16, 32).half(), w) and not skinny_gemm.takes(torch.randn(17, 32).half(), w)
+    kernel_settings(skinny_rows=0)
     assert not skinny_gemm.takes(torch.randn(4, 32).half(), w)
     kernel_settings(skinny_rows=8)
     assert skinny_gemm.takes(torch.randn(2, 32).half(), w) and skinny_gemm.takes(torch.randn(8, 32).half(), w)
