@@ -77,7 +77,7 @@ case $NAME in
     fp8_activations ;;
   fp8)  # #37 in one call: the tests mended since the last suite, swap AB against the built-in kernels, then kv8's c256
     install
-    # and the ones that serve 2-16 rows through kernels.skinny_rows, on by default since e6a11e0
+    # and the ones that serve 2-16 rows through kernels.skinny_rows, on by default since 8e49252
     TESTS="tests/kernels/test_kernel_fp8_rows.py tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_skinny_gemm.py
       tests/gpu/test_spec_decode_gpu.py tests/gpu/test_verify_graphs_gpu.py tests/gpu/test_mixed_graphs_gpu.py" \
       optional 60 bash scripts/gpu_run.sh tests
