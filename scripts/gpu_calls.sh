@@ -11,6 +11,7 @@
 # suite     .whl .gpu                                    the GPU suite (must be green for kernel changes), then
 #                                                        the verify step through the skinny GEMM against cuBLAS
 #                                                        (#38: verify <= 1.15x decode), then fp8act's runs if time is left
+#                                                        (swap AB left it: measured at a70e21d, it lost on every kind)
 # moe       .whl-serve .gpu                              #40: the qwen3-30b-a3b decode step per launch shape of its
 #                                                        one-row layers on the tensor cores, then single served with
 #                                                        the winners (MoE kernels under PDL as served now)
@@ -32,10 +33,16 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 set -u
 NAME=${1:?"which call: suite, fp8, fp8act, moe, moetune, kv8, kvlong, spec"}
-OUT=${OUT:-/tmp/llaunch-gpu}
+# The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
+# call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
+RESULTS=${OUT:-/tmp/llaunch-gpu}
+OUT=/tmp/llaunch-gpu-work/$NAME
+rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
 export OUT
+exec > >(tee -a "$OUT/console.log") 2>&1
+trap 'python3 scripts/pack_results.py "$OUT" "$RESULTS/results.tar.xz"' EXIT
 T0=$(date +%s)
-BUDGET=${BUDGET:-570}  # seconds of the call's 600 this script may use (the start and the transfers are outside it)
+BUDGET=${BUDGET:-555}  # seconds of the call's 600 this script may use (the start, the packing and the transfers are outside it)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 # run an optional step only when it has `need` seconds left, under a timeout of what is left (less RESERVE seconds
 # kept for the steps after it)
@@ -66,10 +73,6 @@ case $NAME in
   suite)
     install
     bash scripts/gpu_run.sh tests  # a failure is reported there; the measurements after it still run
-    # #37: the fp8 one-row layers with the weights by TMA as the MMA's A operand (kernels.fp8_swap_ab) against the
-    # built-in kernels, at the tensor-core shapes that fill 132 SMs
-    (cd scripts && RESERVE=90 optional 60 python3 bench_decode_shapes.py --fp8 --swap-ab --candidates "$SWAP_CANDIDATES") \
-      | grep -v Warning | tee "$OUT/fp8_swap_ab.jsonl"
     optional 90 python3 scripts/bench_steps.py --verify --skinny-rows 16 | tee "$OUT/verify_skinny.jsonl"
     fp8_activations ;;
   fp8act)

@@ -115,7 +115,7 @@ fi
 
 if has install; then
   stamp "install"
-  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
   $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null || exit 1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
