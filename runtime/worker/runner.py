@@ -300,6 +300,12 @@ class ModelRunner:
         pending.prompt_takers = self.prompt_logprobs.takers(rows)
         if logits is None or not rows:
             pending.rows = []
+            if pending.verify is not None and self.device.type == "cuda":
+                # the worker polls `ready` while it takes the next plans: without an event a verify-only step
+                # reads as ready at once and `finish` blocks the loop until the device is done (no overlap)
+                pending.done = torch.cuda.Event(enable_timing=self.timed)
+                pending.done.record()
+            pending.launch_s = time.perf_counter() - t0
             return pending
         if self.scores_only:
             self._scored(pending, logits if self.pooled is None else self.pooled.pooled(rows, logits))
@@ -368,15 +374,19 @@ class ModelRunner:
         self.prompt_logprobs.collect(pending.prompt)
         verified = [] if pending.verify is None else self.verifier.collect(pending.verify, self.seq_len)
         if pending.tokens is None:
-            return StepResult(step=pending.step, rows=[], token_ids=[], verified=verified)
+            return self._timings(pending, StepResult(step=pending.step, rows=[], token_ids=[], verified=verified))
         result = StepResult(step=pending.step, rows=pending.rows, token_ids=pending.tokens.tolist(), verified=verified)
         self.sampling.accept(pending.rows, result.token_ids)
         if pending.logprobs is not None:
             result.logprobs, result.top_ids, result.top_logprobs = logprobs_to_host(pending.logprobs)
         if pending.prompt_takers:
             result.prompt_logprobs = self.prompt_logprobs.take(pending.prompt_takers, len(pending.rows))
+        return self._timings(pending, result)
+
+    @staticmethod
+    def _timings(pending: PendingStep, result: StepResult) -> StepResult:
         result.forward_s = time.perf_counter() - pending.t0
-        if pending.start_event is not None:
+        if pending.start_event is not None and pending.done is not None:
             result.started, result.launch_s = pending.started, pending.launch_s
             result.device_s = pending.start_event.elapsed_time(pending.done) / 1e3
         return result
