@@ -92,6 +92,8 @@ case $NAME in
     SERVE="$QWEN7B" CASES=c256 VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" optional 200 bash scripts/gpu_run.sh cases ;;
   moe)
     install
+    # the bound #40 is held against (active weight bytes a token / copy bandwidth) on this machine, not another's
+    python3 scripts/bench_copy.py | tee "$OUT/copy.json"
     # the sweep stops where the two servers after it (~120 s each: 61 GB of dummy weights, 3 runs) would not fit
     (cd scripts && RESERVE=250 optional 120 python3 bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48 --skinny) \
       | grep -v Warning | tee "$OUT/moe_shapes.jsonl"
