@@ -432,7 +432,7 @@ class SpecConfig:
     num_tokens: int = 4  # k: tokens proposed per row and step, verified in one k+1-token step
     ngram_min: int = 1  # shortest prompt+output suffix looked up for a proposal
     ngram_max: int = 3  # longest suffix tried first
-    max_batch: int = 16  # decode rows above which a step does not speculate (verify CUDA graphs cover max_batch x (num_tokens+1) tokens; scripts/bench_spec.sh c64 measures it)
+    max_batch: int = 64  # decode rows above which a step does not speculate (verify CUDA graphs cover max_batch x (num_tokens+1) tokens; scripts/bench_spec.sh c64 measures it)
     chain: bool = True  # ngram: a greedy row's next verify is planned while its verify is out, as if that one kept its proposal and the predicted token after it (off: the row waits for each verdict)
     adaptive: bool = False  # ngram: each row proposes 1 + its recent accepted tokens per verify (an average halved each verify, num_tokens at its start; rounded), at most num_tokens
     draft_model_path: Optional[str] = None  # spec.method=draft: the draft checkpoint folder (the model's tokenizer; llama or qwen2 family)

@@ -10,9 +10,10 @@
 # Cases (each server runs all, each case on prompts of its own seed):
 #   c1    NUM (8) prompts one at a time: the single-stream speed-up (target: >= 2x with spec=ngram)
 #   c64   C64_NUM (256) prompts at concurrency 64: speculation must not be slower than none. The spec server
-#         runs the default policy (no speculation in steps of more than spec.max_batch decode rows);
-#         spec_mb64 speculates up to 64 rows: if it beats none at c64, the default spec.max_batch can rise.
-# Servers (VARIANTS, default "none spec spec_mb64"): none = spec=none, spec = $SPEC, spec_mb64 = $SPEC spec.max_batch=64,
+#         runs the default policy (no speculation in steps of more than spec.max_batch decode rows: 64 for
+#         spec=ngram); spec_mb16 speculates up to 16 rows only (ngram's default before 2026-12-05, 0.95x none at c64).
+# Servers (VARIANTS, default "none spec spec_mb16"): none = spec=none, spec = $SPEC, spec_mb16 = $SPEC spec.max_batch=16,
+# spec_mb64 = $SPEC spec.max_batch=64,
 # unchained = $SPEC spec.chain=false (each proposing row waits for its verdict: what chaining gains), k8 = $SPEC
 # spec.num_tokens=8 (longer proposals: on a model whose steps cost the same at 5 and 9 tokens, more tokens a verify),
 # adaptive = $SPEC spec.adaptive=true (each row's proposals 1 token longer than it recently accepted).
@@ -31,7 +32,7 @@ command -v "$LLAUNCH" >/dev/null || LLAUNCH=llaunch
 SERVE=${SERVE:-model=smollm2-135m}
 SPEC=${SPEC:-spec=ngram}
 CASES=${CASES:-c1 c64}
-VARIANTS=${VARIANTS:-none spec spec_mb64}
+VARIANTS=${VARIANTS:-none spec spec_mb16}
 NUM=${NUM:-8}; C64_NUM=${C64_NUM:-256}; INPUT=${INPUT:-1024}; OUTPUT=${OUTPUT:-256}; REPEATS=${REPEATS:-3}
 VOCAB=${VOCAB:-49152}; PORT=${PORT:-8000}
 COPY=${COPY:-text}; TOKENIZER=${TOKENIZER:-.models/smollm2-135m}
@@ -51,11 +52,12 @@ for variant in $VARIANTS; do
   case $variant in
     none) overrides="spec=none" ;;
     spec) overrides="$SPEC" ;;
+    spec_mb16) overrides="$SPEC spec.max_batch=16" ;;
     spec_mb64) overrides="$SPEC spec.max_batch=64" ;;
     unchained) overrides="$SPEC spec.chain=false" ;;
     k8) overrides="$SPEC spec.num_tokens=8" ;;
     adaptive) overrides="$SPEC spec.adaptive=true" ;;
-    *) echo "unknown variant $variant (none, spec, spec_mb64, unchained, k8, adaptive)"; status=1; continue ;;
+    *) echo "unknown variant $variant (none, spec, spec_mb16, spec_mb64, unchained, k8, adaptive)"; status=1; continue ;;
   esac
   echo "== serve: llaunch $SERVE $overrides"
   trace=${TRACE:+$OUT/trace-$variant.jsonl}

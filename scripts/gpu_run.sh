@@ -34,7 +34,7 @@
 #             CASES="au16 au16rep" bash scripts/gpu_run.sh cases
 #   baseline  transformers' generate on the same model shape (../shared/bench/hf_baseline.py)
 #   spec      speculative decoding: scripts/bench_spec.sh (SmolLM2 as prepare cut it for spec, SPEC_SERVE to change; a copy-heavy
-#             workload single-stream and at c64 against spec=none, spec=ngram and spec=ngram spec.max_batch=64),
+#             workload single-stream and at c64 against spec=none, spec=ngram and spec=ngram spec.max_batch=16),
 #             results under $OUT/spec
 #   verify_steps  speculative decoding's cost side: batch-1 verify steps of k+1 tokens (k = 1..4) against a
 #             decode step, Qwen2-7B shape, CUDA graphs (scripts/bench_steps.py --verify), $OUT/verify_steps.jsonl
