@@ -73,14 +73,20 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024, help="--verify: the row's cached tokens")
     ap.add_argument("--max-k", type=int, default=4, help="--verify: the most proposed tokens timed")
     ap.add_argument("--tiny", action="store_true", help="--verify: a tiny model on the CPU (a smoke run)")
+    ap.add_argument("--shape", choices=("qwen2-7b", "smollm2-spec"), default="qwen2-7b",
+                    help="--verify: the model's shape (smollm2-spec: bench_spec.sh's SmolLM2 cut, all its 18 layers)")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="--verify: after the timings, the decode and the largest verify step's TOP kernels by device time")
     ap.add_argument("--skinny-rows", type=int, default=0,
                     help="--verify: the verify steps again with kernels.skinny_rows at this (the 2-16-row GEMM)")
     args = ap.parse_args()
     if args.verify:
-        from bench_verify_steps import run_verify  # scripts/ is on the path of a script run
+        from bench_verify_steps import SMOLLM2_SPEC, run_verify  # scripts/ is on the path of a script run
 
-        return run_verify(QWEN2_7B, args.layers, args.context, args.max_k, max(args.repeats, 20), args.tiny,
-                          args.skinny_rows)
+        shape = SMOLLM2_SPEC if args.shape == "smollm2-spec" else QWEN2_7B
+        layers = shape["num_hidden_layers"] if args.shape == "smollm2-spec" else args.layers
+        return run_verify(shape, layers, args.context, args.max_k, max(args.repeats, 20), args.tiny,
+                          args.skinny_rows, args.profile)
     device = torch.device("cuda")
     arch = ModelArch.from_hf_config(dict(QWEN2_7B, num_hidden_layers=args.layers, model_type="qwen2"))
     model = DecoderLM(arch, TpGroup(0, 1, None), device, torch.bfloat16, 4096).eval()
