@@ -35,6 +35,7 @@ def triton_ops() -> types.SimpleNamespace:
         rmsnorm=modules["rmsnorm"].rmsnorm,
         rotary_embedding=modules["rotary"].rotary_embedding,
         rotary_store_kv=modules["rotary"].rotary_store_kv,
+        rotary_store_kv_fp8=modules["rotary"].rotary_store_kv_fp8,
         store_kv=modules["store_kv"].store_kv,
         prefill_attention=modules["prefill_attention"].prefill_attention,
         decode_attention=modules["decode_attention"].decode_attention,
@@ -86,9 +87,16 @@ def rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, kv_sc
     """The rotated q; with_kv: (q, k, v) with an fp8 cache's unrounded rotated k and v (prefill reads them).
     q_norm / k_norm: each head RMSNorm'd first (Qwen3, Gemma 3), in the rotary kernel where it can."""
     fused = _use_triton(q) and kv_scales is None and not _partial(q, cos) and k_cache.dtype == k.dtype
-    if q_norm is not None and not fused:
+    # an fp8 cache's store in the rotary kernel too, but while calibrating (the absmax of what is stored)
+    fused_fp8 = (_use_triton(q) and kv_scales is not None and kv_scales.k_amax is None and not _partial(q, cos)
+                 and k.dtype == v.dtype)
+    if q_norm is not None and not (fused or fused_fp8):
         q, k = rmsnorm(q, q_norm, eps), rmsnorm(k, k_norm, eps)
         q_norm = k_norm = None
+    if fused_fp8:  # the chunk's own K/V for prefill attention: k rotated, v as projected (both unrounded)
+        q, k = triton_ops().rotary_store_kv_fp8(q, k, v, positions, cos, sin, k_cache, v_cache, slots, kv_scales.k,
+                                                kv_scales.v, q_norm, k_norm, eps, with_k=with_kv)
+        return (q, k, v) if with_kv else q
     if kv_scales is not None:  # an fp8 cache (kernels/kv_fp8.py): quantized on store
         q, k = rotary_embedding(q, k, positions, cos, sin)
         kv_fp8.store_kv(k_cache, v_cache, slots, k, v, kv_scales)

@@ -5,6 +5,7 @@ q_norm / k_norm first normalizes each head (Qwen3's and Gemma 3's RMSNorm over a
 roundings): three launches a layer become one."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -12,7 +13,11 @@ import triton
 import triton.language as tl
 
 from llaunch.kernels import pdl
+from llaunch.kernels.e4m3 import quantized
+from llaunch.kernels.fp8 import FP8
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # No FP contraction: LLVM narrows round(x1·cos) − round(x2·sin) to bf16 ops, and contraction would
 # then make it fma(x1, cos, −round(x2·sin)), one rounding fewer than transformers' q·cos +
@@ -22,65 +27,88 @@ COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
-def _rotate_heads(src_ptr, dst_ptr, token, dst_row, src_tok_stride, src_head_stride, n_heads, cos, sin,
-                  norm_ptr, eps, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                  NORM: tl.constexpr):
+def _rotated_heads(src_ptr, token, src_tok_stride, src_head_stride, n_heads, cos, sin, norm_ptr, eps,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
+    """A token's heads rotated: their two halves, each rounded to the source's dtype (the model's)."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < n_heads) & (dims < HALF)
     src = src_ptr + token * src_tok_stride + heads * src_head_stride + dims
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = dst_ptr + dst_row * n_heads * 2 * HALF + heads * 2 * HALF + dims
-    # each product rounded to the output dtype first: the reference's (and transformers') rounding points
-    ty = dst_ptr.dtype.element_ty
+    # each product rounded to the model's dtype first: the reference's (and transformers') rounding points
+    ty = src_ptr.dtype.element_ty
     if NORM:  # RMSNorm over each head: normalized and rounded, times the weight and rounded (kernels/rmsnorm.py)
-        src_ty = src_ptr.dtype.element_ty
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(norm_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(norm_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-        x1 = ((x1 * rstd).to(src_ty).to(tl.float32) * w1).to(src_ty).to(tl.float32)
-        x2 = ((x2 * rstd).to(src_ty).to(tl.float32) * w2).to(src_ty).to(tl.float32)
+        x1 = ((x1 * rstd).to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
+        x2 = ((x2 * rstd).to(ty).to(tl.float32) * w2).to(ty).to(tl.float32)
     a, b = (x1 * cos).to(ty).to(tl.float32), (x2 * sin).to(ty).to(tl.float32)
     c, d = (x2 * cos).to(ty).to(tl.float32), (x1 * sin).to(ty).to(tl.float32)
-    tl.store(dst, (a - b).to(ty), mask=mask)
-    tl.store(dst + HALF, (c + d).to(ty), mask=mask)
+    return (a - b).to(ty), (c + d).to(ty)
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, pos_ptr, slots_ptr, cos_ptr, sin_ptr,
-                   qn_ptr, kn_ptr, eps, q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, v_tok_stride,
-                   v_head_stride, n_q_heads, n_k_heads, table_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr, NORM: tl.constexpr,
-                   PDL: tl.constexpr):
+def _store_heads(dst_ptr, row, n_heads, lo, hi, scale_ptr, FP8: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A token's heads (their halves lo, hi) to row `row` of dst [rows, n_heads, 2 * HALF]; FP8: divided by the
+    scale at scale_ptr and rounded to e4m3 as kernels/fp8.to_fp8 does (an fp8 KV cache's store)."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < n_heads) & (dims < HALF)
+    dst = dst_ptr + row * n_heads * 2 * HALF + heads * 2 * HALF + dims
+    if FP8:
+        scale = tl.load(scale_ptr)
+        lo = quantized(lo.to(tl.float32), scale, INTERPRETED)
+        hi = quantized(hi.to(tl.float32), scale, INTERPRETED)
+    tl.store(dst, lo.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, hi.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, k_side_ptr, pos_ptr, slots_ptr, cos_ptr,
+                   sin_ptr, qn_ptr, kn_ptr, k_scale_ptr, v_scale_ptr, eps, q_tok_stride, q_head_stride, k_tok_stride,
+                   k_head_stride, v_tok_stride, v_head_stride, n_q_heads, n_k_heads, table_stride,
+                   HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                   STORE: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr, SIDE: tl.constexpr,
+                   PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     """STORE: k (rotated) and v go to the caches' row slots[token]; else k to k_out's row token. NORM: each q
-    head by qn's weights, each k head by kn's, RMSNorm'd first."""
+    head by qn's weights, each k head by kn's, RMSNorm'd first. FP8 (with STORE): the caches are e4m3, k and v
+    quantized at the scales k_scale_ptr and v_scale_ptr hold; SIDE: the rotated k also to k_side's row token,
+    unrounded (prefill attention reads a chunk's own K/V so)."""
     wait_for_previous_kernel(PDL)  # nothing before this reads or writes what an earlier kernel touches
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_out_ptr, token, token, q_tok_stride, q_head_stride, n_q_heads, cos, sin, qn_ptr, eps,
-                  HALF, BLOCK_HQ, BLOCK_HALF, NORM)
+    lo, hi = _rotated_heads(q_ptr, token, q_tok_stride, q_head_stride, n_q_heads, cos, sin, qn_ptr, eps, HALF,
+                            BLOCK_HQ, BLOCK_HALF, NORM)
+    _store_heads(q_out_ptr, token, n_q_heads, lo, hi, k_scale_ptr, False, HALF, BLOCK_HQ, BLOCK_HALF, INTERPRETED)
     if STORE:
         k_row = tl.load(slots_ptr + token).to(tl.int64)
     else:
         k_row = token
-    _rotate_heads(k_ptr, k_out_ptr, token, k_row, k_tok_stride, k_head_stride, n_k_heads, cos, sin, kn_ptr, eps,
-                  HALF, BLOCK_HK, BLOCK_HALF, NORM)
+    lo, hi = _rotated_heads(k_ptr, token, k_tok_stride, k_head_stride, n_k_heads, cos, sin, kn_ptr, eps, HALF,
+                            BLOCK_HK, BLOCK_HALF, NORM)
+    _store_heads(k_out_ptr, k_row, n_k_heads, lo, hi, k_scale_ptr, FP8, HALF, BLOCK_HK, BLOCK_HALF, INTERPRETED)
+    if SIDE:
+        _store_heads(k_side_ptr, token, n_k_heads, lo, hi, k_scale_ptr, False, HALF, BLOCK_HK, BLOCK_HALF,
+                     INTERPRETED)
     if STORE:
         heads = tl.arange(0, BLOCK_HK)[:, None]
         mask = (heads < n_k_heads) & (dims < HALF)
         src = v_ptr + token * v_tok_stride + heads * v_head_stride + dims
-        dst = v_out_ptr + k_row * n_k_heads * 2 * HALF + heads * 2 * HALF + dims
-        tl.store(dst, tl.load(src, mask=mask), mask=mask)
-        tl.store(dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
+        _store_heads(v_out_ptr, k_row, n_k_heads, tl.load(src, mask=mask), tl.load(src + HALF, mask=mask), v_scale_ptr,
+                     FP8, HALF, BLOCK_HK, BLOCK_HALF, INTERPRETED)
 
 
-def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots, q_norm=None, k_norm=None, eps=0.0) -> torch.Tensor:
+def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots, q_norm=None, k_norm=None, eps=0.0, kv_scales=None,
+            k_side=None) -> torch.Tensor:
     """Launches the kernel; returns the rotated q. With slots, k and v go to the caches' rows slots[t]; with
-    q_norm and k_norm ([D] weights), each head RMSNorm'd first."""
+    q_norm and k_norm ([D] weights), each head RMSNorm'd first; with kv_scales ((k_scale, v_scale): [] float32),
+    the caches are e4m3 and k, v are quantized as stored; k_side ([T, Hk, D], k's dtype): the rotated k, too."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     cos, sin = cos.contiguous(), sin.contiguous()
     tokens, n_q, dim = q.shape
@@ -92,14 +120,16 @@ def _rotate(q, k, v, positions, cos, sin, k_dst, v_dst, slots, q_norm=None, k_no
     if norm and not (q_norm.dtype == k_norm.dtype == q.dtype == k.dtype and q_norm.numel() == k_norm.numel() == dim):
         raise ValueError(f"rotary: head norms of {q_norm.dtype} {tuple(q_norm.shape)} / {k_norm.dtype} "
                          f"{tuple(k_norm.shape)} for heads of {dim} in {q.dtype}: [D] weights in q's dtype")
+    k_scale, v_scale = kv_scales if kv_scales is not None else (cos, cos)
     use_pdl = pdl.enabled(q, "rotary")
     _rotary_kernel[(tokens,)](
-        q, k, v, q_out, k_dst, v_dst, positions, positions if slots is None else slots, cos, sin,
-        q_norm if norm else cos, k_norm if norm else cos, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), n_q, n_k, cos.stride(0), HALF=half,
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(n_q),
-        BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, NORM=norm, PDL=pdl.flavor(use_pdl, "rotary"),
-        num_warps=4, **COMPILE_OPTIONS, launch_pdl=use_pdl)
+        q, k, v, q_out, k_dst, v_dst, q_out if k_side is None else k_side, positions,
+        positions if slots is None else slots, cos, sin, q_norm if norm else cos, k_norm if norm else cos, k_scale,
+        v_scale, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), n_q, n_k,
+        cos.stride(0), HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(n_q),
+        BLOCK_HK=triton.next_power_of_2(n_k), STORE=slots is not None, NORM=norm, FP8=kv_scales is not None,
+        SIDE=k_side is not None, PDL=pdl.flavor(use_pdl, "rotary"), INTERPRETED=_INTERPRETED, num_warps=4,
+        **COMPILE_OPTIONS, launch_pdl=use_pdl)
     return q_out
 
 
@@ -121,3 +151,19 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
     assert k_cache.dtype == k.dtype == v.dtype == v_cache.dtype, "the fused store rounds once, to k's dtype"
     return _rotate(q, k, v, positions, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps)
+
+
+def rotary_store_kv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        k_scale: torch.Tensor, v_scale: torch.Tensor, q_norm: Optional[torch.Tensor] = None,
+                        k_norm: Optional[torch.Tensor] = None, eps: float = 0.0,
+                        with_k: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """rotary_store_kv into an fp8 (e4m3) cache: the rotated k and v divided by their layer's scale ([] float32)
+    and rounded as kernels/fp8.to_fp8 rounds (kernels/kv_fp8.store_kv's values, in one launch instead of ~10
+    small ones). Returns (the rotated q, with_k: the rotated k unrounded [T, Hk, D], else None)."""
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    assert k_cache.dtype == v_cache.dtype == FP8 and k.dtype == v.dtype, "e4m3 caches, k and v of one dtype"
+    k_side = torch.empty(k.shape, dtype=k.dtype, device=k.device) if with_k else None
+    q_out = _rotate(q, k, v, positions, cos, sin, k_cache, v_cache, slots, q_norm, k_norm, eps,
+                    (k_scale.float(), v_scale.float()), k_side)
+    return q_out, k_side

@@ -109,3 +109,63 @@ def test_rotary_store_kv_interpreted(ops, poisoned, close, dtype, tokens, heads,
 def test_rotary_store_kv_gpu(cuda, poisoned, close, tokens, heads, dim, norm):
     """Qwen2's shape; with the heads' norms Qwen3-8B's, Qwen3-30B-A3B's and Gemma 3 12B's (256-wide heads)."""
     _check_rotary_store(ops.rotary_store_kv, close, poisoned, tokens, heads, dim, torch.bfloat16, cuda, norm=norm)
+
+
+def _check_rotary_store_fp8(rotary_store_kv_fp8, close, poisoned, tokens, heads, dim, dtype, device="cpu",
+                            norm=False, with_k=True):
+    """Into an fp8 cache: q and the returned k as the reference rotates them, the cache's bytes those of
+    kernels/fp8.to_fp8 of that k and of v at the layer's scales (kernels/kv_fp8.store_kv's), other slots untouched."""
+    from llaunch.kernels.fp8 import FP8, to_fp8
+
+    cos, sin = reference.rope_cos_sin(dim, 4096, 1e6, device=device)
+    (q, k, v), _, slots = _qkv_and_caches(tokens, *heads, dim, dtype, device)
+    caches = [torch.full((tokens + 5, heads[1], dim), 0x7F, dtype=torch.uint8, device=device).view(FP8)
+              for _ in range(2)]  # e4m3's NaN: a slot nothing wrote
+    k_scale = k.float().abs().amax() / 448 * 1.5  # a scale that is not the data's own
+    v_scale = torch.tensor(0.0173, device=device)
+    positions = torch.randint(0, 4096, (tokens,), device=device)
+    norms = {}
+    if norm:
+        weights = (1 + 0.3 * torch.randn(2, dim, device=device)).to(dtype)
+        norms = dict(q_norm=weights[0], k_norm=weights[1], eps=1e-6)
+    with poisoned():
+        q_out, k_out = rotary_store_kv_fp8(q, k, v, positions, cos, sin, *caches, slots, k_scale, v_scale,
+                                           with_k=with_k, **norms)
+    if norm:
+        q, k = reference.rmsnorm(q, norms["q_norm"], 1e-6), reference.rmsnorm(k, norms["k_norm"], 1e-6)
+    ref_q, ref_k = reference.rotary_embedding(q, k, positions, cos, sin)
+    close(q_out, ref_q)
+    k_cache, v_cache = (c.view(torch.uint8) for c in caches)
+    if with_k:
+        close(k_out, ref_k)
+        assert torch.equal(k_cache[slots], to_fp8(k_out, k_scale).view(torch.uint8))
+    else:
+        assert k_out is None
+    assert torch.equal(v_cache[slots], to_fp8(v, v_scale).view(torch.uint8))
+    untouched = torch.ones(tokens + 5, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert (k_cache[untouched] == 0x7F).all() and (v_cache[untouched] == 0x7F).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,heads,dim,norm,with_k", [(1, (7, 1), 64, False, True), (19, (9, 3), 128, False, True),
+                                                         (19, (9, 3), 64, True, True), (5, (4, 2), 64, False, False)])
+def test_rotary_store_kv_fp8_interpreted(ops, poisoned, close, dtype, tokens, heads, dim, norm, with_k):
+    _check_rotary_store_fp8(ops.rotary_store_kv_fp8, close, poisoned, tokens, heads, dim, dtype, norm=norm,
+                            with_k=with_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,heads,dim,norm", [(1, (28, 4), 128, False), (2048, (28, 4), 128, False),
+                                                   (33, (9, 3), 64, False), (7, (32, 4), 128, True)])
+def test_rotary_store_kv_fp8_gpu(cuda, poisoned, close, tokens, heads, dim, norm):
+    """As served: dispatch.rotary_store_kv with an fp8 cache's scales (kernels/kv_fp8.KvScales) takes the kernel."""
+    from llaunch.kernels.kv_fp8 import KvScales
+
+    def through_dispatch(q, k, v, positions, cos, sin, k_cache, v_cache, slots, k_scale, v_scale, with_k, **norms):
+        q_out, k_out, v_out = ops.rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots,
+                                                  KvScales(k_scale, v_scale), with_kv=True, **norms)
+        assert v_out is v  # the chunk's own V, unrounded, as projected
+        return q_out, k_out
+
+    _check_rotary_store_fp8(through_dispatch, close, poisoned, tokens, heads, dim, torch.bfloat16, cuda, norm=norm)
