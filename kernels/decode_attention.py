@@ -72,10 +72,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:  # the interpreter has no bf16/fp16 dot
         q = q.to(tl.float32)
-    k_scale = 1.0
+    elif FP8_KV:  # the products in fp16, whose 10 mantissa bits hold q's 7 (bf16) or 10 (fp16)
+        q = q.to(tl.float16)
     v_scale = 1.0
-    if FP8_KV:  # an fp8 cache (kernels/kv_fp8.py): one scale per layer for K and for V
-        k_scale = tl.load(k_scale_ptr)
+    if FP8_KV:  # an fp8 cache (kernels/kv_fp8.py): one scale per layer for K, on the scores, and for V, on the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
 
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -91,9 +92,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if FP8_KV:  # dequantized as loaded: value × scale in q's dtype, as the reference
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        if FP8_KV:  # every e4m3 value is exact in fp16 (one conversion for two): the products take them as stored
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -108,6 +109,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if FP8_KV:
+        acc = acc * v_scale
     if DIRECT:  # one split: this is the answer (an empty row, graph padding, gives zeros)
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b * out_batch_stride + heads[:, None] * out_head_stride + offs_d[None, :],
