@@ -35,25 +35,37 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 16  # an MMA's smallest M
 # Programs a launch aims for when it splits K: two per SM of an H200 (132); a split also keeps ≥ 4 K tiles a share
 TARGET_PROGRAMS = 264
+# A layer whose 64-row tiles and splits make fewer programs than this (SmolLM2's 576-wide layers: 9-48) takes
+# 16-row tiles: each program's chain of dependent loads is what such a step waits for, not the bandwidth
+SMALL_PROGRAMS = 64
 INTERPRETED_SHAPE = (16, 64, 4, 1, 1)  # few, small programs: the interpreter runs each as a Python loop
 
 
 def launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, WARPS, STAGES, SPLIT) for a layer shape: kernels.skinny_shapes where it names it, else
     64 rows (32 gated: two tiles a step) × 128 columns, 4 stages, K split while the programs stay within
-    TARGET_PROGRAMS. Fixed per shape, not autotuned: the blocks set the order of the sum."""
+    TARGET_PROGRAMS; 16 rows where that makes fewer than SMALL_PROGRAMS programs. Fixed per shape, not
+    autotuned: the blocks set the order of the sum."""
     override = settings.current.skinny_shapes.get((n, k, gated))
     if override is not None:
         return override
     if _INTERPRETED:
         return (*INTERPRETED_SHAPE[:4], 1) if gated else INTERPRETED_SHAPE
-    block_n, block_k = (32 if gated else 64), 128
-    tiles = triton.cdiv(n, block_n)
+    block_n = 32 if gated else 64
+    split = _split(triton.cdiv(n, block_n), k, gated)
+    if triton.cdiv(n, block_n) * split < SMALL_PROGRAMS:
+        block_n = 16
+        split = _split(triton.cdiv(n, block_n), k, gated)
+    return block_n, 128, 4, 4, split
+
+
+def _split(tiles: int, k: int, gated: bool) -> int:
+    """K's split for `tiles` output tiles of 128-column steps: doubled while the programs stay within
+    TARGET_PROGRAMS and each share keeps ≥ 4 steps (never for gate‖up)."""
     split = 1
-    while (not gated and split < 8 and tiles * split * 2 <= TARGET_PROGRAMS
-           and triton.cdiv(k, block_k) >= 4 * split * 2):
+    while not gated and split < 8 and tiles * split * 2 <= TARGET_PROGRAMS and triton.cdiv(k, 128) >= 4 * split * 2:
         split *= 2
-    return block_n, block_k, 4, 4, split
+    return split
 
 
 @triton.jit

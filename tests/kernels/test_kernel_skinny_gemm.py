@@ -83,8 +83,8 @@ def test_kernels_skinny_rows_says_which_products_it_takes(kernel_settings):
 
 
 def test_launch_shapes_split_narrow_layers_only(kernel_settings, monkeypatch):
-    """Built in (the GPU's): K split while the programs stay within TARGET_PROGRAMS, never for gate‖up;
-    kernels.skinny_shapes overrides a shape."""
+    """Built in (the GPU's): K split while the programs stay within TARGET_PROGRAMS, never for gate‖up; 16-row
+    tiles for a layer that would have few programs; kernels.skinny_shapes overrides a shape."""
     from llaunch.kernels import skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "_INTERPRETED", False)
@@ -92,6 +92,11 @@ def test_launch_shapes_split_narrow_layers_only(kernel_settings, monkeypatch):
     assert skinny_gemm.launch_shape(4608, 3584, False) == (64, 128, 4, 4, 2)  # qkv: 72 tiles
     assert skinny_gemm.launch_shape(18944, 3584, True) == (32, 128, 4, 4, 1)  # gate‖up: 592 tiles
     assert skinny_gemm.launch_shape(152064, 3584, False)[4] == 1  # an LM head
+    # SmolLM2's (576 wide): 16-row tiles, where 64-row ones would make 9-48 programs
+    assert skinny_gemm.launch_shape(960, 576, False) == (16, 128, 4, 4, 1)  # q‖k‖v: 60 tiles
+    assert skinny_gemm.launch_shape(576, 1536, False) == (16, 128, 4, 4, 2)  # down_proj: 36 tiles, 72 programs
+    assert skinny_gemm.launch_shape(1536, 576, True) == (16, 128, 4, 4, 1)  # gate‖up: 96 tiles
+    assert skinny_gemm.launch_shape(49152, 576, False) == (64, 128, 4, 4, 1)  # its LM head: 768 tiles
     kernel_settings(skinny_shapes="3584x18944=32/256/8/3/8")
     assert skinny_gemm.launch_shape(3584, 18944, False) == (32, 256, 8, 3, 8)
 
@@ -105,9 +110,11 @@ def test_bad_skinny_shapes_are_refused(text):
     assert [key for key, _ in KernelSettings(skinny_rows=17).problems()] == ["kernels.skinny_rows"]
 
 
-# Qwen2-7B's q‖k‖v (bias), o_proj, down_proj, gate‖up (gated), LM head, and an odd small one
+# Qwen2-7B's q‖k‖v (bias), o_proj, down_proj, gate‖up (gated), LM head, SmolLM2's (16-row tiles) q‖k‖v, down_proj
+# (K split) and gate‖up, and an odd small one
 GPU_SHAPES = [(4608, 3584, True, False), (3584, 3584, False, False), (3584, 18944, False, False),
-              (37888, 3584, False, True), (152064, 3584, False, False), (37, 100, True, False)]
+              (37888, 3584, False, True), (152064, 3584, False, False), (960, 576, False, False),
+              (576, 1536, False, False), (3072, 576, False, True), (37, 100, True, False)]
 
 
 @pytest.mark.gpu
