@@ -56,9 +56,10 @@ def per_step_ms(fn, repeats: int, cuda: bool) -> float:
 
 
 def step_tokens(n: int, context: int) -> list[list[int]]:
-    """Row 0 with context-1 cached tokens feeds n tokens (ids, rows, positions, slots, lengths)."""
+    """Row 0 with context-1 cached tokens feeds n tokens (verify_graphs.verify_tokens' layout: ids, rows, positions,
+    slots, lengths, chunk starts)."""
     pos = list(range(context - 1, context - 1 + n))
-    return [[7] * n, [0] * n, pos, pos, [p + 1 for p in pos]]
+    return [[7] * n, [0] * n, pos, pos, [p + 1 for p in pos], [0] * n]
 
 
 def print_kernels(label: str, fn, cuda: bool, top: int) -> None:
@@ -142,7 +143,7 @@ def run_verify(shape: dict, layers: int, context: int, max_k: int, repeats: int,
         verify.capture()
         plain = lambda: decode.run([0], [context - 1], [context - 1], [context])  # noqa: E731
     else:  # no graphs: the same one-token step, eager
-        plain = lambda: verify.run([[-1], [0], [context - 1], [context - 1], [context]])  # noqa: E731
+        plain = lambda: verify.run([[-1], [0], [context - 1], [context - 1], [context], [0]])  # noqa: E731
     base = per_step_ms(plain, repeats, cuda)
     where = dict(device=str(torch.cuda.get_device_name() if cuda else "cpu"), dtype=str(dtype).split(".")[-1],
                  layers=arch.num_hidden_layers, context=context, graphs=cuda)

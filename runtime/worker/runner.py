@@ -102,7 +102,9 @@ class ModelRunner:
         # verify steps (no prefill chunk) run as decode steps of several tokens per verifying row
         verify_len = self.graphs.max_model_len if self.graphs else kv.req_to_slots.shape[1]
         self.verify_steps = None if self.scores_only else VerifySteps(
-            model, kv, self.last_token, verify_tokens, verify_len, scratch_row=max_rows, scratch_slot=kv.num_slots - 1)
+            model, kv, self.last_token, verify_tokens, verify_len, scratch_row=max_rows, scratch_slot=kv.num_slots - 1,
+            verdicts=True)
+        self._verdict: Optional[torch.Tensor] = None  # the verify step's greedy verdict (VerifySteps.run)
         if self.graphs is not None and self.verify_steps is not None:
             self.verify_steps.capture()
         # spec.method=draft: the draft's proposing steps, and its mirror of a step without prefill chunks as
@@ -243,7 +245,8 @@ class ModelRunner:
     def _forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], list[int], Optional[torch.Tensor]]:
         """(logits, sampled rows, greedy tokens already recorded as the rows' last tokens, or None)."""
         if plan.verify and not plan.prefill and self.verify_steps is not None and self.images is None:
-            return self.verify_steps.run(verify_tokens(plan, self.seq_len)), list(plan.decode_rows), None
+            logits, self._verdict = self.verify_steps.run(verify_tokens(plan, self.seq_len))
+            return logits, list(plan.decode_rows), None
         longest = (max((self.seq_len[r] + 1 for r in plan.decode_rows), default=0)  # contexts after this step
                    if self.graphs is not None and self._graph_len_bound else 0)
         if self.graphs is not None and not plan.prefill and not plan.verify and self.graphs.fits(len(plan.decode_rows), longest):
@@ -283,12 +286,13 @@ class ModelRunner:
         self._start_rows(plan)
         if self.drafter is not None:
             self._draft(plan)
-        self._prompt_rows, self._pool_parts = [], []
+        self._prompt_rows, self._pool_parts, self._verdict = [], [], None
         logits, rows, greedy = self._forward(plan)
         pending = PendingStep(plan.step, rows, None, None, None, t0, started, 0.0, start_event)
         if plan.verify:  # their logits are the last ones
             nv = sum(len(c.token_ids) for c in plan.verify)
-            pending.verify = self.verifier.launch(logits[-nv:], plan.verify)
+            pending.verify = self.verifier.launch(logits[-nv:], plan.verify,
+                                                  None if self._verdict is None else self._verdict[-nv:])
             logits = logits[:-nv]
         if self._pool_parts:  # before them: the pooled positions of this step's chunks
             npool = sum(n for _, n in self._pool_parts)

@@ -57,6 +57,26 @@ def verify_greedy(logits: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
     return _outcome(draft[None], accepted[None], best[None])[0]
 
 
+def greedy_verdict(logits: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor,
+                   last_token: torch.Tensor, scratch_row: int) -> torch.Tensor:
+    """verify_greedy of every chunk of a step laid out as decode tokens (runtime/worker/verify_graphs.py:
+    ids [T], each token's chunk start [T] and row [T]), in ops of fixed shapes (a CUDA graph's): [T] the
+    model's token at each position all of whose chunk's earlier proposed tokens were kept, else -1, so a
+    chunk reads as its kept proposal, then the model's own token; each verify chunk's row's last token is set
+    to that one (a decode row, id -1, is a chunk of one token whose row's is left to its sampling; scratch_row
+    takes the writes of the other positions)."""
+    t = ids.shape[0]
+    best = torch.argmax(logits, dim=-1)
+    follows = torch.cat([ids[1:], ids.new_full((1,), -2)])  # the proposed token after each position
+    same_chunk = torch.cat([starts[1:] == starts[:-1], starts.new_zeros(1, dtype=torch.bool)])
+    stop = ((best != follows) | ~same_chunk).long()  # the model parts from its chunk's proposal after here
+    before = torch.cumsum(stop, 0) - stop  # stops strictly before each position, over the whole step
+    kept = before == before[starts]  # none since the chunk's first token
+    end = kept & (stop == 1) & (ids >= 0)  # each chunk's last kept position (not a decode row's: it is sampled)
+    last_token.index_put_((torch.where(end, rows, torch.full_like(rows, scratch_row)),), best)
+    return torch.where(kept, best, torch.full_like(best, -1)) if t else best
+
+
 def verify_sampled(logits: torch.Tensor, draft: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                    top_k: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """Rejection sampling of proposals draft [B, m] against logits [B, m+1, V]; per row settings,
@@ -80,24 +100,29 @@ def verify_sampled(logits: torch.Tensor, draft: torch.Tensor, temperature: torch
 @dataclass
 class PendingVerify:
     chunks: list[VerifyChunk]
-    tokens: torch.Tensor  # [chunks, k+1] int64, -1 padded (on the host once `done` fires)
+    tokens: torch.Tensor  # [chunks, k+1] int64, -1 padded (on the host once `done` fires); flat: the chunks' in a row
     done: Optional[torch.cuda.Event]
+    flat: bool = False  # tokens [sum of the chunks' lengths], greedy_verdict's
 
 
 class Verifier:
     def __init__(self, sampling: SamplingState, last_token: torch.Tensor, device: torch.device):
         self.sampling, self.last_token, self.device = sampling, last_token, device
 
-    def launch(self, logits: torch.Tensor, chunks: list[VerifyChunk]) -> PendingVerify:
+    def launch(self, logits: torch.Tensor, chunks: list[VerifyChunk],
+               verdict: Optional[torch.Tensor] = None) -> PendingVerify:
         """Enqueue the verdicts of `chunks` (their logits in plan order); each row's last token is its
-        last kept one, on the device."""
+        last kept one, on the device. `verdict`: the chunks' greedy verdict (greedy_verdict's, the rows' last
+        tokens set), which a step of greedy rows only takes."""
         s = self.sampling
         width = max(len(c.token_ids) for c in chunks)
         starts = [0]
         for c in chunks:
             starts.append(starts[-1] + len(c.token_ids))
         greedy = [i for i, c in enumerate(chunks) if s.greedy[c.row]]
-        if len(greedy) == len(chunks):  # all greedy (the common case): one batch of kernels for every chunk
+        if len(greedy) == len(chunks):  # all greedy (the common case): judged in the step, or one batch of kernels
+            if verdict is not None:
+                return self._pending(chunks, verdict, flat=True)
             return self._pending(chunks, self._greedy_rows(logits, chunks, starts, greedy, width))
         out = torch.full((len(chunks), width), -1, dtype=torch.int64, device=self.device)
         if greedy:
@@ -136,20 +161,27 @@ class Verifier:
         self.last_token[rows] = best.gather(1, accepted[:, None])[:, 0]
         return _outcome(draft, accepted, best)
 
-    def _pending(self, chunks: list[VerifyChunk], out: torch.Tensor) -> PendingVerify:
+    def _pending(self, chunks: list[VerifyChunk], out: torch.Tensor, flat: bool = False) -> PendingVerify:
         done = None
         if self.device.type == "cuda":
             out = to_host_async(out)
             done = torch.cuda.Event()
             done.record()
-        return PendingVerify(chunks, out, done)
+        return PendingVerify(chunks, out, done, flat)
 
     def collect(self, pending: PendingVerify, seq_len: list[int]) -> list[list[int]]:
         """Each chunk's kept tokens; the rows' lengths and noise counters follow them."""
         if pending.done is not None:
             pending.done.synchronize()
         verdicts = []
-        for chunk, row_tokens in zip(pending.chunks, pending.tokens.tolist()):
+        if pending.flat:
+            flat, offsets = pending.tokens.tolist(), [0]
+            for chunk in pending.chunks:
+                offsets.append(offsets[-1] + len(chunk.token_ids))
+            per_chunk = [flat[a:b] for a, b in zip(offsets, offsets[1:])]
+        else:
+            per_chunk = pending.tokens.tolist()
+        for chunk, row_tokens in zip(pending.chunks, per_chunk):
             kept = [t for t in row_tokens if t >= 0]
             seq_len[chunk.row] = chunk.start + len(kept)  # the last kept token's KV is computed next step
             self.sampling.generated[chunk.row] += len(kept)

@@ -5,8 +5,9 @@ one per plain row, then each verify chunk's n tokens (the row's last token and i
 decode tokens of the same row whose lengths are start+1 .. start+n. Every token's K/V is stored
 before attention, so token j of a chunk attends to the row's first start+j+1 tokens: causal
 attention within the chunk, through the decode attention kernel (several query tokens per sequence
-are several entries of the same row). The logits of all T tokens come back: the verdict needs every
-position of a chunk (runtime/worker/spec_verify.py).
+are several entries of the same row). The logits of all T tokens come back, and with them the greedy
+verdict of every chunk, judged in the step itself (spec_verify.greedy_verdict: on a GPU inside the graph, not
+~20 eager launches after it); a step with sampled rows judges from the logits (runtime/worker/spec_verify.py).
 
 Decode attention's grid depends only on T, so the step has fixed shapes: one CUDA graph per bucket
 of T (every size to 8, then every 8 ...) up to the most tokens a speculating step can have (spec.max_batch
@@ -27,19 +28,23 @@ from llaunch.runtime.ipc.messages import StepPlan
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.models.memory import MAX_VERIFY_GRAPH_TOKENS
 from llaunch.runtime.worker.cuda_graphs import bucket_sizes, capture_buckets
+from llaunch.runtime.worker.spec_verify import greedy_verdict
 
 log = logging.getLogger("llaunch.worker")
 
-FIELDS = 5  # per token: id (-1: the row's last sampled token, on the device), row, position, slot, length
+# per token: id (-1: the row's last sampled token, on the device), row, position, slot, length, and the index in
+# the step of its chunk's first token (a decode row's: its own)
+FIELDS = 6
 EXACT = 8  # steps of up to this many tokens replay a graph of their own size (batch 1, k <= 7: no padding)
 
 
 def verify_tokens(plan: StepPlan, seq_len: list[int]) -> list[list[int]]:
-    """The step's tokens as decode tokens, [ids, rows, positions, slots, lengths]: plain decode rows
+    """The step's tokens as decode tokens, [ids, rows, positions, slots, lengths, chunk starts]: plain decode rows
     first (their lengths in `seq_len` grow by one), then every verify chunk's tokens in plan order
     (their rows' lengths follow the verdict, not this)."""
-    ids, rows, positions, slots, lens = [], [], [], [], []
+    ids, rows, positions, slots, lens, starts = [], [], [], [], [], []
     for r, slot in zip(plan.decode_rows, plan.decode_slots):
+        starts.append(len(ids))
         ids.append(-1)
         rows.append(r)
         positions.append(seq_len[r])
@@ -48,21 +53,25 @@ def verify_tokens(plan: StepPlan, seq_len: list[int]) -> list[list[int]]:
         lens.append(seq_len[r])
     for chunk in plan.verify:
         n = len(chunk.token_ids)
+        starts.extend([len(ids)] * n)
         ids.extend(chunk.token_ids)
         rows.extend([chunk.row] * n)
         positions.extend(range(chunk.start, chunk.start + n))
         slots.extend(chunk.slots)
         lens.extend(range(chunk.start + 1, chunk.start + n + 1))
-    return [ids, rows, positions, slots, lens]
+    return [ids, rows, positions, slots, lens, starts]
 
 
 class VerifySteps:
     def __init__(self, model, kv: KvCache, last_token: torch.Tensor, max_tokens: int, max_len: int,
-                 scratch_row: int, scratch_slot: int, embed_rows: Optional[int] = None):
+                 scratch_row: int, scratch_slot: int, embed_rows: Optional[int] = None, verdicts: bool = False):
         """`max_tokens`: the largest step padded to a bucket (0: none, every step runs unpadded);
         `max_len`: the longest context a padded step covers (its attention's split count). `embed_rows`: a
-        draft model's embedding rows, when it runs the target's steps (an id past them reads token 0)."""
+        draft model's embedding rows, when it runs the target's steps (an id past them reads token 0).
+        `verdicts`: the step also judges its chunks greedily and sets their rows' last tokens (the model's
+        steps; not a draft's, which runs them only for its KV)."""
         self.model, self.kv, self.last_token = model, kv, last_token
+        self.verdicts = verdicts
         self.embed_rows = embed_rows
         self.scratch_row, self.scratch_slot, self.max_len = scratch_row, scratch_slot, max_len
         top = min(max_tokens, MAX_VERIFY_GRAPH_TOKENS)
@@ -80,9 +89,10 @@ class VerifySteps:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # verify steps replayed from a graph (tests read it)
 
-    def _forward(self, fields: torch.Tensor, max_len: int) -> torch.Tensor:
-        """Device work only (capturable): fields [FIELDS, T] → logits [T, vocab]."""
-        ids, rows, positions, slots, lens = fields
+    def _forward(self, fields: torch.Tensor, max_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Device work only (capturable): fields [FIELDS, T] → (logits [T, vocab], with `verdicts` the greedy
+        verdict [T], else None)."""
+        ids, rows, positions, slots, lens, starts = fields
         self.kv.req_to_slots[rows, positions] = slots.to(self.kv.req_to_slots.dtype)
         input_ids = torch.where(ids >= 0, ids, self.last_token[rows])
         if self.embed_rows is not None:
@@ -94,9 +104,12 @@ class VerifySteps:
             prefill_prefix_lens=self._empty, logits_index=self.logits_index[:t] if t <= self.logits_index.shape[0]
             else torch.arange(t, device=ids.device), num_decode=t, num_prefill_tokens=0, max_decode_len=max_len,
             every_token=True)
-        return self.model.forward(batch, self.kv)
+        logits = self.model.forward(batch, self.kv)
+        if not self.verdicts:
+            return logits, None
+        return logits, greedy_verdict(logits, ids, starts, rows, self.last_token, self.scratch_row)
 
-    def _step(self, b: int) -> torch.Tensor:
+    def _step(self, b: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return self._forward(self.inputs[: FIELDS * b].view(FIELDS, b), self.max_len)
 
     def _fill(self, tokens: list[list[int]], b: int) -> None:
@@ -108,6 +121,7 @@ class VerifySteps:
         if n:
             host[:, :n] = torch.tensor(tokens, dtype=torch.int64)
         host[0, n:], host[1, n:], host[2, n:], host[3, n:], host[4, n:] = 0, self.scratch_row, 0, self.scratch_slot, 1
+        host[5, n:] = torch.arange(n, b)  # each padding token a chunk of its own
         self.inputs[: FIELDS * b].copy_(flat, non_blocking=True)
 
     @torch.inference_mode()
@@ -127,18 +141,20 @@ class VerifySteps:
         return next(b for b in self.buckets if b >= tokens)
 
     @torch.inference_mode()
-    def run(self, tokens: list[list[int]]) -> torch.Tensor:
-        """Logits [T, vocab] of the step's tokens (verify_tokens' layout), their K/V written. A graph's
-        logits buffer is overwritten by its next replay: read it (sampling, the verdict) before."""
+    def run(self, tokens: list[list[int]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(logits [T, vocab], with `verdicts` the greedy verdict [T] or None) of the step's tokens (verify_tokens'
+        layout), their K/V written. A graph's buffers are overwritten by its next replay: read them before."""
         n = len(tokens[0])
         b = self.bucket(n, max(tokens[4], default=0))
         if b is None:
             fields = torch.tensor(tokens, dtype=torch.int64).to(self.last_token.device, non_blocking=True)
             return self._forward(fields, max(tokens[4]))
         self._fill(tokens, b)
-        if b not in self.graphs:
-            return self._step(b)[:n]
-        graph, logits = self.graphs[b]
-        graph.replay()
-        self.replays += 1
-        return logits[:n]
+        if b in self.graphs:
+            graph, out = self.graphs[b]
+            graph.replay()
+            self.replays += 1
+        else:
+            out = self._step(b)
+        logits, verdict = out
+        return logits[:n], None if verdict is None else verdict[:n]

@@ -22,6 +22,6 @@ def test_a_replayed_verify_step_matches_the_eager_chunked_prefill_route(tmp_path
     runner = _runner(model, 80, cuda, cuda_graphs=True)
     assert 16 in runner.verify_steps.graphs  # 9 tokens replay the 16-token graph
     for _ in range(2):  # twice: a replay reads the inputs copied for it, not the capture's
-        got = runner.verify_steps.run(verify_tokens(plan, list(runner.seq_len)))
+        got, _ = runner.verify_steps.run(verify_tokens(plan, list(runner.seq_len)))
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert runner.verify_steps.replays == 2

@@ -11,7 +11,7 @@ from llaunch.runtime.ipc.messages import SamplingParams, StepPlan, VerifyChunk
 from llaunch.runtime.models.loader import build_model
 from llaunch.runtime.worker.runner import ModelRunner
 from llaunch.runtime.worker.sampling_state import SamplingState
-from llaunch.runtime.worker.spec_verify import Verifier, verify_greedy
+from llaunch.runtime.worker.spec_verify import Verifier, greedy_verdict, verify_greedy
 from llaunch.runtime.models.memory import spec_step_tokens
 from llaunch.runtime.worker.verify_graphs import verify_tokens
 
@@ -60,8 +60,9 @@ def test_verify_step_as_decode_tokens_matches_the_chunked_prefill_route(model, g
     assert tokens[4] == [21, 8, 34, 35, 36, 37, 38, 51, 52]  # token j of a chunk sees start + j + 1 tokens
     assert runner.seq_len[:4] == [21, 33, 8, 50]  # verify rows' lengths follow the verdict, not the step
     assert runner.verify_steps.bucket(9, 52) == (16 if graph_tokens == 80 else None)
-    got = runner.verify_steps.run(tokens)
+    got, verdict = runner.verify_steps.run(tokens)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert verdict.shape == (9,)  # the step's greedy verdict beside its logits (greedy_verdict's test below)
 
 
 def test_verify_graphs_cover_the_largest_speculating_step():
@@ -98,3 +99,34 @@ def test_a_steps_greedy_verdicts_are_each_chunks_own():
         assert last_token[c.row] == got[i][-1]
     assert [len(g) for g in got[:2]] + [len(got[3])] == [5, 2, 1]
     assert 1 <= len(got[2]) <= 2 and last_token[2] == got[2][-1]  # the sampled row: rejection sampling's verdict
+
+
+def test_a_steps_greedy_verdict_in_fixed_shapes_is_each_chunks_verify_greedy():
+    """greedy_verdict (what a verify step's CUDA graph judges) on verify_tokens' layout, decode rows first and
+    padding last: each chunk's kept tokens and its row's last token are verify_greedy's for that chunk alone; a
+    decode row reads its argmax, its last token left to its sampling."""
+    vocab, scratch = 50, 6
+    logits = torch.randn(16, vocab, generator=torch.Generator().manual_seed(11))
+    logits[:, 3] = -1e9  # 3 is never a best token
+    best = logits.argmax(-1).tolist()
+    plan = StepPlan(step=1, decode_rows=[4, 5], decode_slots=[0, 0], verify=[
+        VerifyChunk(row=0, token_ids=[9] + best[2:6], start=10, slots=[0] * 5),  # all 4 kept
+        VerifyChunk(row=1, token_ids=[9, best[7], 3], start=4, slots=[0] * 3),  # 1 of 2 kept
+        VerifyChunk(row=2, token_ids=[9, 3, best[10]], start=6, slots=[0] * 3),  # none kept, then a match
+        VerifyChunk(row=3, token_ids=[9], start=7, slots=[0])])  # no proposal
+    tokens = verify_tokens(plan, [0] * 6)
+    n = len(tokens[0])
+    pad = 16 - n
+    ids = torch.tensor(tokens[0] + [0] * pad)
+    rows = torch.tensor(tokens[1] + [scratch] * pad)
+    starts = torch.tensor(tokens[5] + list(range(n, 16)))
+    last_token = torch.full((scratch + 1,), -7, dtype=torch.int64)
+    verdict = greedy_verdict(logits, ids, starts, rows, last_token, scratch).tolist()
+    assert verdict[:2] == best[:2] and last_token[4] == last_token[5] == -7  # decode rows: their sampling's
+    offset = 2
+    for chunk, kept in zip(plan.verify, (5, 2, 1, 1)):
+        k = len(chunk.token_ids)
+        want = verify_greedy(logits[offset:offset + k], torch.tensor(chunk.token_ids[1:])).tolist()
+        assert verdict[offset:offset + k] == want  # kept tokens, then -1
+        assert len([t for t in want if t >= 0]) == kept and last_token[chunk.row] == want[kept - 1]
+        offset += k
