@@ -39,7 +39,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
                          mid_o_ptr, mid_lse_ptr, out_ptr, k_scale_ptr, v_scale_ptr, qk_scale, num_splits, q_batch_stride, q_head_stride,
                          out_batch_stride, out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride,
                          dim, window, cap, GROUP: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
-                         FP8_KV: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                         FP8_KV: tl.constexpr, DOT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                          PRECISION: tl.constexpr, PDL: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # Before the PDL wait, read only what the step's inputs hold (lengths, rows, the slot table:
@@ -72,8 +72,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:  # the interpreter has no bf16/fp16 dot
         q = q.to(tl.float32)
-    elif FP8_KV:  # the products in fp16, whose 10 mantissa bits hold q's 7 (bf16) or 10 (fp16)
-        q = q.to(tl.float16)
+    elif FP8_KV:  # a 16-bit q's products in fp16 (DOT), whose 10 mantissa bits hold bf16's 7; float32's in float32
+        q = q.to(DOT)
     v_scale = 1.0
     if FP8_KV:  # an fp8 cache (kernels/kv_fp8.py): one scale per layer for K, on the scores, and for V, on the output
         qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -93,8 +93,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, req_to_slots_ptr, rows
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if FP8_KV:  # every e4m3 value is exact in fp16 (one conversion for two): the products take them as stored
-            k = k.to(tl.float16)
-            v = v.to(tl.float16)
+            k = k.to(DOT)
+            v = v.to(DOT)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -211,7 +211,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         req_to_slots.stride(0), dim, window, softcap * _LOG2E, GROUP=group, DIRECT=direct, UPCAST=not q.is_cuda,
-        FP8_KV=k_scale is not None, WINDOW=window > 0, SOFTCAP=softcap > 0,
+        FP8_KV=k_scale is not None, DOT=tl.float32 if q.dtype == torch.float32 or not q.is_cuda else tl.float16,
+        WINDOW=window > 0, SOFTCAP=softcap > 0,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl.flavor(use_pdl, "decode_attention"),
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps,
         num_stages=stages, launch_pdl=use_pdl)

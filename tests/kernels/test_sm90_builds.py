@@ -62,6 +62,7 @@ for dtype, elem, fp8 in [(d, e, False) for d, e in TYPES.items()] + [(torch.bflo
         for direct in (False, True):
             block_n, warps, stages = dec._launch_shape(q, dim, 1 if direct else 64)
             constexprs = dict(GROUP=7, DIRECT=direct, UPCAST=False, FP8_KV=fp8,
+                              DOT=triton.language.float32 if dtype == torch.float32 else triton.language.float16,
                               PRECISION="ieee" if dtype == torch.float32 else "tf32", PDL=1, BLOCK_H=16,
                               BLOCK_N=block_n, BLOCK_D=dim, **masks)
             kernel = triton.compile(ASTSource(fn=dec._decode_split_kernel,
