@@ -16,7 +16,9 @@
 #                                                        one-row layers on the tensor cores, then single served with
 #                                                        the winners (MoE kernels under PDL as served now)
 # kv8       .whl-serve .gpu                              #37: c256 with bf16 KV against fp8 KV, and fp8 weights with fp8
-#                                                        KV, Qwen2-7B shape
+#                                                        KV, Qwen2-7B shape (at 9d253e7 fp8 KV 0.97x; since 1d98c5b
+#                                                        its store is in the rotary kernel, since 6b8c5be decode
+#                                                        attention multiplies the stored e4m3 values in fp16)
 # kvlong    .whl-serve .gpu                              #37: c256 of 8,192-token prompts (KV beyond bf16's room)
 # spec      .whl-serve .gpu-spec                         #38: the served SmolLM2 shape's batch-1 decode and verify
 #                                                        steps, their kernels by device time and the runner's host
@@ -33,6 +35,7 @@
 # (.gpu without .gpu-spec: gpu_run.sh prepare writes the spec cut apart, 51 MB as xz, for the spec call alone.)
 # A session's 1,800 device seconds hold about three calls (each ~40-90 s of start and transfers beside its run):
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
+# A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
 NAME=${1:?"which call: suite, fp8, fp8act, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
