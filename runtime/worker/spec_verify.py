@@ -65,7 +65,6 @@ def greedy_verdict(logits: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor
     chunk reads as its kept proposal, then the model's own token; each verify chunk's row's last token is set
     to that one (a decode row, id -1, is a chunk of one token whose row's is left to its sampling; scratch_row
     takes the writes of the other positions)."""
-    t = ids.shape[0]
     best = torch.argmax(logits, dim=-1)
     follows = torch.cat([ids[1:], ids.new_full((1,), -2)])  # the proposed token after each position
     same_chunk = torch.cat([starts[1:] == starts[:-1], starts.new_zeros(1, dtype=torch.bool)])
@@ -74,7 +73,7 @@ def greedy_verdict(logits: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor
     kept = before == before[starts]  # none since the chunk's first token
     end = kept & (stop == 1) & (ids >= 0)  # each chunk's last kept position (not a decode row's: it is sampled)
     last_token.index_put_((torch.where(end, rows, torch.full_like(rows, scratch_row)),), best)
-    return torch.where(kept, best, torch.full_like(best, -1)) if t else best
+    return torch.where(kept, best, torch.full_like(best, -1))
 
 
 def verify_sampled(logits: torch.Tensor, draft: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
