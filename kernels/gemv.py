@@ -19,6 +19,7 @@ import triton.language as tl
 
 from llaunch.kernels import fp8, gemv_fp8, gemv_staged, pdl, settings, skinny_gemm
 from llaunch.kernels.fp8 import Fp8Weight
+from llaunch.kernels.e4m3_words import word_dots
 from llaunch.kernels.row_dots import row_dots
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -117,16 +118,22 @@ def staged_for(weight: torch.Tensor) -> bool:
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset, scale_ub,
                  HAS_SCALE: tl.constexpr, ACT: tl.constexpr, HAS_UB: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 X_AHEAD: tl.constexpr, AMAX_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+                 X_AHEAD: tl.constexpr, AMAX_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+                 WORDS: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     x_scale = 1.0
     if ACT == 2:  # a static activation scale
         x_scale = tl.load(xs_ptr)
     # ACT 1, an fp8 layer's dynamic activation scale: row_dots takes x's absmax after the PDL wait
-    y, up_y, x_scale = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED, PDL,
-                                BLOCK_N, BLOCK_K, X_AHEAD, x_scale, ACT != 0, INTERPRETED, ACT == 1, scale_ub, HAS_UB,
-                                AMAX_BLOCK)
+    if WORDS:  # e4m3 weights 4 a word, their products in float16 pairs (kernels/e4m3_words.py)
+        w_words = (w_ptr + rows.to(tl.int64) * w_stride).to(tl.pointer_type(tl.int32), bitcast=True)
+        y, up_y, x_scale = word_dots(x_ptr, w_words, row_mask, K, up_offset // 4, GATED, PDL, BLOCK_N, BLOCK_K,
+                                     x_scale, ACT == 1, scale_ub, HAS_UB, AMAX_BLOCK, INTERPRETED)
+    else:
+        y, up_y, x_scale = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED,
+                                    PDL, BLOCK_N, BLOCK_K, X_AHEAD, x_scale, ACT != 0, INTERPRETED, ACT == 1, scale_ub,
+                                    HAS_UB, AMAX_BLOCK)
     if HAS_SCALE:  # e4m3 weights: each output channel's float32 scale (and the row's) on the float32 sum
         y *= tl.load(s_ptr + rows, mask=row_mask, other=0.0) * x_scale
         if GATED:
@@ -209,5 +216,14 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
         weight.stride(0), n * weight.stride(0), (layer.scale_ub or 0.0) if layer is not None else 0.0,
         HAS_SCALE=layer is not None, ACT=act, HAS_UB=layer is not None and layer.scale_ub is not None,
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
-        X_AHEAD=not gated, AMAX_BLOCK=amax_block(k), INTERPRETED=_INTERPRETED, num_warps=warps, launch_pdl=use_pdl)
+        X_AHEAD=not gated, AMAX_BLOCK=amax_block(k), INTERPRETED=_INTERPRETED,
+        WORDS=words_for(x, weight, act), num_warps=warps, launch_pdl=use_pdl)
     return out
+
+
+def words_for(x: torch.Tensor, weight: torch.Tensor, act: int) -> bool:
+    """Does an e4m3 layer's register kernel read its weights as words (kernels.fp8_words): x quantized, a bfloat16
+    model and rows of whole words. (Their float16 sums move ~half the outputs by a float16 step, and none past
+    bfloat16's rounding: a float16 or float32 model keeps float32 products.)"""
+    return (settings.current.fp8_words and weight.dtype == torch.float8_e4m3fn and act != ACT_MODES[fp8.NONE]
+            and x.dtype == torch.bfloat16 and weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0)

@@ -95,6 +95,10 @@ class KernelSettings:
     # kernels.gemv_shapes STAGES ≥ 2) take the weight tile as the MMA's A operand and x as B (swap AB), not x as A;
     # compare with scripts/bench_decode_shapes.py --fp8 --tensor-core --swap-ab
     fp8_swap_ab: List[str] = field(default_factory=list)
+    # e4m3 layers' one-row products on the register kernel (kernels/gemv.py, a launch shape with STAGES 0) read their
+    # weights as 32-bit words, two weights a float16 FMA (kernels/e4m3_words.py), where x is quantized (dynamic or
+    # static activations) and the model 16-bit; off: each weight converted to float32 (row_dots)
+    fp8_words: bool = False
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
     # after their own wait (late) instead of at their top: early triggering cascades resident grids,
@@ -240,6 +244,7 @@ class _Applied:
         self.skinny_shapes = parse_skinny_shapes(settings.skinny_shapes)
         self.skinny_one_row = parse_weight_shapes(settings.skinny_one_row)
         self.fp8_swap_ab = parse_weight_shapes(settings.fp8_swap_ab, "fp8_swap_ab")
+        self.fp8_words = bool(settings.fp8_words)
         self.pdl = Pdl(settings.pdl)
         self.pdl_kernels = frozenset(settings.pdl_kernels)
         self.pdl_late = frozenset(settings.pdl_late)

@@ -8,7 +8,7 @@ and the whole step is timed, so a shape is judged in the chain of kernels it run
 candidate, then the best per layer kind.
 
     python scripts/bench_decode_shapes.py [--fp8] [--layers 28] [--repeats 50]
-        [--tensor-core] [--swap-ab] [--amax-tile N] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
+        [--tensor-core] [--swap-ab] [--amax-tile N] [--words] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
     python scripts/bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48 [--skinny]   (--skinny: each kind on the
         tensor cores, kernels.skinny_one_row, instead of the GEMV)
 """
@@ -158,13 +158,15 @@ def main() -> int:
                     help="first each layer kind's GEMVs alone: all layers' chained in a CUDA graph, GB/s")
     ap.add_argument("--activations", default=None, choices=["dynamic", "static", "none"],
                     help="--fp8: every layer's activation mode instead of dynamic (none: x not quantized, a diagnosis)")
+    ap.add_argument("--words", action="store_true",
+                    help="--fp8: the register kernel reads the weights as 32-bit words (kernels.fp8_words) throughout")
     ap.add_argument("--candidates", default=None, help="space-separated kernels.gemv_shapes values")
     ap.add_argument("--skinny", action="store_true",
                     help="bf16: each layer kind's one-row products on the tensor cores (kernels.skinny_one_row) at "
                          "several launches (kernels.skinny_shapes) instead of the GEMV's shapes")
     args = ap.parse_args()
-    if (args.tensor_core or args.swap_ab or args.amax_tile or args.activations) and not args.fp8:
-        ap.error("--tensor-core, --swap-ab, --amax-tile and --activations are for --fp8")
+    if (args.tensor_core or args.swap_ab or args.amax_tile or args.activations or args.words) and not args.fp8:
+        ap.error("--tensor-core, --swap-ab, --amax-tile, --activations and --words are for --fp8")
     if args.skinny and (args.fp8 or args.candidates):
         ap.error("--skinny is for bf16 weights, without --candidates")
     config, kinds = SHAPES[args.shape]
@@ -188,7 +190,8 @@ def main() -> int:
     kv.req_to_slots[0] = torch.arange(span, dtype=torch.int32, device=device)
     kv.req_to_slots[1].fill_(span)
     last_token = torch.full((2,), 7, dtype=torch.int64, device=device)
-    base_settings = settings.current.settings
+    base_settings = dataclasses.replace(settings.current.settings, fp8_words=args.words)
+    settings.configure(base_settings)  # --per-kind's chains run with it too
     c = args.context
 
     def step_ms(overrides: dict) -> float:
@@ -199,7 +202,8 @@ def main() -> int:
         del graphs
         return ms
 
-    where = dict(shape=args.shape, weights="fp8" if args.fp8 else "bf16", activations=args.activations, amax_tile=gemv.AMAX_TILE, layers=args.layers, context=c,
+    where = dict(shape=args.shape, weights="fp8" if args.fp8 else "bf16", activations=args.activations, amax_tile=gemv.AMAX_TILE,
+                 words=args.words, layers=args.layers, context=c,
                  device=torch.cuda.get_device_name())
     if args.per_kind:
         per_kind(model, args.repeats)

@@ -9,9 +9,8 @@
 #
 # NAME      carry                                        what it runs
 # suite     .whl .gpu                                    the GPU suite (must be green for kernel changes), then
-#                                                        the verify step through the skinny GEMM against cuBLAS
-#                                                        (#38: verify <= 1.15x decode), then fp8act's runs if time is left
-#                                                        (swap AB left it: measured at a70e21d, it lost on every kind)
+#                                                        #37's fp8 decode step with kernels.fp8_words against without
+#                                                        (per layer kind, and each kind on the word kernel's shapes)
 # moe       .whl-serve .gpu                              #40: the qwen3-30b-a3b decode step per launch shape of its
 #                                                        one-row layers on the tensor cores, then single served with
 #                                                        the winners (MoE kernels under PDL as served now)
@@ -69,6 +68,15 @@ fp8_activations() {  # the fp8 decode step's GEMVs per layer kind: x's absmax (a
       | tee -a "$OUT/fp8_activations.jsonl"
   done
 }
+# #37: the fp8 decode step with the register kernel's weights as words (kernels.fp8_words) against without, per
+# layer kind, and every kind on the register kernel at a few shapes (gate‖up and down_proj leave the tensor cores)
+WORD_CANDIDATES="4608x3584:fp8=8/512/4 4608x3584:fp8=16/512/4 4608x3584:fp8=16/256/4 3584x3584:fp8=16/512/8 3584x3584:fp8=8/512/4 3584x3584:fp8=32/256/8 18944x3584:gated:fp8=8/256/4 18944x3584:gated:fp8=16/256/4 18944x3584:gated:fp8=16/512/8 3584x18944:fp8=16/512/8 3584x18944:fp8=32/256/4 3584x18944:fp8=8/1024/4"
+fp8_words() {
+  (cd scripts && optional 40 python3 bench_decode_shapes.py --fp8 --per-kind --candidates 4608x3584:fp8=8/512/4) \
+    | grep -v Warning | tee -a "$OUT/fp8_words.jsonl"
+  (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --per-kind --words --candidates "$WORD_CANDIDATES") \
+    | grep -v Warning | tee -a "$OUT/fp8_words.jsonl"
+}
 # the fp8 layers' tensor-core shapes (qkv, o_proj with K split to fill the SMs; gate‖up; down_proj as built in)
 SWAP_CANDIDATES="4608x3584:fp8=64/256/4/3/2 4608x3584:fp8=64/128/4/4/2 3584x3584:fp8=64/256/4/3/4 \
 3584x3584:fp8=64/128/4/4/4 18944x3584:gated:fp8=64/256/4/3 18944x3584:gated:fp8=64/128/4/4 3584x18944:fp8=64/256/4/3/4"
@@ -78,8 +86,7 @@ case $NAME in
   suite)
     install
     bash scripts/gpu_run.sh tests  # a failure is reported there; the measurements after it still run
-    optional 90 python3 scripts/bench_steps.py --verify --skinny-rows 16 | tee "$OUT/verify_skinny.jsonl"
-    fp8_activations ;;
+    fp8_words ;;
   fp8act)
     install
     fp8_activations ;;

@@ -262,7 +262,10 @@ FP8_MODES = ["dynamic", "static", "none", "dynamic-ub"]
 FP8_KERNELS = {"built-in": None, "tensor-core": (16, 64, 4, 2, 1), "register": (16, 256, 4, 0, 1),
                "tensor-core-split": (16, 64, 4, 2, 3),  # K over 3 programs a tile, uneven (and empty) shares
                # the weights as the MMA's A operand (kernels.fp8_swap_ab), a Hopper warpgroup's 64 rows, split or not
-               "swap-ab": (64, 64, 4, 2, 1), "swap-ab-split": (64, 64, 4, 2, 3)}
+               "swap-ab": (64, 64, 4, 2, 1), "swap-ab-split": (64, 64, 4, 2, 3),
+               # the register kernel reading the weights as 32-bit words (kernels.fp8_words: bf16 x, quantized; the
+               # interpreted tests' float32 and float16 models keep float32 products)
+               "words": (16, 256, 4, 0, 1)}
 
 
 @pytest.fixture(params=list(FP8_KERNELS))
@@ -274,6 +277,8 @@ def fp8_kernel(request, monkeypatch):
         monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: shape if fp8 else built_in(n, k, gated))
     if request.param.startswith("swap-ab"):  # every shape: a set that holds them all
         monkeypatch.setattr(settings.current, "fp8_swap_ab", _EveryShape())
+    if request.param == "words":
+        monkeypatch.setattr(settings.current, "fp8_words", True)
     return request.param
 
 
@@ -308,6 +313,30 @@ def test_fp8_gated_gemv_interpreted(ops, poisoned, close, fp8_kernel, activation
     with poisoned():
         out = ops.gemv(x, w, gated=True)
     close(out, reference.silu_mul(fp8.reference_linear(x, w)))
+
+
+@pytest.mark.parametrize("activations", ["static", "dynamic", "dynamic-ub"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp8_words_in_bfloat16_within_its_rounding(ops, poisoned, close, kernel_settings, monkeypatch, activations,
+                                                   gated):
+    """kernels.fp8_words in a bfloat16 model: over a K of 17 tiles (two runs of float16 sums taken into float32, then
+    a partial one), ungated x past the static scale's saturation (products at the float16 bound, 784), every output within
+    two bfloat16 steps of the exact float32 layer (reference_linear) but where the sum cancels; gated, as close to
+    the reference's bfloat16 SiLU-and-multiply as the float32 products are (the fp8 GEMV tests' tolerance)."""
+    from llaunch.kernels import fp8, gemv
+
+    kernel_settings(fp8_words=True)
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (8, 256, 4, 0, 1))
+    k = 17 * 256 - 252
+    w = fp8_layer(2 * 24 if gated else 48, k, activations)
+    x = ((20 if activations == "static" and not gated else 3) * torch.randn(1, k)).to(torch.bfloat16)
+    want = fp8.reference_linear(x.float(), w)
+    with poisoned():
+        out = ops.gemv(x, w, gated=gated)
+    if gated:  # gate and up rounded to bfloat16, then SiLU-and-multiply in bfloat16 (the kernel's roundings)
+        close(out, reference.silu_mul(want.to(torch.bfloat16)))
+    else:
+        assert ((out.float() - want).abs() <= 2 ** -7 * want.abs() + 2e-3 * want.abs().mean()).all()
 
 
 @pytest.mark.parametrize("activations, shape", [("none", (16, 64, 4, 2)), ("dynamic", (16, 16, 4, 2))])
