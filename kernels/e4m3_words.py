@@ -38,10 +38,16 @@ _FMA_WORD = tl.constexpr("""{
 
 
 @triton.jit
-def _x_half(x_ptr, cols, K, x_scale):
-    """x at columns `cols` quantized to e4m3 by x_scale, times 2^-8, as float16 (exact)."""
+def _x_half(x_ptr, cols, K, x_scale, x_rcp):
+    """x at columns `cols` quantized to e4m3 by x_scale, times 2^-8, as float16 (exact). x / x_scale as div.rn's
+    fast path takes it (a product with the reciprocal, then one correction by FMA: the correctly rounded quotient
+    wherever div.rn does not leave that path, which x's range never makes it), the reciprocal x_rcp = 1 / x_scale
+    taken once: no reciprocal and range check an element."""
     x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-    return (quantized(x, x_scale, False) * 0.00390625).to(tl.float16)
+    q = x * x_rcp
+    q = tl.fma(tl.fma(-q, x_scale, x), x_rcp, q)
+    q = tl.clamp(q, -448.0, 448.0)
+    return q.to(tl.float8e4nv).to(tl.float16) * 0.00390625
 
 
 @triton.jit
@@ -91,6 +97,7 @@ def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr,
     wait_for_previous_kernel(PDL)
     if ROW_SCALE:
         x_scale = row_scale(x_ptr, K, scale_ub, HAS_UB, AMAX_BLOCK)
+    x_rcp = tl.math.div_rn(1.0, x_scale)
     acc = tl.zeros([BLOCK_N, W], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_N, W], dtype=tl.float32)
     if INTERPRETED:  # the even and odd lanes as float16 tensors
@@ -120,10 +127,10 @@ def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr,
                 up_even = (up_even + _byte_half(up, 0) * x0) + _byte_half(up, 16) * x2
                 up_odd = (up_odd + _byte_half(up, 8) * x1) + _byte_half(up, 24) * x3
         else:
-            x01 = tl.broadcast_to(_pair(_x_half(x_ptr, cols, K, x_scale), _x_half(x_ptr, cols + 1, K, x_scale))[None, :],
-                                  [BLOCK_N, W])
-            x23 = tl.broadcast_to(_pair(_x_half(x_ptr, cols + 2, K, x_scale),
-                                        _x_half(x_ptr, cols + 3, K, x_scale))[None, :], [BLOCK_N, W])
+            x01 = tl.broadcast_to(_pair(_x_half(x_ptr, cols, K, x_scale, x_rcp),
+                                        _x_half(x_ptr, cols + 1, K, x_scale, x_rcp))[None, :], [BLOCK_N, W])
+            x23 = tl.broadcast_to(_pair(_x_half(x_ptr, cols + 2, K, x_scale, x_rcp),
+                                        _x_half(x_ptr, cols + 3, K, x_scale, x_rcp))[None, :], [BLOCK_N, W])
             half = tl.inline_asm_elementwise(_FMA_WORD, "=r,r,r,r,r", [w, x01, x23, half], dtype=tl.int32,
                                              is_pure=True, pack=1)
             if GATED:
