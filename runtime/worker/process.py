@@ -31,6 +31,7 @@ from llaunch.runtime.models.kv_fp8 import use_fp8_kv
 from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
 from llaunch.runtime.worker.constraint_prep import ConstraintPrep
 from llaunch.runtime.worker.drafter import Drafter, draft_kv_cache
+from llaunch.runtime.worker.fp8_device import fp8_problem
 from llaunch.runtime.worker.image_rows import ImageRows
 from llaunch.runtime.models.vision_qwen2 import VisionArch
 from llaunch.runtime.encoder_servers import encoder_servers, multimodal
@@ -175,6 +176,11 @@ def main() -> None:
         stage("loading the draft model")
         draft = build_model(cfg.draft_model, device=device, dtype=dtype)
     kv_calibration = use_fp8_kv(model, cfg.cache, cfg.run_dir)  # cache.kv_dtype=fp8_e4m3: before sizing
+    if device.type == "cuda":
+        problem = fp8_problem(model, model.kv_dtype == torch.float8_e4m3fn,
+                              torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
+        if problem:
+            raise RuntimeError(problem)
     if kv_calibration is not None:
         kv_calibration.start()
     stage("sizing the KV cache")
