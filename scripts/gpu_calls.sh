@@ -22,8 +22,8 @@
 # spec      .whl-serve .gpu-spec                         #38: the served SmolLM2 shape's batch-1 decode and verify
 #                                                        steps, their kernels by device time and the runner's host
 #                                                        side, then n-gram speculation on SmolLM2 cut to 18 blocks (a
-#                                                        model that copies), text copies: none / ngram / max_batch 16
-#                                                        / k8, c1 and c64, with the step trace
+#                                                        model that copies), text copies: none / ngram / k8,
+#                                                        c1 and c64, with the step trace
 # fp8       .whl .gpu                                    #37 in one call: the fp8 tests mended since the last suite,
 #                                                        swap AB (kernels.fp8_swap_ab) vs the built-in GEMVs, kv8's
 #                                                        c256 bf16 KV vs fp8 KV
