@@ -2,12 +2,12 @@
 word), for a layer whose x is quantized too (dynamic or static activation scales) in a bfloat16 model
 (kernels.fp8_words; kernels/gemv.words_for).
 
-Why words: row_dots converts each e4m3 weight to float32 before its FMA. Triton's lowering of that takes each
-byte out of the loaded vector and packs pairs back together for the e4m3x2 → f16x2 conversion (~3
-instructions a weight on sm90 besides the conversions and the FMA): the register kernel was bound by
-instruction issue, at half the bf16 GEMV's bytes a second on the same shapes. Here a word's two halves go
-straight to `cvt.rn.f16x2.e4m3x2` and each pair of products is one `fma.rn.f16x2`: 4 instructions for 4
-weights. Both factors are e4m3 values (x's after its scale, times 2^-8 so that no product passes 784), so a
+Why words: row_dots converts each e4m3 weight to float32 before its FMA, and Triton's lowering of that takes
+each byte out of the loaded vector and packs pairs back together for the e4m3x2 → f16x2 conversion: its sm90
+loop spends ~9 instructions a weight a thread (8/512/4, dynamic x), and on the H200 the register kernel read
+qkv's and o_proj's weights at 1.7 TB/s, half the bf16 GEMV's bytes a second on the same shapes. Here a word's
+two halves go straight to `cvt.rn.f16x2.e4m3x2` and each pair of products is one `fma.rn.f16x2` (4
+instructions for 4 weights; the loop ~5 a weight a thread at 8/512/4, ~4 at 16/1024/4). Both factors are e4m3 values (x's after its scale, times 2^-8 so that no product passes 784), so a
 product is exact in float16 (but for float16's subnormals, below 2^-14); float16 sums run over at most
 WORD_RUN tiles (2 products a lane a tile: ≤ 2 · 8 · 784, far from 65,504) before float32 takes them.
 
@@ -38,22 +38,25 @@ _FMA_WORD = tl.constexpr("""{
 
 
 @triton.jit
-def _x_half(x_ptr, cols, K, x_scale, x_rcp):
-    """x at columns `cols` quantized to e4m3 by x_scale, times 2^-8, as float16 (exact). x / x_scale as div.rn's
-    fast path takes it (a product with the reciprocal, then one correction by FMA: the correctly rounded quotient
-    wherever div.rn does not leave that path, which x's range never makes it), the reciprocal x_rcp = 1 / x_scale
-    taken once: no reciprocal and range check an element."""
-    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-    q = x * x_rcp
-    q = tl.fma(tl.fma(-q, x_scale, x), x_rcp, q)
-    q = tl.clamp(q, -448.0, 448.0)
-    return q.to(tl.float8e4nv).to(tl.float16) * 0.00390625
-
-
-@triton.jit
-def _x_half_interpreted(x_ptr, cols, K, x_scale):
-    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-    return (quantized(x, x_scale, True) * 0.00390625).to(tl.float16)
+def _x_columns(x_ptr, cols, K, x_scale, x_rcp, INTERPRETED: tl.constexpr):
+    """x's 4 columns of each word (columns `cols` + 0..3, one load a word), each quantized to e4m3 by x_scale, times
+    2^-8, as float16 (exact): four [W] tensors. On the GPU x / x_scale is div.rn's fast path (a product with the
+    reciprocal x_rcp = 1 / x_scale, taken once, then one correction by FMA: the correctly rounded quotient wherever
+    div.rn does not leave that path, which x's range never makes it), without a reciprocal and a range check a
+    value; under the interpreter e4m3.quantized (its division)."""
+    at = cols[:, None] + tl.arange(0, 4)[None, :]
+    x = tl.load(x_ptr + at, mask=at < K, other=0.0).to(tl.float32)
+    if INTERPRETED:
+        q = quantized(x, x_scale, True)
+    else:
+        q = x * x_rcp
+        q = tl.fma(tl.fma(-q, x_scale, x), x_rcp, q)
+        q = tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
+    quads = (q * 0.00390625).to(tl.float16).reshape(cols.shape[0], 2, 2)  # [word, pair, column of the pair]
+    first, second = tl.split(quads)  # columns 0, 2 and 1, 3
+    x0, x2 = tl.split(first)
+    x1, x3 = tl.split(second)
+    return x0, x1, x2, x3
 
 
 @triton.jit
@@ -116,21 +119,17 @@ def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr,
         if GATED:
             up_next = tl.load(w_rows_at(w_words + up_offset_words, nxt), mask=mask, other=0,
                               eviction_policy="evict_first")
+        x0, x1, x2, x3 = _x_columns(x_ptr, cols, K, x_scale, x_rcp, INTERPRETED)
         if INTERPRETED:
-            x0 = _x_half_interpreted(x_ptr, cols, K, x_scale)[None, :]
-            x1 = _x_half_interpreted(x_ptr, cols + 1, K, x_scale)[None, :]
-            x2 = _x_half_interpreted(x_ptr, cols + 2, K, x_scale)[None, :]
-            x3 = _x_half_interpreted(x_ptr, cols + 3, K, x_scale)[None, :]
+            x0, x1, x2, x3 = x0[None, :], x1[None, :], x2[None, :], x3[None, :]
             even = (even + _byte_half(w, 0) * x0) + _byte_half(w, 16) * x2
             odd = (odd + _byte_half(w, 8) * x1) + _byte_half(w, 24) * x3
             if GATED:
                 up_even = (up_even + _byte_half(up, 0) * x0) + _byte_half(up, 16) * x2
                 up_odd = (up_odd + _byte_half(up, 8) * x1) + _byte_half(up, 24) * x3
         else:
-            x01 = tl.broadcast_to(_pair(_x_half(x_ptr, cols, K, x_scale, x_rcp),
-                                        _x_half(x_ptr, cols + 1, K, x_scale, x_rcp))[None, :], [BLOCK_N, W])
-            x23 = tl.broadcast_to(_pair(_x_half(x_ptr, cols + 2, K, x_scale, x_rcp),
-                                        _x_half(x_ptr, cols + 3, K, x_scale, x_rcp))[None, :], [BLOCK_N, W])
+            x01 = tl.broadcast_to(_pair(x0, x1)[None, :], [BLOCK_N, W])
+            x23 = tl.broadcast_to(_pair(x2, x3)[None, :], [BLOCK_N, W])
             half = tl.inline_asm_elementwise(_FMA_WORD, "=r,r,r,r,r", [w, x01, x23, half], dtype=tl.int32,
                                              is_pure=True, pack=1)
             if GATED:
