@@ -27,6 +27,8 @@
 # fp8       .whl .gpu                                    #37 in one call: the fp8 tests mended since the last suite,
 #                                                        swap AB (kernels.fp8_swap_ab) vs the built-in GEMVs, kv8's
 #                                                        c256 bf16 KV vs fp8 KV
+# fp8single .whl-serve .gpu                              #37: single stream, bf16 / fp8 / fp8 with kernels.fp8_words
+#                                                        (WORDS="kernels.gemv_shapes=..." the word kernel's shapes)
 # fp8act    .whl-serve .gpu                              #37: the fp8 GEMVs with x's absmax vs a static scale vs none
 # moetune   .whl-serve                                   #40: Mixtral-8x7B's MoE launches per step size (tune_moe.py;
 #                                                        kernels/moe_launches.py holds Qwen3-30B-A3B's alone), then
@@ -36,7 +38,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, fp8, fp8act, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, fp8, fp8act, fp8single, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -129,6 +131,12 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # (a third server does not fit beside two of three runs each; 8,340 at a70e21d)
     SERVE="$QWEN7B" CASES=c256 TRACE=1 VARIANTS=${KV8_VARIANTS:-"bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3"} \
       optional 300 bash scripts/gpu_run.sh cases ;;
+  fp8single)  # #37's single stream: bf16, fp8 as built in, fp8 with its GEMVs as words (WORDS: the kernels overrides,
+    # e.g. the suite call's fp8_words winners as kernels.gemv_shapes)
+    install
+    SERVE="$QWEN7B" CASES=single \
+      VARIANTS="bf16:|fp8:model.quantization=fp8|fp8words:model.quantization=fp8 kernels.fp8_words=true ${WORDS:-}" \
+      optional 200 bash scripts/gpu_run.sh cases ;;
   kvlong)
     install
     SERVE="$QWEN7B" CASES=long256 REPEATS=${REPEATS:-1} VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" \
@@ -142,6 +150,6 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # ~85 s a server (warm-up, then c1 and c64 three times each)
     # spec_mb16 left: at 9d253e7 c64 0.95x none (the old default); k8 had one c1 run there (1.84x)
     TRACE=1 VARIANTS=${VARIANTS:-"none spec k8"} optional 300 bash scripts/gpu_run.sh spec ;;
-  *) echo "unknown call $NAME (suite, fp8, fp8act, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
+  *) echo "unknown call $NAME (suite, fp8, fp8act, fp8single, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"
