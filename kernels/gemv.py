@@ -223,8 +223,8 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
 
 def words_for(x: torch.Tensor, weight: torch.Tensor, act: int) -> bool:
     """Does an e4m3 layer's register kernel read its weights as words (kernels.fp8_words): x quantized, a bfloat16
-    model and rows of whole, aligned words. (Their float16 sums move ~half the outputs by a float16 step, and none past
-    bfloat16's rounding: a float16 or float32 model keeps float32 products.)"""
+    model and rows of whole, aligned words. (Their float16 sums move ~half the outputs by a float16 step, none
+    past bfloat16's rounding: a float16 or float32 model keeps float32 products.)"""
     return (settings.current.fp8_words and weight.dtype == torch.float8_e4m3fn and act != ACT_MODES[fp8.NONE]
             and x.dtype == torch.bfloat16 and weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0
             and weight.data_ptr() % 4 == 0)
