@@ -11,6 +11,8 @@
 # suite     .whl .gpu                                    the GPU suite (must be green for kernel changes), then
 #                                                        #37's fp8 decode step with kernels.fp8_words against without
 #                                                        (per layer kind, and each kind on the word kernel's shapes)
+# changed   .whl .gpu                                    the GPU tests of what changed since the last green suite, then
+#                                                        suite's fp8_words bench (when a whole suite does not fit)
 # moe       .whl-serve .gpu                              #40: the qwen3-30b-a3b decode step per launch shape of its
 #                                                        one-row layers on the tensor cores, then single served with
 #                                                        the winners (MoE kernels under PDL as served now)
@@ -38,7 +40,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, fp8, fp8act, fp8single, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, fp8, fp8act, fp8single, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -92,6 +94,15 @@ case $NAME in
   suite)
     install
     bash scripts/gpu_run.sh tests  # a failure is reported there; the measurements after it still run
+    fp8_words ;;
+  changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
+    # suite (9d253e7: the fused fp8 KV store, decode attention's fp16 products, the 16-row skinny tiles, the verify
+    # step's greedy verdict, the fp8 word GEMVs), then fp8_words' bench
+    install
+    TESTS="tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_rotary.py tests/kernels/test_kernel_fp8_kv_attention.py
+      tests/kernels/test_kernel_skinny_gemm.py tests/kernels/test_kernel_decode_attention.py tests/gpu/test_fp8.py
+      tests/gpu/test_spec_decode_gpu.py tests/gpu/test_verify_graphs_gpu.py tests/gpu/test_no_host_sync.py
+      tests/gpu/test_smollm2_agreement.py" bash scripts/gpu_run.sh tests
     fp8_words ;;
   fp8act)
     install
@@ -150,6 +161,6 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # ~85 s a server (warm-up, then c1 and c64 three times each)
     # spec_mb16 left: at 9d253e7 c64 0.95x none (the old default); k8 had one c1 run there (1.84x)
     TRACE=1 VARIANTS=${VARIANTS:-"none spec k8"} optional 300 bash scripts/gpu_run.sh spec ;;
-  *) echo "unknown call $NAME (suite, fp8, fp8act, fp8single, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
+  *) echo "unknown call $NAME (suite, changed, fp8, fp8act, fp8single, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"
