@@ -97,7 +97,7 @@ class KernelSettings:
     fp8_swap_ab: List[str] = field(default_factory=list)
     # e4m3 layers' one-row products on the register kernel (kernels/gemv.py, a launch shape with STAGES 0) read their
     # weights as 32-bit words, two weights a float16 FMA (kernels/e4m3_words.py), where x is quantized (dynamic or
-    # static activations) and the model 16-bit; off: each weight converted to float32 (row_dots)
+    # static activations) and the model bfloat16; off: each weight converted to float32 (row_dots)
     fp8_words: bool = False
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
