@@ -74,7 +74,7 @@ fp8_activations() {  # the fp8 decode step's GEMVs per layer kind: x's absmax (a
 }
 # #37: the fp8 decode step with the register kernel's weights as words (kernels.fp8_words) against without, per
 # layer kind, and every kind on the register kernel at a few shapes (gate‖up and down_proj leave the tensor cores;
-# picked from their sm90 builds: 3.7-4.1 instructions a weight a thread in the loop, 5.8 at the built-in 8/512/4,
+# picked from their sm90 builds: 3.7-4.1 instructions a weight a thread in the loop, ~5 at the built-in 8/512/4,
 # and 8.8 there without words)
 WORD_CANDIDATES="4608x3584:fp8=16/1024/4 4608x3584:fp8=32/1024/8 4608x3584:fp8=8/2048/4 3584x3584:fp8=16/1024/4 \
 3584x3584:fp8=32/1024/8 3584x3584:fp8=8/1024/4 18944x3584:gated:fp8=8/1024/4 18944x3584:gated:fp8=16/1024/8 \
