@@ -77,6 +77,8 @@ def main() -> int:
                     help="--verify: the model's shape (smollm2-spec: bench_spec.sh's SmolLM2 cut, all its 18 layers)")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP",
                     help="--verify: after the timings, the decode and the largest verify step's TOP kernels by device time")
+    ap.add_argument("--graph-len", type=int, default=0,
+                    help="--verify --profile: the served runner's graph length (0: the shape's context length, as served)")
     ap.add_argument("--skinny-rows", type=int, default=0,
                     help="--verify: the verify steps again with kernels.skinny_rows at this (the 2-16-row GEMM)")
     args = ap.parse_args()
@@ -86,7 +88,7 @@ def main() -> int:
         shape = SMOLLM2_SPEC if args.shape == "smollm2-spec" else QWEN2_7B
         layers = shape["num_hidden_layers"] if args.shape == "smollm2-spec" else args.layers
         return run_verify(shape, layers, args.context, args.max_k, max(args.repeats, 20), args.tiny,
-                          args.skinny_rows, args.profile)
+                          args.skinny_rows, args.profile, args.graph_len)
     device = torch.device("cuda")
     arch = ModelArch.from_hf_config(dict(QWEN2_7B, num_hidden_layers=args.layers, model_type="qwen2"))
     model = DecoderLM(arch, TpGroup(0, 1, None), device, torch.bfloat16, 4096).eval()

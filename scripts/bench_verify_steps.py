@@ -73,16 +73,23 @@ def print_kernels(label: str, fn, cuda: bool, top: int) -> None:
         print(f"  {t * 1e3:8.1f} us {n:4d}x  {name}")
 
 
-def host_launches(model, kv, device, context: int, k: int, repeats: int, top: int) -> None:
-    """The worker's host side (ModelRunner.launch, the step trace's launch column) of a batch-1 decode step and of
-    a verify step of k+1 tokens, each launched on a quiet device, then finished; then the verify launch's host
-    ops by CPU time. The row's length is reset before each launch, so every step covers the same context."""
+def host_launches(model, device, context: int, k: int, repeats: int, top: int, graph_len: int) -> None:
+    """The worker's side of a served batch-1 step (ModelRunner, as the server builds it: its graphs cover
+    `graph_len` tokens a row, the model's context length unless model.graph_max_len_in_batch says less): the host
+    launch (the step trace's launch column) of a decode step and of a verify step of k+1 tokens, each on a quiet
+    device; then each step whole, launched and finished one after another as a c1 server without chained steps
+    runs them (`runner_step`: the trace's device column less the overlap); the verify step's kernels by device time
+    (the verdict and the copies beside the forward); and the verify launch's host ops by CPU time. The row's
+    length is reset before each launch, so every step covers the same context."""
     from torch.profiler import ProfilerActivity, profile
 
     from llaunch.runtime.ipc.messages import NewSeq, PrefillChunk, SamplingParams, StepPlan, VerifyChunk
     from llaunch.runtime.worker.runner import ModelRunner
 
+    graph_len = max(graph_len, context + k + 1)
+    kv = model.make_kv_cache(graph_len + 1, 2, graph_len)  # row 1 and the last slot: the graphs' scratch
     runner = ModelRunner(model, kv, 1, device, cuda_graphs=device.type == "cuda", verify_tokens=k + 1)
+    print(json.dumps(dict(runner_graph_len=graph_len)))
     prompt = [7] * (context - 1)
     runner.finish(runner.launch(StepPlan(step=0, new=[NewSeq(
         row=0, request_id="0", sampling=SamplingParams(max_new_tokens=1 << 20, temperature=0.0), prompt_ids=prompt)],
@@ -101,6 +108,10 @@ def host_launches(model, kv, device, context: int, k: int, repeats: int, top: in
         runner.finish(pending)
         return took
 
+    def whole(plan):
+        runner.seq_len[0] = context - 1
+        runner.finish(runner.launch(plan))
+
     step = 1
     for name, make in plans.items():
         times = []
@@ -108,6 +119,19 @@ def host_launches(model, kv, device, context: int, k: int, repeats: int, top: in
             times.append(launch(make(step)))
             step += 1
         print(json.dumps(dict(host_launch=name, ms=round(statistics.median(times[3:]) * 1e3, 4))))
+    base = None
+    for j in range(0, k + 1):
+        plan = plans["decode"] if j == 0 else lambda i, j=j: StepPlan(step=i, verify=[VerifyChunk(
+            row=0, token_ids=[7] * (j + 1), start=context - 1, slots=list(range(context - 1, context + j)))])
+        counter = iter(range(step, step + 10 ** 6))
+        ms = per_step_ms(lambda: whole(plan(next(counter))), repeats, device.type == "cuda")
+        step += 10 ** 6
+        base = base or ms
+        print(json.dumps(dict(runner_step="decode" if j == 0 else f"verify k={j}", tokens=j + 1, ms=round(ms, 4),
+                              ratio=round(ms / base, 3))))
+    verify_plan = plans[f"verify k={k}"]
+    print_kernels(f"runner verify k={k}", lambda: whole(verify_plan(step)), device.type == "cuda", top)
+    step += 1
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         launch(plans[f"verify k={k}"](step))
     totals, counts = defaultdict(float), defaultdict(int)
@@ -121,7 +145,7 @@ def host_launches(model, kv, device, context: int, k: int, repeats: int, top: in
 
 
 def run_verify(shape: dict, layers: int, context: int, max_k: int, repeats: int, tiny: bool,
-               skinny_rows: int = 0, profile_top: int = 0) -> int:
+               skinny_rows: int = 0, profile_top: int = 0, graph_len: int = 0) -> int:
     cuda = torch.cuda.is_available() and not tiny
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -171,5 +195,6 @@ def run_verify(shape: dict, layers: int, context: int, max_k: int, repeats: int,
                               met=worst <= 1.15)))
     if profile_top:
         del verify
-        host_launches(model, kv, device, context, max_k, repeats, profile_top)
+        del kv
+        host_launches(model, device, context, max_k, repeats, profile_top, graph_len or shape["max_position_embeddings"])
     return 0
