@@ -28,6 +28,7 @@ from llaunch.kernels import settings
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.decoder import DecoderLM
 from llaunch.runtime.models.layers import TpGroup
+from llaunch.runtime.models.memory import MAX_VERIFY_GRAPH_TOKENS
 from llaunch.runtime.models.weights import DummySource, load_from
 from llaunch.runtime.worker.verify_graphs import VerifySteps
 
@@ -88,8 +89,10 @@ def host_launches(model, device, context: int, k: int, repeats: int, top: int, g
 
     graph_len = max(graph_len, context + k + 1)
     kv = model.make_kv_cache(graph_len + 1, 2, graph_len)  # row 1 and the last slot: the graphs' scratch
-    runner = ModelRunner(model, kv, 1, device, cuda_graphs=device.type == "cuda", verify_tokens=k + 1)
-    print(json.dumps(dict(runner_graph_len=graph_len)))
+    # its verify graphs as a spec=ngram server captures them: buckets up to 64 rows (spec.max_batch) of k+1 tokens
+    verify_tokens = min(64 * (k + 1), MAX_VERIFY_GRAPH_TOKENS)
+    runner = ModelRunner(model, kv, 1, device, cuda_graphs=device.type == "cuda", verify_tokens=verify_tokens)
+    print(json.dumps(dict(runner_graph_len=graph_len, verify_graph_tokens=verify_tokens)))
     prompt = [7] * (context - 1)
     runner.finish(runner.launch(StepPlan(step=0, new=[NewSeq(
         row=0, request_id="0", sampling=SamplingParams(max_new_tokens=1 << 20, temperature=0.0), prompt_ids=prompt)],
