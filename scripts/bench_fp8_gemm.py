@@ -11,6 +11,7 @@ launches captured in a CUDA graph) and the weight bytes per second; then per M t
 (what a layer reads).
 
     python scripts/bench_fp8_gemm.py [--rows 16 32 64 128 165 256]
+    python scripts/bench_fp8_gemm.py --rows 512 1024 2048 --no-triton   (mixed steps' sizes)
     TRITON_INTERPRET=1 python scripts/bench_fp8_gemm.py --cpu   (a smoke run of the Triton kernel's arithmetic)
 """
 from __future__ import annotations
@@ -112,6 +113,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128, 165, 256])
     ap.add_argument("--copies", type=int, default=8, help="distinct weights per shape, used in turn (L2 holds ~50 MB)")
     ap.add_argument("--cpu", action="store_true", help="a smoke run of the Triton kernels (TRITON_INTERPRET=1)")
+    ap.add_argument("--no-triton", action="store_true",
+                    help="cuBLAS(Lt) and the epilogue only, not the Triton tile GEMM's sweep (mixed-step sizes)")
     args = ap.parse_args()
     if args.cpu:
         torch.manual_seed(0)
@@ -179,7 +182,7 @@ def main() -> int:
             for method, fn in methods.items():
                 row[method] = timed_us(lambda fn=fn: fn(next(turn) % args.copies))
             best, best_cfg = float("inf"), None
-            for cfg in configs(m):
+            for cfg in ([] if args.no_triton else configs(m)):
                 fn = lambda cfg=cfg: skinny(q, a_flat, w8s[next(turn) % args.copies], w_scales[0], **cfg)  # noqa: E731
                 try:
                     err = ((skinny(q, a_flat, w8s[0], w_scales[0], **cfg).float() - want.float()).abs().max()
@@ -193,11 +196,13 @@ def main() -> int:
                     continue
                 if us < best:
                     best, best_cfg = us, cfg
-            row["triton_best"] = best
+            if not args.no_triton:
+                row["triton_best"] = best
             weight_bytes = n * k
             for method, us in row.items():
                 per_byte = (weight_bytes * (2 if method == "bf16" else 1)) / (us * 1e-6) / 1e12
                 print(json.dumps(dict(shape=name, m=m, method=method, us=round(us, 1), weight_tb_s=round(per_byte, 2),
+                                      tflops=round(2 * m * n * k / (us * 1e-6) / 1e12, 1),
                                       **({"config": best_cfg} if method == "triton_best" else {}))))
                 totals.setdefault(m, {}).setdefault(method, 0.0)
                 totals[m][method] += us

@@ -29,6 +29,10 @@
 # fp8       .whl .gpu                                    #37 in one call: the fp8 tests mended since the last suite,
 #                                                        swap AB (kernels.fp8_swap_ab) vs the built-in GEMVs, kv8's
 #                                                        c256 bf16 KV vs fp8 KV
+# fp8mixed  .whl                                         #37 c256 (fp8 1.25x bf16, 1.4x wanted): a c256-like mixed step
+#                                                        (218 decode rows, 2 x 896 prompt tokens) and a 160-row decode
+#                                                        step by kernel, bf16 and fp8; then the fp8 GEMMs at mixed-step
+#                                                        sizes: per-tensor + epilogue (served) vs row-wise vs bf16
 # fp8single .whl-serve .gpu                              #37: single stream, bf16 / fp8 / fp8 with kernels.fp8_words
 #                                                        (WORDS="kernels.gemv_shapes=..." the word kernel's shapes)
 # fp8act    .whl-serve .gpu                              #37: the fp8 GEMVs with x's absmax vs a static scale vs none
@@ -40,7 +44,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, fp8, fp8act, fp8single, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, fp8, fp8act, fp8mixed, fp8single, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -104,6 +108,12 @@ case $NAME in
       tests/gpu/test_spec_decode_gpu.py tests/gpu/test_verify_graphs_gpu.py tests/gpu/test_no_host_sync.py
       tests/gpu/test_smollm2_agreement.py" bash scripts/gpu_run.sh tests
     fp8_words ;;
+  fp8mixed)
+    install
+    (cd scripts && optional 120 timeout 300 python3 profile_kernels.py --rows 160 --mixed-rows 218 --mixed-prompts 2 \
+      --chunk-len 896 --top 16) | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_profile.txt"
+    (cd scripts && optional 60 python3 bench_fp8_gemm.py --rows 512 1024 2048 --no-triton) | grep -v Warning \
+      | tee "$OUT/fp8_gemm_mixed.jsonl" ;;
   fp8act)
     install
     fp8_activations ;;
@@ -161,6 +171,6 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # ~85 s a server (warm-up, then c1 and c64 three times each)
     # spec_mb16 left: at 9d253e7 c64 0.95x none (the old default); k8 had one c1 run there (1.84x)
     TRACE=1 VARIANTS=${VARIANTS:-"none spec k8"} optional 300 bash scripts/gpu_run.sh spec ;;
-  *) echo "unknown call $NAME (suite, changed, fp8, fp8act, fp8single, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
+  *) echo "unknown call $NAME (suite, changed, fp8, fp8act, fp8mixed, fp8single, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"

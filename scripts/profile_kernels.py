@@ -1,11 +1,12 @@
 """Which kernels a forward step's device time goes to, bf16 against model.quantization=fp8: the Qwen2-7B shape
-(--shape qwen3-30b-a3b: the MoE's, bf16 only) with random weights, a decode step of each --rows (every row holding --context tokens) and a mixed step (64
-decode rows plus one --chunk-len prompt), each captured in a CUDA graph where it can be (as the worker runs
+(--shape qwen3-30b-a3b: the MoE's, bf16 only) with random weights, a decode step of each --rows (every row holding --context tokens) and a mixed step
+(--mixed-rows decode rows, 64, plus --mixed-prompts prompts of --chunk-len tokens, one of 256), each captured in a CUDA graph where it can be (as the worker runs
 decode steps) and timed by its replays, then once under torch.profiler: the kernels by device time, summed
 over the step's layers. One JSON line per step and weight format, then the kernel table.
 
     python scripts/profile_kernels.py [--layers 28] [--rows 1 64 165 256] [--formats bf16 fp8] [--top 12]
     python scripts/profile_kernels.py --shape qwen3-30b-a3b --layers 48 --formats bf16
+    python scripts/profile_kernels.py --rows 1 --mixed-rows 218 --mixed-prompts 2 --chunk-len 896   (c256's mixed step)
     python scripts/profile_kernels.py --cpu --layers 2   (a smoke run: the CPU's op names, times mean nothing)
 """
 from __future__ import annotations
@@ -110,13 +111,16 @@ def main() -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 165, 256], help="decode steps' rows")
     ap.add_argument("--context", type=int, default=1152, help="tokens each decode row holds")
     ap.add_argument("--chunk-len", type=int, default=256, help="the mixed step's prompt (0: no mixed step)")
+    ap.add_argument("--mixed-rows", type=int, default=64, help="the mixed step's decode rows")
+    ap.add_argument("--mixed-prompts", type=int, default=1,
+                    help="the mixed step's prompts of --chunk-len tokens (c256's: ~218 rows beside ~1,800 tokens)")
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--cpu", action="store_true")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.cpu
-    shapes = [(r, 0) for r in args.rows] + ([(64, 1)] if args.chunk_len else [])
-    most = max(r for r, _ in shapes) + 1
+    shapes = [(r, 0) for r in args.rows] + ([(args.mixed_rows, args.mixed_prompts)] if args.chunk_len else [])
+    most = max(r + p for r, p in shapes) + 1
     for fmt in args.formats:
         model, kv = build(fmt, args.layers, cuda, most, args.shape)
         for rows, prompts in shapes:
