@@ -216,6 +216,8 @@ def resolve(cfg: LlaunchConfig) -> LlaunchConfig:
     spec = cfg.spec
     if spec.method == SpecMethod.draft and spec.draft_model_path:  # the rules and the workers read one folder
         spec = replace(spec, draft_model_path=local_path(spec.draft_model_path, "spec.draft_model_path"))
-    server = replace(cfg.server, chat_template=_absolute(cfg.server.chat_template))  # frontends read it, wherever they run
+    # frontends read the template and workers write profiles, wherever they run
+    server = replace(cfg.server, chat_template=_absolute(cfg.server.chat_template),
+                     profile_dir=_absolute(cfg.server.profile_dir))
     return replace(cfg, device=device, model=model, router=resolve_router(cfg.router, model, cfg.mode.kind), spec=spec,
                    server=server)

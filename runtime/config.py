@@ -394,6 +394,9 @@ class ServerConfig:
     # Chat answers' <think> blocks come back as message.reasoning_content / delta.reasoning_content, apart from
     # content (vLLM's --reasoning-parser); a request's include_reasoning=false drops them.
     reasoning_parser: ReasoningParser = ReasoningParser.none
+    # POST /start_profile and /stop_profile (vLLM's and SGLang's routes) run torch.profiler in every worker and
+    # write each rank's trace and kernel table into this directory; None: those routes answer 400
+    profile_dir: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.http.lightllm_ops import TokensApi, lightllm_server_info, token_load
 from llaunch.runtime.http.openai_serving import OpenAIServing
 from llaunch.runtime.http.openapi import openapi_document
+from llaunch.runtime.http.profile_routes import profile_message
 from llaunch.runtime.http.pd_instance import PrefillServing, link_from_headers
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.http.rerank_api import RerankApi
@@ -64,6 +65,7 @@ class FrontendSettings:
     grammar_tokenizer: Optional[Callable[[], Any]] = None
     max_constraint_compile_s: float = 30.0
     parse_probe_s: float = 2.0  # /health/ready fails when the request-parsing threads take longer to run a no-op
+    profile_dir: Optional[str] = None  # server.profile_dir: POST /start_profile, /stop_profile (runtime/http/profile_routes.py)
 
     @staticmethod
     def from_run_config(cfg: RunConfig, tokenizer: PromptTokenizer, api_key: Optional[str] = None) -> "FrontendSettings":
@@ -90,7 +92,7 @@ class FrontendSettings:
                                 grammar_tokenizer=functools.partial(load_tokenizer, m),
                                 max_constraint_compile_s=s.max_constraint_compile_s,
                                 request_timeout_s=s.request_timeout_s, score=ScoreHead.of(m), embed=EmbedModel.of(m),
-                                tgi_info=tgi_info(cfg) if s.tgi_api else None,
+                                tgi_info=tgi_info(cfg) if s.tgi_api else None, profile_dir=s.profile_dir,
                                 images=ImageInputs(m, cfg.visual) if m.vision
                                 else AudioInputs(m, cfg.audio) if m.audio else None)
 
@@ -334,6 +336,18 @@ def create_app(settings: FrontendSettings, engine: EngineClient, tokenizer: Prom
         """Every replica evicts the prompt-cache entries no running request holds (SGLang's admin route)."""
         await engine.flush_cache()
         return json_response({"status": "ok"})
+
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        """Every worker starts torch.profiler between steps (vLLM's and SGLang's route; server.profile_dir)."""
+        await engine.profile(profile_message(await request.get_data(), True, settings.profile_dir))
+        return json_response({"status": "ok", "profile_dir": settings.profile_dir})
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        """Every worker finishes its steps in flight, stops the profiler and writes its trace and kernel table."""
+        await engine.profile(profile_message(await request.get_data(), False, settings.profile_dir))
+        return json_response({"status": "ok", "profile_dir": settings.profile_dir})
 
     process = CollectorRegistry()
     ProcessCollector(registry=process)  # this frontend's CPU, memory, fds (vLLM's API server process_*)

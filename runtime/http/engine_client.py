@@ -29,7 +29,7 @@ from llaunch.runtime.config import ProcessSpec
 from llaunch.runtime.web.errors import engine_failed
 from llaunch.runtime.web.lifecycle import Lifecycle
 from llaunch.runtime.http.prefix_affinity import PrefixAffinity
-from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, Constraint, FlushCache, FrontendInbound,
+from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, Constraint, FlushCache, FrontendInbound, Profile,
                                           MetricsSnapshot, PdLink, RouterInbound, SamplingParams, TextBatch, TextDelta)
 from llaunch.runtime.ipc.sockets import AsyncReceiver, AsyncSender
 
@@ -248,6 +248,11 @@ class EngineClient:
             await self._post(replica, FlushCache())
         if self.affinity is not None:  # nothing a replica held is cached any more
             self.affinity.clear()
+
+    async def profile(self, msg: Profile) -> None:
+        """Every replica's router passes the profiler's start or stop on to its workers, between steps."""
+        for replica in range(len(self.outstanding)):
+            await self._post(replica, msg)
 
     async def abort_all(self) -> None:
         groups = {id(r.group): r.group for r in self._routes.values()}

@@ -120,6 +120,16 @@ def openapi_document(limits: RequestLimits, api_key: bool, tgi: bool = False,
                                "responses": _responses(what, kind)}}
     paths["/flush_cache"] = {"post": {"operationId": "flush_cache",
                                       "responses": _responses("The prompt cache was flushed.")}}
+    start = {"type": "object", "additionalProperties": False, "properties": {
+        "num_steps": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]},
+        "activities": {"type": "array", "items": {"enum": ["CPU", "GPU"]}},
+        "record_shapes": {"type": "boolean"}, "with_stack": {"type": "boolean"}}}
+    paths["/start_profile"] = {"post": {
+        "operationId": "start_profile", "description": "Every worker runs torch.profiler (server.profile_dir; else 400).",
+        "requestBody": {"required": False, "content": {"application/json": {"schema": start}}},
+        "responses": _responses("The workers start profiling with their next step.")}}
+    paths["/stop_profile"] = {"post": {"operationId": "stop_profile",
+                                       "responses": _responses("The workers write their traces to server.profile_dir.")}}
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "llaunch", "version": "1", "description": (

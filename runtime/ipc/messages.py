@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, named by direction.
 
-frontend ──AddRequest/AbortRequest/FlushCache──▶ router ──StepPlan──▶ worker ──StepResult/WorkerReady──▶ router
+frontend ──AddRequest/AbortRequest/FlushCache/Profile──▶ router ──StepPlan/Profile──▶ worker ──StepResult/WorkerReady──▶ router
 router ──RequestOpened/TokenBatch/RouterStats──▶ detokenizer ──TextBatch/MetricsSnapshot──▶ frontend
 every process ──ProcessReady──▶ launcher
 
@@ -112,7 +112,18 @@ class FlushCache(_Msg):
     """Evict every prompt-cache entry no running request holds (POST /flush_cache)."""
 
 
-RouterInbound = Union[AddRequest, AbortRequest, FlushCache]
+class Profile(_Msg):
+    """Start or stop every worker's torch.profiler between steps (POST /start_profile, /stop_profile; each
+    writes its trace and kernel table under server.profile_dir). The router passes it on in step order."""
+
+    start: bool
+    num_steps: int = 0  # start: stop by itself after this many steps (0: at the next stop)
+    activities: list[str] = []  # "CPU" and / or "GPU" ([]: both, GPU where the worker has one)
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
+RouterInbound = Union[AddRequest, AbortRequest, FlushCache, Profile]
 
 # ---- router → worker ---------------------------------------------------------------------------
 
@@ -208,7 +219,7 @@ class PrepareConstraints(_Msg):
     constraints: list[Constraint]
 
 
-WorkerInbound = Union[StepPlan, Shutdown, SendKv, ReceiveKv, CancelKv, PrepareConstraints]
+WorkerInbound = Union[StepPlan, Shutdown, SendKv, ReceiveKv, CancelKv, PrepareConstraints, Profile]
 
 # ---- worker → router ---------------------------------------------------------------------------
 

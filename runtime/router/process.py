@@ -17,7 +17,7 @@ import zmq
 
 from llaunch.runtime import bootstrap
 from llaunch.runtime.config import Mode, ModelTask, OnStall, Pooling, RunConfig
-from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, ConstraintsReady, FlushCache, KvDone,
+from llaunch.runtime.ipc.messages import (AbortRequest, AddRequest, ConstraintsReady, FlushCache, KvDone, Profile,
                                           PrepareConstraints, RequestOpened, RouterInbound, RouterResults,
                                           RouterStats, Shutdown, StepResult, TokenBatch, TokenDelta, WorkerReady,
                                           ImagesReady)
@@ -150,6 +150,9 @@ class Router:
         elif isinstance(msg, FlushCache):
             log.info("prompt cache flushed: %d KV slots freed", sched.cache.flush())
             self.maybe_send_stats(force=True)
+        elif isinstance(msg, Profile):  # on the plans' sockets: the workers take it between the steps sent so far
+            for w in self.workers:
+                w.send(msg)
 
     def prepare_constraints(self) -> None:
         if self.gate.to_prepare:

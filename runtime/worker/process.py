@@ -24,8 +24,8 @@ from llaunch.runtime.config import Mode, RunConfig
 from llaunch.kernels import settings as kernel_settings
 from llaunch.runtime import bootstrap
 from llaunch.runtime.cpu_quota import usable_cpus
-from llaunch.runtime.ipc.messages import (CancelKv, PrepareConstraints, ReceiveKv, SendKv, Shutdown, StepPlan,
-                                          WorkerInbound, WorkerReady)
+from llaunch.runtime.ipc.messages import (CancelKv, PrepareConstraints, Profile, ReceiveKv, SendKv, Shutdown,
+                                          StepPlan, WorkerInbound, WorkerReady)
 from llaunch.runtime.ipc.sockets import Receiver, Sender, SocketMonitor
 from llaunch.runtime.models.kv_fp8 import use_fp8_kv
 from llaunch.runtime.kv_transfer.link import KvLink, KvTransportStuck
@@ -41,6 +41,7 @@ from llaunch.runtime.models.audio_qwen2 import audio_tokens
 from llaunch.runtime.worker.host_kv import HostKvPool
 from llaunch.runtime.worker.kv_sizing import kv_slots_for
 from llaunch.runtime.worker.runner import ModelRunner
+from llaunch.runtime.worker.step_profiler import StepProfiler
 from llaunch.runtime.models.memory import mixed_graph_tokens, spec_step_tokens
 
 log = logging.getLogger("llaunch.worker")
@@ -226,7 +227,9 @@ def main() -> None:
                  else "sending")
     try:
         serve(runner, plans, results if spec.tp_rank == 0 else None, overlap=device.type == "cuda", link=link,
-              kv_results=results, prep=ConstraintPrep(grammars), host_kv=host_kv)
+              kv_results=results, prep=ConstraintPrep(grammars), host_kv=host_kv,
+              profiler=StepProfiler(cfg.server.profile_dir, f"worker-{spec.dp_rank}-{spec.tp_rank}",
+                                    device.type == "cuda"))
     except KvTransportStuck as e:
         # Closing the link or CUDA's teardown can block behind the stuck kernel: leave now; the
         # launcher sees the worker die and takes the instance down, the pd_master marks it unhealthy.
@@ -263,13 +266,16 @@ def log_admitted(plan: StepPlan) -> None:
 
 
 def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Optional[KvLink] = None,
-          kv_results=None, prep: Optional[ConstraintPrep] = None, host_kv: Optional[HostKvPool] = None) -> None:
+          kv_results=None, prep: Optional[ConstraintPrep] = None, host_kv: Optional[HostKvPool] = None,
+          profiler: Optional[StepProfiler] = None) -> None:
     """Run plans in order. With `overlap`, step N+1 is launched before step N's tokens are read,
     so the device is busy while the host prepares the next step. With a KV `link`, transfer
     commands start between steps and their ends are reported as they come; with `prep`, grammars the
-    router asks for compile meanwhile and each rank reports them (`kv_results`: every rank's sender)."""
+    router asks for compile meanwhile and each rank reports them (`kv_results`: every rank's sender);
+    with `profiler`, Profile messages start and stop torch.profiler between steps."""
     pending = None
     prep = prep or ConstraintPrep(None)
+    profiler = profiler or StepProfiler(None, "worker", False)
 
     def send(step):
         result = runner.finish(step)
@@ -312,18 +318,33 @@ def serve(runner: ModelRunner, plans: Receiver, results, overlap: bool, link: Op
             continue
         if isinstance(msg, Shutdown):
             break
+        if isinstance(msg, Profile):
+            if msg.start:
+                profiler.handle(msg)
+            else:  # the steps launched so far end inside the profile
+                if pending is not None:
+                    send(pending)
+                    pending = None
+                profiler.stop()
+            continue
         if results is not None:
             log_admitted(msg)
         if host_kv is not None:  # host-tier copies first: the forward may read or reuse their slots
             host_kv.apply(msg.kv_moves)
         step = runner.launch(msg)
+        profiler.stepped()
         if step.deferred is not None:  # its masks need the tokens of the step before: read them first
             if pending is not None:
                 send(pending)
                 pending = None
             runner.sample_deferred(step)
-        if not overlap:
+        if not overlap or profiler.due:
+            if pending is not None:
+                send(pending)
+                pending = None
             send(step)
+            if profiler.due:  # its last step is finished: the profile ends here
+                profiler.stop()
             continue
         if pending is not None:
             send(pending)
