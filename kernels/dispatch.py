@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import types
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -20,7 +20,7 @@ from llaunch.kernels import fp8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
                    "gated_activation", "sampling", "greedy", "fp8_block", "fp8_rows", "fp8_epilogue", "fused_moe",
-                   "skinny_gemm")
+                   "skinny_gemm", "fp8_gated_quant")
 
 
 def _use_triton(t) -> bool:
@@ -51,6 +51,7 @@ def triton_ops() -> types.SimpleNamespace:
         fp8_block_linear=modules["fp8_block"].fp8_block_linear,
         quantize_rows=modules["fp8_rows"].quantize_rows,
         fp8_epilogue=modules["fp8_epilogue"].scale_rows_and_channels,
+        gated_quantize=modules["fp8_gated_quant"].gated_quantize,
         moe_route=modules["fused_moe"].moe_route,
         fused_moe=modules["fused_moe"].fused_moe,
     )
@@ -188,17 +189,64 @@ def _quantize_rows(x, weight: "fp8.Fp8Weight"):
     return triton_ops().quantize_rows(x.contiguous(), weight.scale_ub, static)
 
 
+class QuantizedRows(NamedTuple):
+    """An fp8 layer's input already in e4m3, one scale a token: what gated_linear hands down_proj when it
+    quantizes in the activation's kernel (kernels/fp8_gated_quant.py)."""
+
+    q: torch.Tensor  # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M, 1] float32
+    dtype: torch.dtype  # the model's: the layer's output
+    lead: tuple  # the activation's leading dims ([M] flattened)
+
+
+def _epilogue(rows: int):
+    """kernels.fp8_gemm for a GEMM of `rows` rows: the epilogue kernel, or None (the row-wise GEMM)."""
+    return triton_ops().fp8_epilogue if settings.current.fp8_epilogue(rows) else None
+
+
 def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None):
     """An fp8 layer (kernels/fp8.py): on a GPU cuBLASLt's scaled GEMM, or for block-wise weights the
-    Triton block GEMM (kernels/fp8_block.py), or for one row the GEMV; their roundings in torch elsewhere."""
+    Triton block GEMM (kernels/fp8_block.py), or for one row the GEMV; their roundings in torch elsewhere.
+    x may come quantized (QuantizedRows, the fused MLP's down_proj input)."""
+    if isinstance(x, QuantizedRows):
+        return fp8.scaled_mm_rows(x.q, x.scale, weight, bias, x.dtype, x.lead, _epilogue(x.q.shape[0]))
     if _fp8_row(x, weight):
         return triton_ops().gemv(x, weight, bias)
     if x.is_cuda and not settings.current.reference:
         if weight.block is not None and weight.activations != fp8.NONE:
             return triton_ops().fp8_block_linear(x, weight, bias)
-        epilogue = triton_ops().fp8_epilogue if settings.current.fp8_epilogue else None
+        epilogue = _epilogue(x.numel() // max(x.shape[-1], 1))
         return fp8.scaled_mm_linear(x, weight, bias, quantize=_quantize_rows, epilogue=epilogue)
     return fp8.reference_linear(x, weight, bias)
+
+
+def _per_channel_quantized(w) -> bool:
+    return isinstance(w, fp8.Fp8Weight) and w.block is None and w.activations != fp8.NONE
+
+
+def _fused_mlp(x, weight, down) -> bool:
+    """An fp8 gate‖up of 2+ rows on a GPU whose down_proj quantizes its input per token: one kernel from the
+    sums to down_proj's e4m3 (kernels.fp8_fused_mlp)."""
+    return (settings.current.fp8_fused_mlp and _use_triton(x) and _per_channel_quantized(weight)
+            and _per_channel_quantized(down))
+
+
+def _gated_quantized(x, weight: "fp8.Fp8Weight", down: "fp8.Fp8Weight") -> QuantizedRows:
+    """gate‖up's fp8 GEMM, then act · up quantized for `down` as fp8_linear(silu_mul(...), down) would (the same
+    e4m3 values and scales: tests/kernels/test_kernel_fp8_gated_quant.py)."""
+    flat = x.reshape(-1, x.shape[-1])
+    q, scale = _quantize_rows(flat, weight)
+    if settings.current.fp8_epilogue(flat.shape[0]):  # the unscaled sums; the kernel applies the scales
+        one = fp8._unit_scale(q.device)
+        y = torch._scaled_mm(q, weight.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        rows, channels = scale, weight.scale
+    else:
+        y = torch._scaled_mm(q, weight.weight.t(), scale_a=scale.contiguous(), scale_b=weight.scale.view(1, -1),
+                             out_dtype=torch.bfloat16)
+        rows = channels = None
+    static = down.input_scale if down.activations == fp8.STATIC else None
+    q2, s2 = triton_ops().gated_quantize(y, x.dtype, rows, channels, down.scale_ub, static)
+    return QuantizedRows(q2, s2, x.dtype, tuple(x.shape[:-1]))
 
 
 def linear(x, weight, bias=None):
@@ -225,10 +273,14 @@ def lm_head_linear(x, weight):
     return reference.linear(x, weight)
 
 
-def gated_linear(x, weight):
+def gated_linear(x, weight, down=None):
+    """silu(x·gate) · (x·up) of the fused gate‖up weight; `down`: the layer after it (down_proj's weight), which an
+    fp8 MLP's fused kernel quantizes for (the result is then QuantizedRows, which only that layer takes)."""
     if isinstance(weight, fp8.Fp8Weight):
         if _fp8_row(x, weight):
             return triton_ops().gemv(x, weight, gated=True)
+        if _fused_mlp(x, weight, down):
+            return _gated_quantized(x, weight, down)
         return silu_mul(fp8_linear(x, weight))
     if _one_row(x):
         return triton_ops().gemv(x, weight, gated=True)

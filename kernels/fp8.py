@@ -132,14 +132,19 @@ def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor]
     bias added) by it (kernels/fp8_epilogue.py, kernels.fp8_gemm=tensor_epilogue)."""
     if w.activations == NONE:
         return F.linear(x, dequantize_weight(w, x.dtype), bias)
-    flat = x.reshape(-1, x.shape[-1])
-    q, scale = quantize(flat, w)
+    q, scale = quantize(x.reshape(-1, x.shape[-1]), w)
+    return scaled_mm_rows(q, scale, w, bias, x.dtype, tuple(x.shape[:-1]), epilogue)
+
+
+def scaled_mm_rows(q: torch.Tensor, scale: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor],
+                   dtype: torch.dtype, lead: tuple, epilogue: Optional[Callable] = None) -> torch.Tensor:
+    """scaled_mm_linear's GEMM of activations already in e4m3 (q [M, K], scale [M, 1]) → [*lead, N] in dtype."""
     if epilogue is not None:
         one = _unit_scale(q.device)
         y = torch._scaled_mm(q, w.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        return epilogue(y, scale, w.scale, bias, x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        return epilogue(y, scale, w.scale, bias, dtype).reshape(*lead, y.shape[-1])
     # row-wise scaling wants bfloat16 out; b is the weight's transpose, a column-major [K, N] view
     y = torch._scaled_mm(q, w.weight.t(), scale_a=scale.contiguous(), scale_b=w.scale.view(1, -1),
                          out_dtype=torch.bfloat16)
-    y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+    y = y.to(dtype).reshape(*lead, y.shape[-1])
     return y if bias is None else y + bias

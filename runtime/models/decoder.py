@@ -147,7 +147,7 @@ class Mlp(nn.Module):
         if self.geglu:  # Gemma
             return self.down_proj(gelu_tanh_mul(linear(x, self.gate_up_proj.weight)), reduce)
         # gate_up's bias is always absent (Llama, Qwen2), so the fused gated GEMV needs none.
-        return self.down_proj(gated_linear(x, self.gate_up_proj.weight), reduce)
+        return self.down_proj(gated_linear(x, self.gate_up_proj.weight, self.down_proj.weight), reduce)
 
 
 class DecoderLayer(nn.Module):
