@@ -31,8 +31,8 @@
 #                                                        c256 bf16 KV vs fp8 KV
 # fp8mixed  .whl                                         #37 c256 (fp8 1.25x bf16, 1.4x wanted): a c256-like mixed step
 #                                                        (218 decode rows, 2 x 896 prompt tokens) and a 160-row decode
-#                                                        step by kernel, bf16 and fp8; then the fp8 GEMMs at mixed-step
-#                                                        sizes: per-tensor + epilogue (served) vs row-wise vs bf16
+#                                                        step by kernel, bf16 and fp8 as served, then fp8 with the MLP
+#                                                        unfused and the epilogue's GEMM at every size (as 6f85a72)
 # fp8single .whl-serve .gpu                              #37: single stream, bf16 / fp8 / fp8 with kernels.fp8_words
 #                                                        (WORDS="kernels.gemv_shapes=..." the word kernel's shapes)
 # fp8act    .whl-serve .gpu                              #37: the fp8 GEMVs with x's absmax vs a static scale vs none
@@ -110,10 +110,13 @@ case $NAME in
     fp8_words ;;
   fp8mixed)
     install
-    (cd scripts && optional 120 timeout 300 python3 profile_kernels.py --rows 160 --mixed-rows 218 --mixed-prompts 2 \
-      --chunk-len 896 --top 16) | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_profile.txt"
-    (cd scripts && optional 60 python3 bench_fp8_gemm.py --rows 512 1024 2048 --no-triton) | grep -v Warning \
-      | tee "$OUT/fp8_gemm_mixed.jsonl" ;;
+    # as served now (kernels.fp8_fused_mlp, kernels.fp8_gemm=auto), then fp8 as at 6f85a72 (three kernels between
+    # gate_up and down_proj, the epilogue's GEMM at every size): 2026-12-05, H100, fp8 35.39 ms vs bf16 41.40
+    MIXED="--rows 160 --mixed-rows 218 --mixed-prompts 2 --chunk-len 896 --top 16"
+    (cd scripts && RESERVE=100 optional 120 timeout 300 python3 profile_kernels.py $MIXED) \
+      | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_profile.txt"
+    (cd scripts && optional 60 timeout 200 python3 profile_kernels.py $MIXED --formats fp8 --set fp8_fused_mlp=false \
+      --set fp8_gemm=tensor_epilogue) | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_unfused.txt" ;;
   fp8act)
     install
     fp8_activations ;;

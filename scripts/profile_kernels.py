@@ -7,11 +7,13 @@ over the step's layers. One JSON line per step and weight format, then the kerne
     python scripts/profile_kernels.py [--layers 28] [--rows 1 64 165 256] [--formats bf16 fp8] [--top 12]
     python scripts/profile_kernels.py --shape qwen3-30b-a3b --layers 48 --formats bf16
     python scripts/profile_kernels.py --rows 1 --mixed-rows 218 --mixed-prompts 2 --chunk-len 896   (c256's mixed step)
+    python scripts/profile_kernels.py --formats fp8 --set fp8_fused_mlp=false --set fp8_gemm=tensor_epilogue
     python scripts/profile_kernels.py --cpu --layers 2   (a smoke run: the CPU's op names, times mean nothing)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import defaultdict
@@ -20,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_steps import QWEN2_7B, SPAN, step_batch  # scripts/ is on the path of a script run
+from llaunch.kernels import settings
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.decoder import DecoderLM
 from llaunch.runtime.models.fp8_linear import quantize_linears
@@ -71,6 +74,20 @@ def step_fn(model, kv, batch, cuda: bool):
         return run, "eager"
 
 
+def apply_settings(pairs: list[str]) -> None:
+    """--set KEY=VALUE: kernels settings as a worker's `kernels` config would give them (bools, ints, strings,
+    choices)."""
+    if not pairs:
+        return
+    changes = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        current = getattr(settings.current.settings, key)  # an unknown key fails here
+        changes[key] = value.lower() in ("1", "true", "yes") if isinstance(current, bool) else type(current)(value)
+    settings.configure(dataclasses.replace(settings.current.settings, **changes))
+    print(json.dumps(dict(kernels=changes), default=str))
+
+
 def device_ms(fn, cuda: bool, repeats: int = 20) -> float:
     if not cuda:
         return float("nan")
@@ -117,7 +134,10 @@ def main() -> int:
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kernels setting for every step (kernels/settings.py), e.g. --set fp8_fused_mlp=false")
     args = ap.parse_args()
+    apply_settings(args.set)
     cuda = torch.cuda.is_available() and not args.cpu
     shapes = [(r, 0) for r in args.rows] + ([(args.mixed_rows, args.mixed_prompts)] if args.chunk_len else [])
     most = max(r + p for r, p in shapes) + 1
