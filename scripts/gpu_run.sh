@@ -68,7 +68,10 @@ SMOLLM2_EMBEDDING=${SMOLLM2_EMBEDDING:-Q4_0}  # prepare: the cut's token embeddi
 # chosen by scripts/choose_cut_blocks.py (drop the block whose loss least raises the next-token loss on this repo's
 # docs and least lowers the copying of a passage given twice): it predicts 82% of a passage's second copy, the
 # whole model 93%, the tests' 11 blocks above 5%; on bench_spec.sh's c1 prompts, tokens a verify at k = 4 / 8:
-# 3.94 / 4.80, whole 4.05 / 6.25, the tests' cut 2.20 / 2.27 (scripts/spec_acceptance.py, float32, 2026-12-05)
+# 3.94 / 4.80, whole 4.05 / 6.25, the tests' cut 2.20 / 2.27 (scripts/spec_acceptance.py, float32, 2026-12-05).
+# No draft for spec=draft comes of cutting it further: as the draft of these 18 blocks, 4 of them (0-1,16-17) give
+# 1.00 tokens a verify at k = 4, 6 (0-2,15-17) 1.02, 12 (0-5,12-17) 1.02, the tests' 11 (0-2,4,5,7,9,14-17 of the
+# 18) 1.13 (spec_acceptance.py --draft-blocks, 2-3 prompts, 2026-12-05): spec=draft needs a model of its own
 SMOLLM2_SPEC_BLOCKS=${SMOLLM2_SPEC_BLOCKS:-0-2,7,8,11,15-20,22-24,27-29}
 
 if has prepare; then

@@ -7,9 +7,12 @@ included (the speed-up's ceiling where a verify costs a decode step). Chained ve
 
 Also how much of a passage's second copy the model predicts when the passage is given twice (teacher-forced
 top-1), the copying that n-gram proposals live on. --blocks keeps some of the model's decoder blocks, as
-scripts/cut_gguf.py cuts a GGUF (gpu_run.sh's SmolLM2 cuts), to see what a cut still copies.
+scripts/cut_gguf.py cuts a GGUF (gpu_run.sh's SmolLM2 cuts), to see what a cut still copies. --draft-blocks: what
+spec=draft would accept with the model cut further to these of its blocks as the draft (greedy proposals of k
+tokens: each verify keeps the draft's tokens while they equal the model's greedy ones).
 
     python scripts/spec_acceptance.py --model .models/smollm2-135m [--blocks 0-2,7,8] [--prompts 4] [--k 4 8]
+    python scripts/spec_acceptance.py --model .models/spec/smollm2-135m --draft-blocks 0-1,16-17
 """
 from __future__ import annotations
 
@@ -45,6 +48,21 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, ngram_min: int 
     return 1 + accepted / max(proposals, 1), len(output) / max(steps, 1)
 
 
+def replay_draft(agree: Sequence[bool], k: int) -> tuple[float, float]:
+    """The same for a greedy draft: agree[j] says whether the draft's argmax after the prompt and output[:j] is
+    output[j] (teacher-forced: a proposal is kept only while it equals the output, so its tokens after the first
+    mismatch never count). Every step proposes k tokens."""
+    done, steps, accepted = 0, 0, 0
+    while done < len(agree):
+        kept = 0
+        while kept < k and done + kept < len(agree) and agree[done + kept]:
+            kept += 1
+        done += min(kept + 1, len(agree) - done)
+        steps += 1
+        accepted += kept
+    return 1 + accepted / max(steps, 1), len(agree) / max(steps, 1)
+
+
 def keep_blocks(model, blocks: list[int]) -> None:
     """Keep only these decoder blocks (renumbered), as cut_gguf.py cuts a checkpoint."""
     import torch
@@ -71,6 +89,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a Hugging Face model folder (scripts/prepare_models.py writes one)")
     ap.add_argument("--blocks", default=None, help="decoder blocks to keep, as cut_gguf.py --blocks (default: all)")
+    ap.add_argument("--draft-blocks", default=None,
+                    help="spec=draft instead of ngram: the draft is the model (after --blocks) cut to these blocks")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
@@ -87,6 +107,10 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     if args.blocks:
         keep_blocks(model, parse_blocks(args.blocks, model.config.num_hidden_layers))
+    draft = None
+    if args.draft_blocks:
+        draft = copy.deepcopy(model)
+        keep_blocks(draft, parse_blocks(args.draft_blocks, model.config.num_hidden_layers))
     tokenize = tokenizer_of(args.model)
     # as the benchmark's requests (ignore_eos): an end-of-sequence token is output like any other, no stop
     greedy = copy.deepcopy(model.generation_config)
@@ -95,7 +119,13 @@ def main(argv=None) -> int:
     for i, prompt in enumerate(text_copy_prompts(args.prompts, args.input_len, tokenize, args.seed)):
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), generation_config=greedy)[0, len(prompt):].tolist()
-        per = {k: replay(prompt, out, k) for k in args.k}
+        if draft is None:
+            per = {k: replay(prompt, out, k) for k in args.k}
+        else:  # the draft's argmax after every prefix of the output, in one forward
+            with torch.no_grad():
+                guess = draft(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+            agree = [g == t for g, t in zip(guess, out)]
+            per = {k: replay_draft(agree, k) for k in args.k}
         print(f"prompt {i}: " + "  ".join(f"k={k} {v:.2f} a verify, {s:.2f} a step" for k, (v, s) in per.items()),
               flush=True)
         for k, (v, s) in per.items():
