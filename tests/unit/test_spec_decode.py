@@ -412,3 +412,7 @@ def test_the_offline_acceptance_replay_counts_verifies_as_greedy_n_gram_speculat
     # (2 steps without a proposal): 2 verifies of 3 + 1 tokens, 4 steps for 6 tokens
     assert replay.replay(prompt + [1], [2, 3, 4, 99, 98, 97], k=2) == (2.0, 6 / 4)
     assert replay.replay([5], [6, 7, 8], k=4) == (1.0, 1.0)  # no proposal: a token a step
+    # a greedy draft, teacher-forced: it agrees at 0, 1, then not at 2 (the model's own), then agrees at 3-5: k = 2
+    # keeps 0-1 (+2 own), then 3-4 (+5 own): 2 steps for 6 tokens, 3 tokens a verify
+    assert replay.replay_draft([True, True, False, True, True, True], k=2) == (3.0, 3.0)
+    assert replay.replay_draft([False] * 4, k=4) == (1.0, 1.0)  # a draft that never agrees: a token a verify
