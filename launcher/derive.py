@@ -100,6 +100,8 @@ def resolve_model(model: ModelConfig, device: Device) -> ModelConfig:
             dtype = GPU_FALLBACK_DTYPE
         else:  # an unsupported checkpoint dtype stays auto: rules_model.checkpoint_dtype_supported says so
             dtype = checkpoint_dtype(ckpt) or DType.auto
+            if dtype == DType.float32:  # as vLLM's auto: a float32 checkpoint is served in 16 bits (float32: ask)
+                dtype = GPU_FALLBACK_DTYPE
     eos = model.eos_token_ids or (ckpt.eos_token_ids if ckpt and ckpt.eos_token_ids else None)
     return replace(
         model, **(arch | task_fields(model, ckpt, arch["num_labels"], path)), name=model.name or hub_id or served_name(path) or family, family=family, path=path, tokenizer=_absolute(model.tokenizer) or path,

@@ -134,7 +134,7 @@ class ModelConfig:
     path: Optional[str] = None  # Hugging Face folder (config.json, *.safetensors, tokenizer) or .gguf
     tokenizer: Optional[str] = None  # defaults to path
     load_format: LoadFormat = LoadFormat.auto  # auto: from path (.gguf or safetensors); dummy: random weights
-    dtype: DType = DType.auto  # auto: config.json's dtype on GPU, float32 on CPU
+    dtype: DType = DType.auto  # auto: config.json's dtype on GPU (a float32 one: bfloat16, as vLLM), float32 on CPU
     seed: int = 0  # dummy weights
     enforce_eager: bool = False  # no CUDA graphs (vLLM's name): for debugging and A/B timing
     # Longest prompt chunk whose prefill, when it runs alone, replays a CUDA graph (buckets of 64

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -217,6 +218,18 @@ def test_profile_values_win_and_gaps_are_filled(tmp_path):
     m = derive.resolve_model(ModelConfig(path=str(tmp_path), vocab_size=999, eos_token_ids=[1],
                                          dtype=DType.float16), Device.cuda)
     assert (m.vocab_size, m.eos_token_ids, m.dtype, m.hidden_size) == (999, [1], DType.float16, 64)
+
+
+def test_a_float32_checkpoint_is_served_in_bfloat16_on_a_gpu_unless_asked(tmp_path):
+    """model.dtype=auto as vLLM's: 16 bits on a GPU for a float32 checkpoint (float32 steps read twice the bytes);
+    float32 where asked for, and on the CPU."""
+    config = json.loads((write_hf_config(tmp_path, "llama") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
+    checkpoint.read_checkpoint.cache_clear()
+    assert checkpoint.read_checkpoint(str(tmp_path)).dtype == "float32"
+    assert derive.resolve_model(ModelConfig(path=str(tmp_path)), Device.cuda).dtype == DType.bfloat16
+    assert derive.resolve_model(ModelConfig(path=str(tmp_path), dtype=DType.float32), Device.cuda).dtype == DType.float32
+    assert derive.resolve_model(ModelConfig(path=str(tmp_path)), Device.cpu).dtype == DType.float32
 
 
 def test_resolve_without_a_checkpoint():
