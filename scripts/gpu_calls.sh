@@ -8,11 +8,12 @@
 #   there:       bash scripts/gpu_calls.sh NAME     (results under $OUT)
 #
 # NAME      carry                                        what it runs
-# suite     .whl .gpu                                    the GPU suite (must be green for kernel changes), then
-#                                                        #37's fp8 decode step with kernels.fp8_words against without
-#                                                        (per layer kind, and each kind on the word kernel's shapes)
+# suite     .whl .gpu                                    the GPU suite (must be green for kernel changes), then fp8mixed's
+#                                                        profiles (fp8_words' bench: `fp8words`, measured at 6f85a72)
 # changed   .whl .gpu                                    the GPU tests of what changed since the last green suite, then
-#                                                        suite's fp8_words bench (when a whole suite does not fit)
+#                                                        fp8mixed's profiles (when a whole suite does not fit)
+# fp8words  .whl                                         #37's fp8 decode step with kernels.fp8_words against without
+#                                                        (per layer kind, and each kind on the word kernel's shapes)
 # moe       .whl-serve .gpu                              #40: the qwen3-30b-a3b decode step per launch shape of its
 #                                                        one-row layers on the tensor cores, then single served with
 #                                                        the winners (MoE kernels under PDL as served now)
@@ -44,7 +45,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, fp8, fp8act, fp8mixed, fp8single, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, fp8, fp8act, fp8mixed, fp8words, fp8single, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -89,6 +90,16 @@ fp8_words() {
   (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --per-kind --words --candidates "$WORD_CANDIDATES") \
     | grep -v Warning | tee -a "$OUT/fp8_words.jsonl"
 }
+# #37 c256: a c256-like mixed step by kernel as served now (kernels.fp8_fused_mlp, kernels.fp8_gemm=auto), then fp8
+# as at 6f85a72 (three kernels between gate_up and down_proj, the epilogue's GEMM at every size): 2026-12-05, H100,
+# fp8 35.39 ms vs bf16 41.40
+fp8_mixed() {
+  local mixed="--rows 160 --mixed-rows 218 --mixed-prompts 2 --chunk-len 896 --top 16"
+  (cd scripts && RESERVE=60 optional 100 timeout 240 python3 profile_kernels.py $mixed) \
+    | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_profile.txt"
+  (cd scripts && optional 50 timeout 150 python3 profile_kernels.py $mixed --formats fp8 --set fp8_fused_mlp=false \
+    --set fp8_gemm=tensor_epilogue) | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_unfused.txt"
+}
 # the fp8 layers' tensor-core shapes (qkv, o_proj with K split to fill the SMs; gate‖up; down_proj as built in)
 SWAP_CANDIDATES="4608x3584:fp8=64/256/4/3/2 4608x3584:fp8=64/128/4/4/2 3584x3584:fp8=64/256/4/3/4 \
 3584x3584:fp8=64/128/4/4/4 18944x3584:gated:fp8=64/256/4/3 18944x3584:gated:fp8=64/128/4/4 3584x18944:fp8=64/256/4/3/4"
@@ -98,28 +109,21 @@ case $NAME in
   suite)
     install
     bash scripts/gpu_run.sh tests  # a failure is reported there; the measurements after it still run
-    fp8_words ;;
+    fp8_mixed ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
-    # suite (9d253e7: the fused fp8 KV store, decode attention's fp16 products, the 16-row skinny tiles, the verify
-    # step's greedy verdict, the fp8 word GEMVs), then fp8_words' bench
+    # suite (6f85a72: the fp8 MLP's fused kernel and kernels.fp8_gemm=auto, the worker's profiler), then fp8_mixed
     install
-    TESTS="tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_rotary.py tests/kernels/test_kernel_fp8_kv_attention.py
-      tests/kernels/test_kernel_skinny_gemm.py tests/kernels/test_kernel_decode_attention.py tests/gpu/test_fp8.py
-      tests/gpu/test_spec_decode_gpu.py tests/gpu/test_verify_graphs_gpu.py tests/gpu/test_no_host_sync.py
-      tests/gpu/test_smollm2_agreement.py" bash scripts/gpu_run.sh tests
-    fp8_words ;;
-  fp8mixed)
-    install
-    # as served now (kernels.fp8_fused_mlp, kernels.fp8_gemm=auto), then fp8 as at 6f85a72 (three kernels between
-    # gate_up and down_proj, the epilogue's GEMM at every size): 2026-12-05, H100, fp8 35.39 ms vs bf16 41.40
-    MIXED="--rows 160 --mixed-rows 218 --mixed-prompts 2 --chunk-len 896 --top 16"
-    (cd scripts && RESERVE=100 optional 120 timeout 300 python3 profile_kernels.py $MIXED) \
-      | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_profile.txt"
-    (cd scripts && optional 60 timeout 200 python3 profile_kernels.py $MIXED --formats fp8 --set fp8_fused_mlp=false \
-      --set fp8_gemm=tensor_epilogue) | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_unfused.txt" ;;
+    TESTS="tests/kernels/test_kernel_fp8_gated_quant.py tests/kernels/test_kernel_fp8_rows.py
+      tests/kernels/test_kernel_fp8_epilogue.py tests/gpu/test_fp8.py tests/gpu/test_mixed_graphs_gpu.py
+      tests/gpu/test_no_host_sync.py tests/gpu/test_smollm2_agreement.py tests/gpu/test_step_profiler_gpu.py" \
+      bash scripts/gpu_run.sh tests
+    fp8_mixed ;;
   fp8act)
     install
     fp8_activations ;;
+  fp8words)
+    install
+    fp8_words ;;
   fp8)  # #37 in one call: the tests mended since the last suite, swap AB against the built-in kernels, then kv8's c256
     install
     # and the ones that serve 2-16 rows through kernels.skinny_rows, on by default since 8e49252
@@ -174,6 +178,6 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # ~85 s a server (warm-up, then c1 and c64 three times each)
     # spec_mb16 left: at 9d253e7 c64 0.95x none (the old default); k8 had one c1 run there (1.84x)
     TRACE=1 VARIANTS=${VARIANTS:-"none spec k8"} optional 300 bash scripts/gpu_run.sh spec ;;
-  *) echo "unknown call $NAME (suite, changed, fp8, fp8act, fp8mixed, fp8single, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
+  *) echo "unknown call $NAME (suite, changed, fp8, fp8act, fp8mixed, fp8words, fp8single, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"
