@@ -22,7 +22,9 @@
 # Variables: SERVE (llaunch overrides of every server), SPEC (default spec=ngram), CASES, VARIANTS, NUM, C64_NUM, REPEATS,
 #   INPUT, OUTPUT, COPY (text or random), TOKENIZER (COPY=text: the served model's tokenizer.json or its folder,
 #   default .models/smollm2-135m), VOCAB (COPY=random: prompt ids drawn below it), PORT, OUT, PY, TRACE=1 (each server's router.step_trace: after
-#   its runs, where run 1 of each case spent its time by step kind, decode and verify apart, and the device's waits).
+#   its runs, where run 1 of each case spent its time by step kind, decode and verify apart, and the device's waits),
+#   PROFILE_STEPS (after the runs, that many steps of one more c1 request under torch.profiler: server.profile_dir,
+#   POST /start_profile; the kernels table's top is printed, the trace stays under OUT/profile-<server>).
 set -u
 if [ -z "${PY:-}" ]; then  # unset: the repo's venv where there is one
   PY=python3; [ -x .venv/bin/python ] && PY=.venv/bin/python
@@ -62,8 +64,9 @@ for variant in $VARIANTS; do
   echo "== serve: llaunch $SERVE $overrides"
   trace=${TRACE:+$OUT/trace-$variant.jsonl}
   rm -f "$OUT/trace-$variant.jsonl"
+  profiles=${PROFILE_STEPS:+$OUT/profile-$variant}
   "$LLAUNCH" $SERVE $overrides server.port="$PORT" hydra.run.dir="$OUT/run-$variant" ${trace:+router.step_trace=$trace} \
-    >"$OUT/llaunch-$variant.log" 2>&1 &
+    ${profiles:+server.profile_dir=$profiles} >"$OUT/llaunch-$variant.log" 2>&1 &
   lpid=$!
   up=0
   for _ in $(seq 1 600); do  # until /health answers, or the launcher exits (a refused config, a crash)
@@ -95,6 +98,16 @@ for variant in $VARIANTS; do
         $PY scripts/step_trace_report.py "$trace" --bins 1 --pipeline --window $(cat "$OUT/window-$variant-$c-1.txt") \
           | sed "s/^/   /"
       done
+    fi
+    if [ -n "$profiles" ]; then  # after the measured runs: PROFILE_STEPS steps of one c1 request under torch.profiler
+      curl -s -X POST "localhost:$PORT/start_profile" -H 'Content-Type: application/json' \
+        -d "{\"num_steps\": $PROFILE_STEPS}" >/dev/null
+      $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --model "$model" --copy-prompts "$COPY" \
+        --num-prompts 1 --input-len "$INPUT" --output-len "$OUTPUT" --concurrency 1 --vocab-size "$VOCAB" \
+        --tokenizer "$TOKENIZER" --seed 999 --result-file "$OUT/profiled-$variant.json" >/dev/null 2>&1
+      for _ in $(seq 1 30); do ls "$profiles"/*.kernels.txt >/dev/null 2>&1 && break; sleep 1; done
+      echo "   $variant: $PROFILE_STEPS steps of a c1 request by kernel ($profiles)"
+      head -28 "$profiles"/worker-0-0-1.kernels.txt 2>/dev/null | cut -c1-160 | sed "s/^/   /"
     fi
     # the server's speculation counters since its start (warm-up run included): chained and voided verifies
     curl -s "localhost:$PORT/metrics" | grep -E "^llaunch:spec_decode_num_(drafts|chained|voided|backoffs)_total" \

@@ -177,7 +177,9 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
       --profile 14) | grep -v -e Warning -e USDT | tee "$OUT/verify_smollm2.txt"
     # ~85 s a server (warm-up, then c1 and c64 three times each)
     # spec_mb16 left: at 9d253e7 c64 0.95x none (the old default); k8 had one c1 run there (1.84x)
-    TRACE=1 VARIANTS=${VARIANTS:-"none spec k8"} optional 300 bash scripts/gpu_run.sh spec ;;
+    # bfloat16 since e6bc043 (the figures before were float32's); PROFILE_STEPS: each server's kernels as served
+    TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-40} VARIANTS=${VARIANTS:-"none spec k8"} optional 300 \
+      bash scripts/gpu_run.sh spec ;;
   *) echo "unknown call $NAME (suite, changed, fp8, fp8act, fp8mixed, fp8words, fp8single, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"
