@@ -51,8 +51,13 @@ class StepProfiler:
             return
         names = msg.activities or list(ACTIVITIES)
         activities = [ACTIVITIES[a] for a in names if a != "GPU" or self.cuda]
-        self._prof = profile(activities=activities, record_shapes=msg.record_shapes, with_stack=msg.with_stack)
-        self._prof.start()
+        prof = profile(activities=activities, record_shapes=msg.record_shapes, with_stack=msg.with_stack)
+        try:
+            prof.start()
+        except RuntimeError as e:  # another profiler holds CUPTI, say: the worker serves on without one
+            log.error("the profiler did not start: %s", e)
+            return
+        self._prof = prof
         self._left, self._limited = msg.num_steps, msg.num_steps > 0
         log.info("profiling %s (%s)", f"{msg.num_steps} steps" if msg.num_steps else "until /stop_profile",
                  ", ".join(names))
@@ -69,15 +74,17 @@ class StepProfiler:
             torch.cuda.synchronize()  # every kernel launched so far ends inside the trace
         prof, self._prof = self._prof, None
         prof.stop()
-        self.directory.mkdir(parents=True, exist_ok=True)
         self._count += 1
         base = self.directory / f"{self.label}-{self._count}"
-        t0 = time.monotonic()
-        trace = base.with_name(base.name + ".trace.json.gz")
-        prof.export_chrome_trace(str(trace))
-        table = base.with_name(base.name + ".kernels.txt")
-        events = prof.key_averages()
-        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        table.write_text(events.table(sort_by=sort, row_limit=TABLE_ROWS) + "\n")
+        trace, table = (base.with_name(base.name + suffix) for suffix in (".trace.json.gz", ".kernels.txt"))
+        t0 = time.monotonic()  # the worker takes no step while it writes (seconds for a long profile)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(trace))
+            sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+            table.write_text(prof.key_averages().table(sort_by=sort, row_limit=TABLE_ROWS) + "\n")
+        except OSError as e:  # a full or read-only disk loses the profile, not the worker
+            log.error("profile %d not written to %s: %s", self._count, self.directory, e)
+            return
         self.written = [trace, table]
         log.info("profile written to %s and %s (%.1f s)", trace, table.name, time.monotonic() - t0)
