@@ -34,7 +34,8 @@
 #                                                        (218 decode rows, 2 x 896 prompt tokens) and a 160-row decode
 #                                                        step by kernel, bf16 and fp8 as served, then fp8 with the MLP
 #                                                        unfused and the epilogue's GEMM at every size (as 6f85a72)
-# fp8single .whl-serve .gpu                              #37: single stream, bf16 / fp8 / fp8 with kernels.fp8_words
+# fp8single .whl-serve .gpu                              #37: single stream, bf16 / fp8 (kernels.fp8_words, the default
+#                                                        since 2026-12-05) / fp8 with float32 products
 #                                                        (WORDS="kernels.gemv_shapes=..." the word kernel's shapes)
 # fp8act    .whl-serve .gpu                              #37: the fp8 GEMVs with x's absmax vs a static scale vs none
 # moetune   .whl-serve                                   #40: Mixtral-8x7B's MoE launches per step size (tune_moe.py;
@@ -159,11 +160,11 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # (a third server does not fit beside two of three runs each; 8,340 at a70e21d)
     SERVE="$QWEN7B" CASES=c256 TRACE=1 VARIANTS=${KV8_VARIANTS:-"bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3"} \
       optional 300 bash scripts/gpu_run.sh cases ;;
-  fp8single)  # #37's single stream: bf16, fp8 as built in, fp8 with its GEMVs as words (WORDS: the kernels overrides,
-    # e.g. the suite call's fp8_words winners as kernels.gemv_shapes)
+  fp8single)  # #37's single stream: bf16, fp8 as built in (its GEMVs as words; WORDS: kernels overrides, e.g. the
+    # fp8words call's winners as kernels.gemv_shapes), fp8 with float32 products
     install
     SERVE="$QWEN7B" CASES=single \
-      VARIANTS="bf16:|fp8:model.quantization=fp8|fp8words:model.quantization=fp8 kernels.fp8_words=true ${WORDS:-}" \
+      VARIANTS="bf16:|fp8:model.quantization=fp8 ${WORDS:-}|fp8f32:model.quantization=fp8 kernels.fp8_words=false" \
       optional 200 bash scripts/gpu_run.sh cases ;;
   kvlong)
     install

@@ -277,8 +277,8 @@ def fp8_kernel(request, monkeypatch):
         monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: shape if fp8 else built_in(n, k, gated))
     if request.param.startswith("swap-ab"):  # every shape: a set that holds them all
         monkeypatch.setattr(settings.current, "fp8_swap_ab", _EveryShape())
-    if request.param == "words":
-        monkeypatch.setattr(settings.current, "fp8_words", True)
+    if request.param in ("words", "register"):  # register: each weight to float32 (kernels.fp8_words off)
+        monkeypatch.setattr(settings.current, "fp8_words", request.param == "words")
     return request.param
 
 
