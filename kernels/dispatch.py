@@ -236,14 +236,9 @@ def _gated_quantized(x, weight: "fp8.Fp8Weight", down: "fp8.Fp8Weight") -> Quant
     e4m3 values and scales: tests/kernels/test_kernel_fp8_gated_quant.py)."""
     flat = x.reshape(-1, x.shape[-1])
     q, scale = _quantize_rows(flat, weight)
-    if settings.current.fp8_epilogue(flat.shape[0]):  # the unscaled sums; the kernel applies the scales
-        one = fp8._unit_scale(q.device)
-        y = torch._scaled_mm(q, weight.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        rows, channels = scale, weight.scale
-    else:
-        y = torch._scaled_mm(q, weight.weight.t(), scale_a=scale.contiguous(), scale_b=weight.scale.view(1, -1),
-                             out_dtype=torch.bfloat16)
-        rows = channels = None
+    rowwise = not settings.current.fp8_epilogue(flat.shape[0])
+    y = fp8.scaled_mm_sums(q, scale, weight, rowwise)
+    rows, channels = (None, None) if rowwise else (scale, weight.scale)  # unscaled sums: the kernel applies them
     static = down.input_scale if down.activations == fp8.STATIC else None
     q2, s2 = triton_ops().gated_quantize(y, x.dtype, rows, channels, down.scale_ub, static)
     return QuantizedRows(q2, s2, x.dtype, tuple(x.shape[:-1]))

@@ -136,15 +136,22 @@ def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor]
     return scaled_mm_rows(q, scale, w, bias, x.dtype, tuple(x.shape[:-1]), epilogue)
 
 
+def scaled_mm_sums(q: torch.Tensor, scale: torch.Tensor, w: Fp8Weight, rowwise: bool) -> torch.Tensor:
+    """cuBLASLt's fp8 GEMM of q [M, K] (scale [M, 1]) and w in bfloat16: with the token and channel scales in it
+    (rowwise), else the per-tensor GEMM with unit scales (the unscaled sums, for an epilogue to scale)."""
+    if not rowwise:
+        one = _unit_scale(q.device)
+        return torch._scaled_mm(q, w.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    # row-wise scaling wants bfloat16 out; b is the weight's transpose, a column-major [K, N] view
+    return torch._scaled_mm(q, w.weight.t(), scale_a=scale.contiguous(), scale_b=w.scale.view(1, -1),
+                            out_dtype=torch.bfloat16)
+
+
 def scaled_mm_rows(q: torch.Tensor, scale: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor],
                    dtype: torch.dtype, lead: tuple, epilogue: Optional[Callable] = None) -> torch.Tensor:
     """scaled_mm_linear's GEMM of activations already in e4m3 (q [M, K], scale [M, 1]) → [*lead, N] in dtype."""
+    y = scaled_mm_sums(q, scale, w, rowwise=epilogue is None)
     if epilogue is not None:
-        one = _unit_scale(q.device)
-        y = torch._scaled_mm(q, w.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
         return epilogue(y, scale, w.scale, bias, dtype).reshape(*lead, y.shape[-1])
-    # row-wise scaling wants bfloat16 out; b is the weight's transpose, a column-major [K, N] view
-    y = torch._scaled_mm(q, w.weight.t(), scale_a=scale.contiguous(), scale_b=w.scale.view(1, -1),
-                         out_dtype=torch.bfloat16)
     y = y.to(dtype).reshape(*lead, y.shape[-1])
     return y if bias is None else y + bias
