@@ -34,7 +34,7 @@
 #                                                        (218 decode rows, 2 x 896 prompt tokens) and a 160-row decode
 #                                                        step by kernel, bf16 and fp8 as served, then fp8 with the MLP
 #                                                        unfused and the epilogue's GEMM at every size (as 6f85a72)
-# fp8single .whl-serve .gpu                              #37: single stream, bf16 / fp8 (kernels.fp8_words, the default
+# fp8single .whl-serve .gpu (TESTS: .whl .gpu)             #37: single stream, bf16 / fp8 (kernels.fp8_words, the default
 #                                                        since 2026-12-05) / fp8 with float32 products
 #                                                        (WORDS="kernels.gemv_shapes=..." the word kernel's shapes)
 # fp8act    .whl-serve .gpu                              #37: the fp8 GEMVs with x's absmax vs a static scale vs none
@@ -163,6 +163,8 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
   fp8single)  # #37's single stream: bf16, fp8 as built in (its GEMVs as words; WORDS: kernels overrides, e.g. the
     # fp8words call's winners as kernels.gemv_shapes), fp8 with float32 products
     install
+    # TESTS: GPU tests mended since the last suite, first (carry .whl instead of .whl-serve for them)
+    if [ -n "${TESTS:-}" ]; then optional 90 bash scripts/gpu_run.sh tests; fi
     SERVE="$QWEN7B" CASES=single \
       VARIANTS="bf16:|fp8:model.quantization=fp8 ${WORDS:-}|fp8f32:model.quantization=fp8 kernels.fp8_words=false" \
       optional 200 bash scripts/gpu_run.sh cases ;;
