@@ -37,6 +37,7 @@
 # fp8single .whl-serve .gpu (TESTS: .whl .gpu)             #37: single stream, bf16 / fp8 (kernels.fp8_words, the default
 #                                                        since 2026-12-05) / fp8 with float32 products
 #                                                        (WORDS="kernels.gemv_shapes=..." the word kernel's shapes)
+# fp8c256   .whl-serve .gpu                              #37 c256: bf16 vs fp8 weights served, step trace, then fp8mixed
 # fp8act    .whl-serve .gpu                              #37: the fp8 GEMVs with x's absmax vs a static scale vs none
 # moetune   .whl-serve                                   #40: Mixtral-8x7B's MoE launches per step size (tune_moe.py;
 #                                                        kernels/moe_launches.py holds Qwen3-30B-A3B's alone), then
@@ -46,7 +47,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, fp8, fp8act, fp8mixed, fp8words, fp8single, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -168,6 +169,12 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     SERVE="$QWEN7B" CASES=single \
       VARIANTS="bf16:|fp8:model.quantization=fp8 ${WORDS:-}|fp8f32:model.quantization=fp8 kernels.fp8_words=false" \
       optional 200 bash scripts/gpu_run.sh cases ;;
+  fp8c256)  # #37 c256: bf16 against fp8 weights as served (the fused MLP, kernels.fp8_gemm=auto), with the step trace;
+    # then the mixed step's kernels when time is left (1.25x at 0621447 on an H200, 1.4x wanted)
+    install
+    SERVE="$QWEN7B" CASES=c256 TRACE=1 VARIANTS="bf16:|fp8:model.quantization=fp8" RESERVE=${RESERVE:-0} \
+      optional 300 bash scripts/gpu_run.sh cases
+    fp8_mixed ;;
   kvlong)
     install
     SERVE="$QWEN7B" CASES=long256 REPEATS=${REPEATS:-1} VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" \
