@@ -121,6 +121,9 @@ case $NAME in
       tests/gpu/test_no_host_sync.py tests/gpu/test_smollm2_agreement.py tests/gpu/test_step_profiler_gpu.py" \
       bash scripts/gpu_run.sh tests
     fp8_mixed ;;
+  fp8mixed)
+    install
+    fp8_mixed ;;
   fp8act)
     install
     fp8_activations ;;
@@ -191,6 +194,6 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # bfloat16 since e6bc043 (the figures before were float32's); PROFILE_STEPS: each server's kernels as served
     TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-40} VARIANTS=${VARIANTS:-"none spec k8"} optional 300 \
       bash scripts/gpu_run.sh spec ;;
-  *) echo "unknown call $NAME (suite, changed, fp8, fp8act, fp8mixed, fp8words, fp8single, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
+  *) echo "unknown call $NAME (suite, changed, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"
