@@ -199,9 +199,9 @@ class QuantizedRows(NamedTuple):
     lead: tuple  # the activation's leading dims ([M] flattened)
 
 
-def _epilogue(rows: int):
-    """kernels.fp8_gemm for a GEMM of `rows` rows: the epilogue kernel, or None (the row-wise GEMM)."""
-    return triton_ops().fp8_epilogue if settings.current.fp8_epilogue(rows) else None
+def _epilogue():
+    """kernels.fp8_gemm: the epilogue kernel, or None (the row-wise GEMM)."""
+    return triton_ops().fp8_epilogue if settings.current.fp8_epilogue else None
 
 
 def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None):
@@ -209,14 +209,13 @@ def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None):
     Triton block GEMM (kernels/fp8_block.py), or for one row the GEMV; their roundings in torch elsewhere.
     x may come quantized (QuantizedRows, the fused MLP's down_proj input)."""
     if isinstance(x, QuantizedRows):
-        return fp8.scaled_mm_rows(x.q, x.scale, weight, bias, x.dtype, x.lead, _epilogue(x.q.shape[0]))
+        return fp8.scaled_mm_rows(x.q, x.scale, weight, bias, x.dtype, x.lead, _epilogue())
     if _fp8_row(x, weight):
         return triton_ops().gemv(x, weight, bias)
     if x.is_cuda and not settings.current.reference:
         if weight.block is not None and weight.activations != fp8.NONE:
             return triton_ops().fp8_block_linear(x, weight, bias)
-        epilogue = _epilogue(x.numel() // max(x.shape[-1], 1))
-        return fp8.scaled_mm_linear(x, weight, bias, quantize=_quantize_rows, epilogue=epilogue)
+        return fp8.scaled_mm_linear(x, weight, bias, quantize=_quantize_rows, epilogue=_epilogue())
     return fp8.reference_linear(x, weight, bias)
 
 
@@ -236,7 +235,7 @@ def _gated_quantized(x, weight: "fp8.Fp8Weight", down: "fp8.Fp8Weight") -> Quant
     e4m3 values and scales: tests/kernels/test_kernel_fp8_gated_quant.py)."""
     flat = x.reshape(-1, x.shape[-1])
     q, scale = _quantize_rows(flat, weight)
-    rowwise = not settings.current.fp8_epilogue(flat.shape[0])
+    rowwise = not settings.current.fp8_epilogue
     y = fp8.scaled_mm_sums(q, scale, weight, rowwise)
     rows, channels = (None, None) if rowwise else (scale, weight.scale)  # unscaled sums: the kernel applies them
     static = down.input_scale if down.activations == fp8.STATIC else None

@@ -25,13 +25,6 @@ class Gemv(str, Enum):
 class Fp8Gemm(str, Enum):
     rowwise = "rowwise"  # cuBLASLt's fp8 GEMM with the token (row) and channel scales in it
     tensor_epilogue = "tensor_epilogue"  # its per-tensor GEMM with unit scales, the scales in a Triton epilogue
-    auto = "auto"  # tensor_epilogue below ROWWISE_FROM rows, rowwise from there
-
-
-# kernels.fp8_gemm=auto: steps of this many rows or more take the row-wise GEMM. H100, Qwen2-7B's four linears a
-# layer (scripts/bench_fp8_gemm.py, µs, row-wise vs per-tensor + epilogue): 214 vs 235 at 512 rows, 400 vs 437 at
-# 1,024, 847 vs 886 at 2,048; at 16-256 rows (H200) the epilogue's won, 83-130 vs 122-166
-ROWWISE_FROM = 512
 
 
 class Pdl(str, Enum):
@@ -83,11 +76,13 @@ class KernelSettings:
     moe_shapes: str = ""
     # fp8 layers' GEMMs of two or more rows (kernels/fp8_epilogue.py): cuBLASLt's per-tensor GEMM with unit scales
     # writing bfloat16 sums and the row × channel scales (and bias) applied by one kernel after it (one rounding
-    # more), or the row-wise scaled GEMM, or (auto) the first below ROWWISE_FROM rows and the second from there. On
+    # more), or the row-wise scaled GEMM. On
     # an H200 (CUDA graphs, Qwen2-7B's four linears a layer) the first took 83-130 µs at 16-256 rows against
     # 122-166 (scripts/bench_fp8_gemm.py); served at c64, 1.29× bf16 against the row-wise GEMM's 1.12×
-    # (docs/performance.md); at 512-2,048 rows (H100) the row-wise GEMM took 4-9% less than the epilogue's pair
-    fp8_gemm: Fp8Gemm = Fp8Gemm.auto
+    # (docs/performance.md). In served steps of 512-2,010 rows (H100, the fused MLP) the epilogue's too: 9.30 vs 9.88 ms,
+    # 16.56 vs 17.34, 32.09 vs 37.60 (scripts/profile_kernels.py --set fp8_gemm=...), though scripts/bench_fp8_gemm.py
+    # timed the row-wise GEMM alone 4-9% faster there (an `auto` that took it from 512 rows lost; 2026-12-05)
+    fp8_gemm: Fp8Gemm = Fp8Gemm.tensor_epilogue
     # An fp8 MLP of two or more rows whose down_proj quantizes its input per token (dynamic or static): gate‖up's
     # sums → scales → act · up → down_proj's e4m3 values in one kernel (kernels/fp8_gated_quant.py) instead of three
     # (the epilogue, the activation, the quantization; in a c256-like 35 ms mixed step on an H100 the epilogues and
@@ -252,7 +247,8 @@ class _Applied:
         self.settings = settings
         self.reference = Backend(settings.backend) == Backend.reference
         self.triton_gemv = Gemv(settings.gemv) == Gemv.triton
-        self.fp8_gemm = Fp8Gemm(settings.fp8_gemm)
+        # fp8 GEMMs of 2+ rows: the per-tensor GEMM with the scales in the epilogue kernel, or the row-wise one
+        self.fp8_epilogue = Fp8Gemm(settings.fp8_gemm) == Fp8Gemm.tensor_epilogue
         self.fp8_fused_mlp = bool(settings.fp8_fused_mlp)
         self.gemv_shapes = parse_gemv_shapes(settings.gemv_shapes)
         self.moe_shapes = parse_moe_shapes(settings.moe_shapes)
@@ -263,12 +259,6 @@ class _Applied:
         self.pdl = Pdl(settings.pdl)
         self.pdl_kernels = frozenset(settings.pdl_kernels)
         self.pdl_late = frozenset(settings.pdl_late)
-
-    def fp8_epilogue(self, rows: int) -> bool:
-        """Whether an fp8 GEMM of `rows` rows is the per-tensor one with the scales in the epilogue kernel."""
-        if self.fp8_gemm == Fp8Gemm.auto:
-            return rows < ROWWISE_FROM
-        return self.fp8_gemm == Fp8Gemm.tensor_epilogue
 
 
 current = _Applied(KernelSettings())

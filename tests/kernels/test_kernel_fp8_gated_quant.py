@@ -66,14 +66,16 @@ def test_the_values_are_the_activation_within_e4m3():
 
 @pytest.mark.skipif(not INTERPRETED, reason="interpreter test")
 @pytest.mark.parametrize("rows", [5, 600])
+@pytest.mark.parametrize("gemm", ["tensor_epilogue", "rowwise"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("down_activations", [fp8.DYNAMIC, fp8.STATIC])
-def test_an_mlp_through_dispatch_as_the_unfused_kernels(monkeypatch, kernel_settings, rows, dtype, down_activations):
+def test_an_mlp_through_dispatch_as_the_unfused_kernels(monkeypatch, kernel_settings, rows, gemm, dtype,
+                                                         down_activations):
     """The decoder's MLP ops (gated_linear with down_proj's weight, then linear) on the fused path give the output of
-    the unfused GPU path, at both GEMMs kernels.fp8_gemm=auto picks: the Triton path taken on CPU tensors (the
-    interpreter; torch._scaled_mm runs on the CPU too)."""
+    the unfused GPU path, at either kernels.fp8_gemm: the Triton path taken on CPU tensors (the interpreter;
+    torch._scaled_mm runs on the CPU too)."""
     monkeypatch.setattr(dispatch, "_use_triton", lambda t: True)
-    kernel_settings(fp8_fused_mlp=True, fp8_gemm="auto")
+    kernel_settings(fp8_fused_mlp=True, fp8_gemm=gemm)
     g = torch.Generator().manual_seed(rows)
     hidden, inner = 64, 96
     gate_up = fp8.Fp8Weight(*fp8.quantize_weight(torch.randn(2 * inner, hidden, generator=g) * 0.02))
@@ -83,7 +85,7 @@ def test_an_mlp_through_dispatch_as_the_unfused_kernels(monkeypatch, kernel_sett
     assert isinstance(dispatch.gated_linear(x, gate_up, down), dispatch.QuantizedRows)
     fused = dispatch.linear(dispatch.gated_linear(x, gate_up, down), down)
     ops = dispatch.triton_ops()
-    epilogue = ops.fp8_epilogue if rows < 512 else None  # auto: row-wise from 512 rows
+    epilogue = ops.fp8_epilogue if gemm == "tensor_epilogue" else None
     h = ops.silu_mul(fp8.scaled_mm_linear(x, gate_up, quantize=dispatch._quantize_rows, epilogue=epilogue))
     unfused = fp8.scaled_mm_linear(h, down, quantize=dispatch._quantize_rows, epilogue=epilogue)
     assert fused.shape == (rows, hidden) and fused.dtype == dtype
