@@ -46,6 +46,7 @@
 #   AU_SECONDS, AU_OUTPUT, AU_PROMPTS_PER_STREAM (the au cases' clip duration, output tokens, requests per stream),
 #   TESTS (pytest paths and options of the tests step), RUNS (which runs, e.g. "2 3": their seeds, to add runs to
 #   an earlier call's without repeating its prompts), VARIANTS (the cases once per variant: below),
+#   PROFILE_STEPS (after the runs, that many steps under torch.profiler while the first case runs once more),
 #   TRACE=1 (a step trace: each case's first run's steps by kind, host enqueue and device time, the device's
 #   waits between steps by cause; the whole trace in $OUT/trace.jsonl.gz).
 set -u
@@ -153,11 +154,70 @@ run_case() {  # name run prompts input output concurrency timeout [bench options
   local name=$1 r=$2
   stamp "bench $name, run $r of $REPEATS"
   $PY -c "import time; print(time.monotonic())" > "$OUT/window-$name-$r.txt"
+  # the card's clocks, power and slowdown reasons while the run is timed (scripts/clock_summary.py)
+  local smi=""
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+      --format=csv,noheader,nounits -lms 250 > "$OUT/clocks-$name-$r.csv" 2>/dev/null &
+    smi=$!
+  fi
   timeout "$7" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model "$MODEL" \
     --num-prompts "$3" --input-len "$4" --output-len "$5" --concurrency "$6" --warmup 2 --vocab-size "${VOCAB:-151000}" \
     --seed $(( $(case_seed "$name") + 100 * r )) --client-procs $(( $6 >= 64 ? ${CLIENT_PROCS:-4} : 1 )) \
     --result-file "$OUT/bench-$name-$r.json" "${@:8}" 2>&1 | grep -E "Output token throughput|P99 TTFT|Median TTFT|Median TPOT|hit rate|tier hits|promoted|Images encoded|Clips encoded|Failed"
   $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$name-$r.txt"
+  if [ -n "$smi" ]; then kill $smi 2>/dev/null; wait $smi 2>/dev/null; $PY scripts/clock_summary.py "$OUT/clocks-$name-$r.csv"; fi
+}
+
+bench_case() {  # case run: one run of a named case
+  local c=$1 r=$2
+  case $c in
+    single) run_case single $r 5 512 256 1 120 ;;
+    c64) run_case c64 $r 512 1024 256 64 200 ;;
+    c64json) run_case c64json $r 512 1024 256 64 200 --response-format @scripts/bench_schema.json ;;
+    c256) run_case c256 $r 1024 1024 256 256 300 ;;
+    long) run_case long $r 64 8192 512 16 400 ;;
+    # KV beyond a bf16 cache's room (Qwen2-7B: 256 x 8.4k tokens = 2.2M): what an fp8 KV cache's twice the tokens buys
+    long256) run_case long256 $r 256 8192 256 256 500 ;;
+    # time to first token with a schema the server has compiled before / never seen (one stream)
+    schema_warm) run_case schema_warm $r 16 512 16 1 120 --response-format @scripts/bench_schema.json ;;
+    schema_cold) run_case schema_cold $r 16 512 16 1 120 --response-format @scripts/bench_schema.json --fresh-schemas ;;
+    # the prompt cache's workload (conf/bench/prefix64x8.yaml): 64 system prompts of 2,048 tokens x 8
+    prefix64x8) run_case prefix64x8 $r "${PREFIX_PROMPTS:-512}" "${PREFIX_INPUT:-256}" "${PREFIX_OUTPUT:-128}" 64 600 \
+      --shared-prefix-groups "${PREFIX_GROUPS:-64}" --shared-prefix-len "${PREFIX_LEN:-2048}" ;;
+    # conversations re-sending their history, every turn queued behind every other conversation's
+    # (the host KV tier's workload): history far above the GPU KV (cache.max_total_tokens in SERVE)
+    multiturn) run_case multiturn $r "${MT_CONVS:-1000}" "${MT_INPUT:-256}" "${MT_OUTPUT:-64}" "${MT_CONC:-64}" 900 \
+      --multi-turn "${MT_TURNS:-4}" ;;
+    # chat with one 1,024x1,024 image (PNG data: URL) + 64 words, 256 output tokens; *rep: the same image
+    # every request (encoded once: the embed cache); one client process (images are not split over them)
+    vl16|vl64|vl16rep|vl64rep) conc=${c#vl}; conc=${conc%rep}
+      run_case "$c" $r $(( conc * ${VL_PROMPTS_PER_STREAM:-8} )) 64 "${VL_OUTPUT:-256}" "$conc" 600 --images-per-request 1 \
+        --image-size "${VL_IMAGE_SIZE:-1024}" --client-procs 1 \
+        $([[ $c == *rep ]] && echo --repeat-images) ;;
+    # chat with one 30 s clip (16-bit 16 kHz WAV, input_audio) + 64 words, 128 output tokens; au16rep: the
+    # same clip every request (encoded once: the embed cache); one client process
+    au16|au16rep) run_case "$c" $r $(( 16 * ${AU_PROMPTS_PER_STREAM:-8} )) 64 "${AU_OUTPUT:-128}" 16 600 \
+        --audio-per-request 1 --audio-seconds "${AU_SECONDS:-30}" --client-procs 1 \
+        $([[ $c == *rep ]] && echo --repeat-audio) ;;
+  esac
+}
+
+# PROFILE_STEPS=N: after the measured runs, N of the server's steps under torch.profiler (POST /start_profile) while
+# the first case runs once more on prompts of its own (run 9), PROFILE_DELAY seconds in (default 10: past the first
+# prefills); the kernel table's top is printed, the trace stays under $OUT/profile
+profile_under_load() {
+  local c=${CASES%% *}
+  (bench_case "$c" 9 > "$OUT/profiled-$c.txt" 2>&1) &
+  local bench=$!
+  sleep "${PROFILE_DELAY:-10}"
+  curl -s -X POST localhost:8000/start_profile -H 'Content-Type: application/json' \
+    -d "{\"num_steps\": $PROFILE_STEPS}" >/dev/null
+  for _ in $(seq 1 60); do ls "$OUT"/profile/*.kernels.txt >/dev/null 2>&1 && break; sleep 1; done
+  echo "== $PROFILE_STEPS steps of $c by kernel ($OUT/profile)"
+  head -24 "$OUT"/profile/worker-0-0-1.kernels.txt 2>/dev/null | cut -c1-170
+  wait $bench
+  mv "$OUT/bench-$c-9.json" "$OUT/profiled-$c-9.json" 2>/dev/null  # slowed by the profiler: not one of the runs
 }
 
 serve_cases() {  # one server (SERVE), its launch timed, then every case REPEATS times; results under $OUT
@@ -166,7 +226,7 @@ serve_cases() {  # one server (SERVE), its launch timed, then every case REPEATS
   local failed=0
   rm -f /tmp/trace.jsonl
   llaunch $SERVE server.port=8000 hydra.run.dir=/tmp/llaunch-run ${TRACE:+router.step_trace=/tmp/trace.jsonl} \
-    >"$OUT/llaunch.log" 2>&1 &
+    ${PROFILE_STEPS:+server.profile_dir=$OUT/profile} >"$OUT/llaunch.log" 2>&1 &
   lpid=$!
   if $PY scripts/wait_http.py http://127.0.0.1:8000/health 300 $lpid; then
     $PY -c "import time, sys; print(f'launch -> /health 200: {time.time() - float(sys.argv[1]):.1f}s')" "$start" \
@@ -175,38 +235,10 @@ serve_cases() {  # one server (SERVE), its launch timed, then every case REPEATS
     # runs interleave (run 1 of every case, then run 2, ...): a drifting machine shows in every case alike
     for r in ${RUNS:-$(seq 1 "$REPEATS")}; do
       for c in $CASES; do
-        case $c in
-          single) run_case single $r 5 512 256 1 120 ;;
-          c64) run_case c64 $r 512 1024 256 64 200 ;;
-          c64json) run_case c64json $r 512 1024 256 64 200 --response-format @scripts/bench_schema.json ;;
-          c256) run_case c256 $r 1024 1024 256 256 300 ;;
-          long) run_case long $r 64 8192 512 16 400 ;;
-          # KV beyond a bf16 cache's room (Qwen2-7B: 256 x 8.4k tokens = 2.2M): what an fp8 KV cache's twice the tokens buys
-          long256) run_case long256 $r 256 8192 256 256 500 ;;
-          # time to first token with a schema the server has compiled before / never seen (one stream)
-          schema_warm) run_case schema_warm $r 16 512 16 1 120 --response-format @scripts/bench_schema.json ;;
-          schema_cold) run_case schema_cold $r 16 512 16 1 120 --response-format @scripts/bench_schema.json --fresh-schemas ;;
-          # the prompt cache's workload (conf/bench/prefix64x8.yaml): 64 system prompts of 2,048 tokens x 8
-          prefix64x8) run_case prefix64x8 $r "${PREFIX_PROMPTS:-512}" "${PREFIX_INPUT:-256}" "${PREFIX_OUTPUT:-128}" 64 600 \
-            --shared-prefix-groups "${PREFIX_GROUPS:-64}" --shared-prefix-len "${PREFIX_LEN:-2048}" ;;
-          # conversations re-sending their history, every turn queued behind every other conversation's
-          # (the host KV tier's workload): history far above the GPU KV (cache.max_total_tokens in SERVE)
-          multiturn) run_case multiturn $r "${MT_CONVS:-1000}" "${MT_INPUT:-256}" "${MT_OUTPUT:-64}" "${MT_CONC:-64}" 900 \
-            --multi-turn "${MT_TURNS:-4}" ;;
-          # chat with one 1,024x1,024 image (PNG data: URL) + 64 words, 256 output tokens; *rep: the same image
-          # every request (encoded once: the embed cache); one client process (images are not split over them)
-          vl16|vl64|vl16rep|vl64rep) conc=${c#vl}; conc=${conc%rep}
-            run_case "$c" $r $(( conc * ${VL_PROMPTS_PER_STREAM:-8} )) 64 "${VL_OUTPUT:-256}" "$conc" 600 --images-per-request 1 \
-              --image-size "${VL_IMAGE_SIZE:-1024}" --client-procs 1 \
-              $([[ $c == *rep ]] && echo --repeat-images) ;;
-          # chat with one 30 s clip (16-bit 16 kHz WAV, input_audio) + 64 words, 128 output tokens; au16rep: the
-          # same clip every request (encoded once: the embed cache); one client process
-          au16|au16rep) run_case "$c" $r $(( 16 * ${AU_PROMPTS_PER_STREAM:-8} )) 64 "${AU_OUTPUT:-128}" 16 600 \
-              --audio-per-request 1 --audio-seconds "${AU_SECONDS:-30}" --client-procs 1 \
-              $([[ $c == *rep ]] && echo --repeat-audio) ;;
-        esac
+        bench_case "$c" "$r"
       done
     done
+    if [ -n "${PROFILE_STEPS:-}" ]; then profile_under_load; fi
   else
     failed=1; tail -30 "$OUT/llaunch.log"; for f in /tmp/llaunch-run/logs/*.log; do echo "== $f"; tail -15 "$f"; done
   fi
