@@ -8,8 +8,8 @@
 #   SERVE="device=cpu model.dtype=float32" CASES=c1 NUM=2 INPUT=64 OUTPUT=16 bash scripts/bench_spec.sh   (CPU smoke)
 #
 # Cases (each server runs all, each case on prompts of its own seed):
-#   c1    NUM (8) prompts one at a time: the single-stream speed-up (target: >= 2x with spec=ngram)
-#   c64   C64_NUM (256) prompts at concurrency 64: speculation must not be slower than none. The spec server
+#   c1    NUM (32) prompts one at a time: the single-stream speed-up (target: >= 2x with spec=ngram)
+#   c64   C64_NUM (512) prompts at concurrency 64: speculation must not be slower than none. The spec server
 #         runs the default policy (no speculation in steps of more than spec.max_batch decode rows: 64 for
 #         spec=ngram); spec_mb16 speculates up to 16 rows only (ngram's default before 2026-12-05, 0.95x none at c64).
 # Servers (VARIANTS, default "none spec spec_mb16"): none = spec=none, spec = $SPEC, spec_mb16 = $SPEC spec.max_batch=16,
@@ -35,7 +35,8 @@ SERVE=${SERVE:-model=smollm2-135m}
 SPEC=${SPEC:-spec=ngram}
 CASES=${CASES:-c1 c64}
 VARIANTS=${VARIANTS:-none spec spec_mb16}
-NUM=${NUM:-8}; C64_NUM=${C64_NUM:-256}; INPUT=${INPUT:-1024}; OUTPUT=${OUTPUT:-256}; REPEATS=${REPEATS:-3}
+# c1 of 8 prompts ran ~0.5 s on an H100 and its three none runs spread 2,051-2,577 tok/s (2026-12-05): 32 a run
+NUM=${NUM:-32}; C64_NUM=${C64_NUM:-512}; INPUT=${INPUT:-1024}; OUTPUT=${OUTPUT:-256}; REPEATS=${REPEATS:-3}
 VOCAB=${VOCAB:-49152}; PORT=${PORT:-8000}
 COPY=${COPY:-text}; TOKENIZER=${TOKENIZER:-.models/smollm2-135m}
 OUT=${OUT:-/tmp/llaunch-spec}
@@ -84,12 +85,21 @@ for variant in $VARIANTS; do
         [ "$r" = 0 ] && num=$(( conc * 2 < num ? conc * 2 : num ))
         echo "-- $variant $c run $r: $num prompts, concurrency $conc"
         $PY -c "import time; print(time.monotonic())" > "$OUT/window-$variant-$c-$r.txt"
+        smi=""  # the card's clocks while the run is timed (scripts/clock_summary.py)
+        if command -v nvidia-smi >/dev/null; then
+          nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+            --format=csv,noheader,nounits -lms 250 > "$OUT/clocks-$variant-$c-$r.csv" 2>/dev/null &
+          smi=$!
+        fi
         $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --model "$model" --copy-prompts "$COPY" \
           --num-prompts "$num" --input-len "$INPUT" --output-len "$OUTPUT" --concurrency "$conc" --warmup 1 \
           --vocab-size "$VOCAB" --tokenizer "$TOKENIZER" --seed $(( seed + 1000 * r )) --result-file "$OUT/bench-$variant-$c-$r.json" 2>&1 \
           | grep -E "Output token throughput|Median TPOT|Spec decode|Failed"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$variant-$c-$r.txt"
+        if [ -n "$smi" ]; then
+          kill $smi 2>/dev/null; wait $smi 2>/dev/null; $PY scripts/clock_summary.py "$OUT/clocks-$variant-$c-$r.csv"
+        fi
       done
     done
     if [ -n "$trace" ]; then  # run 1 of each case, from the router's step trace
