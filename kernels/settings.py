@@ -76,12 +76,12 @@ class KernelSettings:
     moe_shapes: str = ""
     # fp8 layers' GEMMs of two or more rows (kernels/fp8_epilogue.py): cuBLASLt's per-tensor GEMM with unit scales
     # writing bfloat16 sums and the row × channel scales (and bias) applied by one kernel after it (one rounding
-    # more), or the row-wise scaled GEMM. On
-    # an H200 (CUDA graphs, Qwen2-7B's four linears a layer) the first took 83-130 µs at 16-256 rows against
-    # 122-166 (scripts/bench_fp8_gemm.py); served at c64, 1.29× bf16 against the row-wise GEMM's 1.12×
-    # (docs/performance.md). In served steps of 512-2,010 rows (H100, the fused MLP) the epilogue's too: 9.30 vs 9.88 ms,
-    # 16.56 vs 17.34, 32.09 vs 37.60 (scripts/profile_kernels.py --set fp8_gemm=...), though scripts/bench_fp8_gemm.py
-    # timed the row-wise GEMM alone 4-9% faster there (an `auto` that took it from 512 rows lost; 2026-12-05)
+    # more), or the row-wise scaled GEMM. On an H200 (CUDA graphs, Qwen2-7B's four linears a layer) the first took
+    # 83-130 µs at 16-256 rows against 122-166 (scripts/bench_fp8_gemm.py); served at c64, 1.29× bf16 against the
+    # row-wise GEMM's 1.12× (docs/performance.md). Whole steps of 512-2,010 rows (H100, the fused MLP) too: 9.30 vs
+    # 9.88 ms, 16.56 vs 17.34, 32.09 vs 37.60 (scripts/profile_kernels.py --set fp8_gemm=...), though
+    # scripts/bench_fp8_gemm.py timed the row-wise GEMM alone 4-9% faster there (an `auto` that took it from 512
+    # rows lost; 2026-12-05)
     fp8_gemm: Fp8Gemm = Fp8Gemm.tensor_epilogue
     # An fp8 MLP of two or more rows whose down_proj quantizes its input per token (dynamic or static): gate‖up's
     # sums → scales → act · up → down_proj's e4m3 values in one kernel (kernels/fp8_gated_quant.py) instead of three

@@ -92,7 +92,7 @@ fp8_words() {
   (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --per-kind --words --candidates "$WORD_CANDIDATES") \
     | grep -v Warning | tee -a "$OUT/fp8_words.jsonl"
 }
-# #37 c256: a c256-like mixed step by kernel as served now (kernels.fp8_fused_mlp, kernels.fp8_gemm=auto), then fp8
+# #37 c256: a c256-like mixed step by kernel as served now (kernels.fp8_fused_mlp, per-tensor GEMMs), then fp8
 # as at 6f85a72 (three kernels between gate_up and down_proj, the epilogue's GEMM at every size): 2026-12-05, H100,
 # fp8 35.39 ms vs bf16 41.40
 fp8_mixed() {
@@ -114,7 +114,7 @@ case $NAME in
     bash scripts/gpu_run.sh tests  # a failure is reported there; the measurements after it still run
     fp8_mixed ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
-    # suite (6f85a72: the fp8 MLP's fused kernel and kernels.fp8_gemm=auto, the worker's profiler), then fp8_mixed
+    # suite (30b487a: kernels.fp8_gemm=tensor_epilogue the default since fa714d0), then fp8_mixed
     install
     TESTS="tests/kernels/test_kernel_fp8_gated_quant.py tests/kernels/test_kernel_fp8_rows.py
       tests/kernels/test_kernel_fp8_epilogue.py tests/gpu/test_fp8.py tests/gpu/test_mixed_graphs_gpu.py
