@@ -282,6 +282,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--api-key", default=os.environ.get("LLAUNCH_API_KEY"),
                     help="default: $LLAUNCH_API_KEY (keeps the secret off the command line)")
     ap.add_argument("--result-file", default=None, help="write the results as JSON here")
+    ap.add_argument("--keep-text", action="store_true",
+                    help="the result file keeps each request's generated text (greedy runs compared across servers)")
     ap.add_argument("--shared-prefix-groups", type=int, default=0,
                     help="prompts share one of this many system prompts (0: none)")
     ap.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of each shared system prompt")
@@ -364,7 +366,8 @@ def main(argv: Optional[Sequence[str]] = None, transport: Any = None) -> dict[st
         record = {**result, "args": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
                                      for k, v in vars(args).items() if k != "api_key"},
                   "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "requests": [{k: v for k, v in asdict(o).items() if k not in ("generated_text", "output_ids")}
+                  "requests": [{k: v for k, v in asdict(o).items()
+                                if k != "output_ids" and (k != "generated_text" or args.keep_text)}
                                for o in outputs]}
         with open(args.result_file, "w") as f:
             json.dump(record, f, indent=2)

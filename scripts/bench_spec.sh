@@ -93,7 +93,8 @@ for variant in $VARIANTS; do
         fi
         $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --model "$model" --copy-prompts "$COPY" \
           --num-prompts "$num" --input-len "$INPUT" --output-len "$OUTPUT" --concurrency "$conc" --warmup 1 \
-          --vocab-size "$VOCAB" --tokenizer "$TOKENIZER" --seed $(( seed + 1000 * r )) --result-file "$OUT/bench-$variant-$c-$r.json" 2>&1 \
+          --vocab-size "$VOCAB" --tokenizer "$TOKENIZER" --seed $(( seed + 1000 * r )) --result-file "$OUT/bench-$variant-$c-$r.json" \
+          $([ "$c" = c1 ] && echo --keep-text) 2>&1 \
           | grep -E "Output token throughput|Median TPOT|Spec decode|Failed"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         $PY -c "import time; print(time.monotonic())" >> "$OUT/window-$variant-$c-$r.txt"
@@ -148,4 +149,8 @@ for c in cases:
         print(f"{c:5} {v:10} {n:>4} {r['output_throughput']:>13.1f} {best:>8.1f} {ratio:>8} {r['median_tpot_ms']:>12.2f} "
               f"{acc:>11} {per:>11} {hit:>9} {r['failed']:>7}")
 PYEOF
+# the same prompts' greedy texts, each spec server's against spec=none's (#38: in bfloat16 too)
+if [[ " $CASES " == *" c1 "* && " $VARIANTS " == *" none "* ]]; then
+  $PY scripts/spec_text_agreement.py "$OUT" --case c1 --variants $VARIANTS --repeats "$REPEATS"
+fi
 exit $status

@@ -1,0 +1,66 @@
+"""Greedy text with speculation against without, on the same prompts: #38 asks that a bfloat16 server's verify
+steps give the text its decode steps give. bench_spec.sh's c1 runs send each server the same prompts (a seed per
+run) at temperature 0 and keep the generated text (bench_serving.py --keep-text); this compares each spec
+server's texts with spec=none's, request by request, and says where the first one parts.
+
+    python scripts/spec_text_agreement.py OUT [--case c1] [--variants spec k8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def _texts(path: str) -> tuple[int, list[str | None]]:
+    with open(path) as f:
+        record = json.load(f)
+    return record["args"]["seed"], [r.get("generated_text") if r.get("success") else None for r in record["requests"]]
+
+
+def _parted_at(a: str, b: str) -> int:
+    """The first character where two texts differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare(out: str, case: str, variant: str, repeats: int) -> str:
+    same = total = 0
+    parted: list[int] = []
+    for r in range(1, repeats + 1):
+        base, other = (os.path.join(out, f"bench-{v}-{case}-{r}.json") for v in ("none", variant))
+        if not (os.path.exists(base) and os.path.exists(other)):
+            continue
+        (seed_a, want), (seed_b, got) = _texts(base), _texts(other)
+        if seed_a != seed_b or len(want) != len(got):
+            return f"{case} {variant}: run {r} sent other prompts than none's (seeds {seed_a}, {seed_b})"
+        for a, b in zip(want, got):
+            if a is None or b is None:
+                continue  # a failed request: counted by the throughput table
+            total += 1
+            if a == b:
+                same += 1
+            else:
+                parted.append(_parted_at(a, b))
+    if not total:
+        return f"{case} {variant}: no texts to compare (run bench_serving.py with --keep-text)"
+    line = f"{case} {variant}: {same} of {total} greedy texts as spec=none's"
+    if parted:
+        line += f"; the others part after {min(parted)}-{max(parted)} characters"
+    return line
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--case", default="c1")
+    ap.add_argument("--variants", nargs="+", default=["spec"])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    for v in args.variants:
+        if v != "none":
+            print(compare(args.out, args.case, v, args.repeats))
+
+
+if __name__ == "__main__":
+    main()
