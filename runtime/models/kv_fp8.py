@@ -59,7 +59,7 @@ class KvCalibration:
         def loop():
             while True:
                 time.sleep(WRITE_PERIOD_S)
-                self.write()
+                self.write(partial=False)
 
         threading.Thread(target=loop, name="kv-calibration", daemon=True).start()
         return self
@@ -67,9 +67,15 @@ class KvCalibration:
     def absmax(self) -> tuple[list[float], list[float]]:
         return [s.k_amax.item() for s in self.layers], [s.v_amax.item() for s in self.layers]
 
-    def write(self) -> None:
+    def write(self, partial: bool = True) -> None:
+        """The file from the running absmax. partial=False (the periodic writes): only once every layer has stored
+        K and V: the thread reads the layers while a forward updates them one by one, and a layer the first
+        forward had not reached yet would be written as one that saw nothing (scale 1.0). The last write, at exit,
+        takes what there is."""
         k, v = self.absmax()
         if self._written == (k, v) or not any(k):  # unchanged, or nothing stored yet
+            return
+        if not partial and not (all(k) and all(v)):
             return
         self._written = (k, v)
         with open(self.path + ".lock", "w") as lock:

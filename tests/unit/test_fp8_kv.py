@@ -130,3 +130,31 @@ def test_a_scales_file_must_give_every_layer(tmp_path):
     with pytest.raises(ValueError, match="not a positive number"):
         read_scales(str(tmp_path / "s.json"), 2)
     assert replace(CacheConfig(), kv_dtype=KvDType.fp8_e4m3).kv_scales is None
+
+
+def test_the_periodic_calibration_write_waits_for_every_layer(tmp_path):
+    """The write thread reads the layers' absmax while a forward updates them one by one: a first forward half
+    way through must not reach the file as layers that saw nothing (scale 1.0, the race a served test met); the
+    write at exit takes what there is."""
+    from llaunch.kernels.kv_fp8 import KvScales
+    from llaunch.runtime.models.kv_fp8 import KvCalibration
+
+    def layer(k_amax: float, v_amax: float) -> KvScales:
+        one = torch.tensor(1.0)
+        return KvScales(one, one, torch.tensor(k_amax), torch.tensor(v_amax))
+
+    path = tmp_path / "kv.json"
+    layers = [layer(3.5, 2.0), layer(0.0, 0.0)]  # the forward has stored layer 0's K and V, not yet layer 1's
+    calibration = KvCalibration(str(path), "run", layers)
+    calibration.write(partial=False)
+    assert not path.exists()
+    layers[1].k_amax.fill_(7.0)
+    layers[1].v_amax.fill_(1.0)
+    calibration.write(partial=False)
+    written = json.loads(path.read_text())
+    assert written["k_absmax"] == [3.5, 7.0]
+    assert written["v_scale"] == [pytest.approx(2.0 / 448), pytest.approx(1 / 448)]
+
+    at_exit = KvCalibration(str(tmp_path / "exit.json"), "run", [layer(4.0, 1.0), layer(0.0, 0.0)])
+    at_exit.write()  # a layer no request reached keeps the default scale
+    assert json.loads((tmp_path / "exit.json").read_text())["k_scale"] == [pytest.approx(4.0 / 448), 1.0]
