@@ -87,8 +87,7 @@ for variant in $VARIANTS; do
         $PY -c "import time; print(time.monotonic())" > "$OUT/window-$variant-$c-$r.txt"
         smi=""  # the card's clocks while the run is timed (scripts/clock_summary.py)
         if command -v nvidia-smi >/dev/null; then
-          nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
-            --format=csv,noheader,nounits -lms 250 > "$OUT/clocks-$variant-$c-$r.csv" 2>/dev/null &
+          $PY scripts/clock_summary.py --sample "$OUT/clocks-$variant-$c-$r.csv" 2>/dev/null &
           smi=$!
         fi
         $PY scripts/bench_serving.py --base-url "http://127.0.0.1:$PORT" --model "$model" --copy-prompts "$COPY" \

@@ -3,14 +3,18 @@ whether the SM clock held or the card slowed for power or heat while the run was
 longer than the same step profiled alone (bf16 c256's mixed step, 51.7 ms served vs 41.5 ms in profile_kernels.py,
 H100, 2026-12-05) is either the software's or the clock's; this line says which.
 
-    python scripts/clock_summary.py clocks.csv
-    (columns: clocks.sm, clocks.mem, power.draw, temperature.gpu, clocks_event_reasons.active; csv,noheader,nounits)
+    python scripts/clock_summary.py --sample clocks.csv &   (nvidia-smi's samples every 250 ms until killed)
+    python scripts/clock_summary.py clocks.csv              (the line)
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
+
+# the columns nvidia-smi writes (csv,noheader,nounits) and summarize reads, in this order
+FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
 # nvidia-smi's clock event reasons (nvml's nvmlClocksEventReason*): why the clock is below its maximum
 REASONS = {0x1: "idle", 0x2: "app clocks", 0x4: "power cap", 0x8: "hw slowdown", 0x10: "sync boost",
@@ -52,7 +56,17 @@ def summarize(lines: list[str]) -> str:
     return "; ".join(parts)
 
 
+def sample(path: str) -> None:
+    """Become nvidia-smi writing FIELDS to `path` every 250 ms (exec: killing this process stops it)."""
+    out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.execvp("nvidia-smi", ["nvidia-smi", "--query-gpu=" + ",".join(FIELDS), "--format=csv,noheader,nounits",
+                             "-lms", "250"])
+
+
 def main() -> None:
+    if sys.argv[1] == "--sample":
+        sample(sys.argv[2])
     with open(sys.argv[1]) as f:
         print(summarize(f.read().splitlines()))
 

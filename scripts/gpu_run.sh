@@ -157,8 +157,7 @@ run_case() {  # name run prompts input output concurrency timeout [bench options
   # the card's clocks, power and slowdown reasons while the run is timed (scripts/clock_summary.py)
   local smi=""
   if command -v nvidia-smi >/dev/null; then
-    nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
-      --format=csv,noheader,nounits -lms 250 > "$OUT/clocks-$name-$r.csv" 2>/dev/null &
+    $PY scripts/clock_summary.py --sample "$OUT/clocks-$name-$r.csv" 2>/dev/null &
     smi=$!
   fi
   timeout "$7" $PY scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model "$MODEL" \

@@ -34,3 +34,25 @@ def test_a_power_capped_run_shows_its_clock_drop_and_why(tmp_path):
 def test_a_run_without_samples_says_so(tmp_path):
     assert _summary(tmp_path, "") == "clocks: no samples"
     assert _summary(tmp_path, "1980, 2619, 300.0, 50, 0x0\n").endswith("reasons: none")
+
+
+def test_sampling_runs_nvidia_smi_with_the_columns_it_reads_and_stops_when_killed(tmp_path):
+    import os
+    import time
+
+    fake = tmp_path / "bin" / "nvidia-smi"  # prints its arguments once, then a sample every 50 ms
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$*" > "$(dirname "$0")/args"\n'
+                    'while true; do echo "1500, 2619, 650.0, 70, 0x4"; sleep 0.05; done\n')
+    fake.chmod(0o755)
+    out = tmp_path / "sampled.csv"
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    sampler = subprocess.Popen([sys.executable, str(SCRIPT), "--sample", str(out)], env=env)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 2):
+        time.sleep(0.05)
+    sampler.kill()
+    sampler.wait(timeout=5)
+    args = (fake.parent / "args").read_text()
+    assert "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active" in args
+    assert _summary(tmp_path, out.read_text()).endswith("reasons: power cap 100%")
