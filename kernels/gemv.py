@@ -35,8 +35,10 @@ ACT_MODES = {fp8.NONE: 0, fp8.DYNAMIC: 1, fp8.STATIC: 2}  # an fp8 layer's activ
 # (79 → 93 on sm90, a program fewer an SM).
 
 
-def launch_shape(n: int, k: int, gated: bool, fp8: bool = False) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, STAGES, SPLIT) for a shape (of e4m3 weights where fp8). SPLIT: K over that
+def launch_shape(n: int, k: int, gated: bool, fp8: bool = False,
+                 words: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, STAGES, SPLIT) for a shape (of e4m3 weights where fp8; `words`: the register
+    kernel would read them as words, kernels.fp8_words). SPLIT: K over that
     many programs a tile (the tensor-core fp8 kernel of an ungated layer; 1 elsewhere). STAGES 0: the register
     kernel here (for the LM head, called through dispatch.lm_head_linear: cuBLAS); ≥ 2: the TMA-staged
     kernel (gemv_staged.py) with that pipeline depth, for e4m3 weights the tensor-core kernel (gemv_fp8.py).
@@ -51,7 +53,7 @@ def launch_shape(n: int, k: int, gated: bool, fp8: bool = False) -> tuple[int, i
     if (n, k, gated, fp8) in overrides:
         return overrides[(n, k, gated, fp8)]
     if fp8:
-        return _fp8_launch_shape(n, k, gated)
+        return _fp8_launch_shape(n, k, gated, words)
     if n >= 65536:  # an LM head: the staged kernel (run 4: 0.237 ms for Qwen2-7B's, cuBLAS 0.248)
         return 16, 256, 4, 4, 1
     if gated:
@@ -61,7 +63,7 @@ def launch_shape(n: int, k: int, gated: bool, fp8: bool = False) -> tuple[int, i
     return 2, max(64, triton.next_power_of_2(k)), 4, 0, 1
 
 
-def _fp8_launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int, int]:
+def _fp8_launch_shape(n: int, k: int, gated: bool, words: bool) -> tuple[int, int, int, int, int]:
     """e4m3 weights: a tile holds half the bytes of a bf16 one and every weight is converted before its FMA,
     so programs take more rows. An H200 sweep of Qwen2-7B's decode step (scripts/bench_decode_shapes.py
     --fp8, each layer kind's shape varied alone, the step in its CUDA graph) took 3.41 ms with these
@@ -69,11 +71,13 @@ def _fp8_launch_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int, 
     gate‖up on the tensor cores (32/256/4, 3 stages; the register kernel's best 16/256/4: 3.35), 2.80 with
     down_proj there too, K split over 8 programs a tile (64/256/4, 3 stages; 2.92 at 32/256/4/4/8, 2.99 at
     16 splits, 3.33-4.44 at 2-4 splits: too few programs for 132 SMs). The tensor cores lost on the square
-    and wide ones (o_proj 3.19-3.30 ms, qkv 3.18-3.38 with 1-8 splits)."""
+    and wide ones (o_proj 3.19-3.30 ms, qkv 3.18-3.38 with 1-8 splits). Read as words (kernels.fp8_words,
+    later), down_proj went back to the register kernel at 32/1024/8: served batch-1 Qwen2-7B on an H100 305 tok/s
+    against 288 on the tensor cores (2026-12-05, `gpu_calls.sh fp8single`; not yet measured on an H200)."""
     if gated:
         return 32, 256, 4, 3, 1
     if k > 2 * n:  # a down_proj: few output tiles over a long K
-        return 64, 256, 4, 3, 8
+        return (32, 1024, 8, 0, 1) if words else (64, 256, 4, 3, 8)
     return (*_fp8_register_shape(n, k, gated), 1)
 
 
@@ -192,14 +196,15 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     if n == 0:
         return out
-    block_n, block_k, warps, stages, split = launch_shape(n, k, gated, layer is not None)
+    act = ACT_MODES[layer.activations] if layer is not None else 0
+    words = layer is not None and words_for(x, weight, act)
+    block_n, block_k, warps, stages, split = launch_shape(n, k, gated, layer is not None, words)
     # Under PDL the first weight tiles are read before the wait: only a weight no earlier kernel wrote.
     use_pdl = pdl.enabled(x, "gemv") and not copied
     if stages >= 2 and layer is None and gemv_staged.tma_ready(weight):
         gemv_staged.gemv_staged(x, weight, bias, out, n, gated, pdl.flavor(use_pdl, "gemv"), block_n, block_k,
                                 warps, stages)
         return out
-    act = ACT_MODES[layer.activations] if layer is not None else 0
     if stages >= 2 and layer is not None:
         # the tensor-core kernel where STAGES >= 2 says so, x is quantized, the tile's K fits an fp8 MMA
         # (32) and the GPU is one it was measured on; else the register kernel with its own shape
@@ -217,7 +222,7 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
         HAS_SCALE=layer is not None, ACT=act, HAS_UB=layer is not None and layer.scale_ub is not None,
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
         X_AHEAD=not gated, AMAX_BLOCK=amax_block(k), INTERPRETED=_INTERPRETED,
-        WORDS=words_for(x, weight, act), num_warps=warps, launch_pdl=use_pdl)
+        WORDS=words, num_warps=warps, launch_pdl=use_pdl)
     return out
 
 

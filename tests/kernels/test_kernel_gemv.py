@@ -112,7 +112,7 @@ def gpu_shape(request, monkeypatch):
     from llaunch.kernels import gemv
 
     if request.param is not None:
-        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (*request.param, 1))
+        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False: (*request.param, 1))
     return request.param
 
 
@@ -124,7 +124,7 @@ def test_staged_gemv_gpu_float32_and_float16(cuda, poisoned, close, monkeypatch,
     SmolLM2's sizes, as the vocabulary-sized rule sends a float32 one there) and an odd shape."""
     from llaunch.kernels import gemv
 
-    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (16, 256, 4, 4, 1))
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False: (16, 256, 4, 4, 1))
     x = torch.randn(1, k, device=cuda).to(dtype)
     w = (torch.randn(n, k, device=cuda) / k ** 0.5).to(dtype)
     assert gemv.staged_for(w)
@@ -193,6 +193,9 @@ def test_launch_shapes_from_the_config(monkeypatch, kernel_settings):
     assert gemv.launch_shape(3584, 18944, False, fp8=True) == (32, 256, 4, 3, 4)
     kernel_settings(gemv_shapes="18944x3584:gated=16/256/8/4")
     assert gemv.launch_shape(18944, 3584, True, fp8=True) != (16, 256, 8, 4, 1)
+    # built in: an e4m3 down_proj read as words takes the register kernel, else the tensor cores with K split
+    assert gemv.launch_shape(3584, 18944, False, fp8=True, words=True) == (32, 1024, 8, 0, 1)
+    assert gemv.launch_shape(3584, 18944, False, fp8=True, words=False) == (64, 256, 4, 3, 8)
 
 
 def test_fp8_swap_ab_from_the_config(kernel_settings):
@@ -274,7 +277,8 @@ def fp8_kernel(request, monkeypatch):
 
     shape, built_in = FP8_KERNELS[request.param], gemv.launch_shape
     if shape is not None:
-        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: shape if fp8 else built_in(n, k, gated))
+        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False:
+                            shape if fp8 else built_in(n, k, gated))
     if request.param.startswith("swap-ab"):  # every shape: a set that holds them all
         monkeypatch.setattr(settings.current, "fp8_swap_ab", _EveryShape())
     if request.param in ("words", "register"):  # register: each weight to float32 (kernels.fp8_words off)
@@ -326,7 +330,7 @@ def test_fp8_words_in_bfloat16_within_its_rounding(ops, poisoned, close, kernel_
     from llaunch.kernels import fp8, gemv
 
     kernel_settings(fp8_words=True)
-    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (8, 256, 4, 0, 1))
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False: (8, 256, 4, 0, 1))
     k = 17 * 256 - 252
     w = fp8_layer(2 * 24 if gated else 48, k, activations)
     x = ((20 if activations == "static" and not gated else 3) * torch.randn(1, k)).to(torch.bfloat16)
@@ -349,7 +353,7 @@ def test_fp8_layers_the_tensor_cores_cannot_take_run_the_register_kernel(ops, mo
         raise AssertionError("the tensor-core kernel was launched")
 
     monkeypatch.setattr(gemv_fp8, "gemv_fp8", refuse)
-    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (*shape, 1))
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False: (*shape, 1))
     w = fp8_layer(37, 300, activations)
     x = 3 * torch.randn(1, 300)
     close(ops.gemv(x, w), fp8.reference_linear(x, w))
@@ -360,7 +364,7 @@ def test_split_k_counters_are_zero_after_each_launch(ops, close, monkeypatch):
     so the next launch's last program is found again: repeated launches give the reference's output each time."""
     from llaunch.kernels import fp8, gemv, split_k
 
-    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (8, 32, 4, 2, 4))
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False: (8, 32, 4, 2, 4))
     w = fp8_layer(50, 200)  # 7 tiles, K in 4 shares of 2, 2, 2, 1 tiles
     for seed in range(3):
         x = 3 * torch.randn(1, 200, generator=torch.Generator().manual_seed(seed))
@@ -378,7 +382,8 @@ def test_split_k_fp8_gemv_replays_in_a_cuda_graph(cuda, close, captured, monkeyp
     both layers' weights by TMA as the MMA's A operand (kernels.fp8_swap_ab)."""
     from llaunch.kernels import fp8, gemv
 
-    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False: (64 if swap_ab else 32, 256, 4, 3, 4)
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False:
+                        (64 if swap_ab else 32, 256, 4, 3, 4)
                         if fp8 else (2, 1024, 4, 0, 1))
     if swap_ab:
         kernel_settings(fp8_swap_ab=["3584x18944", "18944x3584"])
