@@ -32,6 +32,17 @@ def unfused(y, dtype, rows, channels, scale_ub, static, act):
     return quantize_rows(a, scale_ub, static)
 
 
+@pytest.fixture(params=["one pass", "tiles"])
+def row_pass(request, monkeypatch):
+    """A row held whole in registers, or (a row wider than ROW_IN_REGISTERS) read twice in tiles."""
+    from llaunch.kernels import fp8_gated_quant
+
+    if request.param == "tiles":
+        monkeypatch.setattr(fp8_gated_quant, "ROW_IN_REGISTERS", 32)
+        monkeypatch.setattr(fp8_gated_quant, "BLOCK", 256)
+    return request.param
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="interpreter test (the GPU one below takes real shapes)")
 @pytest.mark.parametrize("m,inner", [(3, 40), (5, 1100), (4, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -47,6 +58,16 @@ def test_as_the_three_kernels_it_replaces(m, inner, dtype, scaled, act, scale_ub
     assert q.shape == (m, inner) and q.dtype == fp8.FP8 and s.shape == (m, 1)
     assert torch.equal(s, want_s)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="interpreter test (the GPU one below takes real shapes)")
+@pytest.mark.parametrize("row_pass", ["tiles"], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scaled", [True, False])
+@pytest.mark.parametrize("scale_ub,static", [(None, None), (0.8, None), (None, torch.tensor(0.011))])
+def test_rows_wider_than_the_registers_take_tiles_alike(row_pass, dtype, scaled, scale_ub, static):
+    """Rows of more than ROW_IN_REGISTERS columns: read twice, the same bytes as the three kernels."""
+    test_as_the_three_kernels_it_replaces(5, 1100, dtype, scaled, SILU, scale_ub, static)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="interpreter test")
@@ -104,7 +125,7 @@ def test_refuses_what_it_cannot_read():
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [64, 600])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_as_the_three_kernels_at_qwen2_7b_width_gpu(m, dtype):
+def test_as_the_three_kernels_at_qwen2_7b_width_gpu(row_pass, m, dtype):
     y, rows, channels = (t.cuda() for t in sums(m, 18944))
     for scaled in (True, False):
         r, c = (rows, channels) if scaled else (None, None)
