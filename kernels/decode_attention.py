@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llaunch.kernels import pdl
+from llaunch.kernels import pdl, settings
 from llaunch.kernels.attention_softcap import softcap as _softcap
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
@@ -196,8 +196,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert out.shape == q.shape and out.stride(-1) == 1, "out: q's shape, unit dim stride"
     if batch == 0:
         return out
-    longest = max_len if max_len is not None else req_to_slots.shape[1]
-    splits = num_splits_for(batch, kv_heads, min(longest, window) if window > 0 else longest)
+    # kernels.row_invariant: a row's chunks as in any other step, whatever its rows and their longest context
+    # (a verify step's rows as batch-1 decode's, an eager step's as a graph's): the KV rows' length, one row
+    invariant = settings.current.row_invariant
+    longest = max_len if max_len is not None and not invariant else req_to_slots.shape[1]
+    rows_for_split = 1 if invariant else batch
+    splits = num_splits_for(rows_for_split, kv_heads, min(longest, window) if window > 0 else longest)
     block_d = triton.next_power_of_2(dim)
     group = n_q_heads // kv_heads
     direct = splits == 1

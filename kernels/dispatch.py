@@ -45,6 +45,7 @@ def triton_ops() -> types.SimpleNamespace:
         gemv_staged_for=modules["gemv"].staged_for,
         skinny_gemm=modules["skinny_gemm"].skinny_gemm,
         skinny_takes=modules["skinny_gemm"].takes,
+        skinny_takes_one_row=modules["skinny_gemm"].takes_one_row,
         greedy_tokens=modules["greedy"].greedy_tokens,
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
@@ -258,8 +259,10 @@ def lm_head_linear(x, weight):
     vocabulary-sized weight on Hopper: 0.237 ms for Qwen2-7B's against cuBLAS's 0.248), else cuBLAS.
     kernels.gemv_shapes with STAGES 0 for the LM head's shape keeps it on cuBLAS. The logits come in
     x's dtype or, from the staged GEMV, already in float32 (same values, bf16-rounded as cuBLAS +
-    .float(): no cast kernel after it in the decode graph). 2..kernels.skinny_rows rows (a verify step): the
-    skinny GEMM (kernels/skinny_gemm.py), in x's dtype."""
+    .float(): no cast kernel after it in the decode graph). 2..kernels.skinny_rows rows (a verify step), and one
+    row under kernels.row_invariant: the skinny GEMM (kernels/skinny_gemm.py), in x's dtype."""
+    if _one_row(x) and _use_triton(x) and triton_ops().skinny_takes_one_row(x, weight):
+        return triton_ops().skinny_gemm(x, weight)  # kernels.row_invariant: as a verify step's rows
     if _one_row(x) and triton_ops().gemv_staged_for(weight):
         return triton_ops().gemv(x, weight, out_dtype=torch.float32)
     if _few_rows(x, weight):

@@ -191,8 +191,9 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
     if out_dtype not in (None, x.dtype, torch.float32) or (gated and out_dtype not in (None, x.dtype)):
         raise ValueError(f"gemv: out_dtype {out_dtype} for {x.dtype} input (float32 or the input's, ungated)")
     if (layer is None and out_dtype in (None, x.dtype) and x.dtype in (torch.bfloat16, torch.float16)
-            and (n, k, gated) in settings.current.skinny_one_row):
-        return skinny_gemm.skinny_gemm(x, weight, bias, gated=gated)  # kernels.skinny_one_row: the tensor cores
+            and ((n, k, gated) in settings.current.skinny_one_row or skinny_gemm.takes_one_row(x, weight))):
+        # kernels.skinny_one_row: the tensor cores; kernels.row_invariant: summed as a verify step's rows are
+        return skinny_gemm.skinny_gemm(x, weight, bias, gated=gated)
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     if n == 0:
         return out

@@ -108,6 +108,11 @@ class KernelSettings:
     # static activations) and the model bfloat16; off: each weight converted to float32 (row_dots). H100, Qwen2-7B's
     # batch-1 fp8 step (6f85a72): qkv 1.70 -> 1.94 TB/s, o_proj 1.56 -> 1.66, the step 3.397 -> 3.327 ms
     fp8_words: bool = True
+    # Each row of a step of up to kernels.skinny_rows rows summed alike whatever the step's other rows: one-row
+    # 16-bit products (the layers' and the LM head's) on the skinny GEMM as a verify step's rows are, decode attention
+    # split as for one row of the longest context the KV rows hold. Speculative decoding then gives a bfloat16 model's spec-off text (a verify row and a
+    # decode row otherwise round differently); off: the faster batch-1 GEMVs. Not for fp8 weights
+    row_invariant: bool = False
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
     # after their own wait (late) instead of at their top: early triggering cascades resident grids,
@@ -125,6 +130,9 @@ class KernelSettings:
         if not 0 <= self.skinny_rows <= 16:
             found.append(("kernels.skinny_rows", f"kernels.skinny_rows: {self.skinny_rows} is not 0 (off) to 16 (an "
                                                  "MMA's rows)"))
+        if self.row_invariant and (self.skinny_rows < 2 or Gemv(self.gemv) != Gemv.triton):
+            found.append(("kernels.row_invariant", "kernels.row_invariant needs kernels.skinny_rows ≥ 2 and "
+                                                   "kernels.gemv=triton (the kernels whose rows it sums alike)"))
         for key, parse in (("gemv_shapes", parse_gemv_shapes), ("moe_shapes", parse_moe_shapes),
                            ("skinny_shapes", parse_skinny_shapes), ("skinny_one_row", parse_weight_shapes),
                            ("fp8_swap_ab", parse_weight_shapes)):
@@ -256,6 +264,7 @@ class _Applied:
         self.skinny_one_row = parse_weight_shapes(settings.skinny_one_row)
         self.fp8_swap_ab = parse_weight_shapes(settings.fp8_swap_ab, "fp8_swap_ab")
         self.fp8_words = bool(settings.fp8_words)
+        self.row_invariant = bool(settings.row_invariant)
         self.pdl = Pdl(settings.pdl)
         self.pdl_kernels = frozenset(settings.pdl_kernels)
         self.pdl_late = frozenset(settings.pdl_late)

@@ -16,7 +16,8 @@
 # spec_mb64 = $SPEC spec.max_batch=64,
 # unchained = $SPEC spec.chain=false (each proposing row waits for its verdict: what chaining gains), k8 = $SPEC
 # spec.num_tokens=8 (longer proposals: on a model whose steps cost the same at 5 and 9 tokens, more tokens a verify),
-# adaptive = $SPEC spec.adaptive=true (each row's proposals 1 token longer than it recently accepted).
+# adaptive = $SPEC spec.adaptive=true (each row's proposals 1 token longer than it recently accepted); NAME_ri: NAME
+# with kernels.row_invariant=true (its c1 texts held against none_ri's).
 # Each server warms with a short run of each case (not counted), then runs every case REPEATS (3) times on fresh
 # prompts; the summary's row is a server's slowest run, its ratio against the slowest run of none.
 # Variables: SERVE (llaunch overrides of every server), SPEC (default spec=ngram), CASES, VARIANTS, NUM, C64_NUM, REPEATS,
@@ -52,7 +53,8 @@ case_args() {  # num-prompts concurrency seed
 }
 
 for variant in $VARIANTS; do
-  case $variant in
+  base=${variant%_ri}  # NAME_ri: NAME's server with kernels.row_invariant=true (a verify row summed as a decode row)
+  case $base in
     none) overrides="spec=none" ;;
     spec) overrides="$SPEC" ;;
     spec_mb16) overrides="$SPEC spec.max_batch=16" ;;
@@ -60,8 +62,10 @@ for variant in $VARIANTS; do
     unchained) overrides="$SPEC spec.chain=false" ;;
     k8) overrides="$SPEC spec.num_tokens=8" ;;
     adaptive) overrides="$SPEC spec.adaptive=true" ;;
-    *) echo "unknown variant $variant (none, spec, spec_mb16, spec_mb64, unchained, k8, adaptive)"; status=1; continue ;;
+    *) echo "unknown variant $variant (none, spec, spec_mb16, spec_mb64, unchained, k8, adaptive; each also as NAME_ri)"
+       status=1; continue ;;
   esac
+  [ "$base" != "$variant" ] && overrides="$overrides kernels.row_invariant=true"
   echo "== serve: llaunch $SERVE $overrides"
   trace=${TRACE:+$OUT/trace-$variant.jsonl}
   rm -f "$OUT/trace-$variant.jsonl"

@@ -196,7 +196,9 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # ~85 s a server (warm-up, then c1 and c64 three times each)
     # spec_mb16 left: at 9d253e7 c64 0.95x none (the old default); k8 had one c1 run there (1.84x)
     # bfloat16 since e6bc043 (the figures before were float32's); PROFILE_STEPS: each server's kernels as served
-    TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-40} VARIANTS=${VARIANTS:-"none spec k8"} optional 300 \
+    # none_ri / spec_ri: kernels.row_invariant=true (at aaaa21f in bf16 only 41 of 96 c1 texts of spec were none's;
+    # k8 left out this time: 1.80x c1, 1.30x c64 at aaaa21f)
+    TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-40} VARIANTS=${VARIANTS:-"none spec none_ri spec_ri"} optional 300 \
       bash scripts/gpu_run.sh spec ;;
   *) echo "unknown call $NAME (suite, changed, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac

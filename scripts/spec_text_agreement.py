@@ -1,7 +1,8 @@
 """Greedy text with speculation against without, on the same prompts: #38 asks that a bfloat16 server's verify
 steps give the text its decode steps give. bench_spec.sh's c1 runs send each server the same prompts (a seed per
 run) at temperature 0 and keep the generated text (bench_serving.py --keep-text); this compares each spec
-server's texts with spec=none's, request by request, and says where the first one parts.
+server's texts with spec=none's, request by request, and says where the first one parts (a NAME_ri server,
+kernels.row_invariant=true, against none_ri's: the decode path of a server like it).
 
     python scripts/spec_text_agreement.py OUT [--case c1] [--variants spec k8] [--repeats 3]
 """
@@ -24,16 +25,22 @@ def _parted_at(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def base_of(variant: str) -> str:
+    """The spec=none server a variant's texts are held against: none_ri for NAME_ri (kernels.row_invariant)."""
+    return "none_ri" if variant.endswith("_ri") else "none"
+
+
 def compare(out: str, case: str, variant: str, repeats: int) -> str:
     same = total = 0
     parted: list[int] = []
+    none = base_of(variant)
     for r in range(1, repeats + 1):
-        base, other = (os.path.join(out, f"bench-{v}-{case}-{r}.json") for v in ("none", variant))
+        base, other = (os.path.join(out, f"bench-{v}-{case}-{r}.json") for v in (none, variant))
         if not (os.path.exists(base) and os.path.exists(other)):
             continue
         (seed_a, want), (seed_b, got) = _texts(base), _texts(other)
         if seed_a != seed_b or len(want) != len(got):
-            return f"{case} {variant}: run {r} sent other prompts than none's (seeds {seed_a}, {seed_b})"
+            return f"{case} {variant}: run {r} sent other prompts than {none}'s (seeds {seed_a}, {seed_b})"
         for a, b in zip(want, got):
             if a is None or b is None:
                 continue  # a failed request: counted by the throughput table
@@ -44,7 +51,7 @@ def compare(out: str, case: str, variant: str, repeats: int) -> str:
                 parted.append(_parted_at(a, b))
     if not total:
         return f"{case} {variant}: no texts to compare (run bench_serving.py with --keep-text)"
-    line = f"{case} {variant}: {same} of {total} greedy texts as spec=none's"
+    line = f"{case} {variant}: {same} of {total} greedy texts as {'spec=none' if none == 'none' else none}'s"
     if parted:
         line += f"; the others part after {min(parted)}-{max(parted)} characters"
     return line
@@ -58,7 +65,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     for v in args.variants:
-        if v != "none":
+        if v not in ("none", "none_ri"):
             print(compare(args.out, args.case, v, args.repeats))
 
 

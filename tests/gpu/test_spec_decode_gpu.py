@@ -66,6 +66,25 @@ def test_ngram_greedy_is_token_identical_on_smollm2(model, n):
     assert s.accepted > 0
 
 
+@pytest.fixture(scope="module")
+def model_bf16():
+    from llaunch.runtime.models.loader import build_model
+
+    return build_model(model_config_from_folder(smollm2_dir()), device=torch.device("cuda"), dtype=torch.bfloat16)
+
+
+def test_bf16_ngram_greedy_is_token_identical_under_row_invariant(model_bf16, kernel_settings):
+    """bfloat16, one stream: with kernels.row_invariant a verify step's rows are summed as batch-1 decode sums its
+    row (the skinny GEMM for both, decode attention split alike), so speculation gives the decode path's text."""
+    kernel_settings(row_invariant=True)
+    requests, eos = copy_requests(1)
+    kw = dict(kv_slots=16 * 512, max_len=512, device=torch.device("cuda"), cuda_graphs=True, eos_ids=eos)
+    plain, _ = serve(model_bf16, requests, spec=False, **kw)
+    fast, sched = serve(model_bf16, requests, spec=True, **kw)
+    assert fast == plain
+    assert sched.spec.accepted > 0
+
+
 @pytest.mark.parametrize("n", [1, 16])
 def test_draft_greedy_is_token_identical_on_smollm2(model, n):
     """spec.method=draft with SmolLM2 drafting for itself (the only real weights on the host): the

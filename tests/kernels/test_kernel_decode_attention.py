@@ -137,3 +137,20 @@ def test_decode_replays_in_a_cuda_graph(cuda, close, kv_cache):
         seq_lens.copy_(torch.randint(1, 1001, (64,), device=cuda))
         graph.replay()
         close(out, reference.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.088))
+
+
+@pytest.mark.parametrize("row_invariant", [False, True])
+def test_row_invariant_splits_each_row_as_a_one_row_step(ops, kv_cache, kernel_settings, row_invariant):
+    """kernels.row_invariant: a row of a 5-row step (a verify step's tokens) gets the bits it gets alone (batch-1
+    decode): its context is cut into the chunks a one-row step cuts it into. Without it the step's split count
+    follows its rows, and the merged sums round otherwise."""
+    kernel_settings(row_invariant=row_invariant)
+    lengths = [2000, 2001, 2002, 2003, 2004]  # one request's verify tokens: each sees one more cached token
+    k_cache, v_cache, req_to_slots, rows = kv_cache(lengths, 1, 64, torch.float16, "cpu")
+    seq_lens = torch.tensor(lengths)
+    q = torch.randn(len(lengths), 7, 64).half()
+    step = ops.decode_attention(q, k_cache, v_cache, req_to_slots, rows, seq_lens, 0.125, max_len=4096)
+    alone = torch.cat([ops.decode_attention(q[i:i + 1], k_cache, v_cache, req_to_slots, rows[i:i + 1],
+                                            seq_lens[i:i + 1], 0.125, max_len=max_len)
+                       for i, max_len in enumerate([4096, 4096, 2048, 2004, None])])  # graph or eager steps
+    assert torch.equal(step, alone) == row_invariant

@@ -35,3 +35,12 @@ def test_other_prompts_or_no_texts_are_said_not_counted(tmp_path):
     assert "sent other prompts" in _run(tmp_path, "--repeats", "1")
     (tmp_path / "bench-spec-c1-1.json").unlink()
     assert "no texts to compare" in _run(tmp_path, "--repeats", "1")
+
+
+def test_a_row_invariant_server_is_held_against_none_ri(tmp_path):
+    """NAME_ri (kernels.row_invariant=true) against none_ri's texts, not none's: the decode path of a server like it."""
+    _result(tmp_path / "bench-none-c1-1.json", 24, ["x", "y"])
+    _result(tmp_path / "bench-none_ri-c1-1.json", 24, ["the cat sat", "on the mat"])
+    _result(tmp_path / "bench-spec_ri-c1-1.json", 24, ["the cat sat", "on the mat"])
+    line = _run(tmp_path, "--variants", "none", "none_ri", "spec_ri", "--repeats", "1")
+    assert line == "c1 spec_ri: 2 of 2 greedy texts as none_ri's"
