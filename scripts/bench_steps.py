@@ -4,8 +4,8 @@ batch plus prefill chunks, as under continuous batching). Eager forward (no CUDA
 CUDA events, median of repeats; prints one JSON line per step shape with its matmul TFLOP/s.
 
     python scripts/bench_steps.py [--layers N] [--prompt-len 1024]
-    python scripts/bench_steps.py --verify [--context 1024] [--max-k 4] [--tiny]   (speculative decoding's
-        verify steps against a decode step, with CUDA graphs: scripts/bench_verify_steps.py)
+    python scripts/bench_steps.py --verify [--context 1024] [--max-k 4] [--tiny] [--set KEY=VALUE]  (speculative
+        decoding's verify steps against a decode step, with CUDA graphs: scripts/bench_verify_steps.py)
 """
 from __future__ import annotations
 
@@ -81,9 +81,14 @@ def main() -> int:
                     help="--verify --profile: the served runner's graph length (0: the shape's context length, as served)")
     ap.add_argument("--skinny-rows", type=int, default=0,
                     help="--verify: the verify steps again with kernels.skinny_rows at this (the 2-16-row GEMM)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="--verify: a kernels setting for every step (kernels/settings.py), e.g. --set row_invariant=true")
     args = ap.parse_args()
     if args.verify:
         from bench_verify_steps import SMOLLM2_SPEC, run_verify  # scripts/ is on the path of a script run
+        from profile_kernels import apply_settings
+
+        apply_settings(args.set)
 
         shape = SMOLLM2_SPEC if args.shape == "smollm2-spec" else QWEN2_7B
         layers = shape["num_hidden_layers"] if args.shape == "smollm2-spec" else args.layers

@@ -193,6 +193,9 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # against 0.6 at one token, and its launch 0.85 ms against decode's 0.28
     (cd scripts && optional 60 timeout 120 python3 bench_steps.py --verify --shape smollm2-spec --skinny-rows 16 \
       --profile 14) | grep -v -e Warning -e USDT | tee "$OUT/verify_smollm2.txt"
+    # the same steps under kernels.row_invariant (one-row steps on the skinny GEMM too): what bf16 identity costs
+    (cd scripts && optional 40 timeout 90 python3 bench_steps.py --verify --shape smollm2-spec --set row_invariant=true) \
+      | grep -v -e Warning -e USDT | tee "$OUT/verify_smollm2_row_invariant.txt"
     # ~85 s a server (warm-up, then c1 and c64 three times each)
     # spec_mb16 left: at 9d253e7 c64 0.95x none (the old default); k8 had one c1 run there (1.84x)
     # bfloat16 since e6bc043 (the figures before were float32's); PROFILE_STEPS: each server's kernels as served
