@@ -9,7 +9,9 @@
 #
 # NAME      carry                                        what it runs
 # suite     .whl .gpu                                    the GPU suite (must be green for kernel changes), then fp8mixed's
-#                                                        profiles (fp8_words' bench: `fp8words`, measured at 6f85a72)
+#                                                        profiles (fp8_words' bench: `fp8words`, measured at 6f85a72),
+#                                                        then spectune's sweep
+# spectune  .whl                                         #38: SmolLM2's verify steps at other skinny launch shapes
 # changed   .whl .gpu                                    the GPU tests of what changed since the last green suite, then
 #                                                        fp8mixed's profiles (when a whole suite does not fit)
 # fp8words  .whl                                         #37's fp8 decode step with kernels.fp8_words against without
@@ -48,7 +50,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, spectune, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -67,6 +69,20 @@ optional() {  # need command...
   local rest; rest=$(( $(left) - ${RESERVE:-0} ))
   if [ "$rest" -lt "$need" ]; then echo "[skipped: $rest s left, $need needed] $*"; return 0; fi
   timeout $(( rest - 10 )) "$@"
+}
+skinny_sweep() {  # #38: SmolLM2's verify steps (bench_steps --verify, dummy weights) at other kernels.skinny_shapes:
+  # its 576-wide layers make 36-96 programs of 16-row tiles, chains of 5-12 dependent K steps (the built-in shapes);
+  # here K split finer and shorter steps. At aaaa21f (H100): decode 0.335 ms, verify k = 1-4 0.470-0.520
+  local q=960x576 o=576x576 gu=1536x576:gated d=576x1536 cand
+  for cand in "" \
+      "$q=16/64/4/2/4,$o=16/64/4/2/4,$gu=16/64/4/2,$d=16/64/4/2/8" \
+      "$q=16/64/4/2/8,$o=16/64/4/2/8,$gu=16/64/4/3,$d=16/128/4/3/4" \
+      "$q=16/64/2/2/4,$o=16/64/2/2/4,$gu=16/64/2/2,$d=16/64/2/2/8" \
+      "$q=16/32/2/3/8,$o=16/32/2/3/8,$gu=16/32/2/3,$d=16/64/2/3/8"; do
+    echo "== skinny_shapes: ${cand:-built-in}"
+    (cd scripts && optional 30 timeout 60 python3 bench_steps.py --verify --shape smollm2-spec \
+      ${cand:+--set skinny_shapes=$cand}) | grep -e '"decode"' -e '"verify"'
+  done | tee -a "$OUT/skinny_sweep.txt"
 }
 install() {  # from whichever wheelhouse the call carried
   WHEELS=$([ -d .whl ] && echo .whl || echo .whl-serve) bash scripts/gpu_run.sh install || exit 1
@@ -113,7 +129,11 @@ case $NAME in
   suite)
     install
     bash scripts/gpu_run.sh tests  # a failure is reported there; the measurements after it still run
-    fp8_mixed ;;
+    fp8_mixed
+    skinny_sweep ;;
+  spectune)
+    install
+    skinny_sweep ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
     # suite (30b487a: kernels.fp8_gemm=tensor_epilogue the default since fa714d0), then fp8_mixed
     install
@@ -203,6 +223,6 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # k8 left out this time: 1.80x c1, 1.30x c64 at aaaa21f)
     TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-40} VARIANTS=${VARIANTS:-"none spec none_ri spec_ri"} optional 300 \
       bash scripts/gpu_run.sh spec ;;
-  *) echo "unknown call $NAME (suite, changed, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
+  *) echo "unknown call $NAME (suite, changed, spectune, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"
