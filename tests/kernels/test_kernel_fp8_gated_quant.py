@@ -60,6 +60,16 @@ def test_as_the_three_kernels_it_replaces(m, inner, dtype, scaled, act, scale_ub
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+def test_a_row_is_held_as_two_power_of_two_blocks():
+    """The one-pass program's row: the largest power of two, then the rest rounded up, not one block of
+    next_power_of_2 (Qwen2-7B's 18,944 columns: 20,480 lanes, not 32,768)."""
+    from llaunch.kernels.fp8_gated_quant import row_blocks
+
+    assert row_blocks(18944) == (16384, 4096)
+    assert row_blocks(1100) == (1024, 128) and row_blocks(40) == (32, 8)
+    assert row_blocks(64) == (64, 0) and row_blocks(1) == (1, 0) and row_blocks(29568) == (16384, 16384)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="interpreter test (the GPU one below takes real shapes)")
 @pytest.mark.parametrize("row_pass", ["tiles"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
