@@ -22,7 +22,9 @@ from llaunch.kernels.e4m3 import quantized, scale_of_absmax
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 1024  # a tile of the two-pass kernel (rows wider than ROW_IN_REGISTERS)
-ROW_IN_REGISTERS = 32768  # the most columns one program holds (row_blocks' two blocks): ≤ 32 values a thread of 32 warps
+# The most lanes one program holds (row_blocks' two blocks): ≤ 24 values a thread of 32 warps. An sm_90a build
+# (Triton 3.9) of 16,384 + 4,096 lanes took 41-62 registers, of 16,384 + 16,384 58-64: at the 1,024-thread cap
+ROW_IN_REGISTERS = 24576
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 

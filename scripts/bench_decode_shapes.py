@@ -106,7 +106,8 @@ def swapped(candidates: list[tuple[str, dict]], kinds: dict[str, str]) -> list[t
     """--swap-ab: each layer kind with its built-in shape, then each candidate, again with the weights as the MMA's A
     operand (kernels.fp8_swap_ab names the kind's weight shape) after it as is."""
     out = [(kind, dict(fp8_swap_ab=[key])) for kind, key in kinds.items()
-           if gemv.launch_shape(*dims(key), True)[3] >= 2]  # built in on the tensor cores
+           # built in on the tensor cores (a bf16 model's e4m3 layers read as words where kernels.fp8_words)
+           if gemv.launch_shape(*dims(key), True, words=settings.current.fp8_words)[3] >= 2]
     for kind, overrides in candidates:
         out.append((kind, overrides))
         if kind in kinds:
