@@ -111,7 +111,8 @@ class KernelSettings:
     # Each row of a step of up to kernels.skinny_rows rows summed alike whatever the step's other rows: one-row
     # 16-bit products (the layers' and the LM head's) on the skinny GEMM as a verify step's rows are, decode attention
     # split as for one row of the longest context the KV rows hold. Speculative decoding then gives a bfloat16 model's spec-off text (a verify row and a
-    # decode row otherwise round differently); off: the faster batch-1 GEMVs. Not for fp8 weights
+    # decode row otherwise round differently); off: the faster batch-1 GEMVs. 16-bit dense models on one rank only
+    # (launcher/rules.py: row_invariant_covers_model)
     row_invariant: bool = False
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only

@@ -24,7 +24,9 @@ from llaunch.launcher import rules_checkpoint  # noqa: F401 (checkpoints the wor
 # check_all, warnings, pending and RULES are called through this module, which fills the registry
 from llaunch.launcher.rule_registry import (NOTHING_CHANGED, RULES, check_all, get, pending, rule,  # noqa: F401
                                            warnings)
-from llaunch.runtime.config import Device, Mode
+from llaunch.runtime.config import Device, DType, LoadFormat, Mode
+from llaunch.runtime.models.checkpoint import read_checkpoint
+from llaunch.runtime.models.moe_config import MOE_FAMILIES
 from llaunch.runtime.models.heads import HeadLayout
 
 _serves = rules_model.serves
@@ -106,6 +108,32 @@ def mixed_graph_tokens_nonnegative(cfg):
 def kernel_settings_valid(cfg):
     for key, message in cfg.kernels.problems():
         yield (key,), message + " (see `llaunch --cfg job` for the kernels group's keys)"
+
+
+@rule(needs=("model.family",))
+def row_invariant_covers_model(cfg):
+    """kernels.row_invariant's promise (a row summed alike whatever the step's other rows) holds only where every
+    product of a row runs the kernels it switches: 16-bit dense layers on one rank."""
+    if not cfg.kernels.row_invariant or not _serves(cfg):
+        return
+    m = cfg.model
+    ckpt = read_checkpoint(m.path) if m.path and m.load_format != LoadFormat.dummy else None
+    ckpt_quant = ckpt.weight_quant if ckpt is not None and ckpt.weight_quant and ckpt.weight_quant.served else None
+    outside = [(keys, why) for keys, why in (
+        (("model.quantization",), m.quantization is not None and f"model.quantization={m.quantization.value}: e4m3 "
+         "layers take other kernels at one row (the fp8 GEMVs) than at several"),
+        (("model.path",), ckpt_quant is not None and f"model.path={m.path} holds {ckpt_quant.method} weights: e4m3 "
+         "layers take other kernels at one row (the fp8 GEMVs) than at several"),
+        (("model.family",), m.family in MOE_FAMILIES and f"model.family={m.family}: the experts' launches and "
+         "their summation order depend on the step's tokens (kernels/moe_launches.py)"),
+        (("parallel.tp",), cfg.parallel.tp > 1 and f"parallel.tp={cfg.parallel.tp}: the all-reduce's summation "
+         "order across ranks depends on the step's size"),
+        (("model.dtype",), m.dtype == DType.float32 and "model.dtype=float32: the skinny GEMM it sends one-row "
+         "products to takes 16-bit operands only")) if why]
+    for keys, why in outside:
+        yield ("kernels.row_invariant", *keys), (
+            f"kernels.row_invariant=true cannot keep a row's sums alike across steps here: {why}. Unset "
+            "kernels.row_invariant (speculative decoding then may part from the spec-off text in bfloat16)")
 
 
 @rule()

@@ -25,6 +25,7 @@ from integration.test_prompt_cache import idle, metrics, wait_for
 MODEL = "tiny-qwen2"
 PROMPT = "The capital of Fra"  # SmolLM2's tokenizer ends it on " Fra"; "France" is one token " France"
 MAX = 6
+TIMEOUT = 120  # a first grammar compiles the vocabulary: seconds on a busy 2-core runner, past httpx's 5 s
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def test_a_prompt_ending_mid_word_is_healed(servers, oracles):
     assert choice.text == oracle.tokenizer.decode(expected)[len(prefix):]  # the prompt already has " Fra"
     assert choice.model_extra["prompt_token_ids"] == ids[:-1]
 
-    generated = httpx.post(servers["healing"].url + "/generate",
+    generated = httpx.post(servers["healing"].url + "/generate", timeout=TIMEOUT,
                            json={"inputs": PROMPT, "parameters": {"max_new_tokens": MAX, "ignore_eos": True}}).json()
     assert generated["generated_text"] == [choice.text]
 
@@ -89,7 +90,7 @@ def test_without_healing_the_prompt_is_served_as_it_is(servers, oracles):
 
 
 def test_chat_refuses_token_healing(servers):
-    r = httpx.post(servers["healing"].url + "/v1/chat/completions",
+    r = httpx.post(servers["healing"].url + "/v1/chat/completions", timeout=TIMEOUT,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "token_healing": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "token_healing"
 
@@ -99,9 +100,9 @@ def test_structured_output_is_not_healed(servers):
     the server's default leaves a constrained request unhealed (its output follows the grammar)."""
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
             "response_format": {"type": "json_object"}}
-    r = httpx.post(servers["healing"].url + "/v1/completions", json=body | {"token_healing": True})
+    r = httpx.post(servers["healing"].url + "/v1/completions", timeout=TIMEOUT, json=body | {"token_healing": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "token_healing", r.text
-    r = httpx.post(servers["healing"].url + "/v1/completions", json=body)
+    r = httpx.post(servers["healing"].url + "/v1/completions", timeout=TIMEOUT, json=body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"].lstrip().startswith("{")
 
@@ -124,7 +125,7 @@ def test_best_of_returns_the_samples_of_highest_cumulative_logprob(servers, orac
     assert [c.index for c in best.choices] == [0, 1]
     assert best.usage.completion_tokens == every.usage.completion_tokens == 4 * MAX
 
-    r = httpx.post(servers["diverse"].url + "/v1/completions",
+    r = httpx.post(servers["diverse"].url + "/v1/completions", timeout=TIMEOUT,
                    json={"model": MODEL, "prompt": "hi", "n": 1, "best_of": 2, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
 

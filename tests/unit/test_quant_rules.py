@@ -92,6 +92,10 @@ def test_a_quantization_config_nested_in_text_config_is_read(resolved, tmp_path)
     from llaunch.runtime.models.checkpoint import read_checkpoint
     read_checkpoint.cache_clear()
     assert rules.check_all(resolved(f"model.path={folder}", "model.load_format=auto")) == []
+    # its e4m3 layers take the fp8 GEMVs at one row: kernels.row_invariant cannot hold
+    [v] = assert_only(rules.check_all(resolved(f"model.path={folder}", "model.load_format=auto", "model.dtype=bfloat16",
+                                               "kernels.row_invariant=true")), "row_invariant_covers_model")
+    assert v.keys == ("kernels.row_invariant", "model.path") and "compressed-tensors" in v.message
 
 
 def test_the_dry_run_shows_fp8_weight_and_kv_bytes(resolved):  # noqa: F811

@@ -45,6 +45,7 @@ VL = ("model=qwen2-vl-7b", "model.load_format=dummy", "dry_run=true")  # a model
 AU = ("model=qwen2-audio-7b", "model.load_format=dummy", "dry_run=true")  # with audio servers
 # tiny-llama's dimensions as a Mixtral: 4 experts of 128 columns, top-2
 MIXTRAL = ("model.family=mixtral", "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=128")
+RI = ("kernels.row_invariant=true", "model.dtype=bfloat16")  # row_invariant where it holds
 # rule -> overrides that break it alone (after `resolved`'s base)
 BREAKS = {
     "mem_fraction_in_range": [["cache.mem_fraction=1.5"], ["cache.mem_fraction=0"]],
@@ -157,6 +158,8 @@ BREAKS = {
                            [*MIXTRAL, "parallel=tp2", "parallel.ep=2", "model.num_experts=3"]],
     "expert_parallel_valid": [["parallel=tp2", "parallel.ep=2"], [*MIXTRAL, "parallel=tp2", "parallel.ep=4"]],
     "moe_quantization_supported": [[*MIXTRAL, "model.quantization=fp8"]],
+    "row_invariant_covers_model": [[*RI, "model.quantization=fp8"], [*RI, *MIXTRAL], [*RI, "parallel=tp2"],
+                                   ["kernels.row_invariant=true"]],  # on CPU the model runs in float32
 }
 
 
@@ -167,6 +170,7 @@ def test_a_valid_config_passes_every_rule(resolved):
     assert rules.check_all(resolved("mode=pd_prefill")) == []
     assert rules.check_all(resolved(*MIXTRAL, "parallel=tp2")) == []
     assert rules.check_all(resolved(*MIXTRAL, "parallel=tp2", "parallel.ep=2")) == []
+    assert rules.check_all(resolved(*RI)) == []
 
 
 def test_every_rule_has_a_break_case():
