@@ -261,7 +261,7 @@ def lm_head_linear(x, weight):
     x's dtype or, from the staged GEMV, already in float32 (same values, bf16-rounded as cuBLAS +
     .float(): no cast kernel after it in the decode graph). 2..kernels.skinny_rows rows (a verify step), and one
     row under kernels.row_invariant: the skinny GEMM (kernels/skinny_gemm.py), in x's dtype."""
-    if _one_row(x) and _use_triton(x) and triton_ops().skinny_takes_one_row(x, weight):
+    if _one_row(x) and triton_ops().skinny_takes_one_row(x, weight):
         return triton_ops().skinny_gemm(x, weight)  # kernels.row_invariant: as a verify step's rows
     if _one_row(x) and triton_ops().gemv_staged_for(weight):
         return triton_ops().gemv(x, weight, out_dtype=torch.float32)
