@@ -33,6 +33,7 @@ def triton_ops() -> types.SimpleNamespace:
     modules = {name: importlib.import_module(f"llaunch.kernels.{name}") for name in _KERNEL_MODULES}
     return types.SimpleNamespace(
         rmsnorm=modules["rmsnorm"].rmsnorm,
+        rmsnorm_quantized=modules["rmsnorm"].rmsnorm_quantized,
         rotary_embedding=modules["rotary"].rotary_embedding,
         rotary_store_kv=modules["rotary"].rotary_store_kv,
         rotary_store_kv_fp8=modules["rotary"].rotary_store_kv_fp8,
@@ -61,10 +62,33 @@ def triton_ops() -> types.SimpleNamespace:
 rope_cos_sin = reference.rope_cos_sin
 
 
-def rmsnorm(x, weight, eps, residual=None):
+def rmsnorm(x, weight, eps, residual=None, into=None):
+    """norm(x) or, with `residual`, (norm(x + residual), x + residual). `into`: the weight of the layer the norm's
+    output feeds; an fp8 layer that quantizes its input per token gets it quantized by the norm's kernel
+    (QuantizedRows: kernels.fp8_fused_norm) where its own product would quantize it (2+ rows)."""
+    if isinstance(into, fp8.Fp8Weight) and _norm_quantizes(x, weight, residual, into):
+        static = into.input_scale if into.activations == fp8.STATIC else None
+        result = triton_ops().rmsnorm_quantized(x, weight, eps, residual, into.scale_ub, static)
+        (q, scale), h = result if residual is not None else (result, None)
+        rows = QuantizedRows(q, scale, weight.dtype, tuple(x.shape[:-1]))
+        return (rows, h) if residual is not None else rows
     if _use_triton(x):
         return triton_ops().rmsnorm(x, weight, eps, residual)
     return reference.rmsnorm(x, weight, eps, residual)
+
+
+def _norm_quantizes(x, weight, residual, into) -> bool:
+    """Whether the norm quantizes for `into`: a per-token-quantized fp8 layer whose input would otherwise go
+    through quantize_rows (not the one-row GEMV, which quantizes as it reads), in the norm weight's dtype."""
+    dtype = torch.promote_types(x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype),
+                                weight.dtype)
+    return (settings.current.fp8_fused_norm and _use_triton(x) and _per_channel_quantized(into)
+            and not _fp8_row(x, into) and dtype == weight.dtype)
+
+
+def rows_of(x) -> int:
+    """The tokens of a layer's input, a tensor or QuantizedRows."""
+    return x.q.shape[0] if isinstance(x, QuantizedRows) else x.shape[0]
 
 
 def _partial(q, cos) -> bool:
@@ -213,7 +237,7 @@ def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None):
         return fp8.scaled_mm_rows(x.q, x.scale, weight, bias, x.dtype, x.lead, _epilogue())
     if _fp8_row(x, weight):
         return triton_ops().gemv(x, weight, bias)
-    if x.is_cuda and not settings.current.reference:
+    if _use_triton(x):
         if weight.block is not None and weight.activations != fp8.NONE:
             return triton_ops().fp8_block_linear(x, weight, bias)
         return fp8.scaled_mm_linear(x, weight, bias, quantize=_quantize_rows, epilogue=_epilogue())
@@ -233,15 +257,18 @@ def _fused_mlp(x, weight, down) -> bool:
 
 def _gated_quantized(x, weight: "fp8.Fp8Weight", down: "fp8.Fp8Weight") -> QuantizedRows:
     """gate‖up's fp8 GEMM, then act · up quantized for `down` as fp8_linear(silu_mul(...), down) would (the same
-    e4m3 values and scales: tests/kernels/test_kernel_fp8_gated_quant.py)."""
-    flat = x.reshape(-1, x.shape[-1])
-    q, scale = _quantize_rows(flat, weight)
+    e4m3 values and scales: tests/kernels/test_kernel_fp8_gated_quant.py). x: a tensor or QuantizedRows."""
+    if isinstance(x, QuantizedRows):
+        q, scale, dtype, lead = x
+    else:
+        q, scale = _quantize_rows(x.reshape(-1, x.shape[-1]), weight)
+        dtype, lead = x.dtype, tuple(x.shape[:-1])
     rowwise = not settings.current.fp8_epilogue
     y = fp8.scaled_mm_sums(q, scale, weight, rowwise)
     rows, channels = (None, None) if rowwise else (scale, weight.scale)  # unscaled sums: the kernel applies them
     static = down.input_scale if down.activations == fp8.STATIC else None
-    q2, s2 = triton_ops().gated_quantize(y, x.dtype, rows, channels, down.scale_ub, static)
-    return QuantizedRows(q2, s2, x.dtype, tuple(x.shape[:-1]))
+    q2, s2 = triton_ops().gated_quantize(y, dtype, rows, channels, down.scale_ub, static)
+    return QuantizedRows(q2, s2, dtype, lead)
 
 
 def linear(x, weight, bias=None):
@@ -272,7 +299,10 @@ def lm_head_linear(x, weight):
 
 def gated_linear(x, weight, down=None):
     """silu(x·gate) · (x·up) of the fused gate‖up weight; `down`: the layer after it (down_proj's weight), which an
-    fp8 MLP's fused kernel quantizes for (the result is then QuantizedRows, which only that layer takes)."""
+    fp8 MLP's fused kernel quantizes for (the result is then QuantizedRows, which only that layer takes). x may come
+    quantized for gate‖up (QuantizedRows, from the norm before it)."""
+    if isinstance(x, QuantizedRows):
+        return _gated_quantized(x, weight, down) if _fused_mlp(x.q, weight, down) else silu_mul(fp8_linear(x, weight))
     if isinstance(weight, fp8.Fp8Weight):
         if _fp8_row(x, weight):
             return triton_ops().gemv(x, weight, gated=True)
@@ -292,7 +322,7 @@ def qkv_rotary_store_kv(x, weight, bias, n_q_heads: int, n_kv_heads: int, positi
     stored at each token's slot; returns the rotated q [T, Hq, D] (with_kv: q, k, v, rotary_store_kv). (Rotary in the qkv GEMV's epilogue,
     one kernel, measured 1–12 µs a step slower than these two under PDL, and was removed.)"""
     d = k_cache.shape[-1]
-    t = x.shape[0]
+    t = rows_of(x)
     q, k, v = linear(x, weight, bias).split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1)
     return rotary_store_kv(q.view(t, n_q_heads, d), k.view(t, n_kv_heads, d), v.view(t, n_kv_heads, d), positions,
                            cos, sin, k_cache, v_cache, slots, kv_scales, with_kv)

@@ -109,16 +109,16 @@ fp8_words() {
   (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --per-kind --words --candidates "$WORD_CANDIDATES") \
     | grep -v Warning | tee -a "$OUT/fp8_words.jsonl"
 }
-# #37 c256: a c256-like mixed step by kernel as served now (kernels.fp8_fused_mlp, per-tensor GEMMs), then fp8
-# as at 6f85a72 (three kernels between gate_up and down_proj, the epilogue's GEMM at every size): 2026-12-05, H100,
-# fp8 35.39 ms vs bf16 41.40
+# #37 c256: a c256-like mixed step by kernel as served now (kernels.fp8_fused_mlp and fp8_fused_norm, per-tensor
+# GEMMs), then fp8 with the norms' 16-bit outputs quantized by their own kernels (fp8_fused_norm=false: the A/B of
+# the norm's quantization; the MLP's three unfused kernels cost 3.3 ms of 35.40 at fa6d42b, H100)
 fp8_mixed() {
   local mixed="--rows 160 --mixed-rows 218 --mixed-prompts 2 --chunk-len 896 --top 16"
   # served first: at 30b487a a reserve of 60 s for the second skipped it twice while the second ran (~30 s)
   (cd scripts && RESERVE=30 optional 60 timeout 240 python3 profile_kernels.py $mixed) \
     | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_profile.txt"
-  (cd scripts && optional 40 timeout 150 python3 profile_kernels.py $mixed --formats fp8 --set fp8_fused_mlp=false \
-    --set fp8_gemm=tensor_epilogue) | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_unfused.txt"
+  (cd scripts && optional 40 timeout 150 python3 profile_kernels.py $mixed --formats fp8 --set fp8_fused_norm=false) \
+    | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_unfused_norm.txt"
 }
 # the fp8 layers' tensor-core shapes (qkv, o_proj with K split to fill the SMs; gate‖up; down_proj as built in)
 SWAP_CANDIDATES="4608x3584:fp8=64/256/4/3/2 4608x3584:fp8=64/128/4/4/2 3584x3584:fp8=64/256/4/3/4 \
@@ -135,11 +135,13 @@ case $NAME in
     install
     skinny_sweep ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
-    # suite (30b487a: kernels.fp8_gemm=tensor_epilogue the default since fa714d0), then fp8_mixed
+    # suite (aaaa21f; since: the word down_proj GEMV, the one-pass gated quantize, kernels.row_invariant, the norm
+    # that quantizes for fp8 layers), then fp8_mixed
     install
-    TESTS="tests/kernels/test_kernel_fp8_gated_quant.py tests/kernels/test_kernel_fp8_rows.py
-      tests/kernels/test_kernel_fp8_epilogue.py tests/gpu/test_fp8.py tests/gpu/test_mixed_graphs_gpu.py
-      tests/gpu/test_no_host_sync.py tests/gpu/test_smollm2_agreement.py tests/gpu/test_step_profiler_gpu.py" \
+    TESTS="tests/kernels/test_kernel_fp8_gated_quant.py tests/kernels/test_kernel_rmsnorm_quantized.py
+      tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_skinny_gemm.py tests/kernels/test_kernel_decode_attention.py
+      tests/gpu/test_fp8.py tests/gpu/test_spec_decode_gpu.py tests/gpu/test_mixed_graphs_gpu.py
+      tests/gpu/test_no_host_sync.py tests/gpu/test_smollm2_agreement.py" \
       bash scripts/gpu_run.sh tests
     fp8_mixed ;;
   fp8mixed)

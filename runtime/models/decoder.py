@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from llaunch.kernels.dispatch import (decode_attention, gated_linear, gelu_tanh_mul, linear, prefill_attention,
-                                      qkv_rotary_store_kv, rmsnorm, rope_cos_sin, rotary_store_kv)
+                                      qkv_rotary_store_kv, rmsnorm, rope_cos_sin, rotary_store_kv, rows_of)
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.models.heads import HeadLayout
@@ -79,7 +79,7 @@ class Attention(nn.Module):
         """x → (q [T, Hq, D] rotated, k, v): every token's K/V stored at its slot first; k, v are an fp8 cache's
         chunk unrounded (prefill attention reads them), else None. Device work of fixed shapes only (a piece of a
         mixed step's CUDA graphs: runtime/worker/mixed_graphs.py)."""
-        t, d = x.shape[0], self.head_dim
+        t, d = rows_of(x), self.head_dim
         if self.q_norm is None and not self.partial_rotary:
             return qkv_rotary_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
                                        positions, cos, sin, k_cache, v_cache, out_slots, self.kv_scales, with_kv=True)
@@ -183,10 +183,11 @@ class DecoderLayer(nn.Module):
                         sin: torch.Tensor):
         """(h, residual) → (q, k, v, residual): the input norm (adding h to the residual stream) and the q/k/v
         projection, K/V stored (Attention.project)."""
+        into = self.self_attn.qkv_proj.weight  # an fp8 q‖k‖v may take x quantized by the norm (kernels.fp8_fused_norm)
         if residual is None:
-            x, residual = self.input_layernorm(h), h
+            x, residual = self.input_layernorm(h, into=into), h
         else:
-            x, residual = self.input_layernorm(h, residual)
+            x, residual = self.input_layernorm(h, residual, into=into)
         return (*self.self_attn.project(x, positions, out_slots, k_cache, v_cache, cos, sin), residual)
 
     def attention_output(self, attn: torch.Tensor, residual: torch.Tensor):
@@ -196,7 +197,8 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
             return self.post_feedforward_layernorm(self.mlp(x)), residual
-        x, residual = self.post_attention_layernorm(h, residual)
+        into = self.mlp.gate_up_proj.weight if isinstance(self.mlp, Mlp) else None  # as for q‖k‖v
+        x, residual = self.post_attention_layernorm(h, residual, into=into)
         return self.mlp(x), residual
 
 

@@ -197,5 +197,6 @@ class RMSNorm(nn.Module):
         plus = 1.0 if self.unit_offset else 0.0
         return {"weight": [Shard(f"{self.name}.weight", tuple(self.weight.shape), plus=plus)]}
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        return rmsnorm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, into=None):
+        """`into`: the weight of the layer this norm feeds (an fp8 layer may take its input quantized by it)."""
+        return rmsnorm(x, self.weight, self.eps, residual, into=into)

@@ -118,6 +118,33 @@ def test_fused_mlp_gives_down_proj_the_unfused_bytes(kernel_settings, rows, gemm
     assert torch.equal(fused, unfused)
 
 
+@pytest.mark.parametrize("tokens", [7, 600])
+def test_fused_norm_gives_the_model_the_unfused_logits(kernel_settings, monkeypatch, tokens):
+    """kernels.fp8_fused_norm: q‖k‖v and gate‖up take their inputs quantized by the RMSNorm kernel before them; 2
+    layers of Qwen2-7B's shape (fp8 at load) prefill to the logits they give with the norm's 16-bit output
+    quantized by its own kernel (tests/kernels/test_kernel_rmsnorm_quantized.py: the same bytes)."""
+    from gpu.conftest import profile_shape
+    from llaunch.runtime.models.arch import ModelArch
+    from llaunch.runtime.models.decoder import DecoderLM
+    from llaunch.runtime.models.fp8_linear import quantize_linears
+    from llaunch.runtime.models.layers import TpGroup
+    from llaunch.runtime.models.weights import DummySource, load_from
+
+    arch = ModelArch.from_hf_config(profile_shape("qwen2-7b") | {"num_hidden_layers": 2})
+    model = DecoderLM(arch, TpGroup(), torch.device("cuda"), torch.bfloat16, 4096).eval()
+    load_from(model, DummySource(0, torch.device("cuda"), full_tensors=False))
+    quantize_linears(model)
+    ids = torch.randint(0, arch.vocab_size, (tokens,), generator=torch.Generator().manual_seed(2)).tolist()
+    ops, fused_calls = dispatch.triton_ops(), []
+    norm = ops.rmsnorm_quantized
+    monkeypatch.setattr(ops, "rmsnorm_quantized", lambda *a: fused_calls.append(1) or norm(*a))
+    kernel_settings(fp8_fused_norm=True)
+    fused = _prefill_logits(model, ids)
+    assert len(fused_calls) == 2 * arch.num_hidden_layers  # before q‖k‖v and before gate‖up, each layer
+    kernel_settings(fp8_fused_norm=False)
+    assert torch.equal(fused, _prefill_logits(model, ids)) and len(fused_calls) == 2 * arch.num_hidden_layers
+
+
 def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
     from gpu.support import batch_of
 
