@@ -46,7 +46,6 @@ def triton_ops() -> types.SimpleNamespace:
         gemv_staged_for=modules["gemv"].staged_for,
         skinny_gemm=modules["skinny_gemm"].skinny_gemm,
         skinny_takes=modules["skinny_gemm"].takes,
-        skinny_takes_one_row=modules["skinny_gemm"].takes_one_row,
         greedy_tokens=modules["greedy"].greedy_tokens,
         apply_penalties=modules["sampling"].apply_penalties,
         sample=modules["sampling"].sample,
@@ -197,6 +196,13 @@ def _one_row(x) -> bool:
     return settings.current.triton_gemv and _use_triton(x) and x.dim() == 2 and x.shape[0] == 1
 
 
+def _invariant_rows(x, weight) -> bool:
+    # kernels.row_invariant: 1..kernels.skinny_rows rows of a 16-bit layer each on the GEMV's one-row code (its row grid)
+    return (settings.current.row_invariant and settings.current.triton_gemv and _use_triton(x) and x.dim() == 2
+            and 1 <= x.shape[0] <= settings.current.settings.skinny_rows and isinstance(weight, torch.Tensor)
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype)
+
+
 def _few_rows(x, weight) -> bool:
     # 2..kernels.skinny_rows rows (a verify step, a small decode batch): one pass over the weights on the tensor cores
     return settings.current.settings.skinny_rows >= 2 and _use_triton(x) and triton_ops().skinny_takes(x, weight)
@@ -274,7 +280,7 @@ def _gated_quantized(x, weight: "fp8.Fp8Weight", down: "fp8.Fp8Weight") -> Quant
 def linear(x, weight, bias=None):
     if isinstance(weight, fp8.Fp8Weight):
         return fp8_linear(x, weight, bias)
-    if _one_row(x):
+    if _one_row(x) or _invariant_rows(x, weight):
         return triton_ops().gemv(x, weight, bias)
     if _few_rows(x, weight):
         return triton_ops().skinny_gemm(x, weight, bias)
@@ -286,10 +292,11 @@ def lm_head_linear(x, weight):
     vocabulary-sized weight on Hopper: 0.237 ms for Qwen2-7B's against cuBLAS's 0.248), else cuBLAS.
     kernels.gemv_shapes with STAGES 0 for the LM head's shape keeps it on cuBLAS. The logits come in
     x's dtype or, from the staged GEMV, already in float32 (same values, bf16-rounded as cuBLAS +
-    .float(): no cast kernel after it in the decode graph). 2..kernels.skinny_rows rows (a verify step), and one
-    row under kernels.row_invariant: the skinny GEMM (kernels/skinny_gemm.py), in x's dtype."""
-    if _one_row(x) and triton_ops().skinny_takes_one_row(x, weight):
-        return triton_ops().skinny_gemm(x, weight)  # kernels.row_invariant: as a verify step's rows
+    .float(): no cast kernel after it in the decode graph). 2..kernels.skinny_rows rows (a verify step): the skinny
+    GEMM (kernels/skinny_gemm.py), in x's dtype. Under kernels.row_invariant 1..kernels.skinny_rows rows: the GEMV's
+    register kernel, each row alike (float32 logits)."""
+    if _invariant_rows(x, weight):
+        return triton_ops().gemv(x, weight, out_dtype=torch.float32)
     if _one_row(x) and triton_ops().gemv_staged_for(weight):
         return triton_ops().gemv(x, weight, out_dtype=torch.float32)
     if _few_rows(x, weight):
@@ -309,7 +316,7 @@ def gated_linear(x, weight, down=None):
         if _fused_mlp(x, weight, down):
             return _gated_quantized(x, weight, down)
         return silu_mul(fp8_linear(x, weight))
-    if _one_row(x):
+    if _one_row(x) or _invariant_rows(x, weight):
         return triton_ops().gemv(x, weight, gated=True)
     if _few_rows(x, weight):
         return triton_ops().skinny_gemm(x, weight, gated=True)

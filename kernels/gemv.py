@@ -56,11 +56,7 @@ def launch_shape(n: int, k: int, gated: bool, fp8: bool = False,
         return _fp8_launch_shape(n, k, gated, words)
     if n >= 65536:  # an LM head: the staged kernel (run 4: 0.237 ms for Qwen2-7B's, cuBLAS 0.248)
         return 16, 256, 4, 4, 1
-    if gated:
-        return 8, 256, 4, 0, 1
-    if k >= 2048:
-        return (2, 1024, 4, 0, 1) if n > k else (4, 1024, 4, 0, 1)
-    return 2, max(64, triton.next_power_of_2(k)), 4, 0, 1
+    return (*_register_shape(n, k, gated), 1)
 
 
 def _fp8_launch_shape(n: int, k: int, gated: bool, words: bool) -> tuple[int, int, int, int, int]:
@@ -119,12 +115,22 @@ def staged_for(weight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset, scale_ub,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset, scale_ub, x_stride, out_stride,
                  HAS_SCALE: tl.constexpr, ACT: tl.constexpr, HAS_UB: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  X_AHEAD: tl.constexpr, AMAX_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
-                 WORDS: tl.constexpr = False):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                 WORDS: tl.constexpr = False, ROW_GRID: tl.constexpr = 0):
+    # ROW_GRID (kernels.row_invariant): a program per row of x and tile of outputs, the same code for one row and
+    # for several: 1, rows on axis 0 (a tile's rows run side by side, its weights read once from memory); 2, rows on
+    # axis 1 (more tiles than axis 1 holds: the LM head). 0: one row, tiles on axis 0.
+    if ROW_GRID == 0:
+        tile = tl.program_id(0)
+    else:
+        tile = tl.program_id(1) if ROW_GRID == 1 else tl.program_id(0)
+        x_row = (tl.program_id(0) if ROW_GRID == 1 else tl.program_id(1)).to(tl.int64)
+        x_ptr += x_row * x_stride
+        out_ptr += x_row * out_stride
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     x_scale = 1.0
     if ACT == 2:  # a static activation scale
@@ -158,14 +164,19 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride, up
 def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional[torch.Tensor] = None, *,
          gated: bool = False, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x [1, K] @ weight [N, K]ᵀ (+ bias [N]) → [1, N]; gated: weight is gate‖up [2I, K] and the
-    result silu(x gateᵀ) * (x upᵀ), [1, I]. `out_dtype` float32 stores the x-dtype result widened
+    result silu(x gateᵀ) * (x upᵀ), [1, I]. Under kernels.row_invariant a 16-bit layer takes x of 1 to
+    kernels.skinny_rows rows, each row by its own programs running the code one row runs (the row grid: a row's
+    outputs are the same bits in a step of any size). `out_dtype` float32 stores the x-dtype result widened
     (the LM head's logits without a cast kernel after it). An fp8 layer (per-channel e4m3 weights): x is
     quantized as its activation mode says (dynamic: by the row's absmax; static; none) as it is read, and
     each float32 sum multiplied by the row's and the channel's scales (kernels/fp8.reference_linear's roundings
     up to the order of the sum)."""
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"gemv takes one row, got x of shape {tuple(x.shape)}")
     layer = weight if isinstance(weight, Fp8Weight) else None
+    row_grid = layer is None and settings.current.row_invariant
+    most = settings.current.settings.skinny_rows if row_grid else 1
+    if x.dim() != 2 or not 1 <= x.shape[0] <= max(most, 1):
+        raise ValueError(f"gemv takes one row (up to kernels.skinny_rows of a 16-bit layer under "
+                         f"kernels.row_invariant), got x of shape {tuple(x.shape)}")
     if layer is not None:
         if layer.block is not None:
             raise ValueError(f"gemv: an fp8 layer with per-channel scales, got blocks of {layer.block}")
@@ -190,16 +201,18 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
     n = n_total // 2 if gated else n_total
     if out_dtype not in (None, x.dtype, torch.float32) or (gated and out_dtype not in (None, x.dtype)):
         raise ValueError(f"gemv: out_dtype {out_dtype} for {x.dtype} input (float32 or the input's, ungated)")
-    if (layer is None and out_dtype in (None, x.dtype) and x.dtype in (torch.bfloat16, torch.float16)
-            and ((n, k, gated) in settings.current.skinny_one_row or skinny_gemm.takes_one_row(x, weight))):
-        # kernels.skinny_one_row: the tensor cores; kernels.row_invariant: summed as a verify step's rows are
-        return skinny_gemm.skinny_gemm(x, weight, bias, gated=gated)
-    out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
+    if (layer is None and not row_grid and out_dtype in (None, x.dtype) and x.dtype in (torch.bfloat16, torch.float16)
+            and (n, k, gated) in settings.current.skinny_one_row):
+        return skinny_gemm.skinny_gemm(x, weight, bias, gated=gated)  # kernels.skinny_one_row: the tensor cores
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if n == 0:
         return out
     act = ACT_MODES[layer.activations] if layer is not None else 0
     words = layer is not None and words_for(x, weight, act)
     block_n, block_k, warps, stages, split = launch_shape(n, k, gated, layer is not None, words)
+    if row_grid and stages >= 2:  # the register kernel for every row count (the staged one has no row grid)
+        block_n, block_k, warps, stages = (*INTERPRETED_SHAPE[:3], 0) if _INTERPRETED else _register_shape(n, k, gated)
     # Under PDL the first weight tiles are read before the wait: only a weight no earlier kernel wrote.
     use_pdl = pdl.enabled(x, "gemv") and not copied
     if stages >= 2 and layer is None and gemv_staged.tma_ready(weight):
@@ -216,15 +229,32 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
                               stages, amax_block(k), 1 if gated else split, swap_ab(weight, n, k, gated, block_n, block_k))
             return out
         block_n, block_k, warps, stages = INTERPRETED_SHAPE if _INTERPRETED else _fp8_register_shape(n, k, gated)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    tiles = triton.cdiv(n, block_n)
+    # a shape's rows go on axis 0 unless its tiles outnumber axis 1 (65,535): one grid layout a shape, whatever m
+    layout = 0 if not row_grid else (1 if tiles <= MAX_GRID_Y else 2)
+    grid = (tiles,) if layout == 0 else ((m, tiles) if layout == 1 else (tiles, m))
+    _gemv_kernel[grid](
         x, weight, layer.scale if layer is not None else x,
         layer.input_scale if act == ACT_MODES[fp8.STATIC] else x, bias if bias is not None else x, out, n, k,
         weight.stride(0), n * weight.stride(0), (layer.scale_ub or 0.0) if layer is not None else 0.0,
+        x.stride(0), out.stride(0),
         HAS_SCALE=layer is not None, ACT=act, HAS_UB=layer is not None and layer.scale_ub is not None,
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
         X_AHEAD=not gated, AMAX_BLOCK=amax_block(k), INTERPRETED=_INTERPRETED,
-        WORDS=words, num_warps=warps, launch_pdl=use_pdl)
+        WORDS=words, ROW_GRID=layout, num_warps=warps, launch_pdl=use_pdl)
     return out
+
+
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
+
+
+def _register_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
+    """A 16-bit layer's register-kernel shape (an LM head's too, where the staged kernel does not run it)."""
+    if gated:
+        return 8, 256, 4, 0
+    if k >= 2048:
+        return (2, 1024, 4, 0) if n > k else (4, 1024, 4, 0)
+    return 2, max(64, triton.next_power_of_2(k)), 4, 0
 
 
 def words_for(x: torch.Tensor, weight: torch.Tensor, act: int) -> bool:

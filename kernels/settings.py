@@ -113,11 +113,12 @@ class KernelSettings:
     # static activations) and the model bfloat16; off: each weight converted to float32 (row_dots). H100, Qwen2-7B's
     # batch-1 fp8 step (6f85a72): qkv 1.70 -> 1.94 TB/s, o_proj 1.56 -> 1.66, the step 3.397 -> 3.327 ms
     fp8_words: bool = True
-    # Each row of a step of up to kernels.skinny_rows rows summed alike whatever the step's other rows: one-row
-    # 16-bit products (the layers' and the LM head's) on the skinny GEMM as a verify step's rows are, decode attention
-    # split as for one row of the longest context the KV rows hold. Speculative decoding then gives a bfloat16 model's spec-off text (a verify row and a
-    # decode row otherwise round differently); off: the faster batch-1 GEMVs. 16-bit dense models on one rank only
-    # (launcher/rules.py: row_invariant_covers_model)
+    # Each row of a step of up to kernels.skinny_rows rows summed alike whatever the step's other rows: a 16-bit
+    # layer's rows each on the GEMV's own programs (kernels/gemv.py's row grid: the one-row code, so a row of a verify
+    # step gets a decode row's bits; the LM head too), decode attention split as for one row of the longest context
+    # the KV rows hold. Speculative decoding then gives a bfloat16 model's spec-off text (a verify row on the skinny
+    # GEMM and a decode row on the GEMV otherwise round differently); off: verify rows on the skinny GEMM. 16-bit
+    # dense models on one rank only (launcher/rules.py: row_invariant_covers_model)
     row_invariant: bool = False
     pdl: Pdl = Pdl.graphs  # programmatic dependent launch: off, in decode graphs, or everywhere
     # Which kernels launch with PDL (default all), and which of them let the next kernel launch only
@@ -139,6 +140,10 @@ class KernelSettings:
         if self.row_invariant and (self.skinny_rows < 2 or Gemv(self.gemv) != Gemv.triton):
             found.append(("kernels.row_invariant", "kernels.row_invariant needs kernels.skinny_rows ≥ 2 and "
                                                    "kernels.gemv=triton (the kernels whose rows it sums alike)"))
+        if self.row_invariant and self.skinny_one_row:
+            found.append(("kernels.skinny_one_row", f"kernels.skinny_one_row={self.skinny_one_row} sends one-row "
+                          "products to the tensor cores, and kernels.row_invariant keeps every row of a small step on "
+                          "the GEMV: unset one of them"))
         for key, parse in (("gemv_shapes", parse_gemv_shapes), ("moe_shapes", parse_moe_shapes),
                            ("skinny_shapes", parse_skinny_shapes), ("skinny_one_row", parse_weight_shapes),
                            ("fp8_swap_ab", parse_weight_shapes)):

@@ -12,8 +12,8 @@ partials in split order).
 
 A row's sums do not depend on the other rows of the launch (each output is its own row of the MMA, summed in K
 order); steps of one row or of more than kernels.skinny_rows run other kernels (the GEMV, cuBLAS), whose sums are
-ordered otherwise, so bf16 output can still depend on a step's rows (kernels.row_invariant sends one-row steps here
-too). Same roundings as the GEMV (kernels/gemv.py) up to the order
+ordered otherwise, so bf16 output can still depend on a step's rows (kernels.row_invariant keeps small steps off
+this kernel: kernels/gemv.py's row grid runs each row as one). Same roundings as the GEMV (kernels/gemv.py) up to the order
 of the sum: float32 sums, the bias added in float32, gated: the linear outputs and silu(gate) rounded to the dtype.
 kernels.skinny_rows says how many rows it takes (dispatch.linear; 16 by default, 0: none), kernels.skinny_one_row
 names weight shapes whose one-row products it takes from the GEMV (kernels/gemv.py).
@@ -127,11 +127,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Does this product run here: 2..kernels.skinny_rows rows of a 16-bit x and weight, 16-byte aligned rows?"""
     return 2 <= x.shape[0] <= settings.current.settings.skinny_rows and _fits(x, weight)
-
-
-def takes_one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Under kernels.row_invariant: one row of a 16-bit x and weight, summed as a row of a verify step is."""
-    return settings.current.row_invariant and x.shape[0] == 1 and _fits(x, weight)
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

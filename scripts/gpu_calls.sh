@@ -215,7 +215,8 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # against 0.6 at one token, and its launch 0.85 ms against decode's 0.28
     (cd scripts && optional 60 timeout 120 python3 bench_steps.py --verify --shape smollm2-spec --skinny-rows 16 \
       --profile 14) | grep -v -e Warning -e USDT | tee "$OUT/verify_smollm2.txt"
-    # the same steps under kernels.row_invariant (one-row steps on the skinny GEMM too): what bf16 identity costs
+    # the same steps under kernels.row_invariant (verify rows on the GEMV's row grid, as decode rows): what bf16
+    # identity costs, or saves (SmolLM2's 576-wide layers: the skinny GEMM 11 µs a layer, the GEMV 4, at aaaa21f)
     (cd scripts && optional 40 timeout 90 python3 bench_steps.py --verify --shape smollm2-spec --set row_invariant=true) \
       | grep -v -e Warning -e USDT | tee "$OUT/verify_smollm2_row_invariant.txt"
     # ~85 s a server (warm-up, then c1 and c64 three times each)

@@ -75,7 +75,8 @@ def model_bf16():
 
 def test_bf16_ngram_greedy_is_token_identical_under_row_invariant(model_bf16, kernel_settings):
     """bfloat16, one stream: with kernels.row_invariant a verify step's rows are summed as batch-1 decode sums its
-    row (the skinny GEMM for both, decode attention split alike), so speculation gives the decode path's text."""
+    row (each row on the GEMV's one-row code, decode attention split alike), so speculation gives the decode path's
+    text."""
     kernel_settings(row_invariant=True)
     requests, eos = copy_requests(1)
     kw = dict(kv_slots=16 * 512, max_len=512, device=torch.device("cuda"), cuda_graphs=True, eos_ids=eos)

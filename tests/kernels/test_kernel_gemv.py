@@ -68,7 +68,7 @@ def test_x_one_tile_ahead_gives_the_same_sums(ops, gated):
     outs = []
     for ahead in (False, True):
         out = torch.empty(1, n, dtype=x.dtype)
-        gemv._gemv_kernel[(triton.cdiv(n, 16),)](x, w, x, x, x, out, n, 300, w.stride(0), n * w.stride(0), 0.0,
+        gemv._gemv_kernel[(triton.cdiv(n, 16),)](x, w, x, x, x, out, n, 300, w.stride(0), n * w.stride(0), 0.0, 300, n,
                                                  HAS_SCALE=False, ACT=0, HAS_UB=False, HAS_BIAS=False, GATED=gated,
                                                  PDL=0, BLOCK_N=16, BLOCK_K=64, X_AHEAD=ahead, AMAX_BLOCK=256, INTERPRETED=True,
                                                  num_warps=4)
@@ -98,9 +98,59 @@ def test_staged_kernel_takes_what_tma_can_address(ops, monkeypatch):
     assert launched == [(8, 296)]
 
 
-def test_gemv_refuses_several_rows(ops):
+def test_gemv_refuses_several_rows(ops, kernel_settings):
     with pytest.raises(ValueError, match="one row"):
         ops.gemv(torch.randn(2, 8), torch.randn(4, 8))
+    kernel_settings(row_invariant=True, skinny_rows=4)  # the row grid takes up to kernels.skinny_rows
+    ops.gemv(torch.randn(4, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="one row"):
+        ops.gemv(torch.randn(5, 8), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("layout", ["rows first", "tiles first"])
+def test_row_invariant_gives_a_row_of_a_step_the_bits_it_gets_alone(ops, kernel_settings, monkeypatch, kernel,
+                                                                      layout):
+    """kernels.row_invariant: 1..kernels.skinny_rows rows of a 16-bit layer on the GEMV's row grid (each row's own
+    programs running the one-row code), through the decoder's ops: plain with a bias, gated, and the LM head (float32
+    logits holding the dtype's rounding); a row alone is the same bits as in a 5-row step. Without it the 5-row step
+    runs the skinny GEMM (tensor cores), whose sums are ordered otherwise."""
+    from llaunch.kernels import dispatch, gemv, skinny_gemm
+
+    if layout == "tiles first":  # the LM head's layout: more tiles than a grid's axis 1 holds
+        monkeypatch.setattr(gemv, "MAX_GRID_Y", 1)
+    monkeypatch.setattr(dispatch, "_use_triton", lambda t: True)  # CPU tensors through the interpreted kernels
+    g = torch.Generator().manual_seed(0)
+    # 296 columns: rows a TMA descriptor addresses, so the staged kernel would take one row where it is the shape's
+    w, gate_up = (torch.randn(37, 296, generator=g) / 296 ** 0.5).bfloat16(), \
+        (torch.randn(2 * 45, 296, generator=g) / 296 ** 0.5).bfloat16()
+    b, x = torch.randn(37, generator=g).bfloat16(), torch.randn(5, 296, generator=g).bfloat16()
+    skinny, staged = [], []
+    real = skinny_gemm.skinny_gemm
+    monkeypatch.setattr(dispatch.triton_ops(), "skinny_gemm", lambda *a, **kw: skinny.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gemv.gemv_staged, "gemv_staged", lambda *a, **kw: staged.append(1))  # it has no row grid
+    ops_of = (lambda rows: dispatch.linear(rows, w, b), lambda rows: dispatch.gated_linear(rows, gate_up),
+              lambda rows: dispatch.lm_head_linear(rows, w))
+    kernel_settings(row_invariant=True)
+    for op in ops_of:
+        step = op(x)
+        assert torch.equal(torch.cat([op(x[i:i + 1]) for i in range(5)]), step)
+    assert not skinny and not staged
+    head = dispatch.lm_head_linear(x, w)
+    assert head.dtype == torch.float32 and torch.equal(head, head.bfloat16().float())
+    close_enough = torch.testing.assert_close
+    close_enough(head.bfloat16(), reference.linear(x, w), atol=1.6e-2, rtol=1.6e-2)
+    kernel_settings(row_invariant=False)
+    ops_of[0](x), ops_of[1](x)
+    assert len(skinny) == 2
+
+
+def test_row_invariant_refuses_what_it_cannot_keep():
+    from llaunch.kernels.settings import KernelSettings
+
+    for bad in (dict(skinny_rows=0), dict(gemv="cublas")):
+        assert [key for key, _ in KernelSettings(row_invariant=True, **bad).problems()] == ["kernels.row_invariant"]
+    assert [key for key, _ in KernelSettings(row_invariant=True, skinny_one_row=["37x300"]).problems()] == [
+        "kernels.skinny_one_row"]
 
 
 # GPU launch shapes: the built-in ones, and the TMA-staged kernel at a few depths
@@ -145,6 +195,32 @@ def test_gemv_gpu(cuda, poisoned, close, gpu_shape, n, k, bias):
     with poisoned():
         out = ops.linear(x, w, b)
     close(out, reference.linear(x, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["qkv 4608x3584", "o 576x576", "gate_up 2x1536x576", "down 3584x18944",
+                                   "head 49152x576", "head 152064x3584"])
+def test_row_invariant_rows_alike_at_model_shapes_gpu(cuda, kernel_settings, shape):
+    """kernels.row_invariant on the GPU: a row of a 2-16-row step through the GEMV's row grid gets the bits it gets
+    alone (the same compiled code a program), at Qwen2-7B's and SmolLM2's shapes and both grid layouts (the LM heads
+    have more tiles than a grid's axis 1 holds)."""
+    name, dims = shape.split()
+    gated = dims.startswith("2x")
+    n, k = map(int, dims.removeprefix("2x").split("x"))
+    w = (torch.randn(2 * n if gated else n, k, device=cuda) / k ** 0.5).to(torch.bfloat16)
+    kernel_settings(row_invariant=True)
+    for rows in (2, 5, 16):
+        x = torch.randn(rows, k, device=cuda).to(torch.bfloat16)
+        if name == "head":
+            op = lambda r: ops.lm_head_linear(r, w)  # noqa: E731
+        elif gated:
+            op = lambda r: ops.gated_linear(r, w)  # noqa: E731
+        else:
+            op = lambda r: ops.linear(r, w)  # noqa: E731
+        step = op(x)
+        assert torch.equal(torch.cat([op(x[i:i + 1]) for i in range(rows)]), step), rows
+        want = reference.gated_linear(x, w) if gated else reference.linear(x, w)
+        torch.testing.assert_close(step.to(torch.bfloat16), want, atol=1.6e-2, rtol=1.6e-2)
 
 
 @pytest.mark.gpu

@@ -184,31 +184,3 @@ def test_kernels_skinny_one_row_takes_the_named_shapes_from_the_gemv(ops, kernel
 
     for bad in (["37x300:fp8"], ["37x"], [37]):
         assert [key for key, _ in KernelSettings(skinny_one_row=bad).problems()] == ["kernels.skinny_one_row"], bad
-
-
-@pytest.mark.parametrize("launch", ["whole", "split"], indirect=True)
-def test_kernels_row_invariant_sums_one_row_as_a_verify_steps_rows(ops, kernel_settings, monkeypatch, launch):
-    """kernels.row_invariant: one-row products (the GEMV's, the LM head's) run the skinny GEMM, so a row alone
-    gives the bits it gets as a row of a 5-row verify step, plain, gated and for the LM head; without it they stay
-    on the GEMV. It needs the kernels it routes through (exit 2 at start otherwise)."""
-    from llaunch.kernels import dispatch, skinny_gemm
-    from llaunch.kernels.settings import KernelSettings
-
-    w, gate_up = (torch.randn(37, 300) / 300 ** 0.5).bfloat16(), (torch.randn(2 * 45, 300) / 300 ** 0.5).bfloat16()
-    x = torch.randn(5, 300).bfloat16()
-    step, step_gated = ops.skinny_gemm(x, w), ops.skinny_gemm(x, gate_up, gated=True)
-    calls = []
-    real = skinny_gemm.skinny_gemm
-    monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
-    kernel_settings(row_invariant=False)
-    ops.gemv(x[:1], w), ops.gemv(x[:1], gate_up, gated=True)
-    assert calls == []
-    kernel_settings(row_invariant=True)
-    assert torch.equal(torch.cat([ops.gemv(x[i:i + 1], w) for i in range(5)]), step)
-    assert torch.equal(torch.cat([ops.gemv(x[i:i + 1], gate_up, gated=True) for i in range(5)]), step_gated)
-    assert calls == [w.shape] * 5 + [gate_up.shape] * 5
-    monkeypatch.setattr(dispatch, "_use_triton", lambda t: True)  # CPU tensors through the interpreted kernels
-    monkeypatch.setattr(dispatch.triton_ops(), "skinny_gemm", skinny_gemm.skinny_gemm)  # the counting one
-    assert torch.equal(dispatch.lm_head_linear(x[2:3], w), step[2:3]) and calls[-1] == w.shape and len(calls) == 11
-    for bad in (dict(skinny_rows=0), dict(gemv="cublas")):
-        assert [key for key, _ in KernelSettings(row_invariant=True, **bad).problems()] == ["kernels.row_invariant"]
