@@ -198,9 +198,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     # kernels.row_invariant: a row's chunks as in any other step, whatever its rows and their longest context
     # (a verify step's rows as batch-1 decode's, an eager step's as a graph's): the KV rows' length, one row. Steps
-    # of more than kernels.skinny_rows rows are not invariant (cuBLAS sums their linears), so they keep the batch's
-    # split (one row's at batch 256: 65k programs and 235 MB of partial sums a Qwen2-7B layer)
-    invariant = settings.current.row_invariant and batch <= settings.current.settings.skinny_rows
+    # of more than settings.INVARIANT_ROWS rows are not invariant (cuBLAS sums their linears), so they keep the
+    # batch's split (one row's at batch 256: 65k programs and 235 MB of partial sums a Qwen2-7B layer)
+    invariant = settings.invariant_step(batch)
     longest = max_len if max_len is not None and not invariant else req_to_slots.shape[1]
     rows_for_split = 1 if invariant else batch
     splits = num_splits_for(rows_for_split, kv_heads, min(longest, window) if window > 0 else longest)

@@ -197,10 +197,10 @@ def _one_row(x) -> bool:
 
 
 def _invariant_rows(x, weight) -> bool:
-    # kernels.row_invariant: 1..kernels.skinny_rows rows of a 16-bit layer each on the GEMV's one-row code (its row grid)
-    return (settings.current.row_invariant and settings.current.triton_gemv and _use_triton(x) and x.dim() == 2
-            and 1 <= x.shape[0] <= settings.current.settings.skinny_rows and isinstance(weight, torch.Tensor)
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype)
+    # kernels.row_invariant: a small step's rows of a 16-bit layer each on the GEMV's one-row code (its row grid)
+    return (x.dim() == 2 and settings.invariant_step(x.shape[0]) and settings.current.triton_gemv and _use_triton(x)
+            and isinstance(weight, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype)
 
 
 def _few_rows(x, weight) -> bool:
@@ -293,7 +293,7 @@ def lm_head_linear(x, weight):
     kernels.gemv_shapes with STAGES 0 for the LM head's shape keeps it on cuBLAS. The logits come in
     x's dtype or, from the staged GEMV, already in float32 (same values, bf16-rounded as cuBLAS +
     .float(): no cast kernel after it in the decode graph). 2..kernels.skinny_rows rows (a verify step): the skinny
-    GEMM (kernels/skinny_gemm.py), in x's dtype. Under kernels.row_invariant 1..kernels.skinny_rows rows: the GEMV's
+    GEMM (kernels/skinny_gemm.py), in x's dtype. Under kernels.row_invariant a step of up to 16 rows: the GEMV's
     register kernel, each row alike (float32 logits)."""
     if _invariant_rows(x, weight):
         return triton_ops().gemv(x, weight, out_dtype=torch.float32)

@@ -114,22 +114,23 @@ def staged_for(weight: torch.Tensor) -> bool:
             and pdl.hopper_or_later(weight.device.index or 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m_rows"])
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset, scale_ub, x_stride, out_stride,
-                 HAS_SCALE: tl.constexpr, ACT: tl.constexpr, HAS_UB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 m_rows, HAS_SCALE: tl.constexpr, ACT: tl.constexpr, HAS_UB: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  X_AHEAD: tl.constexpr, AMAX_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
-                 WORDS: tl.constexpr = False, ROW_GRID: tl.constexpr = 0):
-    # ROW_GRID (kernels.row_invariant): a program per row of x and tile of outputs, the same code for one row and
-    # for several: 1, rows on axis 0 (a tile's rows run side by side, its weights read once from memory); 2, rows on
-    # axis 1 (more tiles than axis 1 holds: the LM head). 0: one row, tiles on axis 0.
-    if ROW_GRID == 0:
-        tile = tl.program_id(0)
-    else:
-        tile = tl.program_id(1) if ROW_GRID == 1 else tl.program_id(0)
-        x_row = (tl.program_id(0) if ROW_GRID == 1 else tl.program_id(1)).to(tl.int64)
+                 WORDS: tl.constexpr = False, ROW_GRID: tl.constexpr = False):
+    # ROW_GRID (kernels.row_invariant): a program per row of x (m_rows of them, not specialized on: one compiled code
+    # for every row count) and tile of outputs, a tile's rows side by side (its weights read once from memory, the
+    # other rows' reads from L2). Else one row, a program a tile.
+    if ROW_GRID:
+        pid = tl.program_id(0)
+        tile = pid // m_rows
+        x_row = (pid % m_rows).to(tl.int64)
         x_ptr += x_row * x_stride
         out_ptr += x_row * out_stride
+    else:
+        tile = tl.program_id(0)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     x_scale = 1.0
@@ -165,7 +166,7 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
          gated: bool = False, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x [1, K] @ weight [N, K]ᵀ (+ bias [N]) → [1, N]; gated: weight is gate‖up [2I, K] and the
     result silu(x gateᵀ) * (x upᵀ), [1, I]. Under kernels.row_invariant a 16-bit layer takes x of 1 to
-    kernels.skinny_rows rows, each row by its own programs running the code one row runs (the row grid: a row's
+    16 rows (settings.INVARIANT_ROWS), each row by its own programs running the code one row runs (the row grid: a row's
     outputs are the same bits in a step of any size). `out_dtype` float32 stores the x-dtype result widened
     (the LM head's logits without a cast kernel after it). An fp8 layer (per-channel e4m3 weights): x is
     quantized as its activation mode says (dynamic: by the row's absmax; static; none) as it is read, and
@@ -173,9 +174,8 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
     up to the order of the sum)."""
     layer = weight if isinstance(weight, Fp8Weight) else None
     row_grid = layer is None and settings.current.row_invariant
-    most = settings.current.settings.skinny_rows if row_grid else 1
-    if x.dim() != 2 or not 1 <= x.shape[0] <= max(most, 1):
-        raise ValueError(f"gemv takes one row (up to kernels.skinny_rows of a 16-bit layer under "
+    if x.dim() != 2 or not (x.shape[0] == 1 or row_grid and settings.invariant_step(x.shape[0])):
+        raise ValueError(f"gemv takes one row (up to {settings.INVARIANT_ROWS} of a 16-bit layer under "
                          f"kernels.row_invariant), got x of shape {tuple(x.shape)}")
     if layer is not None:
         if layer.block is not None:
@@ -229,23 +229,16 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
                               stages, amax_block(k), 1 if gated else split, swap_ab(weight, n, k, gated, block_n, block_k))
             return out
         block_n, block_k, warps, stages = INTERPRETED_SHAPE if _INTERPRETED else _fp8_register_shape(n, k, gated)
-    tiles = triton.cdiv(n, block_n)
-    # a shape's rows go on axis 0 unless its tiles outnumber axis 1 (65,535): one grid layout a shape, whatever m
-    layout = 0 if not row_grid else (1 if tiles <= MAX_GRID_Y else 2)
-    grid = (tiles,) if layout == 0 else ((m, tiles) if layout == 1 else (tiles, m))
-    _gemv_kernel[grid](
+    _gemv_kernel[(triton.cdiv(n, block_n) * (m if row_grid else 1),)](
         x, weight, layer.scale if layer is not None else x,
         layer.input_scale if act == ACT_MODES[fp8.STATIC] else x, bias if bias is not None else x, out, n, k,
         weight.stride(0), n * weight.stride(0), (layer.scale_ub or 0.0) if layer is not None else 0.0,
-        x.stride(0), out.stride(0),
+        x.stride(0), out.stride(0), m,
         HAS_SCALE=layer is not None, ACT=act, HAS_UB=layer is not None and layer.scale_ub is not None,
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
         X_AHEAD=not gated, AMAX_BLOCK=amax_block(k), INTERPRETED=_INTERPRETED,
-        WORDS=words, ROW_GRID=layout, num_warps=warps, launch_pdl=use_pdl)
+        WORDS=words, ROW_GRID=row_grid, num_warps=warps, launch_pdl=use_pdl)
     return out
-
-
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 def _register_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:

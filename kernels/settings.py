@@ -38,6 +38,9 @@ class Pdl(str, Enum):
 # experts' GEMVs (kernels/fused_moe.py: the steps of few pairs).
 PDL_KERNELS = ("gemv", "rmsnorm", "rotary", "decode_attention", "greedy", "moe")
 MAX_TMA_BOX = 256  # elements per dimension of one TMA copy (the staged GEMV's tile bound)
+# kernels.row_invariant's small steps: up to this many tokens (every CUDA-graph bucket set holds 16, so such a step is
+# never padded past it; the worker runs a smaller one unpadded where its graph would pad it more: to 64 tokens)
+INVARIANT_ROWS = 16
 
 
 class MoeLaunch(NamedTuple):
@@ -113,7 +116,7 @@ class KernelSettings:
     # static activations) and the model bfloat16; off: each weight converted to float32 (row_dots). H100, Qwen2-7B's
     # batch-1 fp8 step (6f85a72): qkv 1.70 -> 1.94 TB/s, o_proj 1.56 -> 1.66, the step 3.397 -> 3.327 ms
     fp8_words: bool = True
-    # Each row of a step of up to kernels.skinny_rows rows summed alike whatever the step's other rows: a 16-bit
+    # Each row of a step of up to 16 tokens (INVARIANT_ROWS) summed alike whatever the step's other rows: a 16-bit
     # layer's rows each on the GEMV's own programs (kernels/gemv.py's row grid: the one-row code, so a row of a verify
     # step gets a decode row's bits; the LM head too), decode attention split as for one row of the longest context
     # the KV rows hold. Speculative decoding then gives a bfloat16 model's spec-off text (a verify row on the skinny
@@ -137,9 +140,9 @@ class KernelSettings:
         if not 0 <= self.skinny_rows <= 16:
             found.append(("kernels.skinny_rows", f"kernels.skinny_rows: {self.skinny_rows} is not 0 (off) to 16 (an "
                                                  "MMA's rows)"))
-        if self.row_invariant and (self.skinny_rows < 2 or Gemv(self.gemv) != Gemv.triton):
-            found.append(("kernels.row_invariant", "kernels.row_invariant needs kernels.skinny_rows ≥ 2 and "
-                                                   "kernels.gemv=triton (the kernels whose rows it sums alike)"))
+        if self.row_invariant and Gemv(self.gemv) != Gemv.triton:
+            found.append(("kernels.row_invariant", "kernels.row_invariant needs kernels.gemv=triton (the GEMV whose "
+                                                   "one-row code it runs every row of a small step on)"))
         if self.row_invariant and self.skinny_one_row:
             found.append(("kernels.skinny_one_row", f"kernels.skinny_one_row={self.skinny_one_row} sends one-row "
                           "products to the tensor cores, and kernels.row_invariant keeps every row of a small step on "
@@ -290,3 +293,8 @@ def configure(settings: KernelSettings) -> KernelSettings:
     global current
     before, current = current.settings, _Applied(settings)
     return before
+
+
+def invariant_step(tokens: int) -> bool:
+    """Does a step of `tokens` rows keep each row's sums alike (kernels.row_invariant, up to INVARIANT_ROWS)?"""
+    return current.row_invariant and 1 <= tokens <= INVARIANT_ROWS

@@ -128,8 +128,8 @@ def row_invariant_covers_model(cfg):
          "their summation order depend on the step's tokens (kernels/moe_launches.py)"),
         (("parallel.tp",), cfg.parallel.tp > 1 and f"parallel.tp={cfg.parallel.tp}: the all-reduce's summation "
          "order across ranks depends on the step's size"),
-        (("model.dtype",), m.dtype == DType.float32 and "model.dtype=float32: the skinny GEMM it sends one-row "
-         "products to takes 16-bit operands only")) if why]
+        (("model.dtype",), m.dtype == DType.float32 and "model.dtype=float32: its one-row code for a small step's "
+         "rows is the 16-bit layers' GEMV (a float32 step of several rows takes cuBLAS)")) if why]
     for keys, why in outside:
         yield ("kernels.row_invariant", *keys), (
             f"kernels.row_invariant=true cannot keep a row's sums alike across steps here: {why}. Unset "

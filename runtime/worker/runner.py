@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from llaunch.kernels import dispatch as ops
+from llaunch.kernels import settings as kernel_settings
 from llaunch.runtime.ipc.messages import StepPlan, StepResult
 from llaunch.runtime.models.batch import ForwardBatch, KvCache
 from llaunch.runtime.models.pooling import PooledRows
@@ -261,6 +262,8 @@ class ModelRunner:
             return logits, rows, greedy
         chunk = (None if self.prefill_graphs is None or plan.verify
                  else alone_chunk(plan, self.prefill_graphs.max_tokens))
+        if chunk is not None and kernel_settings.invariant_step(len(chunk.token_ids)):
+            chunk = None  # kernels.row_invariant: a small step unpadded (its graph's 64 rows would take cuBLAS)
         if chunk is not None and self.images is not None and self.images.has(chunk.row):
             chunk = None  # its positions are M-RoPE's and it holds image embeddings: the eager path
         if chunk is not None and not self.prompt_logprobs.asks(chunk.row):  # its graph returns one row of logits
@@ -269,7 +272,8 @@ class ModelRunner:
         batch, rows = self.build_batch(plan)
         if batch.num_tokens == 0:
             return None, [], None
-        if self.mixed_graphs is not None and self.mixed_graphs.fits(batch):
+        if (self.mixed_graphs is not None and self.mixed_graphs.fits(batch)
+                and not kernel_settings.invariant_step(batch.num_tokens)):  # as a small alone chunk above
             return self.mixed_graphs.run(batch), rows, None
         return self.model.forward(batch, self.kv), rows, None
 

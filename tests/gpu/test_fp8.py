@@ -186,7 +186,7 @@ def test_quantized_qwen2_7b_shape_is_as_close_to_exact_as_e4m3_allows(kernel_set
     def checked(x, w, bias=None):
         y = scaled_mm(x, w, bias)
         wide_bias = None if bias is None else bias.float()
-        if isinstance(x, dispatch.QuantizedRows):  # down_proj's input, quantized by the fused MLP kernel
+        if isinstance(x, dispatch.QuantizedRows):  # quantized by the kernel before: the fused MLP's, or the norm's
             rows = (x.q.float() * x.scale).reshape(*x.lead, -1)
             want = torch.nn.functional.linear(rows, fp8.dequantize_weight(w, torch.float32), wide_bias)
         else:

@@ -156,18 +156,18 @@ def test_row_invariant_splits_each_row_as_a_one_row_step(ops, kv_cache, kernel_s
     assert torch.equal(step, alone) == row_invariant
 
 
-def test_row_invariant_leaves_steps_past_the_skinny_rows_their_batch_split(ops, kv_cache, kernel_settings, monkeypatch):
-    """A step of more rows than kernels.skinny_rows is not row-invariant anyway (cuBLAS sums its linears): it keeps
-    the batch's split count, not one row's (at batch 256 that would be 65k programs a layer)."""
+def test_row_invariant_leaves_steps_past_16_rows_their_batch_split(ops, kv_cache, kernel_settings, monkeypatch):
+    """A step of more than 16 rows (settings.INVARIANT_ROWS) is not row-invariant anyway (cuBLAS sums its linears): it
+    keeps the batch's split count, not one row's (at batch 256 that would be 65k programs a layer)."""
     from llaunch.kernels import decode_attention as da
 
     seen = []
     real = da.num_splits_for
     monkeypatch.setattr(da, "num_splits_for", lambda batch, heads, longest: seen.append((batch, longest)) or
                         real(batch, heads, longest))
-    k_cache, v_cache, req_to_slots, rows = kv_cache([40] * 5, 1, 64, torch.float32, "cpu")
-    q, lens = torch.randn(5, 2, 64), torch.tensor([40] * 5)
-    for skinny_rows in (16, 4):
-        kernel_settings(row_invariant=True, skinny_rows=skinny_rows)
+    kernel_settings(row_invariant=True)
+    for n in (16, 17):
+        k_cache, v_cache, req_to_slots, rows = kv_cache([40] * n, 1, 64, torch.float32, "cpu")
+        q, lens = torch.randn(n, 2, 64), torch.tensor([40] * n)
         ops.decode_attention(q, k_cache, v_cache, req_to_slots, rows, lens, 0.125, max_len=64)
-    assert seen == [(1, req_to_slots.shape[1]), (5, 64)]
+    assert seen == [(1, req_to_slots.shape[1]), (17, 64)]

@@ -112,3 +112,21 @@ def test_padded_pieces_over_an_fp8_cache(tmp_path):
     use_fp8_kv(model, CacheConfig(kv_dtype=KvDType.fp8_e4m3))
     assert model.kv_dtype == torch.float8_e4m3fn
     assert_same_steps(model)
+
+
+def test_row_invariant_runs_small_steps_unpadded(tmp_path, kernel_settings, monkeypatch):
+    """kernels.row_invariant: a step of up to 16 tokens runs unpadded (its bucket's 64 rows would send its linears to
+    cuBLAS, where a row's sums depend on the step), larger ones still replay their bucket; the outputs are the same."""
+    folder = write_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    model = build_model(model_config_from_folder(folder), device=torch.device("cpu"), dtype=torch.float32)
+    replayed = []
+    real = MixedGraphs.run
+    monkeypatch.setattr(MixedGraphs, "run", lambda self, batch: replayed.append(batch.num_tokens) or real(self, batch))
+    outputs = {}
+    for invariant in (False, True):
+        kernel_settings(row_invariant=invariant)
+        replayed.clear()
+        outputs[invariant] = [(r.rows, r.token_ids) for r in serve(model, piecewise=True)[0]]
+        # steps of 20, 31 and 19 tokens, then four decode steps of 3 rows
+        assert replayed == ([20, 31, 19] if invariant else [20, 31, 19, 3, 3, 3, 3])
+    assert outputs[True] == outputs[False]
