@@ -217,8 +217,13 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
       --profile 14) | grep -v -e Warning -e USDT | tee "$OUT/verify_smollm2.txt"
     # the same steps under kernels.row_invariant (verify rows on the GEMV's row grid, as decode rows): what bf16
     # identity costs, or saves (SmolLM2's 576-wide layers: the skinny GEMM 11 µs a layer, the GEMV 4, at aaaa21f)
-    (cd scripts && optional 40 timeout 90 python3 bench_steps.py --verify --shape smollm2-spec --set row_invariant=true) \
-      | grep -v -e Warning -e USDT | tee "$OUT/verify_smollm2_row_invariant.txt"
+    (cd scripts && optional 40 timeout 90 python3 bench_steps.py --verify --shape smollm2-spec --set row_invariant=true \
+      --profile 14) | grep -v -e Warning -e USDT | tee "$OUT/verify_smollm2_row_invariant.txt"
+    # and at shorter K tiles (576 columns in one 1,024-lane tile waste 44% of the lanes; the LM head's built-in 2-row
+    # tiles make 24,576 programs a row)
+    (cd scripts && optional 40 timeout 60 python3 bench_steps.py --verify --shape smollm2-spec --set row_invariant=true \
+      --set gemv_shapes=49152x576=32/64/4,960x576=8/128/4,576x576=8/128/4,1536x576:gated=8/128/4,576x1536=8/256/4) \
+      | grep -v -e Warning -e USDT | grep -e '"decode"' -e '"verify"' | tee -a "$OUT/verify_smollm2_row_invariant.txt"
     # ~85 s a server (warm-up, then c1 and c64 three times each)
     # spec_mb16 left: at 9d253e7 c64 0.95x none (the old default); k8 had one c1 run there (1.84x)
     # bfloat16 since e6bc043 (the figures before were float32's); PROFILE_STEPS: each server's kernels as served
