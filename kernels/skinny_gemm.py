@@ -126,12 +126,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Does this product run here: 2..kernels.skinny_rows rows of a 16-bit x and weight, 16-byte aligned rows?"""
-    return 2 <= x.shape[0] <= settings.current.settings.skinny_rows and _fits(x, weight)
-
-
-def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+    rows = settings.current.settings.skinny_rows
+    return (x.dim() == 2 and 2 <= x.shape[0] <= rows and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == x.shape[1]
             and (not x.is_cuda or _mma_16bit(x.device.index or 0)))
 
 

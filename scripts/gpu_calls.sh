@@ -216,7 +216,7 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     (cd scripts && optional 60 timeout 120 python3 bench_steps.py --verify --shape smollm2-spec --skinny-rows 16 \
       --profile 14) | grep -v -e Warning -e USDT | tee "$OUT/verify_smollm2.txt"
     # the same steps under kernels.row_invariant (verify rows on the GEMV's row grid, as decode rows): what bf16
-    # identity costs, or saves (SmolLM2's 576-wide layers: the skinny GEMM 11 µs a layer, the GEMV 4, at aaaa21f)
+    # identity costs, or saves (SmolLM2's 576-wide layers: the skinny GEMM 11 µs a launch, the GEMV 4.4, profiled at aaaa21f)
     (cd scripts && optional 40 timeout 90 python3 bench_steps.py --verify --shape smollm2-spec --set row_invariant=true \
       --profile 14) | grep -v -e Warning -e USDT | tee "$OUT/verify_smollm2_row_invariant.txt"
     # and at shorter K tiles (576 columns in one 1,024-lane tile waste 44% of the lanes; the LM head's built-in 2-row
