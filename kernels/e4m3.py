@@ -41,6 +41,28 @@ def quantized(x, scale, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def quotient_rn(x, scale, rcp):
+    """x / scale, correctly rounded, as div.rn's fast path computes it: the product with rcp = div_rn(1, scale)
+    (taken once for many x), then one FMA correction (Markstein: with rcp the correctly rounded reciprocal, the
+    remainder x - q·scale is exact and the corrected q is the correctly rounded quotient). Two instructions where
+    div.rn takes a reciprocal, a range check and a branch a value; for quotients inside float32's normal range
+    (an e4m3 quotient by a row's own absmax scale is within ±448). A zero x gives +0 (div.rn keeps -0's sign)."""
+    q = x * rcp
+    return tl.fma(tl.fma(-q, scale, x), rcp, q)
+
+
+@triton.jit
+def e4m3_by_own_scale(x, scale, rcp, INTERPRETED: tl.constexpr):
+    """x / scale rounded to e4m3 (kernels/fp8.to_fp8's bytes) where scale is x's row's absmax / 448, so that no
+    quotient leaves ±448·(1 + 2^-23): the quotient by quotient_rn, the sign of a zero kept, and the conversion's
+    saturation for the clamp. Under the interpreter e4m3.quantized (its division)."""
+    if INTERPRETED:
+        return quantized(x, scale, True).to(tl.float8e4nv)
+    q = quotient_rn(x, scale, rcp)
+    return tl.where(x == 0.0, x, q).to(tl.float8e4nv)  # cvt.rn.satfinite: ±448 beyond, as the clamp
+
+
+@triton.jit
 def row_scale(x_ptr, K, scale_ub, HAS_UB: tl.constexpr, BLOCK: tl.constexpr):
     """A row's dynamic activation scale: its absmax over K columns (clipped to scale_ub where HAS_UB) / 448,
     floored. BLOCK columns a load: one iteration's loads wait for the previous one's max, so the loop

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from llaunch.kernels.e4m3 import quantized, row_scale
+from llaunch.kernels.e4m3 import quantized, quotient_rn, row_scale
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 # x's e4m3 values (≤ 448) are multiplied by 2^-8 (a product with a weight ≤ 784), the float32 sums by 2^8; float16
@@ -50,9 +50,7 @@ def _x_columns(x_ptr, cols, K, x_scale, x_rcp, INTERPRETED: tl.constexpr):
     if INTERPRETED:
         q = quantized(x, x_scale, True)
     else:
-        q = x * x_rcp
-        q = tl.fma(tl.fma(-q, x_scale, x), x_rcp, q)
-        q = tl.clamp(q, -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
+        q = tl.clamp(quotient_rn(x, x_scale, x_rcp), -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
     quads = (q * 0.00390625).to(tl.float16).reshape(cols.shape[0], 2, 2)  # [word, pair, column of the pair]
     first, second = tl.split(quads)  # columns 0, 2 and 1, 3
     x0, x2 = tl.split(first)

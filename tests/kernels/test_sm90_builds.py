@@ -263,3 +263,40 @@ def test_skinny_gemm_builds_fit_and_multiply_on_the_tensor_cores(sm90_compile):
     partial_store = max(i for i, line in enumerate(lines[:atoms[0]]) if "st.global" in line)
     assert any("bar.sync" in line for line in lines[partial_store:atoms[0]])
     assert min(i for i, line in enumerate(lines) if "ld.global.cg" in line) > atoms[0]
+
+
+_COMPILE_GATED_QUANT = r'''
+import importlib, inspect, json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+gq = importlib.import_module("llaunch.kernels.fp8_gated_quant")
+
+fn = gq._gated_quant_kernel
+block, tail = gq.row_blocks(18944)  # Qwen2-7B's intermediate width, one row a program as launched
+out = {}
+for own_scale in (True, False):
+    constexprs = dict(SCALED=True, STATIC=False, HAS_UB=False, ACT=0, DTYPE=0, BLOCK=block, TAIL=tail, ONE_PASS=True,
+                      OWN_SCALE=own_scale, INTERPRETED=False)
+    names = list(inspect.signature(fn.fn).parameters)
+    types = {"y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ub": "fp32"}
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] == "i32" or sig[n][0] == "*"}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 32})
+    out["own scale" if own_scale else "division"] = kernel.asm["ptx"]
+print(json.dumps(out))
+'''
+
+
+def test_gated_quantize_divides_once_a_row_by_its_own_scale(sm90_compile):
+    """The fp8 MLP's middle as served (a row's e4m3 by its own absmax scale) takes the row's reciprocal once and a
+    value's quotient by product and FMA (e4m3.quotient_rn): its sm90 build has a row's two divisions (the scale, the
+    reciprocal) where the build that divides each value (a static or clipped scale) has one a value besides; both
+    convert to e4m3 in pairs with saturation (the clamp of kernels/fp8.to_fp8)."""
+    builds = sm90_compile(_COMPILE_GATED_QUANT)
+    values_a_thread = (16384 + 4096) // 1024  # a row's two blocks over 32 warps' 1,024 threads
+    own, division = (builds[k].count("div.rn.f32") for k in ("own scale", "division"))
+    assert own == 2
+    assert division >= values_a_thread
+    for ptx in builds.values():
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
