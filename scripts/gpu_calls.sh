@@ -11,7 +11,8 @@
 # suite     .whl .gpu                                    the GPU suite (must be green for kernel changes), then fp8mixed's
 #                                                        profiles (fp8_words' bench: `fp8words`, measured at 6f85a72),
 #                                                        then spectune's sweep
-# spectune  .whl                                         #38: SmolLM2's verify steps at other skinny launch shapes
+# spectune  .whl                                         #38: SmolLM2's decode and verify steps under
+#                                                        kernels.row_invariant, one GEMV launch shape varied at a time
 # changed   .whl .gpu                                    the GPU tests of what changed since the last green suite, then
 #                                                        fp8mixed's profiles (when a whole suite does not fit)
 # fp8words  .whl                                         #37's fp8 decode step with kernels.fp8_words against without
@@ -70,19 +71,18 @@ optional() {  # need command...
   if [ "$rest" -lt "$need" ]; then echo "[skipped: $rest s left, $need needed] $*"; return 0; fi
   timeout $(( rest - 10 )) "$@"
 }
-skinny_sweep() {  # #38: SmolLM2's verify steps (bench_steps --verify, dummy weights) at other kernels.skinny_shapes:
-  # its 576-wide layers make 36-96 programs of 16-row tiles, chains of 5-12 dependent K steps (the built-in shapes);
-  # here K split finer and shorter steps. At aaaa21f (H100): decode 0.335 ms, verify k = 1-4 0.470-0.520
-  local q=960x576 o=576x576 gu=1536x576:gated d=576x1536 cand
-  for cand in "" \
-      "$q=16/64/4/2/4,$o=16/64/4/2/4,$gu=16/64/4/2,$d=16/64/4/2/8" \
-      "$q=16/64/4/2/8,$o=16/64/4/2/8,$gu=16/64/4/3,$d=16/128/4/3/4" \
-      "$q=16/64/2/2/4,$o=16/64/2/2/4,$gu=16/64/2/2,$d=16/64/2/2/8" \
-      "$q=16/32/2/3/8,$o=16/32/2/3/8,$gu=16/32/2/3,$d=16/64/2/3/8"; do
-    echo "== skinny_shapes: ${cand:-built-in}"
-    (cd scripts && optional 30 timeout 60 python3 bench_steps.py --verify --shape smollm2-spec \
-      ${cand:+--set skinny_shapes=$cand}) | grep -e '"decode"' -e '"verify"'
-  done | tee -a "$OUT/skinny_sweep.txt"
+ri_sweep() {  # #38: SmolLM2's decode and verify steps under kernels.row_invariant (bench_steps --verify, dummy
+  # weights), one layer kind's GEMV launch shape varied at a time: a verify row runs the decode row's programs, so
+  # the rows multiply the programs (b6f9417, H100: decode 0.322 ms, verify k = 1-4 0.390-0.623; every kind at
+  # shorter K tiles at once: decode 0.418, verify 0.430-0.473). Built in for K = 576: 2 rows x 1,024 columns a
+  # program (the LM head: 24,576 programs a row), gate|up 8/256/4, down_proj 2/2048/4
+  local h=49152x576 q=960x576 o=576x576 gu=1536x576:gated d=576x1536 cand
+  for cand in "" $h=4/1024/4 $h=8/1024/4 $h=16/1024/8 $h=8/512/4 $q=4/1024/4 $q=8/1024/4 $o=4/1024/4 \
+      $o=8/1024/4 $gu=4/1024/4 $gu=8/1024/8 $gu=2/1024/4 $d=4/2048/8 $d=2/1024/4 $d=8/512/4; do
+    echo "== row_invariant, gemv_shapes: ${cand:-built-in}"
+    (cd scripts && optional 20 timeout 45 python3 bench_steps.py --verify --shape smollm2-spec --set row_invariant=true \
+      ${cand:+--set gemv_shapes=$cand}) | grep -e '"decode"' -e '"verify"'
+  done | tee -a "$OUT/ri_sweep.txt"
 }
 install() {  # from whichever wheelhouse the call carried
   WHEELS=$([ -d .whl ] && echo .whl || echo .whl-serve) bash scripts/gpu_run.sh install || exit 1
@@ -110,15 +110,14 @@ fp8_words() {
     | grep -v Warning | tee -a "$OUT/fp8_words.jsonl"
 }
 # #37 c256: a c256-like mixed step by kernel as served now (kernels.fp8_fused_mlp and fp8_fused_norm, per-tensor
-# GEMMs), then fp8 with the norms' 16-bit outputs quantized by their own kernels (fp8_fused_norm=false: the A/B of
-# the norm's quantization; the MLP's three unfused kernels cost 3.3 ms of 35.40 at fa6d42b, H100)
+# GEMMs; with fp8_fused_norm=false it took 31.75 ms against 31.48 at b6f9417, H100), then the gated quantize alone
 fp8_mixed() {
   local mixed="--rows 160 --mixed-rows 218 --mixed-prompts 2 --chunk-len 896 --top 16"
-  # served first: at 30b487a a reserve of 60 s for the second skipped it twice while the second ran (~30 s)
   (cd scripts && RESERVE=30 optional 60 timeout 240 python3 profile_kernels.py $mixed) \
     | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_profile.txt"
-  (cd scripts && optional 40 timeout 150 python3 profile_kernels.py $mixed --formats fp8 --set fp8_fused_norm=false) \
-    | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_unfused_norm.txt"
+  # the gated quantize alone (127 µs a layer at 2,010 rows at b6f9417): through the reciprocal vs division a value,
+  # and without the channel scales
+  (cd scripts && optional 20 timeout 90 python3 bench_gated_quant.py) | grep -v Warning | tee "$OUT/gated_quant.jsonl"
 }
 # the fp8 layers' tensor-core shapes (qkv, o_proj with K split to fill the SMs; gate‖up; down_proj as built in)
 SWAP_CANDIDATES="4608x3584:fp8=64/256/4/3/2 4608x3584:fp8=64/128/4/4/2 3584x3584:fp8=64/256/4/3/4 \
@@ -130,10 +129,10 @@ case $NAME in
     install
     bash scripts/gpu_run.sh tests  # a failure is reported there; the measurements after it still run
     fp8_mixed
-    skinny_sweep ;;
+    ri_sweep ;;
   spectune)
     install
-    skinny_sweep ;;
+    ri_sweep ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
     # suite (aaaa21f; since: the word down_proj GEMV, the one-pass gated quantize, kernels.row_invariant, the norm
     # that quantizes for fp8 layers), then fp8_mixed
