@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llaunch.kernels.e4m3 import e4m3_by_own_scale, quantized, scale_of_absmax
+from llaunch.kernels.e4m3 import e4m3_of, scale_of_absmax
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 1024  # a tile of the two-pass kernel (rows wider than ROW_IN_REGISTERS)
@@ -73,16 +73,6 @@ def _row_scale(amax, xs_ptr, scale_ub, STATIC: tl.constexpr, HAS_UB: tl.constexp
 
 
 @triton.jit
-def _e4m3(h, scale, rcp, OWN_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """h's e4m3 bytes: by the row's own absmax scale through the reciprocal (e4m3.e4m3_by_own_scale: 53 → 40
-    instructions a value in an sm_90 build of the one-pass kernel), else (a static or clipped scale, whose
-    quotients may be far beyond ±448) by division."""
-    if OWN_SCALE:
-        return e4m3_by_own_scale(h, scale, rcp, INTERPRETED)
-    return quantized(h, scale, INTERPRETED).to(tl.float8e4nv)
-
-
-@triton.jit
 def _gated_quant_kernel(y_ptr, rs_ptr, cs_ptr, q_ptr, s_ptr, xs_ptr, inner, stride_y, stride_q, scale_ub,
                         SCALED: tl.constexpr, STATIC: tl.constexpr, HAS_UB: tl.constexpr, ACT: tl.constexpr,
                         DTYPE: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, ONE_PASS: tl.constexpr,
@@ -100,14 +90,12 @@ def _gated_quant_kernel(y_ptr, rs_ptr, cs_ptr, q_ptr, s_ptr, xs_ptr, inner, stri
             h_tail, tail_mask = _activated(y_row, rs, cs_ptr, BLOCK, inner, SCALED, ACT, DTYPE, TAIL)
             amax = tl.maximum(amax, tl.max(tl.where(tail_mask, tl.abs(h_tail), 0.0), axis=0))
             scale = _row_scale(amax, xs_ptr, scale_ub, STATIC, HAS_UB)
-            rcp = tl.math.div_rn(1.0, scale)
-            tl.store(q_row + BLOCK + tl.arange(0, TAIL), _e4m3(h_tail, scale, rcp, OWN_SCALE, INTERPRETED),
+            tl.store(q_row + BLOCK + tl.arange(0, TAIL), e4m3_of(h_tail, scale, OWN_SCALE, INTERPRETED),
                      mask=tail_mask)
         else:
             scale = _row_scale(amax, xs_ptr, scale_ub, STATIC, HAS_UB)
-            rcp = tl.math.div_rn(1.0, scale)
         tl.store(s_ptr + row, scale)
-        tl.store(q_row + tl.arange(0, BLOCK), _e4m3(h, scale, rcp, OWN_SCALE, INTERPRETED), mask=mask)
+        tl.store(q_row + tl.arange(0, BLOCK), e4m3_of(h, scale, OWN_SCALE, INTERPRETED), mask=mask)
     else:  # tiles: the absmax, then the e4m3 values
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         if not STATIC:
@@ -115,11 +103,10 @@ def _gated_quant_kernel(y_ptr, rs_ptr, cs_ptr, q_ptr, s_ptr, xs_ptr, inner, stri
                 h, mask = _activated(y_row, rs, cs_ptr, k0, inner, SCALED, ACT, DTYPE, BLOCK)
                 amax = tl.maximum(amax, tl.where(mask, tl.abs(h), 0.0))
         scale = _row_scale(tl.max(amax, axis=0), xs_ptr, scale_ub, STATIC, HAS_UB)
-        rcp = tl.math.div_rn(1.0, scale)
         tl.store(s_ptr + row, scale)
         for k0 in range(0, inner, BLOCK):
             h, mask = _activated(y_row, rs, cs_ptr, k0, inner, SCALED, ACT, DTYPE, BLOCK)
-            tl.store(q_row + k0 + tl.arange(0, BLOCK), _e4m3(h, scale, rcp, OWN_SCALE, INTERPRETED), mask=mask)
+            tl.store(q_row + k0 + tl.arange(0, BLOCK), e4m3_of(h, scale, OWN_SCALE, INTERPRETED), mask=mask)
 
 
 def row_blocks(inner: int) -> tuple[int, int]:

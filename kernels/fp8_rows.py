@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llaunch.kernels.e4m3 import quantized, scale_of_absmax
+from llaunch.kernels.e4m3 import e4m3_of, scale_of_absmax
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_K = 1024
@@ -44,7 +44,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, xs_ptr, K, stride_xm, stride_qm, 
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + cols < K
         x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_qm + k0 + cols, quantized(x, scale, INTERPRETED).to(q_ptr.dtype.element_ty),
+        tl.store(q_ptr + row * stride_qm + k0 + cols, e4m3_of(x, scale, not STATIC and not HAS_UB, INTERPRETED),
                  mask=mask)
 
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from llaunch.kernels import pdl
-from llaunch.kernels.e4m3 import quantized, scale_of_absmax
+from llaunch.kernels.e4m3 import e4m3_of, scale_of_absmax
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -48,8 +48,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, s_ptr, xs_ptr, n_cols
                 amax = tl.minimum(amax, scale_ub)
             scale = scale_of_absmax(amax)
         tl.store(s_ptr + row, scale)
-        tl.store(out_ptr + row * n_cols + cols, quantized(yf, scale, INTERPRETED).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(out_ptr + row * n_cols + cols, e4m3_of(yf, scale, not STATIC and not HAS_UB, INTERPRETED), mask=mask)
     else:
         tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
 

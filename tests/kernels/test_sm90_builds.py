@@ -265,38 +265,53 @@ def test_skinny_gemm_builds_fit_and_multiply_on_the_tensor_cores(sm90_compile):
     assert min(i for i, line in enumerate(lines) if "ld.global.cg" in line) > atoms[0]
 
 
-_COMPILE_GATED_QUANT = r'''
+_COMPILE_QUANTIZERS = r"""
 import importlib, inspect, json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 gq = importlib.import_module("llaunch.kernels.fp8_gated_quant")
+norm = importlib.import_module("llaunch.kernels.rmsnorm")
+rows = importlib.import_module("llaunch.kernels.fp8_rows")
 
-fn = gq._gated_quant_kernel
-block, tail = gq.row_blocks(18944)  # Qwen2-7B's intermediate width, one row a program as launched
-out = {}
-for own_scale in (True, False):
-    constexprs = dict(SCALED=True, STATIC=False, HAS_UB=False, ACT=0, DTYPE=0, BLOCK=block, TAIL=tail, ONE_PASS=True,
-                      OWN_SCALE=own_scale, INTERPRETED=False)
+
+def build(fn, constexprs, types, warps):
     names = list(inspect.signature(fn.fn).parameters)
-    types = {"y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ub": "fp32"}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] == "i32" or sig[n][0] == "*"}
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 32})
-    out["own scale" if own_scale else "division"] = kernel.asm["ptx"]
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+
+
+block, tail = gq.row_blocks(18944)  # Qwen2-7B's intermediate width, one row a program of 32 warps as launched
+out = {}
+for own in (True, False):  # a row's own absmax scale, or one clipped to scale_ub
+    name = "own scale" if own else "clipped scale"
+    out["gated " + name] = build(gq._gated_quant_kernel, dict(
+        SCALED=True, STATIC=False, HAS_UB=not own, ACT=0, DTYPE=0, BLOCK=block, TAIL=tail, ONE_PASS=True,
+        OWN_SCALE=own, INTERPRETED=False), {"y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ub": "fp32"}, 32)
+    # Qwen2-7B's hidden size in one block of 8 warps (rmsnorm's launch), the residual added
+    out["norm " + name] = build(norm._rmsnorm_kernel, dict(
+        HAS_RESIDUAL=True, PDL=0, BLOCK=4096, QUANT=True, STATIC=False, HAS_UB=not own, INTERPRETED=False),
+        {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*fp8e4nv",
+         "eps": "fp32", "scale_ub": "fp32"}, 8)
+    out["rows " + name] = build(rows._quantize_rows_kernel, dict(
+        STATIC=False, HAS_UB=not own, BLOCK_K=rows.BLOCK_K, INTERPRETED=False),
+        {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ub": "fp32"}, 4)
 print(json.dumps(out))
-'''
+"""
 
 
-def test_gated_quantize_divides_once_a_row_by_its_own_scale(sm90_compile):
-    """The fp8 MLP's middle as served (a row's e4m3 by its own absmax scale) takes the row's reciprocal once and a
-    value's quotient by product and FMA (e4m3.quotient_rn): its sm90 build has a row's two divisions (the scale, the
-    reciprocal) where the build that divides each value (a static or clipped scale) has one a value besides; both
-    convert to e4m3 in pairs with saturation (the clamp of kernels/fp8.to_fp8)."""
-    builds = sm90_compile(_COMPILE_GATED_QUANT)
-    values_a_thread = (16384 + 4096) // 1024  # a row's two blocks over 32 warps' 1,024 threads
-    own, division = (builds[k].count("div.rn.f32") for k in ("own scale", "division"))
-    assert own == 2
-    assert division >= values_a_thread
-    for ptx in builds.values():
-        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+def test_activation_quantizers_divide_once_a_row_by_its_own_scale(sm90_compile):
+    """The kernels that quantize activations to e4m3 by a row's own absmax scale (the fp8 MLP's gated quantize, the
+    norm before q‖k‖v and gate‖up, quantize_rows) take the row's reciprocal once and a value's quotient by product
+    and FMA (e4m3.quotient_rn): their sm90 builds have a row's two divisions (the scale, the reciprocal), where a scale
+    clipped to scale_ub (quotients beyond ±448) keeps a division a value; all convert to e4m3 in pairs with saturation
+    (kernels/fp8.to_fp8's clamp)."""
+    builds = sm90_compile(_COMPILE_QUANTIZERS)
+    # values a thread a row: the gated row's two blocks over 1,024 threads; 4,096 over 256; a 1,024-column tile over 128
+    values = {"gated": (16384 + 4096) // 1024, "norm": 4096 // 256, "rows": 1024 // 128}
+    for kernel, per_thread in values.items():
+        assert builds[f"{kernel} own scale"].count("div.rn.f32") == 2, kernel
+        assert builds[f"{kernel} clipped scale"].count("div.rn.f32") >= per_thread, kernel
+    for name, ptx in builds.items():
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, name
