@@ -134,13 +134,10 @@ case $NAME in
     install
     ri_sweep ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
-    # suite (aaaa21f; since: the word down_proj GEMV, the one-pass gated quantize, kernels.row_invariant, the norm
-    # that quantizes for fp8 layers), then fp8_mixed
+    # suite (b6f9417; since: the activation quantizers' e4m3 through the row's reciprocal), then fp8_mixed
     install
     TESTS="tests/kernels/test_kernel_fp8_gated_quant.py tests/kernels/test_kernel_rmsnorm_quantized.py
-      tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_skinny_gemm.py tests/kernels/test_kernel_decode_attention.py
-      tests/gpu/test_fp8.py tests/gpu/test_spec_decode_gpu.py tests/gpu/test_mixed_graphs_gpu.py
-      tests/gpu/test_no_host_sync.py tests/gpu/test_smollm2_agreement.py" \
+      tests/kernels/test_kernel_fp8_rows.py tests/kernels/test_kernel_gemv.py tests/gpu/test_fp8.py" \
       bash scripts/gpu_run.sh tests
     fp8_mixed ;;
   fp8mixed)
