@@ -42,22 +42,25 @@ def quantized(x, scale, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def quotient_rn(x, scale, rcp):
-    """x / scale, correctly rounded, as div.rn's fast path computes it: the product with rcp = div_rn(1, scale)
-    (taken once for many x), then one FMA correction (Markstein: with rcp the correctly rounded reciprocal, the
-    remainder x - q·scale is exact and the corrected q is the correctly rounded quotient). Two instructions where
-    div.rn takes a reciprocal, a range check and a branch a value; for quotients inside float32's normal range
-    (an e4m3 quotient by a row's own absmax scale is within ±448). A zero x gives +0 (div.rn keeps -0's sign)."""
+    """x / scale as div.rn's fast path computes it: the product with rcp = div_rn(1, scale) (taken once for many x),
+    then one FMA correction (Markstein's). Neither that product nor the remainder is always exact, yet the corrected
+    quotient was the correctly rounded one wherever the remainder does not underflow (quotients below ~1e-29 may be
+    off, all of them e4m3's ±0). Two instructions a value where div.rn takes a reciprocal, a range check and a
+    branch. A zero x gives +0 (div.rn keeps -0's sign)."""
     q = x * rcp
     return tl.fma(tl.fma(-q, scale, x), rcp, q)
 
 
 @triton.jit
 def e4m3_of(x, scale, OWN_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """x / scale rounded to e4m3 (kernels/fp8.to_fp8's bytes). OWN_SCALE: scale is x's row's absmax / 448, so no
-    quotient leaves ±448·(1 + 2^-23): the quotient by quotient_rn through the row's reciprocal (one division a row
-    where the compiler sees one scale), the sign of a zero kept, and the conversion's saturation for the clamp (an
-    sm_90 build of the gated quantize: 40 instructions a value against 53 dividing). Otherwise (a static or clipped
-    scale, whose quotients may be far beyond ±448), and under the interpreter, e4m3.quantized: its division."""
+    """x / scale rounded to e4m3 (kernels/fp8.to_fp8's bytes). OWN_SCALE: scale is x's row's absmax / 448 (floored),
+    so no quotient leaves ±448·(1 + 2^-23): the quotient by quotient_rn through the row's reciprocal (one division a
+    row where the compiler sees one scale), the sign of a zero kept, and the conversion's saturation for the clamp
+    (an sm_90 build of the gated quantize: 40 instructions a value against 53 dividing). Its e4m3 bytes were the
+    division's for every bfloat16 and float16 x by every scale of that kind (2.1e9 pairs, emulated exactly,
+    2026-12-06); a row holding ±inf (scale inf) makes its finite values NaN where division makes them ±0 (that row's
+    products are NaN either way). Otherwise (a static or clipped scale, whose quotients may be far beyond ±448), and
+    under the interpreter, e4m3.quantized: its division."""
     if OWN_SCALE and not INTERPRETED:
         q = quotient_rn(x, scale, tl.math.div_rn(1.0, scale))
         return tl.where(x == 0.0, x, q).to(tl.float8e4nv)  # cvt.rn.satfinite: ±448 beyond, as the clamp

@@ -311,7 +311,10 @@ def test_activation_quantizers_divide_once_a_row_by_its_own_scale(sm90_compile):
     # values a thread a row: the gated row's two blocks over 1,024 threads; 4,096 over 256; a 1,024-column tile over 128
     values = {"gated": (16384 + 4096) // 1024, "norm": 4096 // 256, "rows": 1024 // 128}
     for kernel, per_thread in values.items():
-        assert builds[f"{kernel} own scale"].count("div.rn.f32") == 2, kernel
-        assert builds[f"{kernel} clipped scale"].count("div.rn.f32") >= per_thread, kernel
-    for name, ptx in builds.items():
-        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, name
+        own, clipped = builds[f"{kernel} own scale"], builds[f"{kernel} clipped scale"]
+        assert own.count("div.rn.f32") == 2, kernel
+        # a value's product, then its two FMAs (the remainder, the correction) and the select that keeps -0's sign
+        assert own.count("fma.rn.f32") >= 2 * per_thread and own.count("selp.f32") >= per_thread, kernel
+        # the conversion saturates for the clamp, which the dividing build keeps (min.xorsign.abs a value)
+        assert "xorsign" not in own and "cvt.rn.satfinite.e4m3x2.f32" in own, kernel
+        assert clipped.count("div.rn.f32") >= per_thread and "xorsign" in clipped, kernel
