@@ -76,7 +76,8 @@ def _row_scale(amax, xs_ptr, scale_ub, STATIC: tl.constexpr, HAS_UB: tl.constexp
 def _gated_quant_kernel(y_ptr, rs_ptr, cs_ptr, q_ptr, s_ptr, xs_ptr, inner, stride_y, stride_q, scale_ub,
                         SCALED: tl.constexpr, STATIC: tl.constexpr, HAS_UB: tl.constexpr, ACT: tl.constexpr,
                         DTYPE: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, ONE_PASS: tl.constexpr,
-                        OWN_SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
+                        INTERPRETED: tl.constexpr):
+    OWN_SCALE: tl.constexpr = not STATIC and not HAS_UB  # a row's own absmax scale: e4m3 through its reciprocal
     row = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + row * stride_y
     q_row = q_ptr + row * stride_q
@@ -141,6 +142,6 @@ def gated_quantize(y: torch.Tensor, dtype: torch.dtype, row_scales: Optional[tor
             channel_scales.float().contiguous() if scaled else scales, q, scales,
             static_scale.float() if static else scales, inner, y.stride(0), q.stride(0), scale_ub or 0.0,
             SCALED=scaled, STATIC=static, HAS_UB=scale_ub is not None and not static, ACT=act, DTYPE=_DTYPES[dtype],
-            BLOCK=block, TAIL=tail, ONE_PASS=one_pass, OWN_SCALE=not static and scale_ub is None, INTERPRETED=_INTERPRETED,
+            BLOCK=block, TAIL=tail, ONE_PASS=one_pass, INTERPRETED=_INTERPRETED,
             num_warps=min(32, max(4, triton.next_power_of_2((block + tail) // 1024))) if one_pass else 4)
     return q, scales

@@ -288,7 +288,7 @@ for own in (True, False):  # a row's own absmax scale, or one clipped to scale_u
     name = "own scale" if own else "clipped scale"
     out["gated " + name] = build(gq._gated_quant_kernel, dict(
         SCALED=True, STATIC=False, HAS_UB=not own, ACT=0, DTYPE=0, BLOCK=block, TAIL=tail, ONE_PASS=True,
-        OWN_SCALE=own, INTERPRETED=False), {"y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ub": "fp32"}, 32)
+        INTERPRETED=False), {"y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ub": "fp32"}, 32)
     # Qwen2-7B's hidden size in one block of 8 warps (rmsnorm's launch), the residual added
     out["norm " + name] = build(norm._rmsnorm_kernel, dict(
         HAS_RESIDUAL=True, PDL=0, BLOCK=4096, QUANT=True, STATIC=False, HAS_UB=not own, INTERPRETED=False),
