@@ -64,22 +64,32 @@ rope_cos_sin = reference.rope_cos_sin
 def rmsnorm(x, weight, eps, residual=None, into=None):
     """norm(x) or, with `residual`, (norm(x + residual), x + residual). `into`: the weight of the layer the norm's
     output feeds; an fp8 layer that quantizes its input per token gets it quantized by the norm's kernel
-    (QuantizedRows: kernels.fp8_fused_norm) where its own product would quantize it (2+ rows)."""
-    if isinstance(into, fp8.Fp8Weight) and _norm_quantizes(x, weight, residual, into):
+    (QuantizedRows: kernels.fp8_fused_norm) where its own product would quantize it (2+ rows). x may be an fp8
+    layer's ScaledSums (kernels.fp8_norm_epilogue): the kernel scales them before the residual add."""
+    sums = None
+    if isinstance(x, ScaledSums):
+        if residual is not None and residual.dtype == x.dtype and x.bias is None and _use_triton(x.sums):
+            x, sums = x.sums, (x.row_scales, x.channel_scales)
+        else:
+            x = scaled(x)
+    x_dtype = x.dtype if sums is None else residual.dtype
+    if isinstance(into, fp8.Fp8Weight) and _norm_quantizes(x, x_dtype, weight, residual, into):
         static = into.input_scale if into.activations == fp8.STATIC else None
-        result = triton_ops().rmsnorm_quantized(x, weight, eps, residual, into.scale_ub, static)
+        result = triton_ops().rmsnorm_quantized(x, weight, eps, residual, into.scale_ub, static, sums)
         (q, scale), h = result if residual is not None else (result, None)
         rows = QuantizedRows(q, scale, weight.dtype, tuple(x.shape[:-1]))
         return (rows, h) if residual is not None else rows
+    if sums is not None:
+        return triton_ops().rmsnorm(x, weight, eps, residual, sums)
     if _use_triton(x):
         return triton_ops().rmsnorm(x, weight, eps, residual)
     return reference.rmsnorm(x, weight, eps, residual)
 
 
-def _norm_quantizes(x, weight, residual, into) -> bool:
+def _norm_quantizes(x, x_dtype, weight, residual, into) -> bool:
     """Whether the norm quantizes for `into`: a per-token-quantized fp8 layer whose input would otherwise go
     through quantize_rows (not the one-row GEMV, which quantizes as it reads), in the norm weight's dtype."""
-    dtype = torch.promote_types(x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype),
+    dtype = torch.promote_types(x_dtype if residual is None else torch.promote_types(x_dtype, residual.dtype),
                                 weight.dtype)
     return (settings.current.fp8_fused_norm and _use_triton(x) and _per_channel_quantized(into)
             and not _fp8_row(x, into) and dtype == weight.dtype)
@@ -230,24 +240,58 @@ class QuantizedRows(NamedTuple):
     lead: tuple  # the activation's leading dims ([M] flattened)
 
 
+class ScaledSums(NamedTuple):
+    """An fp8 layer's output left to the kernel after it to scale (kernels.fp8_norm_epilogue): cuBLASLt's per-tensor
+    GEMM's bfloat16 sums with the token and channel scales (and bias) kernels/fp8_epilogue.py would apply. What a
+    layer called with unscaled=True may return; rmsnorm (with a residual), qkv_rotary_store_kv's rotary kernel and
+    `scaled` take it."""
+
+    sums: torch.Tensor  # [*lead, N] bfloat16
+    row_scales: torch.Tensor  # [M, 1] float32
+    channel_scales: torch.Tensor  # [N] float32
+    bias: Optional[torch.Tensor]  # [N] in dtype, added after the scales
+    dtype: torch.dtype  # the model's: the layer's output
+
+
+def scaled(x):
+    """A layer's output as a tensor: ScaledSums through the epilogue kernel, anything else as it is."""
+    if not isinstance(x, ScaledSums):
+        return x
+    y = x.sums.reshape(-1, x.sums.shape[-1])
+    return triton_ops().fp8_epilogue(y, x.row_scales, x.channel_scales, x.bias, x.dtype).reshape(x.sums.shape)
+
+
 def _epilogue():
     """kernels.fp8_gemm: the epilogue kernel, or None (the row-wise GEMM)."""
     return triton_ops().fp8_epilogue if settings.current.fp8_epilogue else None
 
 
-def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None):
+def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None, unscaled: bool = False):
     """An fp8 layer (kernels/fp8.py): on a GPU cuBLASLt's scaled GEMM, or for block-wise weights the
     Triton block GEMM (kernels/fp8_block.py), or for one row the GEMV; their roundings in torch elsewhere.
-    x may come quantized (QuantizedRows, the fused MLP's down_proj input)."""
+    x may come quantized (QuantizedRows, the fused MLP's down_proj input). unscaled: the caller hands the output to
+    the next RMSNorm, so the per-tensor GEMM's sums may come back as ScaledSums for it to scale."""
     if isinstance(x, QuantizedRows):
-        return fp8.scaled_mm_rows(x.q, x.scale, weight, bias, x.dtype, x.lead, _epilogue())
+        return _product(x.q, x.scale, weight, bias, x.dtype, x.lead, unscaled)
     if _fp8_row(x, weight):
         return triton_ops().gemv(x, weight, bias)
     if _use_triton(x):
         if weight.block is not None and weight.activations != fp8.NONE:
             return triton_ops().fp8_block_linear(x, weight, bias)
+        if weight.activations != fp8.NONE:
+            q, scale = _quantize_rows(x.reshape(-1, x.shape[-1]), weight)
+            return _product(q, scale, weight, bias, x.dtype, tuple(x.shape[:-1]), unscaled)
         return fp8.scaled_mm_linear(x, weight, bias, quantize=_quantize_rows, epilogue=_epilogue())
     return fp8.reference_linear(x, weight, bias)
+
+
+def _product(q, scale, weight: "fp8.Fp8Weight", bias, dtype, lead: tuple, unscaled: bool):
+    """The GEMM of e4m3 rows (q [M, K], scale [M, 1]) → [*lead, N] in dtype, or the per-tensor GEMM's ScaledSums
+    where the caller takes them and kernels.fp8_norm_epilogue is on."""
+    if unscaled and settings.current.fp8_epilogue and settings.current.fp8_norm_epilogue:
+        y = fp8.scaled_mm_sums(q, scale, weight, rowwise=False)
+        return ScaledSums(y.reshape(*lead, y.shape[-1]), scale, weight.scale, bias, dtype)
+    return fp8.scaled_mm_rows(q, scale, weight, bias, dtype, lead, _epilogue())
 
 
 def _per_channel_quantized(w) -> bool:
@@ -277,9 +321,11 @@ def _gated_quantized(x, weight: "fp8.Fp8Weight", down: "fp8.Fp8Weight") -> Quant
     return QuantizedRows(q2, s2, dtype, lead)
 
 
-def linear(x, weight, bias=None):
+def linear(x, weight, bias=None, unscaled: bool = False):
+    """x Wᵀ + b. unscaled: the caller hands the output to the next RMSNorm (with the residual), which takes an fp8
+    layer's ScaledSums (fp8_linear); a 16-bit layer's output is a tensor either way."""
     if isinstance(weight, fp8.Fp8Weight):
-        return fp8_linear(x, weight, bias)
+        return fp8_linear(x, weight, bias, unscaled)
     if _one_row(x) or _invariant_rows(x, weight):
         return triton_ops().gemv(x, weight, bias)
     if _few_rows(x, weight):
@@ -330,9 +376,18 @@ def qkv_rotary_store_kv(x, weight, bias, n_q_heads: int, n_kv_heads: int, positi
     one kernel, measured 1–12 µs a step slower than these two under PDL, and was removed.)"""
     d = k_cache.shape[-1]
     t = rows_of(x)
-    q, k, v = linear(x, weight, bias).split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1)
-    return rotary_store_kv(q.view(t, n_q_heads, d), k.view(t, n_kv_heads, d), v.view(t, n_kv_heads, d), positions,
-                           cos, sin, k_cache, v_cache, slots, kv_scales, with_kv)
+    y = linear(x, weight, bias, unscaled=True)
+    if isinstance(y, ScaledSums) and not (kv_scales is None and k_cache.dtype == y.dtype and _use_triton(y.sums)
+                                          and not 2 * cos.shape[-1] < d):
+        y = scaled(y)  # the rotary kernel takes the sums into a cache of the model's dtype, rotating whole heads
+    sums = y.sums if isinstance(y, ScaledSums) else y
+    q, k, v = (part.view(t, heads, d) for part, heads in zip(
+        sums.split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1), (n_q_heads, n_kv_heads, n_kv_heads)))
+    if isinstance(y, ScaledSums):  # the rotary kernel scales them as it reads them (kernels.fp8_norm_epilogue)
+        q = triton_ops().rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots,
+                                         sums=(y.row_scales, y.channel_scales, y.bias, y.dtype))
+        return (q, None, None) if with_kv else q
+    return rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, kv_scales, with_kv)
 
 
 def silu_mul(x):

@@ -96,6 +96,11 @@ class KernelSettings:
     # bytes kernels/fp8_rows.py makes of its 16-bit output) instead of the 16-bit row, and the quantizing kernel goes
     # (in a c256-like 32 ms mixed step on an H100 those quantizations took 1.02 ms)
     fp8_fused_norm: bool = True
+    # An fp8 o_proj or down_proj of two or more rows (kernels.fp8_gemm=tensor_epilogue, no bias, one rank) hands the
+    # RMSNorm after it its GEMM's unscaled sums and their scales, and q‖k‖v hands its sums to the rotary kernel (a
+    # cache of the model's dtype): those kernels scale them as they read them (the epilogue's roundings), and the
+    # epilogue kernel with its write and read of the layer's output goes (0.76 ms of a c256-like 30.46 ms step)
+    fp8_norm_epilogue: bool = True
     # Linear layers of 2 to this many rows (≤ 16: verify steps of speculative decoding, small decode batches) on the
     # tensor cores in one pass over the weights (kernels/skinny_gemm.py) instead of cuBLAS; 0: cuBLAS. On an H200
     # (Qwen2-7B shape, graphs, context 1,024) a verify step of k = 1-4 took 1.12-1.14 decode steps so against cuBLAS's
@@ -273,6 +278,7 @@ class _Applied:
         self.fp8_epilogue = Fp8Gemm(settings.fp8_gemm) == Fp8Gemm.tensor_epilogue
         self.fp8_fused_mlp = bool(settings.fp8_fused_mlp)
         self.fp8_fused_norm = bool(settings.fp8_fused_norm)
+        self.fp8_norm_epilogue = bool(settings.fp8_norm_epilogue)
         self.gemv_shapes = parse_gemv_shapes(settings.gemv_shapes)
         self.moe_shapes = parse_moe_shapes(settings.moe_shapes)
         self.skinny_shapes = parse_skinny_shapes(settings.skinny_shapes)

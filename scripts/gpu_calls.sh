@@ -118,6 +118,9 @@ fp8_mixed() {
   # the gated quantize alone (127 µs a layer at 2,010 rows at b6f9417): through the reciprocal vs division a value,
   # and without the channel scales
   (cd scripts && optional 20 timeout 90 python3 bench_gated_quant.py) | grep -v Warning | tee "$OUT/gated_quant.jsonl"
+  # o_proj's and down_proj's scales through their epilogue kernel again (kernels.fp8_norm_epilogue's A/B)
+  (cd scripts && optional 40 timeout 120 python3 profile_kernels.py $mixed --formats fp8 \
+    --set fp8_norm_epilogue=false) | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_epilogue_kernel.txt"
 }
 # the fp8 layers' tensor-core shapes (qkv, o_proj with K split to fill the SMs; gate‖up; down_proj as built in)
 SWAP_CANDIDATES="4608x3584:fp8=64/256/4/3/2 4608x3584:fp8=64/128/4/4/2 3584x3584:fp8=64/256/4/3/4 \
@@ -134,10 +137,12 @@ case $NAME in
     install
     ri_sweep ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
-    # suite (b6f9417; since: the activation quantizers' e4m3 through the row's reciprocal), then fp8_mixed
+    # suite (0eafbd5; since: the row grid's LM head shape, the norm applying o_proj's and down_proj's fp8 scales),
+    # then fp8_mixed
     install
-    TESTS="tests/kernels/test_kernel_fp8_gated_quant.py tests/kernels/test_kernel_rmsnorm_quantized.py
-      tests/kernels/test_kernel_fp8_rows.py tests/kernels/test_kernel_gemv.py tests/gpu/test_fp8.py" \
+    TESTS="tests/kernels/test_kernel_fp8_norm_epilogue.py tests/kernels/test_kernel_rmsnorm.py
+      tests/kernels/test_kernel_rmsnorm_quantized.py tests/kernels/test_kernel_gemv.py tests/gpu/test_fp8.py
+      tests/gpu/test_spec_decode_gpu.py" \
       bash scripts/gpu_run.sh tests
     fp8_mixed ;;
   fp8mixed)

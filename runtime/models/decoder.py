@@ -143,11 +143,12 @@ class Mlp(nn.Module):
                                            bias=False, tp=tp, device=device, dtype=dtype)
         self.geglu = arch.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True, unscaled: bool = False) -> torch.Tensor:
+        """unscaled: the output goes to the next RMSNorm with the residual (RowParallelLinear's)."""
         if self.geglu:  # Gemma
-            return self.down_proj(gelu_tanh_mul(linear(x, self.gate_up_proj.weight)), reduce)
+            return self.down_proj(gelu_tanh_mul(linear(x, self.gate_up_proj.weight)), reduce, unscaled)
         # gate_up's bias is always absent (Llama, Qwen2), so the fused gated GEMV needs none.
-        return self.down_proj(gated_linear(x, self.gate_up_proj.weight, self.down_proj.weight), reduce)
+        return self.down_proj(gated_linear(x, self.gate_up_proj.weight, self.down_proj.weight), reduce, unscaled)
 
 
 class DecoderLayer(nn.Module):
@@ -190,16 +191,19 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(h, residual, into=into)
         return (*self.self_attn.project(x, positions, out_slots, k_cache, v_cache, cos, sin), residual)
 
-    def attention_output(self, attn: torch.Tensor, residual: torch.Tensor):
+    def attention_output(self, attn: torch.Tensor, residual: torch.Tensor, to_norm: bool = False):
         """The attention's output [T, Hq * D] → (this layer's output, the residual stream before it is added):
-        o_proj, norm, MLP; the next norm adds them."""
-        h = self.self_attn.o_proj(attn)
+        o_proj, norm, MLP; the next norm adds them. to_norm: the output goes to the next layer's input norm, which
+        takes an fp8 down_proj's ScaledSums (as the norm here takes o_proj's: kernels.fp8_norm_epilogue)."""
         if self.sandwich:
+            h = self.self_attn.o_proj(attn)
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
             return self.post_feedforward_layernorm(self.mlp(x)), residual
-        into = self.mlp.gate_up_proj.weight if isinstance(self.mlp, Mlp) else None  # as for q‖k‖v
+        h = self.self_attn.o_proj(attn, unscaled=True)
+        dense = isinstance(self.mlp, Mlp)
+        into = self.mlp.gate_up_proj.weight if dense else None  # as for q‖k‖v
         x, residual = self.post_attention_layernorm(h, residual, into=into)
-        return self.mlp(x), residual
+        return self.mlp(x, unscaled=True) if dense and to_norm else self.mlp(x), residual
 
 
 class ScoreHead(nn.Module):
@@ -323,7 +327,7 @@ class DecoderLM(nn.Module):
         projection → (q, k, v, residual); the last piece (i = num_hidden_layers) → (h, None, None, residual)."""
         h = x if i == 0 else None
         if i > 0:
-            h, residual = self.layers[i - 1].attention_output(x, residual)
+            h, residual = self.layers[i - 1].attention_output(x, residual, to_norm=i < len(self.layers))
         if i == len(self.layers):
             return h, None, None, residual
         if self.local_rope and self.arch.is_sliding_layer(i):

@@ -125,11 +125,15 @@ class RowParallelLinear(nn.Module):
             shards["bias"] = [Shard(f"{self.name}.bias", (self.full_shape[0],))]
         return shards
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True, unscaled: bool = False) -> torch.Tensor:
         """reduce=False: this rank's partial sum, for a caller that adds others to it before one all-reduce
-        (an MoE block's shared expert); it adds the bias too, once, after reducing."""
+        (an MoE block's shared expert); it adds the bias too, once, after reducing. unscaled: the caller hands the
+        output to the next RMSNorm with the residual, so on one rank without a bias an fp8 layer may return its
+        ScaledSums (kernels.fp8_norm_epilogue)."""
         if not reduce:
             return linear(x, self.weight)
+        if unscaled and self.tp.size == 1 and self.bias is None:
+            return linear(x, self.weight, unscaled=True)
         y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 

@@ -145,6 +145,35 @@ def test_fused_norm_gives_the_model_the_unfused_logits(kernel_settings, monkeypa
     assert torch.equal(fused, _prefill_logits(model, ids)) and len(fused_calls) == 2 * arch.num_hidden_layers
 
 
+@pytest.mark.parametrize("tokens", [7, 600])
+def test_norm_epilogue_gives_the_model_the_epilogues_logits(kernel_settings, monkeypatch, tokens):
+    """kernels.fp8_norm_epilogue: o_proj's and down_proj's unscaled sums go to the RMSNorm after them, q‖k‖v's to the
+    rotary kernel, which apply their scales; 2 layers of Qwen2-7B's shape (fp8 at load) prefill to the logits they
+    give through the epilogue kernel (tests/kernels/test_kernel_fp8_norm_epilogue.py: the same bytes), which then
+    runs for the last down_proj alone."""
+    from gpu.conftest import profile_shape
+    from llaunch.runtime.models.arch import ModelArch
+    from llaunch.runtime.models.decoder import DecoderLM
+    from llaunch.runtime.models.fp8_linear import quantize_linears
+    from llaunch.runtime.models.layers import TpGroup
+    from llaunch.runtime.models.weights import DummySource, load_from
+
+    arch = ModelArch.from_hf_config(profile_shape("qwen2-7b") | {"num_hidden_layers": 2})
+    model = DecoderLM(arch, TpGroup(), torch.device("cuda"), torch.bfloat16, 4096).eval()
+    load_from(model, DummySource(0, torch.device("cuda"), full_tensors=False))
+    quantize_linears(model)
+    ids = torch.randint(0, arch.vocab_size, (tokens,), generator=torch.Generator().manual_seed(3)).tolist()
+    ops, calls = dispatch.triton_ops(), []
+    epilogue = ops.fp8_epilogue
+    monkeypatch.setattr(ops, "fp8_epilogue", lambda *a: calls.append(1) or epilogue(*a))
+    kernel_settings(fp8_norm_epilogue=True)
+    fused = _prefill_logits(model, ids)
+    assert len(calls) == 1  # the last down_proj's: q‖k‖v's sums go to the rotary kernel, the rest to the norms
+    calls.clear()
+    kernel_settings(fp8_norm_epilogue=False)
+    assert torch.equal(fused, _prefill_logits(model, ids)) and len(calls) == 3 * arch.num_hidden_layers
+
+
 def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
     from gpu.support import batch_of
 

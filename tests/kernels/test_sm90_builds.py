@@ -291,7 +291,7 @@ for own in (True, False):  # a row's own absmax scale, or one clipped to scale_u
         INTERPRETED=False), {"y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ub": "fp32"}, 32)
     # Qwen2-7B's hidden size in one block of 8 warps (rmsnorm's launch), the residual added
     out["norm " + name] = build(norm._rmsnorm_kernel, dict(
-        HAS_RESIDUAL=True, PDL=0, BLOCK=4096, QUANT=True, STATIC=False, HAS_UB=not own, INTERPRETED=False),
+        HAS_RESIDUAL=True, PDL=0, BLOCK=4096, QUANT=True, STATIC=False, HAS_UB=not own, SUMS=False, INTERPRETED=False),
         {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*fp8e4nv",
          "eps": "fp32", "scale_ub": "fp32"}, 8)
     out["rows " + name] = build(rows._quantize_rows_kernel, dict(
