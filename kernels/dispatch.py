@@ -287,8 +287,10 @@ def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None, unscaled: bool = False):
 
 def _product(q, scale, weight: "fp8.Fp8Weight", bias, dtype, lead: tuple, unscaled: bool):
     """The GEMM of e4m3 rows (q [M, K], scale [M, 1]) → [*lead, N] in dtype, or the per-tensor GEMM's ScaledSums
-    where the caller takes them and kernels.fp8_norm_epilogue is on."""
-    if unscaled and settings.current.fp8_epilogue and settings.current.fp8_norm_epilogue:
+    where the caller takes them and kernels.fp8_norm_epilogue is on, for a 16-bit model (in float32 the epilogue's
+    product and bias add contract to one FMA where the norm's and rotary's round between: not the same bytes)."""
+    if (unscaled and settings.current.fp8_epilogue and settings.current.fp8_norm_epilogue
+            and dtype in (torch.bfloat16, torch.float16)):
         y = fp8.scaled_mm_sums(q, scale, weight, rowwise=False)
         return ScaledSums(y.reshape(*lead, y.shape[-1]), scale, weight.scale, bias, dtype)
     return fp8.scaled_mm_rows(q, scale, weight, bias, dtype, lead, _epilogue())
@@ -322,8 +324,8 @@ def _gated_quantized(x, weight: "fp8.Fp8Weight", down: "fp8.Fp8Weight") -> Quant
 
 
 def linear(x, weight, bias=None, unscaled: bool = False):
-    """x Wᵀ + b. unscaled: the caller hands the output to the next RMSNorm (with the residual), which takes an fp8
-    layer's ScaledSums (fp8_linear); a 16-bit layer's output is a tensor either way."""
+    """x Wᵀ + b. unscaled: the caller hands the output to a kernel that takes an fp8 layer's ScaledSums (fp8_linear):
+    the next RMSNorm with the residual, or qkv_rotary_store_kv's rotary; a 16-bit layer's output is a tensor."""
     if isinstance(weight, fp8.Fp8Weight):
         return fp8_linear(x, weight, bias, unscaled)
     if _one_row(x) or _invariant_rows(x, weight):

@@ -99,7 +99,9 @@ class KernelSettings:
     # An fp8 o_proj or down_proj of two or more rows (kernels.fp8_gemm=tensor_epilogue, no bias, one rank) hands the
     # RMSNorm after it its GEMM's unscaled sums and their scales, and q‖k‖v hands its sums to the rotary kernel (a
     # cache of the model's dtype): those kernels scale them as they read them (the epilogue's roundings), and the
-    # epilogue kernel with its write and read of the layer's output goes (0.76 ms of a c256-like 30.46 ms step)
+    # epilogue kernel with its write and read of the layer's output goes (the epilogues of q‖k‖v, o_proj and down_proj
+    # took 0.76 ms of a c256-like 30.46 ms step on an H100). Not for float32 models (the epilogue's FMA) nor where
+    # another kernel follows: Gemma's sandwich norms, q / k head norms (Qwen3), partial rotary, an fp8 KV cache
     fp8_norm_epilogue: bool = True
     # Linear layers of 2 to this many rows (≤ 16: verify steps of speculative decoding, small decode batches) on the
     # tensor cores in one pass over the weights (kernels/skinny_gemm.py) instead of cuBLAS; 0: cuBLAS. On an H200

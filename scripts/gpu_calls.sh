@@ -141,8 +141,8 @@ case $NAME in
     # then fp8_mixed
     install
     TESTS="tests/kernels/test_kernel_fp8_norm_epilogue.py tests/kernels/test_kernel_rmsnorm.py
-      tests/kernels/test_kernel_rmsnorm_quantized.py tests/kernels/test_kernel_gemv.py tests/gpu/test_fp8.py
-      tests/gpu/test_spec_decode_gpu.py" \
+      tests/kernels/test_kernel_rotary.py tests/kernels/test_kernel_rmsnorm_quantized.py
+      tests/kernels/test_kernel_gemv.py tests/gpu/test_fp8.py tests/gpu/test_spec_decode_gpu.py" \
       bash scripts/gpu_run.sh tests
     fp8_mixed ;;
   fp8mixed)

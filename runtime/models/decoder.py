@@ -143,8 +143,9 @@ class Mlp(nn.Module):
                                            bias=False, tp=tp, device=device, dtype=dtype)
         self.geglu = arch.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: torch.Tensor, reduce: bool = True, unscaled: bool = False) -> torch.Tensor:
-        """unscaled: the output goes to the next RMSNorm with the residual (RowParallelLinear's)."""
+    def forward(self, x: torch.Tensor, reduce: bool = True, unscaled: bool = False):
+        """unscaled: the output goes to the next RMSNorm with the residual, so an fp8 down_proj may return its
+        ScaledSums (RowParallelLinear's)."""
         if self.geglu:  # Gemma
             return self.down_proj(gelu_tanh_mul(linear(x, self.gate_up_proj.weight)), reduce, unscaled)
         # gate_up's bias is always absent (Llama, Qwen2), so the fused gated GEMV needs none.

@@ -125,7 +125,7 @@ class RowParallelLinear(nn.Module):
             shards["bias"] = [Shard(f"{self.name}.bias", (self.full_shape[0],))]
         return shards
 
-    def forward(self, x: torch.Tensor, reduce: bool = True, unscaled: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True, unscaled: bool = False):
         """reduce=False: this rank's partial sum, for a caller that adds others to it before one all-reduce
         (an MoE block's shared expert); it adds the bias too, once, after reducing. unscaled: the caller hands the
         output to the next RMSNorm with the residual, so on one rank without a bias an fp8 layer may return its

@@ -61,6 +61,22 @@ def test_the_norm_of_the_sums_as_of_the_epilogues_output(ops, poisoned, m, n, dt
         _against_the_epilogue(ops, m, n, dtype, mode)
 
 
+def test_the_scales_apply_in_the_epilogues_order(ops):
+    """(sum · token scale) · channel scale, as the epilogue multiplies: sums and channel scales picked where the other
+    order, sum · (token scale · channel scale), rounds to another float16 (a float16 model: the interpreter rounds
+    to it as the GPU does; a zero residual keeps h the scaled sum)."""
+    g, rs = torch.Generator().manual_seed(11), torch.tensor([[0.0123]])
+    y = (torch.randn(1 << 21, generator=g) * 80).bfloat16().float()
+    cs = torch.rand(1 << 21, generator=g) * 0.01 + 1e-4
+    parted = ((y * rs[0]) * cs).half() != (y * (rs[0] * cs)).half()
+    y, cs = y[parted][None, :64].bfloat16(), cs[parted][:64].contiguous()
+    assert y.shape == (1, 64)
+    w, residual = torch.ones(64, dtype=torch.float16), torch.zeros(1, 64, dtype=torch.float16)
+    _, h = ops.rmsnorm(y, w, 1e-6, residual, (rs, cs))
+    assert torch.equal(h, ((y.float() * rs) * cs).half())
+    assert torch.equal(h, ops.fp8_epilogue(y, rs, cs, None, torch.float16))
+
+
 def test_sums_without_a_residual_are_refused(ops):
     y, rs, cs = sums(2, 64)
     with pytest.raises(ValueError, match="residual"):
@@ -110,7 +126,7 @@ def _weight(n, k, g, mode=DYNAMIC):
 def test_a_layers_sums_reach_the_norm_as_its_output_would(monkeypatch, kernel_settings, m, residual_dtype):
     """dispatch.linear(unscaled=True) of two or more rows gives ScaledSums, which dispatch.rmsnorm (into a 16-bit
     layer or an fp8 one) and dispatch.scaled take to what the scaled output gives; one row (the GEMV), the row-wise
-    GEMM or the key off give a tensor; a residual of another dtype than the layer's, or a bias, the norm takes
+    GEMM, a float32 model or the key off give a tensor; a residual of another dtype than the layer's, or a bias, the norm takes
     through the epilogue's output."""
     monkeypatch.setattr(dispatch, "_use_triton", lambda t: True)  # CPU tensors through the interpreted kernels
     g = torch.Generator().manual_seed(m)
@@ -140,6 +156,8 @@ def test_a_layers_sums_reach_the_norm_as_its_output_would(monkeypatch, kernel_se
     assert torch.equal(dispatch.scaled(with_bias), dispatch.linear(x, o_proj, bias))
     got, want = (dispatch.rmsnorm(h, w, 1e-6, residual) for h in (with_bias, dispatch.linear(x, o_proj, bias)))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # a float32 model's epilogue contracts its product and bias add to an FMA, which the norm and rotary do not
+    assert not isinstance(dispatch.linear(x.float(), o_proj, unscaled=True), dispatch.ScaledSums)
     kernel_settings(fp8_gemm="rowwise")
     assert not isinstance(dispatch.linear(x, o_proj, unscaled=True), dispatch.ScaledSums)
 

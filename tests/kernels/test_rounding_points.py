@@ -46,3 +46,5 @@ def test_rotary_kernel_compiles_without_a_bf16_fma(sm90_ptx, kernel):
     ptx = sm90_ptx[kernel]
     assert ".target sm_90" in ptx
     assert "fma.rn.bf16" not in ptx
+    if kernel == "rotary_sums":  # the sums' product, rounded, then + the bias: not contracted (fp8_epilogue's order)
+        assert "fma.rn.f32" not in ptx and "mul.rn.f32" in ptx
