@@ -174,6 +174,42 @@ def test_norm_epilogue_gives_the_model_the_epilogues_logits(kernel_settings, mon
     assert torch.equal(fused, _prefill_logits(model, ids)) and len(calls) == 3 * arch.num_hidden_layers
 
 
+def test_norm_epilogue_in_cuda_graphs_as_the_epilogue(kernel_settings, monkeypatch, tmp_path):
+    """kernels.fp8_norm_epilogue inside the runner's CUDA graphs (decode and piecewise mixed steps, kernels under PDL):
+    a bf16 tiny Qwen2 quantized at load gives the tokens, top logprobs and K/V it gives through the epilogue kernel,
+    for the mixed-step plans of tests/unit/test_mixed_graphs.py."""
+    from fixtures.tiny_models import model_config_from_folder, write_tiny_checkpoint
+    from llaunch.runtime.models.fp8_linear import quantize_linears
+    from llaunch.runtime.models.loader import build_model
+    from llaunch.runtime.worker.runner import ModelRunner
+    from unit.test_mixed_graphs import ROWS, SLOTS, plans
+
+    folder = write_tiny_checkpoint(tmp_path / "qwen2", "qwen2")
+    model = build_model(model_config_from_folder(folder), device=torch.device("cuda"), dtype=torch.bfloat16)
+    quantize_linears(model)
+    ops, calls = dispatch.triton_ops(), []
+    epilogue = ops.fp8_epilogue
+    monkeypatch.setattr(ops, "fp8_epilogue", lambda *a: calls.append(1) or epilogue(*a))
+
+    def serve():
+        kv = model.make_kv_cache(SLOTS + 1, ROWS + 1, 96)
+        runner = ModelRunner(model, kv, ROWS, torch.device("cuda"), cuda_graphs=True, prefill_graph_tokens=64,
+                             mixed_graph_tokens=128)
+        results = [runner.execute(plan) for plan in plans()]
+        assert runner.mixed_graphs is not None and runner.mixed_graphs.replays == 2
+        return [(r.rows, r.token_ids, r.top_ids, r.top_logprobs) for r in results], kv.k + kv.v
+
+    runs = {}
+    for on in (True, False):
+        kernel_settings(fp8_norm_epilogue=on)
+        calls.clear()
+        runs[on] = (*serve(), len(calls))
+    (got, got_kv, fewer), (want, want_kv, more) = runs[True], runs[False]
+    assert got == want and fewer < more
+    for a, b in zip(got_kv, want_kv):
+        assert torch.equal(a, b)
+
+
 def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
     from gpu.support import batch_of
 
