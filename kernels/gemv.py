@@ -253,13 +253,13 @@ def _register_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
 
 
 def _row_grid_shape(n: int, k: int, gated: bool) -> tuple[int, int, int, int]:
-    """A 16-bit layer's shape on the row grid (kernels.row_invariant): the register kernel's, but an LM head's
-    (a vocabulary of 32k+ outputs) over a K of up to 1,024 at 8 rows x 256 columns a program. The grid multiplies the programs by the step's
-    rows, and the built-in 2 x 1,024 gives SmolLM2's head 24,576 programs a row over a K of 576 (44% of each tile
-    masked). SmolLM2's decode / verify k = 1-4 steps on an H100 (0eafbd5, `gpu_calls.sh spectune`, dummy weights):
-    0.322 / 0.363 / 0.423 / 0.452 / 0.538 ms against 0.330 / 0.391 / 0.467 / 0.517 / 0.623 built in (16 x 256 the
-    same, 4 x 256 and 8 x 512 between them); no other layer kind's shape gained alone. Heads of a K past 1,024
-    (Qwen2-7B's 3,584) keep the register shape: not measured."""
+    """A 16-bit layer's shape on the row grid (kernels.row_invariant): the register kernel's, but an LM head's (a
+    vocabulary of 32k+ outputs) over a K of up to 1,024 at 8 rows x 256 columns a program. The grid multiplies the
+    programs by the step's rows, and the built-in 2 x 1,024 gives SmolLM2's head 24,576 programs a row over a K of
+    576 (44% of each tile masked). SmolLM2's decode / verify k = 1-4 steps on an H100 (0eafbd5, `gpu_calls.sh
+    spectune`, dummy weights): 0.322 / 0.363 / 0.423 / 0.452 / 0.538 ms against 0.330 / 0.391 / 0.467 / 0.517 /
+    0.623 built in (16 x 256 the same, 4 x 256 and 8 x 512 between them); no other layer kind's shape gained alone.
+    Heads of a K past 1,024 (Qwen2-7B's 3,584) keep the register shape: not measured."""
     if not gated and n >= 32768 and k <= 1024:
         return 8, 256, 4, 0
     return _register_shape(n, k, gated)

@@ -126,8 +126,8 @@ def _weight(n, k, g, mode=DYNAMIC):
 def test_a_layers_sums_reach_the_norm_as_its_output_would(monkeypatch, kernel_settings, m, residual_dtype):
     """dispatch.linear(unscaled=True) of two or more rows gives ScaledSums, which dispatch.rmsnorm (into a 16-bit
     layer or an fp8 one) and dispatch.scaled take to what the scaled output gives; one row (the GEMV), the row-wise
-    GEMM, a float32 model or the key off give a tensor; a residual of another dtype than the layer's, or a bias, the norm takes
-    through the epilogue's output."""
+    GEMM, a float32 model or the key off give a tensor; a residual of another dtype than the layer's, or a bias, the
+    norm takes through the epilogue's output."""
     monkeypatch.setattr(dispatch, "_use_triton", lambda t: True)  # CPU tensors through the interpreted kernels
     g = torch.Generator().manual_seed(m)
     o_proj, gate_up = _weight(64, 96, g), _weight(192, 64, g)
