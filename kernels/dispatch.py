@@ -281,7 +281,7 @@ def fp8_linear(x, weight: "fp8.Fp8Weight", bias=None, unscaled: bool = False):
         if weight.activations != fp8.NONE:
             q, scale = _quantize_rows(x.reshape(-1, x.shape[-1]), weight)
             return _product(q, scale, weight, bias, x.dtype, tuple(x.shape[:-1]), unscaled)
-        return fp8.scaled_mm_linear(x, weight, bias, quantize=_quantize_rows, epilogue=_epilogue())
+        return fp8.scaled_mm_linear(x, weight, bias)  # weight-only: dequantized, the model dtype's GEMM
     return fp8.reference_linear(x, weight, bias)
 
 
@@ -378,17 +378,21 @@ def qkv_rotary_store_kv(x, weight, bias, n_q_heads: int, n_kv_heads: int, positi
     one kernel, measured 1–12 µs a step slower than these two under PDL, and was removed.)"""
     d = k_cache.shape[-1]
     t = rows_of(x)
+
+    def heads(y):  # q [T, Hq, D], k and v [T, Hk, D]: views of the projection's columns
+        return (part.view(t, n, d) for part, n in zip(y.split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1),
+                                                      (n_q_heads, n_kv_heads, n_kv_heads)))
+
     y = linear(x, weight, bias, unscaled=True)
-    if isinstance(y, ScaledSums) and not (kv_scales is None and k_cache.dtype == y.dtype and _use_triton(y.sums)
-                                          and not 2 * cos.shape[-1] < d):
-        y = scaled(y)  # the rotary kernel takes the sums into a cache of the model's dtype, rotating whole heads
-    sums = y.sums if isinstance(y, ScaledSums) else y
-    q, k, v = (part.view(t, heads, d) for part, heads in zip(
-        sums.split([n_q_heads * d, n_kv_heads * d, n_kv_heads * d], -1), (n_q_heads, n_kv_heads, n_kv_heads)))
-    if isinstance(y, ScaledSums):  # the rotary kernel scales them as it reads them (kernels.fp8_norm_epilogue)
-        q = triton_ops().rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots,
-                                         sums=(y.row_scales, y.channel_scales, y.bias, y.dtype))
-        return (q, None, None) if with_kv else q
+    if isinstance(y, ScaledSums):
+        q, k, v = heads(y.sums)
+        # the rotary kernel scales the sums as it reads them, into a cache of the model's dtype, rotating whole heads
+        if kv_scales is None and k_cache.dtype == y.dtype and _use_triton(q) and not _partial(q, cos):
+            q = triton_ops().rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots,
+                                             sums=(y.row_scales, y.channel_scales, y.bias, y.dtype))
+            return (q, None, None) if with_kv else q
+        y = scaled(y)
+    q, k, v = heads(y)
     return rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots, kv_scales, with_kv)
 
 

@@ -123,17 +123,7 @@ def test_fused_norm_gives_the_model_the_unfused_logits(kernel_settings, monkeypa
     """kernels.fp8_fused_norm: q‖k‖v and gate‖up take their inputs quantized by the RMSNorm kernel before them; 2
     layers of Qwen2-7B's shape (fp8 at load) prefill to the logits they give with the norm's 16-bit output
     quantized by its own kernel (tests/kernels/test_kernel_rmsnorm_quantized.py: the same bytes)."""
-    from gpu.conftest import profile_shape
-    from llaunch.runtime.models.arch import ModelArch
-    from llaunch.runtime.models.decoder import DecoderLM
-    from llaunch.runtime.models.fp8_linear import quantize_linears
-    from llaunch.runtime.models.layers import TpGroup
-    from llaunch.runtime.models.weights import DummySource, load_from
-
-    arch = ModelArch.from_hf_config(profile_shape("qwen2-7b") | {"num_hidden_layers": 2})
-    model = DecoderLM(arch, TpGroup(), torch.device("cuda"), torch.bfloat16, 4096).eval()
-    load_from(model, DummySource(0, torch.device("cuda"), full_tensors=False))
-    quantize_linears(model)
+    arch, model = _qwen2_7b_fp8_layers(2)
     ids = torch.randint(0, arch.vocab_size, (tokens,), generator=torch.Generator().manual_seed(2)).tolist()
     ops, fused_calls = dispatch.triton_ops(), []
     norm = ops.rmsnorm_quantized
@@ -151,17 +141,7 @@ def test_norm_epilogue_gives_the_model_the_epilogues_logits(kernel_settings, mon
     rotary kernel, which apply their scales; 2 layers of Qwen2-7B's shape (fp8 at load) prefill to the logits they
     give through the epilogue kernel (tests/kernels/test_kernel_fp8_norm_epilogue.py: the same bytes), which then
     runs for the last down_proj alone."""
-    from gpu.conftest import profile_shape
-    from llaunch.runtime.models.arch import ModelArch
-    from llaunch.runtime.models.decoder import DecoderLM
-    from llaunch.runtime.models.fp8_linear import quantize_linears
-    from llaunch.runtime.models.layers import TpGroup
-    from llaunch.runtime.models.weights import DummySource, load_from
-
-    arch = ModelArch.from_hf_config(profile_shape("qwen2-7b") | {"num_hidden_layers": 2})
-    model = DecoderLM(arch, TpGroup(), torch.device("cuda"), torch.bfloat16, 4096).eval()
-    load_from(model, DummySource(0, torch.device("cuda"), full_tensors=False))
-    quantize_linears(model)
+    arch, model = _qwen2_7b_fp8_layers(2)
     ids = torch.randint(0, arch.vocab_size, (tokens,), generator=torch.Generator().manual_seed(3)).tolist()
     ops, calls = dispatch.triton_ops(), []
     epilogue = ops.fp8_epilogue
@@ -208,6 +188,22 @@ def test_norm_epilogue_in_cuda_graphs_as_the_epilogue(kernel_settings, monkeypat
     assert got == want and fewer < more
     for a, b in zip(got_kv, want_kv):
         assert torch.equal(a, b)
+
+
+def _qwen2_7b_fp8_layers(layers: int):
+    """(arch, model): Qwen2-7B's shape cut to `layers` layers, dummy weights quantized to fp8 at load, on the GPU."""
+    from gpu.conftest import profile_shape
+    from llaunch.runtime.models.arch import ModelArch
+    from llaunch.runtime.models.decoder import DecoderLM
+    from llaunch.runtime.models.fp8_linear import quantize_linears
+    from llaunch.runtime.models.layers import TpGroup
+    from llaunch.runtime.models.weights import DummySource, load_from
+
+    arch = ModelArch.from_hf_config(profile_shape("qwen2-7b") | {"num_hidden_layers": layers})
+    model = DecoderLM(arch, TpGroup(), torch.device("cuda"), torch.bfloat16, 4096).eval()
+    load_from(model, DummySource(0, torch.device("cuda"), full_tensors=False))
+    quantize_linears(model)
+    return arch, model
 
 
 def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
