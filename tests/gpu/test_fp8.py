@@ -244,8 +244,9 @@ def test_quantized_qwen2_7b_shape_is_as_close_to_exact_as_e4m3_allows(kernel_set
     per_linear = []  # every fp8 linear call's worst row against the emulation on the same input
     scaled_mm = dispatch.fp8_linear
 
-    def checked(x, w, bias=None):
-        y = scaled_mm(x, w, bias)
+    def checked(x, w, bias=None, unscaled=False):
+        out = scaled_mm(x, w, bias, unscaled)  # as served: ScaledSums where the next kernel scales them
+        y = dispatch.scaled(out)
         wide_bias = None if bias is None else bias.float()
         if isinstance(x, dispatch.QuantizedRows):  # quantized by the kernel before: the fused MLP's, or the norm's
             rows = (x.q.float() * x.scale).reshape(*x.lead, -1)
@@ -253,7 +254,7 @@ def test_quantized_qwen2_7b_shape_is_as_close_to_exact_as_e4m3_allows(kernel_set
         else:
             want = fp8.reference_linear(x.float(), w, wide_bias)
         per_linear.append(cosine_rows(y, want).min().item())
-        return y
+        return out
 
     monkeypatch.setattr(dispatch, "fp8_linear", checked)
     fp8_logits = _prefill_logits(gpu, ids)
@@ -388,8 +389,8 @@ def test_block_fp8_checkpoint_runs_the_triton_kernels_as_its_reference(tmp_path,
     calls = []
     kernel = dispatch.fp8_linear
 
-    def checked(x, w, bias=None):
-        y = kernel(x, w, bias)
+    def checked(x, w, bias=None, unscaled=False):
+        y = kernel(x, w, bias, unscaled)  # block-wise weights: a tensor whatever unscaled asks
         want = fp8.reference_linear(x.float(), w, None if bias is None else bias.float())
         calls.append((x.shape[0], w.block, cosine_rows(y, want).min().item()))
         return y
