@@ -78,8 +78,6 @@ def graph_tree(cfg: RunConfig) -> Tree:
         source = (f"the draft model {escape(draft.path)}, in every worker" if draft is not None
                   else f"suffixes of {spec.ngram_max}..{spec.ngram_min} tokens"
                   + ("; a greedy row's verifies chained" if getattr(spec, "chain", False) else "")
-                  + (f" after {spec.chain_after} kept in a row" if getattr(spec, "chain", False)
-                     and getattr(spec, "chain_after", 0) else "")
                   + ("; proposals as long as each row recently accepted" if getattr(spec, "adaptive", False) else ""))
         tree.add(f"[dim]speculative decoding[/] {spec.method.value}: {spec.num_tokens} proposed tokens per row and "
                  f"step ({source}), off above {spec.max_batch} decode rows")

@@ -139,10 +139,6 @@ SPECULATES = Context(
 NGRAM = Context(
     "ngram", lambda c: c.spec.method == SpecMethod.ngram, _values("spec.method"),
     "only the n-gram proposer looks suffixes up", "set spec=ngram")
-CHAINS = Context(
-    "chains", lambda c: c.spec.method == SpecMethod.ngram and c.spec.chain, _values("spec.method", "spec.chain"),
-    "only chained verifies (spec=ngram, spec.chain=true) wait for a row's run of kept proposals",
-    "set spec=ngram and spec.chain=true")
 DRAFT = Context(
     "draft", lambda c: c.spec.method == SpecMethod.draft, _values("spec.method"),
     "only spec.method=draft loads a draft model", "set spec=draft")
@@ -216,8 +212,8 @@ UNTRACED = Context(
     "the trace gives every request's arrival and lengths", "unset bench.trace")
 
 CONTEXTS = (SERVING, HTTP, NAMED, CUDA_KERNELS, CUDA_GRAPHS_SWITCH, CUDA_GRAPHS, GPU_MEMORY, CPU_WORKERS, CPU_KV, DUMMY,
-            GENERATES, SCORES, YES_NO, EMBEDS, SPECULATES, NGRAM, CHAINS, DRAFT, IMAGES, CLIPS, REPLICAS, AFFINITY,
-            CHUNKED, NOT_DECODE, WAITS, PD_ROLE, MASTER_DIALLED, REGISTRY, REGISTRY_NAMED, KV_RECEIVER, METRICS, RENDEZVOUS,
+            GENERATES, SCORES, YES_NO, EMBEDS, SPECULATES, NGRAM, DRAFT, IMAGES, CLIPS, REPLICAS, AFFINITY, CHUNKED, NOT_DECODE,
+            WAITS, PD_ROLE, MASTER_DIALLED, REGISTRY, REGISTRY_NAMED, KV_RECEIVER, METRICS, RENDEZVOUS,
             TENSOR_PARALLEL, NODES, SHARED_NODE, SHARED_PREFIX, SLO, UNTRACED)
 
 
@@ -301,7 +297,6 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
     **_each((SERVING, SPECULATES), "spec.num_tokens", "spec.max_batch"),
     **_each((SERVING, NGRAM), "spec.ngram_min", "spec.ngram_max", "spec.chain",
             "spec.adaptive"),
-    **_each((SERVING, CHAINS), "spec.chain_after"),
     **_each((SERVING, DRAFT), "spec.draft_model_path"),
     # encoder servers: encoder_group_matches_model refuses their keys on a model without that encoder,
     # visual_tp_valid visual.tp on a model without a vision tower

@@ -30,9 +30,6 @@ def spec_settings_valid(cfg):
     if not 1 <= s.ngram_min <= s.ngram_max:
         yield ("spec.ngram_min", "spec.ngram_max"), (
             f"spec.ngram_min={s.ngram_min}, spec.ngram_max={s.ngram_max}: need 1 <= ngram_min <= ngram_max")
-    if s.chain_after < 0:
-        yield ("spec.chain_after",), (f"spec.chain_after={s.chain_after}: give the kept verdicts in a row a chained "
-                                      "verify waits for (>= 0; 0: none)")
     if s.max_batch < 1:
         yield ("spec.max_batch",), (f"spec.max_batch={s.max_batch}: give the largest decode batch that speculates "
                                     "(>= 1), or spec=none to turn speculation off")

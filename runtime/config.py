@@ -437,7 +437,6 @@ class SpecConfig:
     ngram_max: int = 3  # longest suffix tried first
     max_batch: int = 64  # decode rows above which a step does not speculate (verify CUDA graphs cover max_batch x (num_tokens+1) tokens; scripts/bench_spec.sh c64 measures it)
     chain: bool = True  # ngram: a greedy row's next verify is planned while its verify is out, as if that one kept its proposal and the predicted token after it (off: the row waits for each verdict)
-    chain_after: int = 0  # ngram with spec.chain: a row chains its next verify only after this many verdicts in a row kept their whole proposal (0: whenever the lookup predicts; a void chained verify still takes its step on the device)
     adaptive: bool = False  # ngram: each row proposes 1 + its recent accepted tokens per verify (an average halved each verify, num_tokens at its start; rounded), at most num_tokens
     draft_model_path: Optional[str] = None  # spec.method=draft: the draft checkpoint folder (the model's tokenizer; llama or qwen2 family)
 

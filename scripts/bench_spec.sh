@@ -16,8 +16,7 @@
 # spec_mb64 = $SPEC spec.max_batch=64,
 # unchained = $SPEC spec.chain=false (each proposing row waits for its verdict: what chaining gains), k8 = $SPEC
 # spec.num_tokens=8 (longer proposals: on a model whose steps cost the same at 5 and 9 tokens, more tokens a verify),
-# adaptive = $SPEC spec.adaptive=true (each row's proposals 1 token longer than it recently accepted), kept1 / kept2 =
-# $SPEC spec.chain_after=1 / 2 (a row chains only after 1 / 2 verdicts in a row kept their proposal); NAME_ri: NAME
+# adaptive = $SPEC spec.adaptive=true (each row's proposals 1 token longer than it recently accepted); NAME_ri: NAME
 # with kernels.row_invariant=true (its c1 texts held against none_ri's).
 # Each server warms with a short run of each case (not counted), then runs every case REPEATS (3) times on fresh
 # prompts; the summary's row is a server's slowest run, its ratio against the slowest run of none.
@@ -63,9 +62,7 @@ for variant in $VARIANTS; do
     unchained) overrides="$SPEC spec.chain=false" ;;
     k8) overrides="$SPEC spec.num_tokens=8" ;;
     adaptive) overrides="$SPEC spec.adaptive=true" ;;
-    kept1) overrides="$SPEC spec.chain_after=1" ;;
-    kept2) overrides="$SPEC spec.chain_after=2" ;;
-    *) echo "unknown variant $variant (none, spec, spec_mb16, spec_mb64, unchained, k8, adaptive, kept1, kept2; each also as NAME_ri)"
+    *) echo "unknown variant $variant (none, spec, spec_mb16, spec_mb64, unchained, k8, adaptive; each also as NAME_ri)"
        status=1; continue ;;
   esac
   [ "$base" != "$variant" ] && overrides="$overrides kernels.row_invariant=true"

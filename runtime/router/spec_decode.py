@@ -20,9 +20,6 @@ again at once, and the row's next chunk carries its tokens and position explicit
 token of the row come from the void chunk, which runs first). The greedy verdicts do not depend on what the chained chunk
 computed, so the output is the unchained one token for token.
 
-With spec.chain_after = n a row chains only after its last n verdicts kept their whole proposal (a row copying a
-text runs of such verdicts; a void chained verify still took its step on the device, where its rows' time went).
-
 With spec.adaptive an n-gram row proposes 1 + its recent accepted tokens per verify (an average halved each verify,
 from spec.num_tokens at its start; rounded), at most spec.num_tokens: fewer tokens verified where they keep failing, and a chained
 verify's assumption (the whole proposal kept) holds more often.
@@ -106,8 +103,6 @@ class SpecDecoding:
         self._yield: dict[int, tuple[str, float]] = {}  # row → (request id, recent accepted tokens per verify)
         # spec.adaptive: row → (request id, recent accepted tokens per verify, from num_tokens at its start)
         self._depth: dict[int, tuple[str, float]] = {}
-        # spec.chain_after: row → (request id, its verdicts in a row that kept their whole proposal)
-        self._kept: dict[int, tuple[str, int]] = {}
         self._histories: dict[int, tuple[str, TokenHistory]] = {}  # row → (request id, its tokens as an array)
         self.backoffs = 0  # since start: rows that stopped proposing for a while (their proposals kept failing)
         self._flying: dict[int, _Verifying] = {}  # row → its latest verify in flight
@@ -198,10 +193,6 @@ class SpecDecoding:
             recent = float(self.cfg.num_tokens)
         self._depth[req.row] = (req.id, 0.5 * recent + 0.5 * accepted)
 
-    def _kept_in_a_row(self, req: Request) -> int:
-        rid, kept = self._kept.get(req.row, (req.id, 0))
-        return kept if rid == req.id else 0
-
     def _lookup(self, req: Request, k: int, ahead: list[int] = ()) -> list[int]:
         """The proposal after the row's tokens and then `ahead` (a chained verify's assumed tokens)."""
         rid, history = self._histories.get(req.row, (None, None))
@@ -226,8 +217,6 @@ class SpecDecoding:
         its proposal and more tokens after that; else None (the row sits the step out)."""
         if (self.drafted or not self.cfg.chain or not req.sampling.greedy or flying.void or flying.chained is not None
                 or flying.base is not None or not flying.proposal):  # one assumption at a time
-            return None
-        if self.cfg.chain_after and self._kept_in_a_row(req) < self.cfg.chain_after:
             return None
         # output_ids ends with flying's first token; its proposal follows
         guess = self._lookup(req, 1, flying.proposal)
@@ -330,7 +319,6 @@ class SpecDecoding:
                     v.chained.base = None  # it stands: the row may chain onto it
             self._track_yield(req, accepted)
             self._track_depth(req, accepted)
-            self._kept[req.row] = (req.id, self._kept_in_a_row(req) + 1 if accepted == len(v.proposal) else 0)
             rejected = len(v.proposal) - accepted
             if rejected:
                 sched.kv.free(req.slots[-rejected:])

@@ -41,7 +41,6 @@ EXAMPLES = {
     "embeds": (("model.task=embed",), ("model.task=generate",)),
     "speculates": (("spec=ngram",), ()),
     "ngram": (("spec=ngram",), ("spec=draft",)),
-    "chains": (("spec=ngram", "spec.chain=true"), ("spec=ngram", "spec.chain=false")),
     "draft": (("spec=draft",), ("spec=ngram",)),
     "images": (VL, ()),
     "clips": (AUDIO, ()),

@@ -44,19 +44,16 @@ def cut_at(tokens: list[int], stop: int) -> tuple[list[int], str]:
     return (tokens[:tokens.index(stop) + 1], "stop") if stop in tokens else (tokens, "length")
 
 
-@pytest.mark.parametrize("chain, adaptive, chain_after", [(True, False, 0), (False, False, 0), (True, True, 0),
-                                                          (True, False, 1)])
-def test_greedy_output_is_token_identical_with_speculation(model, chain, adaptive, chain_after):
+@pytest.mark.parametrize("chain, adaptive", [(True, False), (False, False), (True, True)])
+def test_greedy_output_is_token_identical_with_speculation(model, chain, adaptive):
     """16 requests; max_tokens (40, 23, 17, 31) and stop tokens land mid-proposal; 40-token steps make
     later prompts prefill in chunks in the steps where earlier rows verify. Chained verifies (spec.chain) kept
-    and voided, or none; proposals as long as each row recently accepted (spec.adaptive); chained only after a
-    kept verdict (spec.chain_after)."""
+    and voided, or none; proposals as long as each row recently accepted (spec.adaptive)."""
     n = 16
     plain, _ = serve(model, greedy_requests(n), spec=False, step_tokens=40)
     stops = {i: [plain[i][0][-3]] for i in range(1, n, 2)}  # odd requests stop at their last-but-two token's first use
     want = {i: cut_at(plain[i][0], stops[i][0]) if i in stops else plain[i] for i in range(n)}
-    fast, sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40, chain=chain, adaptive=adaptive,
-                        chain_after=chain_after)
+    fast, sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40, chain=chain, adaptive=adaptive)
     assert fast == want
     assert sched.spec.accepted > 0 and sched.spec.verify_rows > 0  # it did speculate, and it paid off
     assert sched.spec.accepted <= sched.spec.proposed
@@ -64,18 +61,14 @@ def test_greedy_output_is_token_identical_with_speculation(model, chain, adaptiv
         assert sched.spec.chained == 0
         return
     # verifies chained onto the one in flight, kept and voided ones (a rejection, a stop, another own token)
-    assert sched.spec.void_slots == 0
-    if chain_after:  # chained after kept verdicts only (the tiny random model's rows keep few: 3 chained, 3 void)
-        assert sched.spec.chained >= sched.spec.voided and sched.spec.chained > 0
-    else:
-        assert sched.spec.chained > sched.spec.voided > 0
+    assert sched.spec.chained > sched.spec.voided > 0 and sched.spec.void_slots == 0
 
 
-def _rows(kv_slots: int, max_batch: int, vocab_size: int = 2**62, adaptive: bool = False, chain_after: int = 0):
+def _rows(kv_slots: int, max_batch: int, vocab_size: int = 2**62, adaptive: bool = False):
     limits = SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=256, chunked_prefill=True,
                              chunked_prefill_size=256, max_wait_tokens=1, token_ratio=0.0, max_model_len=MAX_LEN,
                              eos_ids=(EOS,), spec=SpecConfig(method=SpecMethod.ngram, max_batch=max_batch,
-                                                             adaptive=adaptive, chain_after=chain_after),
+                                                             adaptive=adaptive),
                              vocab_size=vocab_size)
     sched = Scheduler(limits)
     reqs = [Request(AddRequest(str(i), 0, p, sp, 0.0), sp) for i, (p, sp) in enumerate(greedy_requests(4))]
@@ -151,43 +144,6 @@ def test_a_chained_verify_stands_on_the_verdict_it_assumed():
         assert sched.spec.void_slots == 0 and sched.kv.num_used == 3 + len(again.slots)
         assert r.output_ids == [40] + kept
         assert sched.spec.chained == 1 and sched.spec.voided == 1
-
-
-@pytest.mark.parametrize("chain_after", [0, 1])
-def test_chain_after_waits_for_a_kept_verdict(chain_after):
-    """spec.chain_after=1: a row's next verify chains onto the one in flight only after its last verdict kept the
-    whole proposal: not on its first verify, then yes; a verdict that rejects a token voids the chained verify and
-    the row's next one is not chained onto until a kept verdict again. With 0 every verify in flight is chained onto."""
-    from llaunch.runtime.ipc.messages import StepPlan, StepResult
-    from llaunch.runtime.router.spec_decode import propose
-
-    sched, reqs = _rows(SLOTS, max_batch=16, chain_after=chain_after)
-    r = reqs[0]
-
-    def launch(n):
-        plan = StepPlan(step=n)
-        sched.spec.plan(sched, plan, sched.spec.split(sched, [r])[1])
-        r.steps_in_flight += len(plan.verify)
-        return plan.verify[0] if plan.verify else None
-
-    def verdict(n, kept):
-        sched.spec.verified(sched, StepResult(step=n, rows=[], token_ids=[], verified=[kept]))
-        r.steps_in_flight -= 1
-
-    first = launch(1)
-    assert (launch(2) is None) == (chain_after == 1)  # no verdict kept yet
-    if chain_after == 0:
-        return
-    proposal = first.token_ids[1:]
-    verdict(1, proposal + propose(r.prompt_ids + r.output_ids + proposal, 1, 1, 3))  # all kept, then its own
-    second = launch(3)
-    chained = launch(4)  # one kept verdict: chained onto the verify in flight
-    assert chained is not None and chained.start == second.start + len(second.token_ids) and sched.spec.chained == 1
-    assert second.token_ids[2] != 40
-    verdict(3, [second.token_ids[1], 40])  # its second token rejected, 40 its own: the chained verify is void
-    assert sched.spec.voided == 1
-    again = launch(5)  # the row's own 40, and "41 ..." after it: a proposal, but no kept verdict since
-    assert again.token_ids[:2] == [40, 41] and launch(6) is None
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
