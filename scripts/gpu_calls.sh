@@ -41,6 +41,8 @@
 # fp8single .whl-serve .gpu (TESTS: .whl .gpu)             #37: single stream, bf16 / fp8 (kernels.fp8_words, the default
 #                                                        since 2026-12-05) / fp8 with float32 products
 #                                                        (WORDS="kernels.gemv_shapes=..." the word kernel's shapes)
+# final37   .whl-serve .gpu                              #37's figures of record (name kind nvidia-h200): single and
+#                                                        c256 of bf16, fp8 weights and fp8 KV, three runs each
 # fp8c256   .whl-serve .gpu                              #37 c256: bf16 vs fp8 weights served, step trace, then fp8mixed
 # fp8act    .whl-serve .gpu                              #37: the fp8 GEMVs with x's absmax vs a static scale vs none
 # moetune   .whl-serve                                   #40: Mixtral-8x7B's MoE launches per step size (tune_moe.py;
@@ -51,7 +53,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, spectune, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, spectune, final37, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -204,10 +206,16 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     SERVE="$QWEN7B" CASES=c256 TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-60} VARIANTS="bf16:|fp8:model.quantization=fp8" \
       optional 300 bash scripts/gpu_run.sh cases
     fp8_mixed ;;
+  final37)  # #37 on an H200, bf16 in the same call: fp8 weights single >= 1.6x and c256 >= 1.4x, fp8 KV c256 >= 1.0x
+    # (no trace or profile: ~20 s of install, then ~170 s a server, 120 of them for fp8 weights)
+    install
+    SERVE="$QWEN7B" CASES="single c256" \
+      VARIANTS="bf16:|fp8:model.quantization=fp8|fp8kv:cache.kv_dtype=fp8_e4m3" optional 300 bash scripts/gpu_run.sh cases ;;
   kvlong)
     install
     # kv256 first (decode-bound: what twice the KV room buys), then long256 (prefill-bound: at aaaa21f on an H100
     # fp8 KV 859 tok/s against bf16 KV's 953, TTFT 36.5 s against 32.6)
+    # On an H200 kv256 fits bf16's room: CASES=kv256x6k there (256 x 6,144 + 2,048), one call a variant as below
     # (kv256's three runs a variant do not fit one call: CASES=kv256 REPEATS=3 VARIANTS=bf16kv: in one call, then
     # VARIANTS=fp8kv:cache.kv_dtype=fp8_e4m3 in the next on the same warm machine)
     SERVE="$QWEN7B" CASES="${CASES:-kv256 long256}" REPEATS=${REPEATS:-1} \
@@ -234,6 +242,6 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # k8 left out this time: 1.80x c1, 1.30x c64 at aaaa21f)
     TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-40} VARIANTS=${VARIANTS:-"none spec none_ri spec_ri"} optional 300 \
       bash scripts/gpu_run.sh spec ;;
-  *) echo "unknown call $NAME (suite, changed, spectune, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
+  *) echo "unknown call $NAME (suite, changed, spectune, final37, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"

@@ -18,7 +18,7 @@
 #   install   the wheelhouse into /tmp/site, llaunch editable
 #   tests     TRITON_INTERPRET=0 pytest -m gpu tests/kernels tests/gpu (SmolLM2: the cut GGUF, converted there)
 #   cases     one server (SERVE), launch -> /health timed, then CASES (default: single c64 c256; also long, long256,
-#             kv256, c64json: c64 with a JSON schema on every request, schema_warm / schema_cold: TTFT with a
+#             kv256, kv256x6k (kv256 beyond an H200's bf16 room), c64json: c64 with a JSON schema on every request, schema_warm / schema_cold: TTFT with a
 #             compiled / never-seen schema; prefix64x8: 64 shared 2k system prompts x 8; multiturn: 1,000
 #             conversations x 4 turns, sizes from PREFIX_* / MT_* variables), each
 #             REPEATS times (default 3) on prompts no earlier run sent (a seed per case and run), with
@@ -146,7 +146,7 @@ if has tests; then
 fi
 
 # the seed of run R of a case: far apart, so no two runs share a prompt (each run also uses seed+1..3)
-case_seed() { case $1 in single) echo 1000 ;; c64) echo 2000 ;; c256) echo 3000 ;; long) echo 4000 ;; long256) echo 4500 ;; kv256) echo 4700 ;;
+case_seed() { case $1 in single) echo 1000 ;; c64) echo 2000 ;; c256) echo 3000 ;; long) echo 4000 ;; long256) echo 4500 ;; kv256) echo 4700 ;; kv256x6k) echo 4800 ;;
   c64json) echo 5000 ;; schema_warm) echo 6000 ;; schema_cold) echo 7000 ;; prefix64x8) echo 8000 ;;
   multiturn) echo 9000 ;; vl16) echo 10000 ;; vl64) echo 11000 ;; vl16rep) echo 12000 ;; vl64rep) echo 13000 ;;
   au16) echo 14000 ;; au16rep) echo 15000 ;; esac; }
@@ -181,6 +181,9 @@ bench_case() {  # case run: one run of a named case
     # the same KV pressure where decode, not prefill, sets the pace (long256 is 32 prompt tokens to each output
     # token: fp8 KV's room shows little there): 256 x (4,096 + 2,048) = 1.6M tokens, bf16's room ~146 of them
     kv256) run_case kv256 $r 256 4096 2048 256 500 ;;
+    # kv256 beyond an H200's bf16 room (Qwen2-7B: ~1.95M tokens beside bf16 weights, 2.08M beside fp8's): 256 x
+    # (6,144 + 2,048) = 2.1M tokens; fp8 KV holds 3.9M
+    kv256x6k) run_case kv256x6k $r 256 6144 2048 256 560 ;;
     # time to first token with a schema the server has compiled before / never seen (one stream)
     schema_warm) run_case schema_warm $r 16 512 16 1 120 --response-format @scripts/bench_schema.json ;;
     schema_cold) run_case schema_cold $r 16 512 16 1 120 --response-format @scripts/bench_schema.json --fresh-schemas ;;
