@@ -1,6 +1,6 @@
 """Summarise a router step trace (llaunch router.step_trace=PATH ...): where a run's time went.
 
-    python scripts/step_trace_report.py TRACE.jsonl [--bins 10] [--starts] [--window START END]
+    python scripts/step_trace_report.py TRACE.jsonl[.gz] [--bins 10] [--starts] [--window START END]
 
 Per step kind (decode only, verify: speculative decoding's verify chunks with or without decode rows, mixed decode +
 prefill, prefill only): steps, time between consecutive
@@ -18,6 +18,7 @@ a gap is split into the wait for the plan (the router had not sent it: it plans 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -43,7 +44,9 @@ def main() -> int:
     ap.add_argument("--pipeline", action="store_true", help="the device's waits between steps, by cause")
     ap.add_argument("--depth", type=int, default=2, help="--pipeline: the router's steps in flight")
     args = ap.parse_args()
-    steps = sorted((json.loads(line) for line in open(args.trace)), key=lambda r: r["step"])
+    opener = gzip.open if args.trace.endswith(".gz") else open  # gpu_run.sh packs each server's trace as .jsonl.gz
+    with opener(args.trace, "rt") as lines:
+        steps = sorted((json.loads(line) for line in lines), key=lambda r: r["step"])
     if args.window:
         steps = [r for r in steps if args.window[0] <= r["sent"] <= args.window[1]]
     if not steps:

@@ -2,6 +2,7 @@
 shows frontend → router, router → worker, host enqueue and device time from what was recorded."""
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -55,9 +56,10 @@ def test_the_pipeline_report_splits_the_device_idle_between_steps_by_cause(tmp_p
     rows = [dict(step=0, sent=0.099, returned=0.111, started=0.100, launch_s=0.0005, device_s=0.010),
             dict(step=1, sent=0.104, returned=0.121, started=0.113, launch_s=0.0005, device_s=0.007),
             dict(step=2, sent=0.128, returned=0.140, started=0.129, launch_s=0.0005, device_s=0.010)]
-    path = tmp_path / "trace.jsonl"
-    path.write_text("".join(json.dumps(dict(r, decode=4, prefill_tokens=0, chunks=0, new=0, running=4, waiting=0,
-                                            forward_s=0.01)) + "\n" for r in rows))
+    path = tmp_path / "trace.jsonl.gz"  # as gpu_run.sh brings a server's trace back
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(dict(r, decode=4, prefill_tokens=0, chunks=0, new=0, running=4, waiting=0,
+                                        forward_s=0.01)) + "\n" for r in rows))
     out = subprocess.run([sys.executable, str(REPORT), str(path), "--bins", "1", "--pipeline"], capture_output=True,
                          text=True, check=True).stdout
     line = next(line.split() for line in out.splitlines()[out.splitlines().index(next(
