@@ -113,13 +113,15 @@ fp8_words() {
 }
 # #37 c256: a c256-like mixed step by kernel as served now (kernels.fp8_fused_mlp and fp8_fused_norm, per-tensor
 # GEMMs; with fp8_fused_norm=false it took 31.75 ms against 31.48 at b6f9417, H100), then the gated quantize alone
+gated_quant_bench() {  # the gated quantize alone (101 µs a layer at 2,010 rows at 741b178, H100): as served, dividing,
+  # without the channel scales, and scripts/gated_quant_pipelined.py's persistent candidate
+  (cd scripts && optional 25 timeout 90 python3 bench_gated_quant.py) | grep -v Warning | tee "$OUT/gated_quant.jsonl"
+}
 fp8_mixed() {
   local mixed="--rows 160 --mixed-rows 218 --mixed-prompts 2 --chunk-len 896 --top 16"
   (cd scripts && RESERVE=30 optional 60 timeout 240 python3 profile_kernels.py $mixed) \
     | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_profile.txt"
-  # the gated quantize alone (127 µs a layer at 2,010 rows at b6f9417): through the reciprocal vs division a value,
-  # and without the channel scales
-  (cd scripts && optional 20 timeout 90 python3 bench_gated_quant.py) | grep -v Warning | tee "$OUT/gated_quant.jsonl"
+  gated_quant_bench
   # o_proj's and down_proj's scales through their epilogue kernel again (kernels.fp8_norm_epilogue's A/B)
   (cd scripts && optional 40 timeout 120 python3 profile_kernels.py $mixed --formats fp8 \
     --set fp8_norm_epilogue=false) | grep -v -e Warning -e USDT | tee "$OUT/fp8_mixed_epilogue_kernel.txt"
@@ -210,7 +212,8 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # (no trace or profile: ~20 s of install, then ~170 s a server, 120 of them for fp8 weights)
     install
     SERVE="$QWEN7B" CASES="single c256" \
-      VARIANTS="bf16:|fp8:model.quantization=fp8|fp8kv:cache.kv_dtype=fp8_e4m3" optional 300 bash scripts/gpu_run.sh cases ;;
+      VARIANTS="bf16:|fp8:model.quantization=fp8|fp8kv:cache.kv_dtype=fp8_e4m3" optional 300 bash scripts/gpu_run.sh cases
+    gated_quant_bench ;;
   kvlong)
     install
     # kv256 first (decode-bound: what twice the KV room buys), then long256 (prefill-bound: at aaaa21f on an H100
@@ -219,7 +222,8 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # (kv256's three runs a variant do not fit one call: CASES=kv256 REPEATS=3 VARIANTS=bf16kv: in one call, then
     # VARIANTS=fp8kv:cache.kv_dtype=fp8_e4m3 in the next on the same warm machine)
     SERVE="$QWEN7B" CASES="${CASES:-kv256 long256}" REPEATS=${REPEATS:-1} \
-      VARIANTS="${VARIANTS:-bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3}" optional 300 bash scripts/gpu_run.sh cases ;;
+      VARIANTS="${VARIANTS:-bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3}" optional 300 bash scripts/gpu_run.sh cases
+    gated_quant_bench ;;
   spec)
     install
     # where a served batch-1 verify step's time goes: at 9d253e7 (H100) its device time was 1.1-1.3 ms at 2-5 tokens
