@@ -1,5 +1,8 @@
 """N-gram proposals for speculative decoding (spec=ngram): the tokens that followed the latest earlier occurrence of
-the longest suffix of a request's tokens. The router looks up each speculating row every step (twice for a chained
+the longest suffix of a request's tokens; where they run into the suffix itself (text that repeats with a period
+shorter than the proposal: a list, a table, a loop), the proposal goes on repeating that period, as LZ77's
+overlapping copy does (on SmolLM2's copies, scripts/spec_acceptance.py: 3.16 output tokens a step at k = 4 cut at
+the present, 3.92 repeating; 3.52 / 5.78 at k = 8). The router looks up each speculating row every step (twice for a chained
 verify), so the lookup is what its step costs per row: a request's tokens are kept as a growing int64 array
 (TokenHistory, appended as the output grows, not converted from the prompt + output lists each step) and a suffix
 is matched token by token over candidate positions (one vectorized comparison over the history, then a few over
@@ -12,9 +15,11 @@ from typing import Sequence
 import numpy as np
 
 
-def propose(tokens: Sequence[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
+def propose(tokens: Sequence[int], k: int, ngram_min: int, ngram_max: int, repeat: bool = True) -> list[int]:
     """The up to `k` tokens that followed the latest earlier occurrence of the longest suffix of `tokens`
-    (ngram_max down to ngram_min tokens long); [] when none occurred."""
+    (ngram_max down to ngram_min tokens long); [] when none occurred. Fewer than `k` follow it when it lies within
+    k tokens of the end: `repeat` continues them with the period that occurrence implies (x[t] = x[t - d], d its
+    distance back), else the proposal stops at the end."""
     arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens, dtype=np.int64)
     n_tok = len(arr)
     if k <= 0 or n_tok < ngram_min + 1:
@@ -29,7 +34,11 @@ def propose(tokens: Sequence[int], k: int, ngram_min: int, ngram_max: int) -> li
             hits = hits[arr[hits + i] == suffix[i]]
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start:start + k].tolist()
+            proposal = arr[start:start + k].tolist()
+            period = n_tok - start
+            while repeat and len(proposal) < k:
+                proposal.append(proposal[len(proposal) - period])
+            return proposal
     return []
 
 

@@ -2,7 +2,8 @@
 
 The router owns each request's token history, so it proposes: the longest suffix of the prompt +
 output (spec.ngram_max down to spec.ngram_min tokens) that occurred before is looked up, and the up
-to spec.num_tokens tokens that followed its latest earlier occurrence are the proposal (with
+to spec.num_tokens tokens that followed its latest earlier occurrence are the proposal (repeating with the period
+that occurrence implies where they reach the present: runtime/router/ngram.py) (with
 spec.method=draft the router plans placeholders and the worker's draft model fills them). A proposing
 row is planned as a VerifyChunk (its last token + the proposal, k+1 query tokens over its cached KV:
 the chunked-prefill path); the worker samples all k+1 positions, keeps the longest prefix the target

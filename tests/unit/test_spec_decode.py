@@ -21,7 +21,7 @@ def test_proposal_is_what_followed_the_latest_longest_match():
     assert propose(tokens, 3, 1, 3) == [3, 4, 0]  # "6 7" last seen before the end at index 6
     assert propose(tokens, 1, 1, 3) == [3]
     assert propose([1, 2, 3, 4], 4, 1, 3) == []  # nothing repeats
-    assert propose([9, 4, 4, 4], 4, 1, 3) == [4]  # "4 4" seen at 1..2, then 4
+    assert propose([9, 4, 4, 4], 4, 1, 3) == [4, 4, 4, 4]  # "4 4" seen at 1..2, then 4, and it repeats
     assert propose([1, 2, 9, 1, 2], 2, 2, 2) == [9, 1]
 
 
