@@ -48,12 +48,13 @@
 # moetune   .whl-serve                                   #40: Mixtral-8x7B's MoE launches per step size (tune_moe.py;
 #                                                        kernels/moe_launches.py holds Qwen3-30B-A3B's alone), then
 #                                                        the kernels.moe_shapes line to store there
+# specserve .whl-serve .gpu-spec                         #38: spec's servers alone (none / spec / k8, c1 and c64)
 # (.gpu without .gpu-spec: gpu_run.sh prepare writes the spec cut apart, 51 MB as xz, for the spec call alone.)
 # A session's 1,800 device seconds hold about three calls (each ~40-90 s of start and transfers beside its run):
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, spectune, final37, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, spectune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -246,6 +247,10 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # k8 left out this time: 1.80x c1, 1.30x c64 at aaaa21f)
     TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-40} VARIANTS=${VARIANTS:-"none spec none_ri spec_ri"} optional 300 \
       bash scripts/gpu_run.sh spec ;;
-  *) echo "unknown call $NAME (suite, changed, spectune, final37, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
+  specserve)  # #38 served alone, without spec's step benches: none against n-gram proposals of k = 4 and 8, c1 and
+    # c64 (~85 s a server); since d6abb0c the proposals repeat their period (CPU replay: 3.92 / 5.78 tokens a step)
+    install
+    TRACE=1 VARIANTS=${VARIANTS:-"none spec k8"} optional 200 bash scripts/gpu_run.sh spec ;;
+  *) echo "unknown call $NAME (suite, changed, spectune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"
