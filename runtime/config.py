@@ -434,7 +434,8 @@ class SpecConfig:
     method: SpecMethod = SpecMethod.none  # speculative decoding: none | ngram | draft (greedy output is unchanged)
     num_tokens: int = 4  # k: tokens proposed per row and step, verified in one k+1-token step
     ngram_min: int = 1  # shortest prompt+output suffix looked up for a proposal
-    ngram_max: int = 3  # longest suffix tried first
+    # (3 until 2026-12-06: on SmolLM2's copies 3.78-3.92 output tokens a step at k = 4, at 8 4.02-4.23)
+    ngram_max: int = 8  # longest suffix tried first
     max_batch: int = 64  # decode rows above which a step does not speculate (verify CUDA graphs cover max_batch x (num_tokens+1) tokens; scripts/bench_spec.sh c64 measures it)
     chain: bool = True  # ngram: a greedy row's next verify is planned while its verify is out, as if that one kept its proposal and the predicted token after it (off: the row waits for each verdict)
     adaptive: bool = False  # ngram: each row proposes 1 + its recent accepted tokens per verify (an average halved each verify, num_tokens at its start; rounded), at most num_tokens
