@@ -118,7 +118,7 @@ BREAKS = {
                            ["cache.dp_fetch=true", "parallel=dp2"],
                            ["cache.dp_fetch=true", "parallel=dp2", "cache.cpu_tokens=64", "parallel.nnodes=2",
                             "parallel.zmq_mode=tcp", "parallel.node_addrs=[a,b]", "parallel.master_port=29500"]],
-    "spec_settings_valid": [["spec=ngram", "spec.num_tokens=0"], ["spec=ngram", "spec.ngram_min=4"],
+    "spec_settings_valid": [["spec=ngram", "spec.num_tokens=0"], ["spec=ngram", "spec.ngram_min=9"],
                             ["spec=ngram", "spec.max_batch=0"]],
     "spec_draft_model_usable": [["spec=draft"]],
     "visual_settings_valid": [[*VL, "visual.dp=0"], [*VL, "visual.batch_size=0"], [*VL, "visual.embed_cache_mib=0"],
