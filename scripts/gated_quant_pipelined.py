@@ -83,14 +83,19 @@ def gated_quantize_pipelined(y: torch.Tensor, dtype: torch.dtype, row_scales: Op
                              stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.fp8_gated_quant.gated_quantize with each row's own absmax scale, through the persistent kernel:
     `programs` of them (0: one an SM), the next row's loads `stages` - 1 rows ahead."""
+    if y.dim() != 2 or y.stride(-1) != 1 or y.shape[1] % 2:
+        raise ValueError(f"gated_quantize takes [M, 2I] with contiguous rows, got {tuple(y.shape)} strides {y.stride()}")
+    if (row_scales is None) != (channel_scales is None):
+        raise ValueError("row_scales and channel_scales come together (the unscaled sums) or not at all")
     m, inner = y.shape[0], y.shape[1] // 2
     scaled = row_scales is not None
-    if y.is_cuda and stages > 1 and stage_bytes(inner, y.element_size(), scaled) > SHARED_BYTES:
-        raise ValueError(f"a row of {inner} columns takes {stage_bytes(inner, y.element_size(), scaled)} bytes "
-                         f"of shared memory a stage, more than {SHARED_BYTES}")
+    held = (stages - 1) * stage_bytes(inner, y.element_size(), scaled)  # the rows in flight (an offline sm_90 build)
+    if y.is_cuda and held > SHARED_BYTES:
+        raise ValueError(f"{stages - 1} rows of {inner} columns in flight take {held} bytes of shared memory, more "
+                         f"than {SHARED_BYTES}")
     q = torch.empty((m, inner), dtype=torch.float8_e4m3fn, device=y.device)
     scales = torch.empty((m, 1), dtype=torch.float32, device=y.device)
-    if m == 0:
+    if m == 0 or inner == 0:
         return q, scales
     if not programs:
         programs = torch.cuda.get_device_properties(y.device).multi_processor_count if y.is_cuda else 2

@@ -23,8 +23,13 @@ def test_a_row_as_up_to_three_blocks_that_hold_it():
     assert stage_bytes(18944, 2, scaled=True) <= 227 * 1024 < stage_bytes(18944 + 1024, 2, scaled=True)
 
 
+def test_rows_without_columns_launch_nothing():
+    q, s = gated_quantize_pipelined(torch.zeros(3, 0, dtype=torch.bfloat16), torch.bfloat16)
+    assert q.shape == (3, 0) and s.shape == (3, 1)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="interpreter test (on a GPU: scripts/bench_gated_quant.py)")
-@pytest.mark.parametrize("m,inner,programs", [(7, 1100, 3), (5, 40, 2), (3, 64, 8)])
+@pytest.mark.parametrize("m,inner,programs", [(7, 1100, 3), (5, 40, 2), (3, 64, 8), (4, 13, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scaled", [True, False])
 @pytest.mark.parametrize("act", [SILU, GELU_TANH])

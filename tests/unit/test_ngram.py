@@ -28,14 +28,23 @@ def latest_occurrence(tokens: list[int], k: int, ngram_min: int, ngram_max: int,
     return []
 
 
+def history(rng: random.Random, vocab: int) -> list[int]:
+    """Random tokens, or a short pattern repeating with 5% noise (many earlier candidates, of every match length)."""
+    n = rng.randrange(0, 200)
+    if rng.random() < 0.5:
+        return [rng.randrange(vocab) for _ in range(n)]
+    pattern = [rng.randrange(vocab) for _ in range(rng.randrange(1, 8))]
+    return [pattern[i % len(pattern)] if rng.random() > 0.05 else rng.randrange(vocab) for i in range(n)]
+
+
 @pytest.mark.parametrize("repeat", [True, False])
 @pytest.mark.parametrize("vocab", [2, 5, 50])
 def test_proposals_match_the_latest_earlier_occurrence(vocab, repeat):
     rng = random.Random(vocab)
     for _ in range(400):
-        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 60))]
-        k, ngram_min = rng.randrange(0, 9), rng.randrange(1, 3)
-        ngram_max = ngram_min + rng.randrange(0, 9)
+        tokens = history(rng, vocab)
+        k, ngram_min = rng.randrange(0, 9), rng.randrange(1, 5)
+        ngram_max = ngram_min + rng.randrange(0, 17)
         want = latest_occurrence(tokens, k, ngram_min, ngram_max, repeat)
         assert propose(tokens, k, ngram_min, ngram_max, repeat) == want, (tokens, k, ngram_min, ngram_max)
         assert propose(np.asarray(tokens, dtype=np.int64), k, ngram_min, ngram_max, repeat) == want
@@ -47,6 +56,12 @@ def test_a_proposal_that_reaches_the_present_repeats_its_period():
     assert propose(tokens, 7, 1, 3) == [1, 2, 3, 1, 2, 3, 1]
     assert propose(tokens, 7, 1, 3, repeat=False) == [1, 2, 3]
     assert propose([4, 4], 5, 1, 3) == [4, 4, 4, 4, 4]  # a token repeating: period 1
+
+
+def test_an_earlier_longer_match_beats_many_later_shorter_ones():
+    """More than 16 later candidates match "3 4" only; the earliest matches all 5 tokens and wins."""
+    assert propose([0, 1, 2, 3, 4, 99] + [3, 4, 50] * 20 + [0, 1, 2, 3, 4], 1, 1, 8) == [99]
+    assert propose([1, 2, 8, 2, 3, 9, 2, 3], 4, 3, 5) == []  # "2 3" seen, but no 3-token suffix: below ngram_min
 
 
 def test_the_history_grows_with_the_output_and_rebuilds_otherwise():
