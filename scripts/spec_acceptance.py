@@ -11,7 +11,8 @@ scripts/cut_gguf.py cuts a GGUF (gpu_run.sh's SmolLM2 cuts), to see what a cut s
 spec=draft would accept with the model cut further to these of its blocks as the draft (greedy proposals of k
 tokens: each verify keeps the draft's tokens while they equal the model's greedy ones).
 
-    python scripts/spec_acceptance.py --model .models/smollm2-135m [--blocks 0-2,7,8] [--prompts 4] [--k 4 8] [--ngram-max 3] [--cut]
+    python scripts/spec_acceptance.py --model .models/smollm2-135m [--blocks 0-2,7,8] [--prompts 4] [--k 4 8]
+        [--ngram-max 3] [--cut]
     python scripts/spec_acceptance.py --model .models/spec/smollm2-135m --draft-blocks 0-1,16-17
 """
 from __future__ import annotations
@@ -25,9 +26,11 @@ from typing import Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from llaunch.runtime.config import SpecConfig  # noqa: E402  (the served defaults)
 
-def replay(prompt: Sequence[int], output: Sequence[int], k: int, ngram_min: int = 1,
-           ngram_max: int = 8, repeat: bool = True) -> tuple[float, float]:
+
+def replay(prompt: Sequence[int], output: Sequence[int], k: int, ngram_min: int = SpecConfig.ngram_min,
+           ngram_max: int = SpecConfig.ngram_max, repeat: bool = True) -> tuple[float, float]:
     """Greedy `output` produced by n-gram speculation over `prompt`: (tokens a verify yields, as the server's
     `1 + accepted / proposals` counts them: steps that proposed nothing are not verifies; output tokens a step,
     those steps included)."""
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8], help="tokens proposed per verify")
     ap.add_argument("--seed", type=int, default=24, help="bench_spec.sh's c1 seed")
-    ap.add_argument("--ngram-max", type=int, default=8, help="spec.ngram_max (3 before 2026-12-06)")
+    ap.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max, help="spec.ngram_max (3 before 2026-12-06)")
     ap.add_argument("--cut", action="store_true",
                     help="proposals stop at the present (runtime/router/ngram.py's repeat=False: before 2026-12-06)")
     args = ap.parse_args(argv)

@@ -1,17 +1,17 @@
 """N-gram proposals for speculative decoding (spec=ngram): the tokens that followed the latest earlier occurrence of the
 longest suffix of a request's tokens; where they run into the suffix itself (text that repeats with a period shorter
 than the proposal: a list, a table, a loop), the proposal goes on repeating that period, as LZ77's overlapping copy
-does (scripts/spec_acceptance.py, output tokens a step at k = 4 / 8: 3.16 / 3.52 cut at the present, 3.92 / 5.78
-repeating on the 18-block SmolLM2 cut the spec benchmark serves, which falls into loops; 3.74 / 5.25 and 3.78 / 5.60
-on the whole model). The router looks up each speculating row every step (twice for a chained verify), so the lookup
-is what its step costs per row: a request's tokens are kept as a growing int64 array (TokenHistory, appended as the
-output grows, not converted from the prompt + output lists each step) and a suffix is matched backwards from its last
-token: the positions holding it and the token before (two vectorized comparisons over the history), then each
-candidate's match length over up to ngram_max tokens, the latest 16 one by one (a loop's latest candidate matches
-them all and ends the search) and the rest in one array. On an 8k-token history that took 259 µs a lookup as a list →
-array conversion and a sliding window comparison; with a pass over the history per suffix length, longest first, 7.4
-/ 14 / 25 µs at ngram_max = 3 / 8 / 16 (a copy; 40 µs at 8 on a loop of 5 tokens); now 9 µs at any of them (20 on the
-loop, 3.4 without a match)."""
+does (scripts/spec_acceptance.py at ngram_max = 3, output tokens a step at k = 4 / 8: 3.16 / 3.52 cut at the present,
+3.92 / 5.78 repeating on the 18-block SmolLM2 cut the spec benchmark serves, which falls into loops; 3.74 / 5.25 and
+3.78 / 5.60 on the whole model). The router looks up each speculating row every step (twice for a chained verify), so
+the lookup is what its step costs per row: a request's tokens are kept as a growing int64 array (TokenHistory,
+appended as the output grows, not converted from the prompt + output lists each step) and a suffix is matched
+backwards from its last token: the positions holding it and the token before (two vectorized comparisons over the
+history), then each candidate's match length over up to ngram_max tokens, the latest 16 one by one (a loop's latest
+candidate matches them all and ends the search) and the rest in one array. On an 8k-token history that took 259 µs a
+lookup as a list → array conversion and a sliding window comparison; with a pass over the history per suffix length,
+longest first, 7.4 / 14 / 25 µs at ngram_max = 3 / 8 / 16 (a copy; 40 µs at 8 on a loop of 5 tokens); now 9 µs at any
+of them (20 on the loop, 3.4 without a match)."""
 from __future__ import annotations
 
 from typing import Sequence
