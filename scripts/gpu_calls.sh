@@ -248,8 +248,10 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-40} VARIANTS=${VARIANTS:-"none spec none_ri spec_ri"} optional 300 \
       bash scripts/gpu_run.sh spec ;;
   specserve)  # #38 served alone, without spec's step benches: none against n-gram proposals of k = 4 and 8, c1 and
-    # c64 (~85 s a server); since d6abb0c the proposals repeat their period and spec.ngram_max is 8 (CPU replay on
-    # the cut: 3.16 / 3.52 output tokens a step at k = 4 / 8 before, 3.95 / 5.79 now)
+    # c64 (~85 s a server); since d6abb0c the proposals repeat their period and spec.ngram_max is 8. bb9de56, H100:
+    # c1 2.07x (k = 4) / 2.67x (k = 8), c64 1.41x / 1.44x. Texts compare only between servers that ran the same
+    # CASES (the prefix cache then holds the same prefixes): a CASES=c1 k8_ri call against a c1 + c64 none_ri one
+    # is not comparable (spec_text_agreement.py says so)
     install
     TRACE=1 VARIANTS=${VARIANTS:-"none spec k8"} optional 200 bash scripts/gpu_run.sh spec ;;
   *) echo "unknown call $NAME (suite, changed, spectune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;

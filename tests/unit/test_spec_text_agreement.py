@@ -44,3 +44,15 @@ def test_a_row_invariant_server_is_held_against_none_ri(tmp_path):
     _result(tmp_path / "bench-spec_ri-c1-1.json", 24, ["the cat sat", "on the mat"])
     line = _run(tmp_path, "--variants", "none", "none_ri", "spec_ri", "--repeats", "1")
     assert line == "c1 spec_ri: 2 of 2 greedy texts as none_ri's"
+
+
+def test_runs_whose_prompts_hit_the_prefix_cache_otherwise_are_not_compared(tmp_path):
+    """A cached prefix changes how a prompt is prefilled (bfloat16 may then part anywhere after it): texts of runs
+    whose prefix-cache hits differ are not counted either way."""
+    for name, hits in (("none", 42.0), ("k8", 22.0)):
+        record = {"args": {"seed": 24}, "requests": [{"success": True, "generated_text": "a"}],
+                  "prefix_cache_hits": hits}
+        (tmp_path / f"bench-{name}-c1-1.json").write_text(json.dumps(record))
+    line = _run(tmp_path, "--variants", "k8", "--repeats", "1")
+    assert line == ("c1 k8: run 1 not comparable with none's: its prompts hit the prefix cache for 22.0 tokens "
+                    "against 42.0 (prefilled otherwise; run both servers through the same cases)")
