@@ -24,7 +24,8 @@ from llaunch.launcher import rules_checkpoint  # noqa: F401 (checkpoints the wor
 # check_all, warnings, pending and RULES are called through this module, which fills the registry
 from llaunch.launcher.rule_registry import (NOTHING_CHANGED, RULES, check_all, get, pending, rule,  # noqa: F401
                                            warnings)
-from llaunch.runtime.config import Device, DType, LoadFormat, Mode
+from llaunch.kernels.settings import INVARIANT_ROWS
+from llaunch.runtime.config import Device, DType, LoadFormat, Mode, SpecMethod
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.moe_config import MOE_FAMILIES
 from llaunch.runtime.models.heads import HeadLayout
@@ -129,7 +130,11 @@ def row_invariant_covers_model(cfg):
         (("parallel.tp",), cfg.parallel.tp > 1 and f"parallel.tp={cfg.parallel.tp}: the all-reduce's summation "
          "order across ranks depends on the step's size"),
         (("model.dtype",), m.dtype == DType.float32 and "model.dtype=float32: its one-row code for a small step's "
-         "rows is the 16-bit layers' GEMV (a float32 step of several rows takes cuBLAS)")) if why]
+         "rows is the 16-bit layers' GEMV (a float32 step of several rows takes cuBLAS)"),
+        (("spec.num_tokens",), cfg.spec.method != SpecMethod.none and cfg.spec.num_tokens + 1 > INVARIANT_ROWS
+         and f"spec.num_tokens={cfg.spec.num_tokens}: one stream's verify step holds {cfg.spec.num_tokens + 1} "
+         f"tokens, past the {INVARIANT_ROWS} of a step whose rows it keeps alike (at most "
+         f"{INVARIANT_ROWS - 1} proposed tokens)")) if why]
     for keys, why in outside:
         yield ("kernels.row_invariant", *keys), (
             f"kernels.row_invariant=true cannot keep a row's sums alike across steps here: {why}. Unset "

@@ -48,7 +48,8 @@
 # moetune   .whl-serve                                   #40: Mixtral-8x7B's MoE launches per step size (tune_moe.py;
 #                                                        kernels/moe_launches.py holds Qwen3-30B-A3B's alone), then
 #                                                        the kernels.moe_shapes line to store there
-# specserve .whl-serve .gpu-spec                         #38: spec's servers alone (none / spec / k8, c1 and c64)
+# specserve .whl-serve .gpu-spec                         #38: spec's servers alone (none / spec / k8, c1 and c64);
+#                                                        VARIANTS="none k8 k8a k16": how long proposals may be
 # (.gpu without .gpu-spec: gpu_run.sh prepare writes the spec cut apart, 51 MB as xz, for the spec call alone.)
 # A session's 1,800 device seconds hold about three calls (each ~40-90 s of start and transfers beside its run):
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
