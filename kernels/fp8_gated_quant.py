@@ -25,12 +25,8 @@ BLOCK = 1024  # a tile of the two-pass kernel (rows wider than ROW_IN_REGISTERS)
 # The most lanes one program holds (row_blocks' two blocks): ≤ 24 values a thread of 32 warps. An sm_90a build
 # (Triton 3.9) of 16,384 + 4,096 lanes took 41-62 registers, of 16,384 + 16,384 58-64: at the 1,024-thread cap
 ROW_IN_REGISTERS = 24576
-# A one-pass program's warps (at most) and the registers a thread may take (None: what the build takes). At 32 warps
-# the sm_90 build takes 64 registers, one program an SM, so a row's loads and its arithmetic take turns there; 16
-# warps capped at 64 registers (spilling ~200 bytes a thread) fit two programs an SM: scripts/bench_gated_quant.py
-# times such launches against this one
+# A one-pass program's warps (at most): at 32 the sm_90 build takes 64 registers a thread, one program an SM
 ONE_PASS_WARPS = 32
-MAX_REGISTERS: Optional[int] = None
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
@@ -149,6 +145,5 @@ def gated_quantize(y: torch.Tensor, dtype: torch.dtype, row_scales: Optional[tor
             static_scale.float() if static else scales, inner, y.stride(0), q.stride(0), scale_ub or 0.0,
             SCALED=scaled, STATIC=static, HAS_UB=scale_ub is not None and not static, ACT=act, DTYPE=_DTYPES[dtype],
             BLOCK=block, TAIL=tail, ONE_PASS=one_pass, INTERPRETED=_INTERPRETED,
-            num_warps=min(ONE_PASS_WARPS, max(4, triton.next_power_of_2((block + tail) // 1024))) if one_pass else 4,
-            **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS and one_pass else {}))
+            num_warps=min(ONE_PASS_WARPS, max(4, triton.next_power_of_2((block + tail) // 1024))) if one_pass else 4)
     return q, scales
