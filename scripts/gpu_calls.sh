@@ -135,6 +135,8 @@ QWEN7B="model=qwen2-7b model.load_format=dummy router.max_running_requests=256 s
 
 case $NAME in
   suite)
+    # the tests' clients (openai, anthropic, ...) are in .whl alone: without it collection fails after the install
+    [ -d .whl ] || { echo "suite: carry .whl (the full wheelhouse), not .whl-serve"; exit 2; }
     install
     bash scripts/gpu_run.sh tests  # a failure is reported there; the measurements after it still run
     fp8_mixed
@@ -145,6 +147,7 @@ case $NAME in
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
     # suite (0eafbd5; since: the row grid's LM head shape, the norm applying o_proj's and down_proj's fp8 scales),
     # then fp8_mixed
+    [ -d .whl ] || { echo "changed: carry .whl (the full wheelhouse), not .whl-serve"; exit 2; }
     install
     TESTS="tests/kernels/test_kernel_fp8_norm_epilogue.py tests/kernels/test_kernel_rmsnorm.py
       tests/kernels/test_kernel_rotary.py tests/kernels/test_kernel_rmsnorm_quantized.py
