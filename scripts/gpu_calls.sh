@@ -41,6 +41,10 @@
 # fp8single .whl-serve .gpu (TESTS: .whl .gpu)             #37: single stream, bf16 / fp8 (kernels.fp8_words, the default
 #                                                        since 2026-12-05) / fp8 with float32 products
 #                                                        (WORDS="kernels.gemv_shapes=..." the word kernel's shapes)
+# steps1    .whl-serve                                   where a batch-1 step's device time goes, kernel by kernel: the
+#                                                        Qwen2-7B shape bf16 vs fp8 (#37 single: 1.50x on an H100, 1.6x
+#                                                        wanted) and Qwen3-30B-A3B (#40: 53% of its bound, 60% wanted),
+#                                                        then the fp8 GEMVs per layer kind (TB/s)
 # final37   .whl-serve .gpu                              #37's figures of record (name kind nvidia-h200): single and
 #                                                        c256 of bf16, fp8 weights and fp8 KV, three runs each
 # fp8c256   .whl-serve .gpu                              #37 c256: bf16 vs fp8 weights served, step trace, then fp8mixed
@@ -55,7 +59,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, spectune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, spectune, steps1, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -213,6 +217,14 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     SERVE="$QWEN7B" CASES=c256 TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-60} VARIANTS="bf16:|fp8:model.quantization=fp8" \
       optional 300 bash scripts/gpu_run.sh cases
     fp8_mixed ;;
+  steps1)  # no servers: each profile builds its model with dummy weights (~60 s the 7B pair, ~90 s the MoE's 61 GB)
+    install
+    (cd scripts && optional 120 python3 profile_kernels.py --rows 1 --chunk-len 0 --top 24) \
+      | grep -v Warning | tee "$OUT/step1_qwen2_7b.txt"
+    (cd scripts && optional 150 python3 profile_kernels.py --shape qwen3-30b-a3b --layers 48 --formats bf16 --rows 1 \
+      --chunk-len 0 --top 24) | grep -v Warning | tee "$OUT/step1_qwen3_30b_a3b.txt"
+    (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --per-kind) | grep -v Warning \
+      | tee "$OUT/fp8_per_kind.jsonl" ;;
   final37)  # #37 on an H200, bf16 in the same call: fp8 weights single >= 1.6x and c256 >= 1.4x, fp8 KV c256 >= 1.0x
     # (no trace or profile: ~20 s of install, then ~170 s a server, 120 of them for fp8 weights)
     install
@@ -258,6 +270,6 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # is not comparable (spec_text_agreement.py says so)
     install
     TRACE=1 VARIANTS=${VARIANTS:-"none spec k8"} optional 200 bash scripts/gpu_run.sh spec ;;
-  *) echo "unknown call $NAME (suite, changed, spectune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
+  *) echo "unknown call $NAME (suite, changed, spectune, steps1, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec)"; exit 2 ;;
 esac
 echo "[$(( $(date +%s) - T0 ))s] $NAME done"
