@@ -21,7 +21,7 @@ import itertools
 import logging
 import math
 import time
-from typing import AsyncIterator, Awaitable, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence
 
 import zmq.asyncio
 
@@ -165,13 +165,14 @@ class EngineClient:
 
     async def submit(self, jobs: list[tuple[list[int], SamplingParams]], pd: Optional[PdLink] = None,
                      lifecycle: Optional[Lifecycle] = None, images: Optional[list] = None, priority: int = 0,
-                     replica: Optional[int] = None) -> RequestGroup:
+                     replica: Optional[int] = None, prediction_ids: Sequence[int] = ()) -> RequestGroup:
         """`pd` (default: `current_pd_link`): the pd_master's transfer link of this HTTP request on a pd
         instance; choice c's engine request gets `<id>.<c>`. With a `lifecycle`, the HTTP request
         counts as in flight from here until the group's `close`. A failure part-way (a message that
         cannot be sent) leaves nothing behind: the group's routes and counts are undone and what was
         sent is aborted. `priority`: vLLM's (lower first); `replica`: LightLLM's suggested_dp_index
-        (one out of range is ignored, as LightLLM does)."""
+        (one out of range is ignored, as LightLLM does); `prediction_ids`: a chat request's predicted output
+        (runtime/http/predicted_output.py), for every choice."""
         pd = pd if pd is not None else current_pd_link.get()
         constraints = [s.constraint for _, s in jobs if s.constraint is not None]
         if constraints and self.constraint_gate is not None:
@@ -189,7 +190,8 @@ class EngineClient:
             for choice, (request_id, (prompt_ids, sampling)) in enumerate(zip(ids, jobs)):
                 link = None if pd is None else PdLink(id=f"{pd.id}.{choice}", decode_kv=pd.decode_kv)
                 msg = AddRequest(request_id=request_id, frontend=self.frontend_index, prompt_ids=prompt_ids,
-                                 sampling=sampling, arrival_time=now, pd=link, images=images or [], priority=priority)
+                                 sampling=sampling, arrival_time=now, pd=link, images=images or [], priority=priority,
+                                 prediction_ids=list(prediction_ids))
                 # registered before it is sent: its answer may come back before post returns
                 tokens = len(prompt_ids) + sampling.max_new_tokens
                 self._routes[request_id] = _Route(group, choice, tokens, len(prompt_ids))

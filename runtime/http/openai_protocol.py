@@ -213,7 +213,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fie
     character_settings: Optional[list[dict[str, Any]]] = None
     tool_prompt: Optional[str] = None
     # OpenAI's, accepted without effect: storage, billing, caching and safety hints, a reasoning
-    # effort (the served models do not reason), a predicted output (a speed hint)
+    # effort (the served models do not reason)
     store: Optional[bool] = None
     service_tier: Optional[str] = None
     reasoning_effort: Optional[str] = None
@@ -223,6 +223,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True, forbid_unknown_fie
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[dict[str, Any]] = None
+    # a predicted output: text spec=ngram's lookup searches after the prompt (runtime/http/predicted_output.py)
     prediction: Optional[dict[str, Any]] = None
     # refused where set (runtime/http/unserved_fields.py says why)
     modalities: Optional[list[str]] = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Sequence
 
 from quart import Response
 
@@ -23,6 +23,7 @@ from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice,
                                                   completion_choices, completion_prompts)
 from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.prompt_logprob_sharing import SharedPromptLogprobs, ask_once, relayed
+from llaunch.runtime.http.predicted_output import prediction_ids
 from llaunch.runtime.http.prompt_logprobs import echo_logprobs, echo_text_length, vllm_prompt_logprobs
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.web.sse import DONE, TrackedStream, sse_event, sse_response
@@ -271,17 +272,17 @@ class OpenAIServing:
         return req, prompts, choices, echo
 
     async def chat(self, body: bytes) -> Response:
-        req, prompt_ids, choices, images = await asyncio.to_thread(self._parse_chat, body)
+        req, prompt_ids, choices, images, predicted = await asyncio.to_thread(self._parse_chat, body)
         states = [ChoiceState(chat_echo(req)) for _ in choices]
         fmt = ChatFormat(self.tokenizer, bool(req.logprobs), len(choices), tool_format_of(req, self.tokenizer),
                          prompt_ids, req.prompt_logprobs, functions=bool(req.functions),
                          token_ids_as_tokens=bool(req.return_tokens_as_token_ids),
                          reasoning=self.limits.reasoning_parser, include_reasoning=req.include_reasoning is not False)
-        return await self._serve(req, choices, [prompt_ids], states, fmt, images)
+        return await self._serve(req, choices, [prompt_ids], states, fmt, images, predicted)
 
     def _parse_chat(self, body: bytes):
         req = decode_body(body, ChatCompletionRequest)
-        return (req, *self.chat_work(req))
+        return (req, *self.chat_work(req), prediction_ids(req.prediction, self.tokenizer, self.limits.max_model_len))
 
     def chat_work(self, req: ChatCompletionRequest) -> tuple[list[int], list[Choice], list]:
         """(prompt ids, engine choices, images) of a chat request; the Responses and Anthropic dialects
@@ -312,13 +313,13 @@ class OpenAIServing:
         return self.tokenizer.decode(ids)
 
     async def _serve(self, req, choices: list[Choice], prompts: list[list[int]], states: list[ChoiceState],
-                     fmt, images=()) -> Response:
+                     fmt, images=(), predicted: Sequence[int] = ()) -> Response:
         header = shapes.ResponseHeader(fmt.kind, self.limits.served_name, req.request_id)
         prompt_tokens = sum(len(p) for p in prompts)
         asked = ask_once(choices)
         relay = SharedPromptLogprobs(choices, asked)
         group = await self.engine.submit([(c.prompt_ids, c.sampling) for c in asked], lifecycle=self.lifecycle,
-                                         images=list(images), priority=req.priority or 0)
+                                         images=list(images), priority=req.priority or 0, prediction_ids=list(predicted))
         if req.stream:
             await admitted(group)  # a refused request answers with its status, not a 200 stream
             events = self._stream(group, relay, header, choices, states, fmt, prompt_tokens, req.include_usage,

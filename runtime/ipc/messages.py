@@ -102,6 +102,9 @@ class AddRequest(_Msg):
     pd: Optional[PdLink] = None  # set on pd_prefill / pd_decode instances for the master's requests
     images: list[ImageRef] = []  # multimodal models: the prompt's images
     priority: int = 0  # vLLM's: the router admits lower values first, in arrival order within one
+    # OpenAI's predicted output (a chat request's `prediction`), tokenized: text the answer is expected to repeat,
+    # which spec=ngram's lookup searches as it searches the prompt
+    prediction_ids: list[int] = []
 
 
 class AbortRequest(_Msg):

@@ -22,7 +22,7 @@ class Request:
     __slots__ = ("id", "frontend", "prompt_ids", "sampling", "arrival_time", "status", "row", "slots",
                  "num_computed", "num_planned", "steps_in_flight", "output_ids", "finish_reason", "num_cached",
                  "prefix_node", "pd", "kv_ready", "scheduled_time", "images", "prefix_keys", "priority",
-                 "pools_prompt")
+                 "pools_prompt", "lookup_ids")
 
     def __init__(self, msg: AddRequest, sampling: SamplingParams, pools_prompt: bool = False):
         self.id = msg.request_id
@@ -47,6 +47,8 @@ class Request:
         self.prefix_keys = None  # cache.dp_fetch: the prompt's token keys (runtime/cache/prefix_keys.py), hashed once
         self.priority = msg.priority  # vLLM's: lower values are admitted first
         self.pools_prompt = pools_prompt  # an embedding model's mean / CLS pooling reads every prompt position
+        # what spec=ngram searches before the output: the prompt, then a predicted output (later, so its matches win)
+        self.lookup_ids = msg.prompt_ids + msg.prediction_ids if msg.prediction_ids else msg.prompt_ids
 
     @property
     def prompt_len(self) -> int:

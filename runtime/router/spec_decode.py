@@ -200,7 +200,7 @@ class SpecDecoding:
         if rid != req.id:
             history = TokenHistory()
             self._histories[req.row] = (req.id, history)
-        tokens = history.sync(req.prompt_ids, req.output_ids)
+        tokens = history.sync(req.lookup_ids, req.output_ids)
         if ahead:
             tokens = np.concatenate([tokens, np.asarray(ahead, dtype=np.int64)])
         proposal = propose(tokens, k, self.cfg.ngram_min, self.cfg.ngram_max)

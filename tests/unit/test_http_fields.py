@@ -122,6 +122,10 @@ def test_openai_fields_clients_send_are_served_or_refused_with_the_reason(server
                 "include_reasoning": False, "parallel_tool_calls": True, "length_penalty": 1.0}
     r = post(server, "/v1/chat/completions", {**chat, **accepted})
     assert r.status_code == 200 and "X-Ignored-Fields" not in r.headers, r.text
+    # the predicted output travels with the request, for spec=ngram's lookup (tests/integration/test_predicted_output.py)
+    assert server.engine.added()[-1].prediction_ids == tok.encode_plain("x")
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200 and server.engine.added()[-1].prediction_ids == []
     refused = {"use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["x.Y"], "cache_salt": "s",
                "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "guided_whitespace_pattern": " ",
                "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
