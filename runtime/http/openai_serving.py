@@ -23,7 +23,7 @@ from llaunch.runtime.http.openai_protocol import (ChatCompletionRequest, Choice,
                                                   completion_choices, completion_prompts)
 from llaunch.runtime.web.request_body import decode_body
 from llaunch.runtime.http.prompt_logprob_sharing import SharedPromptLogprobs, ask_once, relayed
-from llaunch.runtime.http.predicted_output import prediction_ids
+from llaunch.runtime.http.predicted_output import prediction_ids, prediction_usage
 from llaunch.runtime.http.prompt_logprobs import echo_logprobs, echo_text_length, vllm_prompt_logprobs
 from llaunch.runtime.http.prompt_tokenizer import PromptTokenizer
 from llaunch.runtime.web.sse import DONE, TrackedStream, sse_event, sse_response
@@ -323,7 +323,7 @@ class OpenAIServing:
         if req.stream:
             await admitted(group)  # a refused request answers with its status, not a 200 stream
             events = self._stream(group, relay, header, choices, states, fmt, prompt_tokens, req.include_usage,
-                                  bool(req.return_token_ids), req.continuous_usage)
+                                  bool(req.return_token_ids), req.continuous_usage, predicted)
             return sse_response(TrackedStream(events, group))
         try:
             async for index, delta in relayed(group, relay):
@@ -338,14 +338,18 @@ class OpenAIServing:
             if req.return_token_ids:
                 c["token_ids"], c["prompt_token_ids"] = states[i].token_ids, choices[i].prompt_ids
         body = header.whole(final, _usage(choices, states, prompt_tokens))
+        if predicted:
+            body["usage"]["completion_tokens_details"] = await prediction_usage(predicted, [s.token_ids for s in states])
         fmt.finish_response(body, states)
         return json_response(body)
 
     async def _stream(self, group: RequestGroup, relay: SharedPromptLogprobs, header: shapes.ResponseHeader,
                       choices: list[Choice],
                       states: list[ChoiceState], fmt, prompt_tokens: int, include_usage: bool,
-                      token_ids: bool = False, continuous_usage: bool = False) -> AsyncIterator[bytes]:
-        """`continuous_usage` (vLLM's continuous_usage_stats): every chunk carries the usage so far."""
+                      token_ids: bool = False, continuous_usage: bool = False,
+                      predicted: Sequence[int] = ()) -> AsyncIterator[bytes]:
+        """`continuous_usage` (vLLM's continuous_usage_stats): every chunk carries the usage so far; the last
+        usage counts a prediction's accepted and rejected tokens."""
         def usage_now() -> Optional[dict]:
             return _usage(choices, states, prompt_tokens) if continuous_usage else None
 
@@ -365,5 +369,8 @@ class OpenAIServing:
             yield DONE
             return
         if include_usage:
-            yield sse_event(header.chunk([], _usage(choices, states, prompt_tokens), True))
+            final = _usage(choices, states, prompt_tokens)
+            if predicted:
+                final["completion_tokens_details"] = await prediction_usage(predicted, [s.token_ids for s in states])
+            yield sse_event(header.chunk([], final, True))
         yield DONE
