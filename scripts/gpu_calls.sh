@@ -119,8 +119,8 @@ fp8_words() {
 }
 # #37 c256: a c256-like mixed step by kernel as served now (kernels.fp8_fused_mlp and fp8_fused_norm, per-tensor
 # GEMMs; with fp8_fused_norm=false it took 31.75 ms against 31.48 at b6f9417, H100), then the gated quantize alone
-gated_quant_bench() {  # the gated quantize alone (101 µs a layer at 2,010 rows at 741b178, H100): as served, dividing,
-  # without the channel scales, and scripts/gated_quant_pipelined.py's persistent candidate
+gated_quant_bench() {  # the gated quantize alone (101 µs a layer at 2,010 rows at 1aa8d7a, H100): as served, dividing,
+  # without the channel scales
   (cd scripts && optional 25 timeout 90 python3 bench_gated_quant.py) | grep -v Warning | tee "$OUT/gated_quant.jsonl"
 }
 fp8_mixed() {
