@@ -319,7 +319,7 @@ class OpenAIServing:
         asked = ask_once(choices)
         relay = SharedPromptLogprobs(choices, asked)
         group = await self.engine.submit([(c.prompt_ids, c.sampling) for c in asked], lifecycle=self.lifecycle,
-                                         images=list(images), priority=req.priority or 0, prediction_ids=list(predicted))
+                                         images=list(images), priority=req.priority or 0, prediction_ids=predicted)
         if req.stream:
             await admitted(group)  # a refused request answers with its status, not a 200 stream
             events = self._stream(group, relay, header, choices, states, fmt, prompt_tokens, req.include_usage,

@@ -2,8 +2,8 @@
 parts}) is text the answer is expected to repeat (a file to edit, a document to revise). Its tokens travel with
 the request (AddRequest.prediction_ids) and spec=ngram's lookup searches them after the prompt, so a proposal can
 copy from the prediction where the prompt does not hold the text. Only a speed hint: the output is what decoding
-without it gives (greedy: the same tokens); without spec=ngram it has no effect. usage.completion_tokens_details counts the prediction's tokens the answer
-holds (accepted) and the rest (rejected), as OpenAI defines them."""
+without it gives (greedy: the same tokens); without spec=ngram it has no effect. usage.completion_tokens_details
+counts the prediction's tokens the answer holds (accepted) and the rest (rejected), as OpenAI defines them."""
 from __future__ import annotations
 
 import asyncio
