@@ -17,6 +17,7 @@ from llaunch.launcher import config_keys
 from llaunch.launcher.rule_registry import get, rule
 from llaunch.launcher.rules_model import serves
 from llaunch.runtime.config import Device, LlaunchConfig, LoadFormat, Mode, ModelTask, ScoreHead, SpecMethod
+from llaunch.runtime.models.memory import fp8_weights
 
 PD_MODES = (Mode.pd_prefill, Mode.pd_decode, Mode.pd_master)
 
@@ -124,6 +125,12 @@ GENERATES = Context(
     "generates", lambda c: c.model.task not in (ModelTask.score, ModelTask.embed), _values("model.task"),
     "a score or embedding model returns its head's outputs or pooled hidden states and samples no tokens",
     "serve a generating model")
+FP8_WEIGHTS = Context(
+    "fp8_weights", fp8_weights,
+    _either(lambda c: c.model.path is None or c.model.load_format == LoadFormat.dummy, _values("model.quantization"),
+            _values("model.quantization", "model.path")),
+    "the decoder's weights are in the model's dtype, and the LM head is quantized only beside fp8 linears",
+    "set model.quantization=fp8 (or serve an fp8 checkpoint)")
 SCORES = Context(
     "scores", lambda c: c.model.task == ModelTask.score, _values("model.task"),
     "only a score head (a *ForSequenceClassification checkpoint) reads it", "serve a score model (model.task=score)")
@@ -212,7 +219,7 @@ UNTRACED = Context(
     "the trace gives every request's arrival and lengths", "unset bench.trace")
 
 CONTEXTS = (SERVING, HTTP, NAMED, CUDA_KERNELS, CUDA_GRAPHS_SWITCH, CUDA_GRAPHS, GPU_MEMORY, CPU_WORKERS, CPU_KV, DUMMY,
-            GENERATES, SCORES, YES_NO, EMBEDS, SPECULATES, NGRAM, DRAFT, IMAGES, CLIPS, REPLICAS, AFFINITY, CHUNKED, NOT_DECODE,
+            GENERATES, FP8_WEIGHTS, SCORES, YES_NO, EMBEDS, SPECULATES, NGRAM, DRAFT, IMAGES, CLIPS, REPLICAS, AFFINITY, CHUNKED, NOT_DECODE,
             WAITS, PD_ROLE, MASTER_DIALLED, REGISTRY, REGISTRY_NAMED, KV_RECEIVER, METRICS, RENDEZVOUS,
             TENSOR_PARALLEL, NODES, SHARED_NODE, SHARED_PREFIX, SLO, UNTRACED)
 
@@ -245,6 +252,7 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
     **_each((SERVING, CUDA_GRAPHS), "model.prefill_graph_tokens", "model.graph_max_len_in_batch",
             "model.mixed_graph_tokens"),
     **_each((SERVING, GENERATES), "model.eos_token_ids", "model.generation_config", "model.sampling_defaults"),
+    **_each((SERVING, GENERATES, FP8_WEIGHTS), "model.fp8_lm_head"),
     **_each((SERVING, SCORES), "model.num_labels", "model.labels", "model.score_head", "model.pad_token_id"),
     **_each((SERVING, SCORES, YES_NO), "model.score_token_ids"),
     # embed_matryoshka_consistent refuses matryoshka_dimensions with matryoshka=false

@@ -227,6 +227,9 @@ class ModelConfig:
     # fp8: quantize a bf16/fp32 checkpoint's decoder linear weights to e4m3 at load (as vLLM's --quantization
     # fp8). None: as the checkpoint is (an fp8 checkpoint's quantization_config is always honoured).
     quantization: Optional[WeightQuantization] = None  # fp8 | None
+    # fp8 weights (model.quantization=fp8 or an fp8 checkpoint): the LM head in e4m3 too, a scale per vocabulary row
+    # (a tied embedding keeps its 16-bit copy for the lookup); off: the head stays in the model's dtype, as vLLM's
+    fp8_lm_head: bool = False
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ and the whole step is timed, so a shape is judged in the chain of kernels it run
 candidate, then the best per layer kind.
 
     python scripts/bench_decode_shapes.py [--fp8] [--layers 28] [--repeats 50]
-        [--tensor-core] [--swap-ab] [--amax-tile N] [--words] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
+        [--fp8-lm-head] [--tensor-core] [--swap-ab] [--amax-tile N] [--words] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
     python scripts/bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48 [--skinny]   (--skinny: each kind on the
         tensor cores, kernels.skinny_one_row, instead of the GEMV)
 """
@@ -150,6 +150,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=50, help="steps launched back to back per timing")
+    ap.add_argument("--fp8-lm-head", action="store_true", help="--fp8: the LM head in e4m3 too (model.fp8_lm_head)")
     ap.add_argument("--tensor-core", action="store_true", help="--fp8: the grid of the tensor-core kernel")
     ap.add_argument("--swap-ab", action="store_true",
                     help="--fp8: each tensor-core candidate again with the weights as the MMA's A operand "
@@ -166,8 +167,9 @@ def main() -> int:
                     help="bf16: each layer kind's one-row products on the tensor cores (kernels.skinny_one_row) at "
                          "several launches (kernels.skinny_shapes) instead of the GEMV's shapes")
     args = ap.parse_args()
-    if (args.tensor_core or args.swap_ab or args.amax_tile or args.activations or args.words) and not args.fp8:
-        ap.error("--tensor-core, --swap-ab, --amax-tile, --activations and --words are for --fp8")
+    if (args.tensor_core or args.swap_ab or args.amax_tile or args.activations or args.words
+            or args.fp8_lm_head) and not args.fp8:
+        ap.error("--tensor-core, --swap-ab, --amax-tile, --activations, --words and --fp8-lm-head are for --fp8")
     if args.skinny and (args.fp8 or args.candidates):
         ap.error("--skinny is for bf16 weights, without --candidates")
     config, kinds = SHAPES[args.shape]
@@ -184,6 +186,8 @@ def main() -> int:
     load_from(model, DummySource(0, device, full_tensors=False))
     if args.fp8:
         quantize_linears(model)
+    if args.fp8_lm_head:
+        model.lm_head.quantize_fp8()
         for module in model.modules():
             if args.activations and hasattr(module, "activations"):
                 module.activations = args.activations
@@ -203,7 +207,8 @@ def main() -> int:
         del graphs
         return ms
 
-    where = dict(shape=args.shape, weights="fp8" if args.fp8 else "bf16", activations=args.activations, amax_tile=gemv.AMAX_TILE,
+    where = dict(shape=args.shape, weights="fp8" if args.fp8 else "bf16", fp8_lm_head=args.fp8_lm_head,
+                 activations=args.activations, amax_tile=gemv.AMAX_TILE,
                  words=args.words, layers=args.layers, context=c,
                  device=torch.cuda.get_device_name())
     if args.per_kind:

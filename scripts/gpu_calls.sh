@@ -38,6 +38,8 @@
 #                                                        (218 decode rows, 2 x 896 prompt tokens) and a 160-row decode
 #                                                        step by kernel, bf16 and fp8 as served, then fp8 with the MLP
 #                                                        unfused and the epilogue's GEMM at every size (as 6f85a72)
+# fp8head   .whl .gpu                                    #37 single: the LM head in e4m3 too (model.fp8_lm_head), its
+#                                                        step, its GPU tests, bf16 vs fp8 with it served (one run each)
 # fp8single .whl-serve .gpu (TESTS: .whl .gpu)             #37: single stream, bf16 / fp8 (kernels.fp8_words, the default
 #                                                        since 2026-12-05) / fp8 with float32 products
 #                                                        (WORDS="kernels.gemv_shapes=..." the word kernel's shapes)
@@ -59,7 +61,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, spectune, steps1, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, spectune, steps1, fp8head, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -111,6 +113,9 @@ fp8_activations() {  # the fp8 decode step's GEMVs per layer kind: x's absmax (a
 WORD_CANDIDATES="4608x3584:fp8=16/1024/4 4608x3584:fp8=32/1024/8 4608x3584:fp8=8/2048/4 3584x3584:fp8=16/1024/4 \
 3584x3584:fp8=32/1024/8 3584x3584:fp8=8/1024/4 18944x3584:gated:fp8=8/1024/4 18944x3584:gated:fp8=16/1024/8 \
 18944x3584:gated:fp8=8/2048/8 3584x18944:fp8=16/1024/4 3584x18944:fp8=32/1024/8 3584x18944:fp8=16/2048/8"
+# Qwen2-7B's LM head in e4m3 (152,064 x 3,584): the built-in register shape, wider programs, the tensor cores
+HEAD_CANDIDATES="152064x3584:fp8=8/512/4 152064x3584:fp8=16/512/8 152064x3584:fp8=8/1024/4 \
+152064x3584:fp8=32/256/4/3 152064x3584:fp8=64/256/4/3"
 fp8_words() {
   (cd scripts && optional 40 python3 bench_decode_shapes.py --fp8 --per-kind --candidates 4608x3584:fp8=8/512/4) \
     | grep -v Warning | tee -a "$OUT/fp8_words.jsonl"
@@ -202,6 +207,17 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     # (a third server does not fit beside two of three runs each; 8,340 at a70e21d)
     SERVE="$QWEN7B" CASES=c256 TRACE=1 VARIANTS=${KV8_VARIANTS:-"bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3"} \
       optional 300 bash scripts/gpu_run.sh cases ;;
+  fp8head)  # #37 single with the LM head in e4m3 too (model.fp8_lm_head): the decode step with and without it (the
+    # head's shape at a few launch shapes), its GPU tests (SmolLM2's agreement with and without, the head's logits
+    # against the reference), then bf16 against fp8 with the head served, one run each
+    install
+    (cd scripts && optional 40 python3 bench_decode_shapes.py --fp8 --candidates 4608x3584:fp8=8/512/4) \
+      | grep -v Warning | tee -a "$OUT/fp8head_step.jsonl"
+    (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --fp8-lm-head --candidates "$HEAD_CANDIDATES") \
+      | grep -v Warning | tee -a "$OUT/fp8head_step.jsonl"
+    TESTS="tests/gpu/test_fp8.py -k head" RESERVE=300 optional 60 bash scripts/gpu_run.sh tests
+    SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8head:model.quantization=fp8 model.fp8_lm_head=true" \
+      optional 280 bash scripts/gpu_run.sh cases ;;
   fp8single)  # #37's single stream: bf16, fp8 as built in (its GEMVs as words; WORDS: kernels overrides, e.g. the
     # fp8words call's winners as kernels.gemv_shapes), fp8 with float32 products
     install

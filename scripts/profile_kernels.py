@@ -45,8 +45,10 @@ def build(fmt: str, layers: int, cuda: bool, rows: int, shape_name: str = "qwen2
     arch = ModelArch.from_hf_config(shape)
     model = DecoderLM(arch, TpGroup(0, 1, None), device, torch.bfloat16 if cuda else torch.float32, SPAN).eval()
     load_from(model, DummySource(0, device, full_tensors=False))
-    if fmt == "fp8":
+    if fmt in ("fp8", "fp8head"):
         quantize_linears(model)
+    if fmt == "fp8head":  # model.fp8_lm_head
+        model.lm_head.quantize_fp8()
     kv = model.make_kv_cache(rows * SPAN + 1, rows + 1, SPAN)
     kv.req_to_slots[:rows] = torch.arange(rows * SPAN, dtype=torch.int32, device=device).view(rows, SPAN)
     return model, kv
@@ -131,7 +133,8 @@ def main() -> int:
     ap.add_argument("--mixed-rows", type=int, default=64, help="the mixed step's decode rows")
     ap.add_argument("--mixed-prompts", type=int, default=1,
                     help="the mixed step's prompts of --chunk-len tokens (c256's: ~218 rows beside ~1,800 tokens)")
-    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "fp8head"],
+                    help="fp8head: fp8 with the LM head in e4m3 too (model.fp8_lm_head)")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llaunch.kernels.dispatch import linear, lm_head_linear, rmsnorm
+from llaunch.kernels.fp8 import FP8, Fp8Weight, quantize_weight
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """Logits over the vocabulary block of this rank, all-gathered to [N, vocab] float32. Tied to
-    the embedding (shares its weight, so no checkpoint tensor of its own) or its own weight."""
+    the embedding (shares its weight, so no checkpoint tensor of its own) or its own weight; after
+    quantize_fp8 (model.fp8_lm_head) an e4m3 copy with a scale per vocabulary row."""
 
     def __init__(self, name: str, embedding: VocabParallelEmbedding, tied: bool, device, dtype):
         super().__init__()
@@ -174,6 +176,22 @@ class ParallelLMHead(nn.Module):
         self.tp = embedding.tp
         self.weight = None if tied else _param(embedding.weight.shape, device, dtype)
         self.name = name
+        self.register_buffer("qweight", None)  # model.fp8_lm_head: e4m3 [rows, hidden]
+        self.register_buffer("weight_scale", None)  # and a float32 scale per row
+
+    @torch.no_grad()
+    def quantize_fp8(self, rows_at_once: int = 16384) -> None:
+        """The head's weight to e4m3 with a float32 scale per vocabulary row (kernels/fp8.quantize_weight), a block
+        of rows at a time so the float32 copy of only that block is alive. Its own weight's 16-bit copy is freed; a
+        tied embedding keeps its copy for the lookup (the head then holds one byte more a weight)."""
+        weight = self.embedding[0].weight if self.weight is None else self.weight
+        q = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+        scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+        for start in range(0, weight.shape[0], rows_at_once):
+            q[start:start + rows_at_once], scale[start:start + rows_at_once] = quantize_weight(
+                weight[start:start + rows_at_once])
+        self.qweight, self.weight_scale = q, scale
+        self.weight = None
 
     def checkpoint_shards(self) -> dict[str, list[Shard]]:
         if self.weight is None:
@@ -182,7 +200,10 @@ class ParallelLMHead(nn.Module):
         return {"weight": [Shard(f"{self.name}.weight", emb.full_shape, 0, emb.start, emb.size)]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.embedding[0].weight if self.weight is None else self.weight
+        if self.qweight is not None:
+            weight = Fp8Weight(self.qweight, self.weight_scale)
+        else:
+            weight = self.embedding[0].weight if self.weight is None else self.weight
         logits = self.tp.all_gather_last_dim(lm_head_linear(x, weight).float())
         return logits[..., : self.vocab_size]
 

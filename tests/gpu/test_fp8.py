@@ -277,7 +277,9 @@ def test_quantized_qwen2_7b_shape_is_as_close_to_exact_as_e4m3_allows(kernel_set
     assert gap["fp8 GPU"] <= 1.1 * gap["fp8 float32 emulation"], gap
 
 
-def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kernel_settings, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("head", [False, True], ids=["bf16_head", "fp8_head"])  # model.fp8_lm_head
+def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kernel_settings, monkeypatch,  # noqa: F811
+                                                       head):
     """Real weights: SmolLM2 with model.quantization=fp8 (quantized after loading, as the loader does)
     on the 16 chats of test_smollm2_agreement, teacher-forced on transformers bf16's greedy
     continuations, against llaunch bf16, the exact float32 model, and the float32 emulation of the
@@ -294,7 +296,8 @@ def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kern
     emulation's (the two round a few dozen near-tie positions differently, which moves either's
     agreement by about a point both ways: 90.4% vs 90.9% on CPU over 16 chats, 91.8% vs 90.6% over 4);
     and the logits' distance to float32 (mean 1 - cosine, which averages that noise out) within 10%
-    of the emulation's (CPU: 0.0085 vs 0.0087)."""
+    of the emulation's (CPU: 0.0085 vs 0.0087). With `head` the LM head is e4m3 too (model.fp8_lm_head: its tied
+    embedding's rows quantized per row), in every fp8 run and in the emulation."""
     from llaunch.kernels.settings import Backend
     from llaunch.runtime.models import weights
     from llaunch.runtime.models.fp8_linear import Fp8Layer, quantize_linears
@@ -308,6 +311,8 @@ def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kern
     def load_and_quantize(model, source, progress=None):  # llaunch_argmax loads through weights.load_from
         load(model, source, progress)
         quantize_linears(model)
+        if head:
+            model.lm_head.quantize_fp8()
         quantized.append(sum(isinstance(m, Fp8Layer) for m in model.modules()))
 
     monkeypatch.setattr(weights, "load_from", load_and_quantize)
@@ -322,10 +327,16 @@ def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kern
     gpu, wide = (_smollm2(model_dir, cuda, dtype) for dtype in (torch.bfloat16, torch.float32))
     bf16 = scored(gpu)
     quantize_linears(gpu)
+    if head:
+        gpu.lm_head.quantize_fp8()
     fp8_logits = scored(gpu)
     kernel_settings(backend=Backend.reference)  # float32 through the plain-torch ops, on the GPU
     float32 = scored(wide)
     _same_fp8_weights(wide, gpu)
+    if head:
+        wide.lm_head.quantize_fp8()
+        wide.lm_head.qweight.copy_(gpu.lm_head.qweight)
+        wide.lm_head.weight_scale.copy_(gpu.lm_head.weight_scale)
     emulated = scored(wide)
     emulated_top = [t.argmax(-1).tolist() for t in emulated.split([len(c) for c in conts])]
 
@@ -334,12 +345,34 @@ def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kern
            (("fp8 GPU", fp8_logits), ("fp8 float32 emulation", emulated), ("bf16", bf16))}
     agree = {"fp8 GPU (served)": agreement(fp8_top, exact), "fp8 float32 emulation": agreement(emulated_top, exact),
              "bf16 (served)": agreement(bf16_top, exact)}
-    print(json.dumps({"top-1 agreement with transformers float32": {k: round(v, 4) for k, v in agree.items()},
+    print(json.dumps({"fp8 LM head": head, "top-1 agreement with transformers float32": {k: round(v, 4) for k, v in agree.items()},
                       "fp8 vs bf16 logits cos min/mean": [round(x.item(), 4) for x in (to_bf16.min(), to_bf16.mean())],
                       "mean 1-cos to float32": {k: round(v, 5) for k, v in gap.items()}, "positions": to_bf16.numel()}))
     assert to_bf16.mean().item() >= COSINE_MIN
     assert agree["fp8 GPU (served)"] >= agree["fp8 float32 emulation"] - 0.02, agree
     assert gap["fp8 GPU"] <= 1.1 * gap["fp8 float32 emulation"], gap
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])  # batch-1 decode (the fp8 GEMV), a verify step, a decode batch
+def test_fp8_lm_head_logits_are_the_reference_layers(rows):
+    """model.fp8_lm_head on Qwen2-7B's head (152,064 x 3,584, bf16): the logits the head hands the sampler (float32,
+    the GEMV's at one row, the scaled GEMM's at more) against the float32 reference of the same e4m3 weights and the
+    same per-token rounding of x: within two bfloat16 steps of each logit, but where the sum cancels; the same argmax."""
+    from llaunch.runtime.models.layers import ParallelLMHead, TpGroup, VocabParallelEmbedding
+
+    cuda = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    embedding = VocabParallelEmbedding("model.embed_tokens", 152064, 3584, TpGroup(), cuda, torch.bfloat16)
+    head = ParallelLMHead("lm_head", embedding, False, cuda, torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn_like(head.weight) * 0.02)
+    head.quantize_fp8()
+    x = torch.randn(rows, 3584, device=cuda).to(torch.bfloat16)
+    got = head(x)
+    want = reference_linear(x.float(), Fp8Weight(head.qweight, head.weight_scale))
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert ((got - want).abs() <= 2 ** -7 * want.abs() + 2e-3 * want.abs().mean()).all()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def _smollm2(model_dir: str, device: torch.device, dtype: torch.dtype):

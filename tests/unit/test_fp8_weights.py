@@ -123,6 +123,46 @@ def test_quantization_fp8_quantizes_a_float_checkpoint_at_load(checkpoints):
     assert not any(isinstance(m, Fp8Layer) for m in plain.modules())
 
 
+def quantized_at_load_oracle(folder: Path, head: bool):
+    """transformers on `folder`'s weights as model.quantization=fp8 quantizes them at load (per channel, dequantized),
+    each linear's input rounded to e4m3 per token; with `head` the LM head's too (a new weight: a tied embedding keeps
+    its float copy, as llaunch's does)."""
+    from transformers import AutoModelForCausalLM
+
+    from fixtures.fp8_checkpoints import LINEAR, round_to_fp8
+    from llaunch.kernels.fp8 import quantize_weight
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if LINEAR.fullmatch(f"{name}.weight") or (head and name == "lm_head"):
+                q, scale = quantize_weight(m.weight)
+                m.weight = torch.nn.Parameter(q.float() * scale[:, None], requires_grad=False)
+                m.register_forward_pre_hook(lambda m, a: (round_to_fp8(
+                    a[0], (a[0].abs().amax(dim=-1, keepdim=True) / 448).clamp(min=1.0 / (448 * 512))),))
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # Qwen2's own LM head, Llama's tied to the embedding
+def test_fp8_lm_head_quantizes_the_head_per_vocabulary_row(checkpoints, family):
+    _, floats, _ = checkpoints
+    cfg = replace(model_config_from_folder(floats[family]), quantization=WeightQuantization.fp8, fp8_lm_head=True)
+    model = build_model(cfg, device=torch.device("cpu"), dtype=torch.float32)
+    head = model.lm_head
+    assert head.qweight.dtype == FP8 and head.weight is None and head.weight_scale.shape == (head.vocab_size,)
+    assert model.embed_tokens.weight.dtype == torch.float32  # the lookup keeps its float rows
+    oracle, plain_fp8 = (quantized_at_load_oracle(floats[family], head=h) for h in (True, False))
+    assert [llaunch_greedy(model, p, MAX_NEW) for p in PROMPTS] == [hf_greedy(oracle, p, MAX_NEW) for p in PROMPTS]
+    # the logits are the quantized head's: ~1e-7 from its oracle, where the float head's are ~1e-2 away
+    tables = SlotTables(model, max_rows=1, max_len=64)
+    got = model.forward(tables.batch(prefill=[(0, PROMPTS[1])], all_logits=True), tables.kv)
+    with torch.inference_mode():
+        want, float_head = (m(torch.tensor([PROMPTS[1]])).logits[0] for m in (oracle, plain_fp8))
+    scale = max(1.0, want.abs().max().item())
+    assert ((got - want).abs().amax(dim=-1) / scale).median().item() <= 1e-5
+    assert ((float_head - want).abs().amax(dim=-1) / scale).median().item() >= 1e-3
+
+
 @pytest.mark.parametrize("tp, rank, qkv, gate_up", [
     (1, 0, (128, 128), (128, 128)), (2, 1, (128, 128), (128, 128)), (4, 3, (128, 128), (128, 128)),
     (8, 5, (128, 128), (1, 128)),  # 18,944 / 8 = 2,368 rows of gate and of up a rank: 18.5 blocks

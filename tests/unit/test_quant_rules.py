@@ -111,6 +111,20 @@ def test_the_dry_run_shows_fp8_weight_and_kv_bytes(resolved):  # noqa: F811
     assert tokens[1] // 2 == tokens[0]  # the same KV budget holds twice the tokens
 
 
+@pytest.mark.parametrize("profile", ["qwen2-7b", "smollm2-135m"])
+def test_an_fp8_lm_head_frees_an_own_head_and_adds_to_a_tied_one(resolved, profile):  # noqa: F811
+    from llaunch.launcher import memory_plan
+    from llaunch.runtime.models.memory import rank_memory
+
+    base = (f"model={profile}", "model.load_format=dummy", "model.dtype=bfloat16", "model.quantization=fp8")
+    cfg, with_head = resolved(*base), resolved(*base, "model.fp8_lm_head=true")
+    head = cfg.model.vocab_size * cfg.model.hidden_size
+    # Qwen2-7B's own head: 2 bytes a weight become 1; SmolLM2's tied embedding keeps its 2 and the head adds 1
+    assert rank_memory(with_head).weights - rank_memory(cfg).weights == (head if cfg.model.tie_word_embeddings
+                                                                         else -head)
+    assert "(fp8 linears and LM head + bfloat16)" in memory_plan.summary(with_head)
+
+
 # a block-wise fp8 checkpoint's config as transformers writes it: 4 heads of 64 (2 KV), intermediate 512
 WIDE = dict(hidden_size=320, intermediate_size=512, head_dim=64, num_key_value_heads=2)
 

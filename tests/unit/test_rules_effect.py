@@ -36,6 +36,7 @@ EXAMPLES = {
     "cpu_kv": ((), ("cache.max_total_tokens=4096",)),
     "dummy": ((), ("model.load_format=safetensors",)),
     "generates": ((), SCORE),
+    "fp8_weights": (("model.quantization=fp8",), ()),
     "scores": (SCORE, ("model.task=generate",)),  # auto: num_labels on dummy weights makes a score model
     "yes_no": (("model.task=score", "model.score_head=yes_no"), ("model.score_head=linear",)),
     "embeds": (("model.task=embed",), ("model.task=generate",)),
