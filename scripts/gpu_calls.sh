@@ -215,7 +215,7 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
       | grep -v Warning | tee -a "$OUT/fp8head_step.jsonl"
     (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --fp8-lm-head --candidates "$HEAD_CANDIDATES") \
       | grep -v Warning | tee -a "$OUT/fp8head_step.jsonl"
-    TESTS="tests/gpu/test_fp8.py -k head" RESERVE=300 optional 60 bash scripts/gpu_run.sh tests
+    TESTS="tests/gpu/test_fp8.py -k head" optional 60 bash scripts/gpu_run.sh tests
     SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8head:model.quantization=fp8 model.fp8_lm_head=true" \
       optional 280 bash scripts/gpu_run.sh cases ;;
   fp8single)  # #37's single stream: bf16, fp8 as built in (its GEMVs as words; WORDS: kernels overrides, e.g. the
