@@ -343,9 +343,9 @@ def lm_head_linear(x, weight):
     .float(): no cast kernel after it in the decode graph). 2..kernels.skinny_rows rows (a verify step): the skinny
     GEMM (kernels/skinny_gemm.py), in x's dtype. Under kernels.row_invariant a step of up to 16 rows: the GEMV's
     register kernel, each row alike (float32 logits). An e4m3 head (model.fp8_lm_head) is an fp8 layer: the fp8 GEMV at
-    one row, the fp8 GEMMs at more, logits in x's dtype."""
+    one row (float32 logits, as the staged GEMV's), the fp8 GEMMs at more (logits in x's dtype)."""
     if isinstance(weight, fp8.Fp8Weight):
-        return fp8_linear(x, weight)
+        return triton_ops().gemv(x, weight, out_dtype=torch.float32) if _fp8_row(x, weight) else fp8_linear(x, weight)
     if _invariant_rows(x, weight):
         return triton_ops().gemv(x, weight, out_dtype=torch.float32)
     if _one_row(x) and triton_ops().gemv_staged_for(weight):
