@@ -39,7 +39,7 @@
 #                                                        step by kernel, bf16 and fp8 as served, then fp8 with the MLP
 #                                                        unfused and the epilogue's GEMM at every size (as 6f85a72)
 # fp8head   .whl .gpu                                    #37 single: the LM head in e4m3 too (model.fp8_lm_head), its
-#                                                        step, its GPU tests, bf16 vs fp8 with it served (one run each)
+#                                                        step, its GPU tests, bf16 vs fp8 with it served
 # fp8single .whl-serve .gpu (TESTS: .whl .gpu)             #37: single stream, bf16 / fp8 (kernels.fp8_words, the default
 #                                                        since 2026-12-05) / fp8 with float32 products
 #                                                        (WORDS="kernels.gemv_shapes=..." the word kernel's shapes)
@@ -209,7 +209,8 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
       optional 300 bash scripts/gpu_run.sh cases ;;
   fp8head)  # #37 single with the LM head in e4m3 too (model.fp8_lm_head): the decode step with and without it (the
     # head's shape at a few launch shapes), its GPU tests (SmolLM2's agreement with and without, the head's logits
-    # against the reference), then bf16 against fp8 with the head served, one run each
+    # against the reference at the built-in shape and at 64/256/4/3), then bf16 against fp8 with the head served
+    # (built in, and at 64/256/4/3), three runs each (at fe41bbd, H200: 254 s of the call for bf16 and the first)
     install
     (cd scripts && optional 40 python3 bench_decode_shapes.py --fp8 --candidates 4608x3584:fp8=8/512/4) \
       | grep -v Warning | tee -a "$OUT/fp8head_step.jsonl"
