@@ -26,9 +26,11 @@ def test_an_awq_checkpoint_is_refused_at_plan_time(tmp_path):
 
 
 def test_an_fp8_checkpoint_serves_with_an_fp8_kv_cache_and_calibrates(tmp_path_factory, tiny_dirs):
-    """A compressed-tensors fp8 Qwen2 with cache.kv_dtype=fp8_e4m3 and cache.kv_calibration through a
-    real graph: its greedy tokens are the in-process model's (same fp8 layers, same fp8 KV), and the
-    workers write per-layer scales while they serve."""
+    """A compressed-tensors fp8 Qwen2 with cache.kv_dtype=fp8_e4m3, cache.kv_calibration and model.fp8_lm_head
+    through a real graph: its greedy tokens and their logprobs are the in-process model's (same fp8 layers and head,
+    same fp8 KV: the head in bf16 moves a logprob ~1e-2), and the workers write per-layer scales while they serve."""
+    from dataclasses import replace
+
     import time
 
     import torch
@@ -40,6 +42,7 @@ def test_an_fp8_checkpoint_serves_with_an_fp8_kv_cache_and_calibrates(tmp_path_f
     from llaunch.runtime.config import CacheConfig, KvDType
     from llaunch.runtime.models.kv_fp8 import use_fp8_kv
     from llaunch.runtime.models.loader import build_model
+    from fixtures.forward_batches import SlotTables
     from unit.test_fp8_weights import llaunch_greedy
 
     root = tmp_path_factory.mktemp("fp8-served")
@@ -47,12 +50,14 @@ def test_an_fp8_checkpoint_serves_with_an_fp8_kv_cache_and_calibrates(tmp_path_f
     scales = root / "kv.json"
     tokenizer_ids = None
     with start_server(tmp_path_factory, "fp8", ["model=qwen2", f"model.path={root / 'fp8'}", "model.name=fp8",
-                                                "cache.kv_dtype=fp8_e4m3", f"cache.kv_calibration={scales}"]) as server:
+                                                "cache.kv_dtype=fp8_e4m3", f"cache.kv_calibration={scales}",
+                                                "model.fp8_lm_head=true"]) as server:
         api = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         out = api.completions.create(model="fp8", prompt="Once upon a time, in a land far away, there lived",
-                                     max_tokens=10, temperature=0, extra_body={"ignore_eos": True,
-                                                                               "return_token_ids": True})
+                                     max_tokens=10, temperature=0, logprobs=1,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
         served = out.choices[0].model_extra["token_ids"]
+        served_logprobs = out.choices[0].logprobs.token_logprobs
         tokenizer_ids = out.choices[0].model_extra.get("prompt_token_ids")
         deadline = time.monotonic() + 30  # the workers write it within 2 s of the absmax moving
         while not scales.exists() and time.monotonic() < deadline:
@@ -63,9 +68,16 @@ def test_an_fp8_checkpoint_serves_with_an_fp8_kv_cache_and_calibrates(tmp_path_f
 
     prompt = tokenizer_ids or AutoTokenizer.from_pretrained(root / "fp8")(
         "Once upon a time, in a land far away, there lived")["input_ids"]
-    model = build_model(model_config_from_folder(root / "fp8"), device=torch.device("cpu"), dtype=torch.float32)
+    cfg = replace(model_config_from_folder(root / "fp8"), fp8_lm_head=True)
+    model = build_model(cfg, device=torch.device("cpu"), dtype=torch.float32)
     use_fp8_kv(model, CacheConfig(kv_dtype=KvDType.fp8_e4m3))
+    assert model.lm_head.qweight is not None
     assert served == llaunch_greedy(model, prompt, 10)
+    tables = SlotTables(model, max_rows=1, max_len=64)  # decoded as served: each step reads the e4m3 KV before it
+    logits = [model.forward(tables.batch(prefill=[(0, prompt)]), tables.kv)[-1]]
+    logits += [model.forward(tables.batch(decode=[(0, t)]), tables.kv)[-1] for t in served[:-1]]
+    want = [torch.log_softmax(row.float(), dim=-1)[t].item() for row, t in zip(logits, served)]
+    assert max(abs(a - b) for a, b in zip(served_logprobs, want)) <= 1e-4, (served_logprobs, want)
 
 
 def test_a_block_wise_fp8_checkpoint_plans_and_a_tp_that_cuts_its_blocks_exits_2(tmp_path):
