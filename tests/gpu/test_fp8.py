@@ -345,7 +345,8 @@ def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kern
            (("fp8 GPU", fp8_logits), ("fp8 float32 emulation", emulated), ("bf16", bf16))}
     agree = {"fp8 GPU (served)": agreement(fp8_top, exact), "fp8 float32 emulation": agreement(emulated_top, exact),
              "bf16 (served)": agreement(bf16_top, exact)}
-    print(json.dumps({"fp8 LM head": head, "top-1 agreement with transformers float32": {k: round(v, 4) for k, v in agree.items()},
+    print(json.dumps({"fp8 LM head": head,
+                      "top-1 agreement with transformers float32": {k: round(v, 4) for k, v in agree.items()},
                       "fp8 vs bf16 logits cos min/mean": [round(x.item(), 4) for x in (to_bf16.min(), to_bf16.mean())],
                       "mean 1-cos to float32": {k: round(v, 5) for k, v in gap.items()}, "positions": to_bf16.numel()}))
     assert to_bf16.mean().item() >= COSINE_MIN
@@ -363,7 +364,8 @@ HEAD_SHAPES = ["", "152064x3584:fp8=64/256/4/3"]
 def test_fp8_lm_head_logits_are_the_reference_layers(kernel_settings, rows, shape):
     """model.fp8_lm_head on Qwen2-7B's head (152,064 x 3,584, bf16): the logits the head hands the sampler (float32,
     the GEMV's at one row, the scaled GEMM's at more) against the float32 reference of the same e4m3 weights and the
-    same per-token rounding of x: within two bfloat16 steps of each logit, but where the sum cancels; the same argmax."""
+    same per-token rounding of x: within two bfloat16 steps of each logit, but where the sum cancels; the same
+    argmax."""
     from llaunch.runtime.models.layers import ParallelLMHead, TpGroup, VocabParallelEmbedding
 
     kernel_settings(gemv_shapes=shape)
