@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 
 import hydra
 import msgspec
-from hydra.errors import HydraException
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -129,6 +129,8 @@ def unknown_override_keys(overrides) -> list[str]:
 def _composition_error(e: Exception) -> str:
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else None
     text = str(e) or type(e).__name__
+    if isinstance(e, OverrideParseException) and getattr(e, "override", None):
+        return _override_parse_error(e.override, text)
     if tune_sweeper is None and "tune_schema" in f"{text}\n{cause}":
         return "hydra/sweeper=tune needs the tuning extra (Optuna): pip install 'llaunch[tune]'"
     full_key = re.search(r"full_key: (\S+)", f"{text}\n{cause}")
@@ -137,6 +139,16 @@ def _composition_error(e: Exception) -> str:
     if not isinstance(e, HydraException):  # OmegaConf asserts when an override dives into a null group
         text += "\n(overriding a key of an optional group needs the group chosen first, e.g. bench=c64)"
     return f"{text}\n{cause}" if cause is not None and str(cause) not in text else text
+
+
+def _override_parse_error(override: str, text: str) -> str:
+    """Hydra's grammar error names no override; a value holding '=' (kernels.gemv_shapes' NxK=shape) or a character
+    of the grammar parses only quoted whole, inside the shell's quotes."""
+    key, sep, value = override.partition("=")
+    hint = ""
+    if sep and value and not value.startswith(("'", '"')):
+        hint = f"\n(a value holding '=', ':', spaces or brackets is quoted whole: \"{key}='{value}'\")"
+    return f"{text}{hint}" if override in text else f"{override}: {text}{hint}"
 
 
 def _scratch_run_dir(argv: list[str]) -> Optional[str]:

@@ -124,6 +124,11 @@ def test_composition_errors_exit_2_without_a_traceback(tmp_path):
         r = llaunch(tmp_path, override)
         assert r.returncode == 2, (override, r.stderr)
         assert named in r.stderr and "Traceback" not in r.stderr
+    # a value holding '=' parses only quoted: the error names the override and shows it quoted
+    r = llaunch(tmp_path, "kernels.gemv_shapes=152064x3584:fp8=64/256/4/3")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "kernels.gemv_shapes=152064x3584:fp8=64/256/4/3: mismatched input '='" in r.stderr
+    assert "\"kernels.gemv_shapes='152064x3584:fp8=64/256/4/3'\"" in r.stderr
 
 
 def test_big_model_on_eight_gpus_plans_on_a_machine_without_them(tmp_path):
