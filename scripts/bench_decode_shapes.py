@@ -186,11 +186,11 @@ def main() -> int:
     load_from(model, DummySource(0, device, full_tensors=False))
     if args.fp8:
         quantize_linears(model)
-    if args.fp8_lm_head:
-        model.lm_head.quantize_fp8()
         for module in model.modules():
             if args.activations and hasattr(module, "activations"):
                 module.activations = args.activations
+    if args.fp8_lm_head:
+        model.lm_head.quantize_fp8()
     kv = model.make_kv_cache(span + 1, 2, span)
     kv.req_to_slots[0] = torch.arange(span, dtype=torch.int32, device=device)
     kv.req_to_slots[1].fill_(span)
