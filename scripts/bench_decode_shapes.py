@@ -8,7 +8,7 @@ and the whole step is timed, so a shape is judged in the chain of kernels it run
 candidate, then the best per layer kind.
 
     python scripts/bench_decode_shapes.py [--fp8] [--layers 28] [--repeats 50]
-        [--fp8-lm-head] [--tensor-core] [--swap-ab] [--amax-tile N] [--words] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
+        [--fp8-lm-head] [--tensor-core] [--swap-ab] [--amax-tile N] [--no-words] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
     python scripts/bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48 [--skinny]   (--skinny: each kind on the
         tensor cores, kernels.skinny_one_row, instead of the GEMV)
 """
@@ -160,16 +160,17 @@ def main() -> int:
                     help="first each layer kind's GEMVs alone: all layers' chained in a CUDA graph, GB/s")
     ap.add_argument("--activations", default=None, choices=["dynamic", "static", "none"],
                     help="--fp8: every layer's activation mode instead of dynamic (none: x not quantized, a diagnosis)")
-    ap.add_argument("--words", action="store_true",
-                    help="--fp8: the register kernel reads the weights as 32-bit words (kernels.fp8_words) throughout")
+    ap.add_argument("--no-words", dest="words", action="store_false",
+                    help="--fp8: the register kernel converts each e4m3 weight alone (kernels.fp8_words=false; served "
+                         "default: as 32-bit words)")
     ap.add_argument("--candidates", default=None, help="space-separated kernels.gemv_shapes values")
     ap.add_argument("--skinny", action="store_true",
                     help="bf16: each layer kind's one-row products on the tensor cores (kernels.skinny_one_row) at "
                          "several launches (kernels.skinny_shapes) instead of the GEMV's shapes")
     args = ap.parse_args()
-    if (args.tensor_core or args.swap_ab or args.amax_tile or args.activations or args.words
+    if (args.tensor_core or args.swap_ab or args.amax_tile or args.activations or not args.words
             or args.fp8_lm_head) and not args.fp8:
-        ap.error("--tensor-core, --swap-ab, --amax-tile, --activations, --words and --fp8-lm-head are for --fp8")
+        ap.error("--tensor-core, --swap-ab, --amax-tile, --activations, --no-words and --fp8-lm-head are for --fp8")
     if args.skinny and (args.fp8 or args.candidates):
         ap.error("--skinny is for bf16 weights, without --candidates")
     config, kinds = SHAPES[args.shape]

@@ -354,12 +354,12 @@ def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kern
     assert gap["fp8 GPU"] <= 1.1 * gap["fp8 float32 emulation"], gap
 
 
-# the e4m3 head's one-row GEMV: built in (the register kernel), and on the tensor cores at the shape that ran the
-# H200's step fastest (2.678 vs 2.787 ms, fe41bbd)
-HEAD_SHAPES = ["", "152064x3584:fp8=64/256/4/3"]
+# the e4m3 head's one-row GEMV: built in (the tensor cores at 64/256/4/3, the H200's fastest step: 2.678 vs 2.787 ms,
+# fe41bbd), and the register kernel's shape (as GPUs the tensor-core kernel does not take run it)
+HEAD_SHAPES = ["", "152064x3584:fp8=8/512/4"]
 
 
-@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=["built_in", "tensor_cores"])
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=["built_in", "register"])
 @pytest.mark.parametrize("rows", [1, 5, 16])  # batch-1 decode (the fp8 GEMV), a verify step, a decode batch
 def test_fp8_lm_head_logits_are_the_reference_layers(kernel_settings, rows, shape):
     """model.fp8_lm_head on Qwen2-7B's head (152,064 x 3,584, bf16): the logits the head hands the sampler (float32,
