@@ -21,6 +21,7 @@ import triton.language as tl
 
 from llaunch.kernels.e4m3 import quantized, quotient_rn, row_scale
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
+from llaunch.kernels.split_k import k_share
 
 # x's e4m3 values (≤ 448) are multiplied by 2^-8 (a product with a weight ≤ 784), the float32 sums by 2^8; float16
 # sums run over WORD_RUN tiles before float32 takes them (word_dots' RUN)
@@ -84,13 +85,16 @@ def _byte_half(words, shift: tl.constexpr):
 def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr, PDL: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, x_scale=1.0, ROW_SCALE: tl.constexpr = False,
               scale_ub=0.0, HAS_UB: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 1024,
-              INTERPRETED: tl.constexpr = False, RUN: tl.constexpr = WORD_RUN):
+              INTERPRETED: tl.constexpr = False, RUN: tl.constexpr = WORD_RUN, SPLIT: tl.constexpr = 1):
     """row_dots' sums (and x_scale) for e4m3 weights with QUANT_X, K a multiple of 4: w_words points at each
     row's first word (int32), up_offset_words the up rows' distance in words. BLOCK_K columns a tile
-    (BLOCK_K / 4 words)."""
+    (BLOCK_K / 4 words). SPLIT > 1: the sums over this program's share of K alone (split_k.k_share: whole tiles,
+    program_id(1) of SPLIT); x's scale is still its absmax over all of K."""
     W: tl.constexpr = BLOCK_K // 4
-    K4 = K // 4
-    words = tl.arange(0, W)
+    k_begin, k_end = k_share(K, BLOCK_K, SPLIT)
+    w_begin = k_begin // 4
+    K4 = k_end // 4
+    words = w_begin + tl.arange(0, W)
     mask = row_mask[:, None] & (words < K4)[None, :]
     w = tl.load(w_rows_at(w_words, words), mask=mask, other=0, eviction_policy="evict_first")
     up = w
@@ -110,7 +114,8 @@ def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr,
     else:
         half = tl.zeros([BLOCK_N, W], dtype=tl.int32)
         up_half = tl.zeros([BLOCK_N, W], dtype=tl.int32)
-    for w0 in range(0, K4, W):
+    words = tl.arange(0, W)
+    for w0 in range(w_begin, K4, W):
         cols = (w0 + words) * 4
         nxt = w0 + W + words
         mask = row_mask[:, None] & (nxt < K4)[None, :]  # all false after the last tile: no traffic
@@ -137,7 +142,7 @@ def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr,
         w = w_next
         if GATED:
             up = up_next
-        if (w0 // W) % RUN == RUN - 1:  # the run's float16 sums into float32
+        if ((w0 - w_begin) // W) % RUN == RUN - 1:  # the run's float16 sums into float32
             if INTERPRETED:
                 acc += even.to(tl.float32) + odd.to(tl.float32)
                 even = tl.zeros([BLOCK_N, W], dtype=tl.float16)

@@ -21,6 +21,7 @@ from llaunch.kernels import fp8, gemv_fp8, gemv_staged, pdl, settings, skinny_ge
 from llaunch.kernels.fp8 import Fp8Weight
 from llaunch.kernels.e4m3_words import word_dots
 from llaunch.kernels.row_dots import row_dots
+from llaunch.kernels.split_k import arrive, counters
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Under the interpreter (a Python loop per program) few, large programs keep tests fast; the tests
@@ -117,14 +118,15 @@ def staged_for(weight: torch.Tensor) -> bool:
 
 
 @triton.jit(do_not_specialize=["m_rows"])
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride, up_offset, scale_ub, x_stride, out_stride,
-                 m_rows, HAS_SCALE: tl.constexpr, ACT: tl.constexpr, HAS_UB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 X_AHEAD: tl.constexpr, AMAX_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
-                 WORDS: tl.constexpr = False, ROW_GRID: tl.constexpr = False):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_ptr, N, K, w_stride, up_offset, scale_ub,
+                 x_stride, out_stride, m_rows, HAS_SCALE: tl.constexpr, ACT: tl.constexpr, HAS_UB: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, X_AHEAD: tl.constexpr, AMAX_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
+                 WORDS: tl.constexpr = False, ROW_GRID: tl.constexpr = False, SPLIT: tl.constexpr = 1):
     # ROW_GRID (kernels.row_invariant): a program per row of x (m_rows of them, not specialized on: one compiled code
     # for every row count) and tile of outputs, a tile's rows side by side (its weights read once from memory, the
-    # other rows' reads from L2). Else one row, a program a tile.
+    # other rows' reads from L2). Else one row, a program a tile. SPLIT > 1 (WORDS, ungated, one row): K over SPLIT
+    # programs a tile (program_id(1)), their float32 partials added in split order by the tile's last (split_k).
     if ROW_GRID:
         pid = tl.program_id(0)
         tile = pid // m_rows
@@ -142,11 +144,27 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, N, K, w_stride, up
     if WORDS:  # e4m3 weights 4 a word, their products in float16 pairs (kernels/e4m3_words.py)
         w_words = (w_ptr + rows.to(tl.int64) * w_stride).to(tl.pointer_type(tl.int32), bitcast=True)
         y, up_y, x_scale = word_dots(x_ptr, w_words, row_mask, K, up_offset // 4, GATED, PDL, BLOCK_N, BLOCK_K,
-                                     x_scale, ACT == 1, scale_ub, HAS_UB, AMAX_BLOCK, INTERPRETED)
+                                     x_scale, ACT == 1, scale_ub, HAS_UB, AMAX_BLOCK, INTERPRETED, SPLIT=SPLIT)
     else:
         y, up_y, x_scale = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED,
                                     PDL, BLOCK_N, BLOCK_K, X_AHEAD, x_scale, ACT != 0, INTERPRETED, ACT == 1, scale_ub,
                                     HAS_UB, AMAX_BLOCK)
+    last = True
+    if SPLIT > 1:
+        tl.store(part_ptr + tl.program_id(1) * N + rows, y, mask=row_mask)
+        last = arrive(count_ptr, tile, SPLIT)
+        if last:
+            y = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for share in tl.static_range(SPLIT):  # in split order, whoever arrived last
+                y += tl.load(part_ptr + share * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+    if last:
+        _store_rows(y, up_y, x_scale, x_ptr, s_ptr, b_ptr, out_ptr, rows, row_mask, N, HAS_SCALE, HAS_BIAS, GATED)
+
+
+@triton.jit
+def _store_rows(y, up_y, x_scale, x_ptr, s_ptr, b_ptr, out_ptr, rows, row_mask, N, HAS_SCALE: tl.constexpr,
+                HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    """A tile's float32 sums → out: an fp8 layer's scales, the bias, gated: silu(gate) · up."""
     if HAS_SCALE:  # e4m3 weights: each output channel's float32 scale (and the row's) on the float32 sum
         y *= tl.load(s_ptr + rows, mask=row_mask, other=0.0) * x_scale
         if GATED:
@@ -233,15 +251,22 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
                               stages, amax_block(k), 1 if gated else split, swap_ab(weight, n, k, gated, block_n, block_k))
             return out
         block_n, block_k, warps, stages = INTERPRETED_SHAPE if _INTERPRETED else _fp8_register_shape(n, k, gated)
-    _gemv_kernel[(triton.cdiv(n, block_n) * (m if row_grid else 1),)](
+        split = 1  # (the tensor-core shape's split is not the register kernel's)
+    # K split over programs: the register kernel where it reads e4m3 words (an ungated one-row layer), else 1
+    split = split if words and not gated and not row_grid else 1
+    tiles = triton.cdiv(n, block_n)
+    parts = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    counts = counters(x.device, tiles) if split > 1 else out
+    _gemv_kernel[(tiles * (m if row_grid else 1), split)](
         x, weight, layer.scale if layer is not None else x,
-        layer.input_scale if act == ACT_MODES[fp8.STATIC] else x, bias if bias is not None else x, out, n, k,
+        layer.input_scale if act == ACT_MODES[fp8.STATIC] else x, bias if bias is not None else x, out, parts, counts,
+        n, k,
         weight.stride(0), n * weight.stride(0), (layer.scale_ub or 0.0) if layer is not None else 0.0,
         x.stride(0), out.stride(0), m,
         HAS_SCALE=layer is not None, ACT=act, HAS_UB=layer is not None and layer.scale_ub is not None,
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
         X_AHEAD=not gated, AMAX_BLOCK=amax_block(k), INTERPRETED=_INTERPRETED,
-        WORDS=words, ROW_GRID=row_grid, num_warps=warps, launch_pdl=use_pdl)
+        WORDS=words, ROW_GRID=row_grid, SPLIT=split, num_warps=warps, launch_pdl=use_pdl)
     return out
 
 

@@ -166,7 +166,8 @@ class KernelSettings:
 
 def parse_gemv_shapes(text: str) -> dict[tuple[int, int, bool, bool], tuple[int, int, int, int, int]]:
     """`gemv_shapes` as {(N, K, gated, fp8): (BLOCK_N, BLOCK_K, WARPS, STAGES, SPLIT)}; SPLIT (default 1): K over
-    that many programs a tile, for the fp8 tensor-core kernel of an ungated layer (kernels/gemv_fp8.py)."""
+    that many programs a tile, for an ungated e4m3 layer: the tensor-core kernel (kernels/gemv_fp8.py) or the
+    register kernel where it reads the weights as words (kernels.fp8_words; else it takes all of K a program)."""
     shapes = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         try:
@@ -189,9 +190,9 @@ def parse_gemv_shapes(text: str) -> dict[tuple[int, int, bool, bool], tuple[int,
         if stages and (stages < 2 or max(block_n, block_k) > MAX_TMA_BOX or block_k < 16):
             raise ValueError(f"kernels.gemv_shapes: {item!r}: STAGES is 0 or ≥ 2, and the staged kernel (≥ 2) "
                              f"takes blocks of at most {MAX_TMA_BOX} (a TMA box) and BLOCK_K ≥ 16 (16-byte rows)")
-        if split != 1 and (split < 1 or not fp8 or kind == "gated" or stages < 2):
-            raise ValueError(f"kernels.gemv_shapes: {item!r}: SPLIT (≥ 1) is for the fp8 tensor-core kernel (STAGES "
-                             "≥ 2) of an ungated layer: an ':fp8' key without ':gated'")
+        if split != 1 and (split < 1 or not fp8 or kind == "gated"):
+            raise ValueError(f"kernels.gemv_shapes: {item!r}: SPLIT (≥ 1) is for an ungated e4m3 layer (the tensor-core "
+                             "kernel, STAGES ≥ 2, or the register kernel reading words): an ':fp8' key without ':gated'")
         shapes[(n, k, kind == "gated", fp8)] = (block_n, block_k, warps, stages, split)
     return shapes
 

@@ -289,7 +289,6 @@ def test_fp8_swap_ab_from_the_config(kernel_settings):
                                            ("3584x3584=8/256/4/4/2/1", "is not NxK"),
                                            ("3584x3584=8/256/4/4/2", "SPLIT"),  # bf16: no split kernel
                                            ("3584x3584:gated:fp8=8/256/4/4/2", "SPLIT"),
-                                           ("3584x3584:fp8=8/256/4/0/2", "SPLIT"),  # the register kernel
                                            ("3584x3584:fp8=8/256/4/4/0", "SPLIT"),
                                            ("3584x3584:fast=2/4096/8", "':gated' and ':fp8'"),
                                            ("3584x3584:fp8:gated=2/4096/8", "':gated' and ':fp8'")])
@@ -392,17 +391,19 @@ def test_fp8_gated_gemv_interpreted(ops, poisoned, close, fp8_kernel, activation
 
 
 @pytest.mark.parametrize("activations", ["static", "dynamic", "dynamic-ub"])
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("gated, split", [(False, 1), (True, 1), (False, 3), (True, 3), (False, 5)])
 def test_fp8_words_in_bfloat16_within_its_rounding(ops, poisoned, close, kernel_settings, monkeypatch, activations,
-                                                   gated):
+                                                   gated, split):
     """kernels.fp8_words in a bfloat16 model: over a K of 17 tiles (two runs of float16 sums taken into float32, then
     a partial one), ungated x past the static scale's saturation (products at the float16 bound, 784), every output within
     two bfloat16 steps of the exact float32 layer (reference_linear) but where the sum cancels; gated, as close to
-    the reference's bfloat16 SiLU-and-multiply as the float32 products are (the fp8 GEMV tests' tolerance)."""
-    from llaunch.kernels import fp8, gemv
+    the reference's bfloat16 SiLU-and-multiply as the float32 products are (the fp8 GEMV tests' tolerance). K split
+    over 3 programs a tile (6 + 6 + 5 tiles; a gated layer takes all of K) or 5 (4 tiles a share, the last one 1):
+    the same bounds, and the split counters zero after the launch."""
+    from llaunch.kernels import fp8, gemv, split_k
 
     kernel_settings(fp8_words=True)
-    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False: (8, 256, 4, 0, 1))
+    monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False: (8, 256, 4, 0, split))
     k = 17 * 256 - 252
     w = fp8_layer(2 * 24 if gated else 48, k, activations)
     x = ((20 if activations == "static" and not gated else 3) * torch.randn(1, k)).to(torch.bfloat16)
@@ -413,6 +414,7 @@ def test_fp8_words_in_bfloat16_within_its_rounding(ops, poisoned, close, kernel_
         close(out, reference.silu_mul(want.to(torch.bfloat16)))
     else:
         assert ((out.float() - want).abs() <= 2 ** -7 * want.abs() + 2e-3 * want.abs().mean()).all()
+    assert not split_k.counters(x.device, 6).any()
 
 
 @pytest.mark.parametrize("activations, shape", [("none", (16, 64, 4, 2)), ("dynamic", (16, 16, 4, 2))])
@@ -446,19 +448,20 @@ def test_split_k_counters_are_zero_after_each_launch(ops, close, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_pdl", [False, True])
-@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("kernel", ["tensor_cores", "swap_ab", "words"])
 def test_split_k_fp8_gemv_replays_in_a_cuda_graph(cuda, close, captured, monkeypatch, kernel_settings, with_pdl,
-                                                  swap_ab):
-    """Qwen2-7B's down_proj as the split tensor-core kernel, chained twice in a captured graph as a decode step
-    launches it (with PDL: each launch's programs wait for the previous one before touching the counters); and with
-    both layers' weights by TMA as the MMA's A operand (kernels.fp8_swap_ab)."""
+                                                  kernel):
+    """Qwen2-7B's down_proj with K split 4 ways, chained twice in a captured graph as a decode step launches it
+    (with PDL: each launch's programs wait for the previous one before touching the counters): on the tensor cores,
+    with both layers' weights by TMA as the MMA's A operand (kernels.fp8_swap_ab), and on the register kernel reading
+    words (kernels.fp8_words)."""
     from llaunch.kernels import fp8, gemv
 
+    shape = {"tensor_cores": (32, 256, 4, 3, 4), "swap_ab": (64, 256, 4, 3, 4), "words": (32, 1024, 8, 0, 4)}[kernel]
     monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False:
-                        (64 if swap_ab else 32, 256, 4, 3, 4)
-                        if fp8 else (2, 1024, 4, 0, 1))
-    if swap_ab:
-        kernel_settings(fp8_swap_ab=["3584x18944", "18944x3584"])
+                        shape if fp8 else (2, 1024, 4, 0, 1))
+    kernel_settings(fp8_words=kernel == "words",
+                    fp8_swap_ab=["3584x18944", "18944x3584"] if kernel == "swap_ab" else [])
     first, second = fp8_layer(3584, 18944, "dynamic", cuda), fp8_layer(18944, 3584, "dynamic", cuda)
     x = (3 * torch.randn(1, 18944, device=cuda)).to(torch.bfloat16)
 
