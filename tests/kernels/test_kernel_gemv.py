@@ -68,7 +68,8 @@ def test_x_one_tile_ahead_gives_the_same_sums(ops, gated):
     outs = []
     for ahead in (False, True):
         out = torch.empty(1, n, dtype=x.dtype)
-        gemv._gemv_kernel[(triton.cdiv(n, 16),)](x, w, x, x, x, out, n, 300, w.stride(0), n * w.stride(0), 0.0, 300, n, 1,
+        gemv._gemv_kernel[(triton.cdiv(n, 16),)](x, w, x, x, x, out, out, out, n, 300, w.stride(0), n * w.stride(0),
+                                                 0.0, 300, n, 1,
                                                  HAS_SCALE=False, ACT=0, HAS_UB=False, HAS_BIAS=False, GATED=gated,
                                                  PDL=0, BLOCK_N=16, BLOCK_K=64, X_AHEAD=ahead, AMAX_BLOCK=256, INTERPRETED=True,
                                                  num_warps=4)
