@@ -216,12 +216,12 @@ def main() -> int:
         per_kind(model, args.repeats)
     base = step_ms({})
     print(json.dumps(dict(kind="built-in", shapes="", ms=round(base, 4), **where)), flush=True)
-    candidates = ([("given", dict(gemv_shapes=s)) for s in args.candidates.split()] if args.candidates
+    named = {key: kind for kind, key in kinds.items()}  # a given candidate of one shape: its layer kind
+    candidates = ([(named.get(s.split("=")[0].removesuffix(":fp8"), "given"), dict(gemv_shapes=s))
+                   for s in args.candidates.split()] if args.candidates
                   else skinny_grid(kinds) if args.skinny else grid(kinds, args.tensor_core, args.fp8))
     if args.swap_ab:
-        named = {key: kind for kind, key in KINDS.items()}  # a given candidate of one shape: its layer kind
-        candidates = swapped([(named.get(o["gemv_shapes"].split("=")[0].removesuffix(":fp8"), kind), o)
-                              for kind, o in candidates], KINDS)
+        candidates = swapped(candidates, KINDS)
     best: dict[str, tuple[float, dict]] = {}
     for kind, overrides in candidates:
         try:

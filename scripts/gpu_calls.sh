@@ -37,6 +37,8 @@
 #                                                        (218 decode rows, 2 x 896 prompt tokens) and a 160-row decode
 #                                                        step by kernel, bf16 and fp8 as served, then fp8 with the MLP
 #                                                        unfused and the epilogue's GEMM at every size (as 6f85a72)
+# fp8tune   .whl-serve                                   #37 single: fp8_layers' sweep, then bf16 / fp8 / fp8 at the
+#                                                        sweep's winners served
 # fp8head   .whl .gpu                                    #37 single: the LM head in e4m3 too (model.fp8_lm_head), its
 #                                                        step, its GPU tests, bf16 vs fp8 with it served
 # fp8single .whl-serve .gpu (TESTS: .whl .gpu)             #37: single stream, bf16 / fp8 (kernels.fp8_words, the default
@@ -60,7 +62,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, spectune, steps1, fp8head, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, spectune, steps1, fp8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -231,6 +233,17 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8head:model.quantization=fp8 model.fp8_lm_head=true|fp8head64:\
 model.quantization=fp8 model.fp8_lm_head=true kernels.gemv_shapes='152064x3584:fp8=64/256/4/3'" \
       optional 280 bash scripts/gpu_run.sh cases ;;
+  fp8tune)  # #37 single: fp8_layers' sweep (each kind's best launch shape kept, then combined), then bf16, fp8 as
+    # built in and fp8 with the sweep's shapes served, three runs each (~85 s a server)
+    install
+    fp8_layers
+    TUNED=$(python3 -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+print(next((r["serve"].replace("\"", "\x27") for r in rows if r.get("kind") == "summary" and "serve" in r), ""))' \
+      "$OUT/fp8_layers.jsonl")
+    echo "the sweep's shapes: ${TUNED:-none better than built in}"
+    SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8:model.quantization=fp8${TUNED:+|fp8tuned:model.quantization=fp8 $TUNED}" \
+      optional 260 bash scripts/gpu_run.sh cases ;;
   fp8single)  # #37's single stream: bf16, fp8 as built in (its GEMVs as words; WORDS: kernels overrides, e.g. the
     # fp8words call's winners as kernels.gemv_shapes), fp8 with float32 products
     install
