@@ -191,8 +191,9 @@ def parse_gemv_shapes(text: str) -> dict[tuple[int, int, bool, bool], tuple[int,
             raise ValueError(f"kernels.gemv_shapes: {item!r}: STAGES is 0 or ≥ 2, and the staged kernel (≥ 2) "
                              f"takes blocks of at most {MAX_TMA_BOX} (a TMA box) and BLOCK_K ≥ 16 (16-byte rows)")
         if split != 1 and (split < 1 or not fp8 or kind == "gated"):
-            raise ValueError(f"kernels.gemv_shapes: {item!r}: SPLIT (≥ 1) is for an ungated e4m3 layer (the tensor-core "
-                             "kernel, STAGES ≥ 2, or the register kernel reading words): an ':fp8' key without ':gated'")
+            raise ValueError(f"kernels.gemv_shapes: {item!r}: SPLIT (≥ 1) is for an ungated e4m3 layer (the "
+                             "tensor-core kernel, STAGES ≥ 2, or the register kernel reading words): an ':fp8' key "
+                             "without ':gated'")
         shapes[(n, k, kind == "gated", fp8)] = (block_n, block_k, warps, stages, split)
     return shapes
 

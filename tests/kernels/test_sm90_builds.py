@@ -181,6 +181,68 @@ def test_split_k_fp8_gemv_counts_arrivals_after_its_partials_and_reads_theirs_fr
     assert len(partial_loads) == 4 and min(partial_loads) > atoms[0]
 
 
+_COMPILE_WORDS = r"""
+import importlib, inspect, json, os, subprocess, tempfile, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+gemv = importlib.import_module("llaunch.kernels.gemv")
+
+fn = gemv._gemv_kernel
+dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+out = {}
+# the e4m3 register kernel reading words (kernels.fp8_words, dynamic x) at the built-in shapes of Qwen2-7B's qkv
+# (8/512/4), o_proj (16/512/8) and down_proj (32/1024/8), and with K split 2 and 4 ways
+for block_n, block_k, warps, split in ((8, 512, 4, 1), (8, 512, 4, 2), (16, 512, 8, 1), (16, 512, 8, 2),
+                                       (32, 1024, 8, 1), (32, 1024, 8, 4)):
+    constexprs = dict(HAS_SCALE=True, ACT=1, HAS_UB=False, HAS_BIAS=False, GATED=False, PDL=1, BLOCK_N=block_n,
+                      BLOCK_K=block_k, X_AHEAD=True, AMAX_BLOCK=1024, INTERPRETED=False, WORDS=True, ROW_GRID=False,
+                      SPLIT=split)
+    names = list(inspect.signature(fn.fn).parameters)
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32", "b_ptr": "*bf16",
+             "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "scale_ub": "fp32"}
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n in ("N", "K")}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([dump, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
+    line = next(l for l in usage.splitlines() if "REG:" in l)
+    fields = dict(f.split(":") for f in line.split() if ":" in f and f.split(":")[0].isupper())
+    out[f"{block_n}/{block_k}/{warps}/{split}"] = dict(ptx=kernel.asm["ptx"], regs=int(fields["REG"]),
+                                                        local=int(fields["LOCAL"]), stack=int(fields["STACK"]))
+print(json.dumps(out))
+"""
+
+
+def test_split_fp8_word_gemv_builds_keep_their_registers_and_count_arrivals_after_their_partials(sm90_compile):
+    """The e4m3 register kernel reading words (kernels.fp8_words) for sm90 at Qwen2-7B's built-in shapes and with K
+    split (SPLIT with STAGES 0): no spills (no local memory or stack: a spill would put the weight tiles in flight
+    through memory), a split build within 8 registers a thread of the whole-K one (the programs an SM holds stay as
+    gpu_calls.sh's candidates count them); split, one thread takes the tile's counter (acquire-release at GPU scope)
+    after the program's partials are stored and the last program reads the shares past L1 (ld.global.cg); unsplit,
+    no atomics."""
+    builds = sm90_compile(_COMPILE_WORDS)
+    assert len(builds) == 6
+    for name, build in builds.items():
+        assert build["local"] == 0 and build["stack"] == 0, (name, build["local"], build["stack"])
+        split = int(name.split("/")[-1])
+        whole = builds[name.rsplit("/", 1)[0] + "/1"]
+        assert build["regs"] <= whole["regs"] + 8, (name, build["regs"], whole["regs"])
+        lines = build["ptx"].splitlines()
+        atoms = [i for i, line in enumerate(lines) if "atom." in line]
+        if split == 1:
+            assert not atoms, name
+            continue
+        assert [lines[i].split()[1] for i in atoms] == ["atom.global.gpu.acq_rel.add.u32",
+                                                        "atom.global.gpu.relaxed.exch.b32"], name
+        assert all(lines[i].lstrip().startswith("@%p") for i in atoms), name  # predicated: one thread of the program
+        assert any("st.global" in line for line in lines[:atoms[0]]), name
+        partial_loads = [i for i, line in enumerate(lines) if "ld.global.cg" in line]
+        assert partial_loads and min(partial_loads) > atoms[0], name
+
+
 _COMPILE_SWAP = r'''
 import importlib, inspect, json, triton
 from triton.backends.compiler import GPUTarget
