@@ -3,9 +3,10 @@ once and the speed is the weight-read bandwidth.
 
 cuBLAS picks split-K plus a separate reduce kernel for the narrow outputs (o_proj, down_proj) and
 reaches 2.8–3.8 TB/s on them; here each program owns BLOCK_N whole output rows and walks all of K,
-so there is no reduce and no second kernel. `gated=True` reads the gate and up rows of a fused
-gate‖up weight side by side and writes silu(gate) * up: the MLP's SiLU kernel and the round trip of
-its 2I-wide input disappear. A launch shape with STAGES ≥ 2 runs the TMA-staged kernel instead
+so there is no reduce and no second kernel (but for an e4m3 layer's launch shape with a SPLIT: there
+a tile's last program adds the others' partial sums, kernels/split_k.py). `gated=True` reads the gate
+and up rows of a fused gate‖up weight side by side and writes silu(gate) * up: the MLP's SiLU kernel
+and the round trip of its 2I-wide input disappear. A launch shape with STAGES ≥ 2 runs the TMA-staged kernel instead
 (gemv_staged.py), which only the vocabulary-sized LM head takes by default.
 """
 from __future__ import annotations
@@ -40,7 +41,8 @@ def launch_shape(n: int, k: int, gated: bool, fp8: bool = False,
                  words: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, STAGES, SPLIT) for a shape (of e4m3 weights where fp8; `words`: the register
     kernel would read them as words, kernels.fp8_words). SPLIT: K over that
-    many programs a tile (the tensor-core fp8 kernel of an ungated layer; 1 elsewhere). STAGES 0: the register
+    many programs a tile (an ungated e4m3 layer on the tensor-core kernel or the register one reading words; 1
+    elsewhere). STAGES 0: the register
     kernel here (for the LM head, called through dispatch.lm_head_linear: cuBLAS); ≥ 2: the TMA-staged
     kernel (gemv_staged.py) with that pipeline depth, for e4m3 weights the tensor-core kernel (gemv_fp8.py).
     Fixed, not autotuned: the block sizes set the summation order, and a timing-dependent pick could make
