@@ -22,7 +22,7 @@ from llaunch.kernels import fp8, gemv_fp8, gemv_staged, pdl, settings, skinny_ge
 from llaunch.kernels.fp8 import Fp8Weight
 from llaunch.kernels.e4m3_words import word_dots
 from llaunch.kernels.row_dots import row_dots
-from llaunch.kernels.split_k import arrive, counters
+from llaunch.kernels.split_k import added_shares, counters
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Under the interpreter (a Python loop per program) few, large programs keep tests fast; the tests
@@ -153,12 +153,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_pt
                                     HAS_UB, AMAX_BLOCK)
     last = True
     if SPLIT > 1:
-        tl.store(part_ptr + tl.program_id(1) * N + rows, y, mask=row_mask)
-        last = arrive(count_ptr, tile, SPLIT)
-        if last:
-            y = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for share in tl.static_range(SPLIT):  # in split order, whoever arrived last
-                y += tl.load(part_ptr + share * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+        y, last = added_shares(y, part_ptr + rows, N, row_mask, count_ptr, tile, SPLIT)
     if last:
         _store_rows(y, up_y, x_scale, x_ptr, s_ptr, b_ptr, out_ptr, rows, row_mask, N, HAS_SCALE, HAS_BIAS, GATED)
 

@@ -35,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from llaunch.kernels.e4m3 import quantized, row_scale
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
-from llaunch.kernels.split_k import arrive, counters, k_share
+from llaunch.kernels.split_k import added_shares, counters, k_share
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
@@ -113,12 +113,7 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, coun
         up_sum = tl.sum(up_acc, axis=0)
     last = True
     if SPLIT > 1:  # (never GATED: gemv_fp8 refuses it) the partial sums, then the tile's last program adds them
-        tl.store(part_ptr + tl.program_id(1) * N + rows, y, mask=row_mask)
-        last = arrive(count_ptr, tile, SPLIT)
-        if last:
-            y = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for split in tl.static_range(SPLIT):  # in split order, whoever arrived last
-                y += tl.load(part_ptr + split * N + rows, mask=row_mask, other=0.0, cache_modifier=".cg")
+        y, last = added_shares(y, part_ptr + rows, N, row_mask, count_ptr, tile, SPLIT)
     if last:
         _epilogue(y, up_sum, x_ptr, s_ptr, b_ptr, out_ptr, rows, row_mask, N, x_scale, HAS_BIAS, GATED)
 

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from llaunch.kernels import pdl, settings
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
-from llaunch.kernels.split_k import arrive, counters, k_share
+from llaunch.kernels.split_k import added_shares, counters, k_share
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 16  # an MMA's smallest M
@@ -106,12 +106,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x
     last = True
     if SPLIT > 1:  # (never GATED: skinny_gemm refuses it) the partial sums, then the tile's last program adds them
         parts = part_ptr + m[:, None] * N + rows[None, :]  # [SPLIT, 16, N] float32
-        tl.store(parts + tl.program_id(1) * 16 * N, acc, mask=out_mask)
-        last = arrive(count_ptr, tile, SPLIT)
-        if last:
-            acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-            for split in tl.static_range(SPLIT):  # in split order, whoever arrived last
-                acc += tl.load(parts + split * 16 * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+        acc, last = added_shares(acc, parts, 16 * N, out_mask, count_ptr, tile, SPLIT)
     if last:
         y = acc
         if HAS_BIAS:

@@ -50,3 +50,17 @@ def arrive(count_ptr, tile, SPLIT: tl.constexpr):
     if last:
         tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
     return last
+
+
+@triton.jit
+def added_shares(acc, parts, share_stride, mask, count_ptr, tile, SPLIT: tl.constexpr):
+    """Stores this program's partial sums `acc` (float32) at `parts` (share 0's pointers, a share `share_stride`
+    elements further each), counts its arrival at `tile`, and returns (the shares' sum in split order, whoever arrived
+    last: the same bits whatever the order of arrival; whether this program came last and so owns the tile's output)."""
+    tl.store(parts + tl.program_id(1) * share_stride, acc, mask=mask)
+    last = arrive(count_ptr, tile, SPLIT)
+    total = tl.zeros_like(acc)
+    if last:
+        for share in tl.static_range(SPLIT):
+            total += tl.load(parts + share * share_stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return total, last

@@ -13,7 +13,7 @@
 # spectune  .whl                                         #38: SmolLM2's decode and verify steps under
 #                                                        kernels.row_invariant, one GEMV launch shape varied at a time
 # changed   .whl .gpu                                    the GPU tests of what changed since the last green suite, then
-#                                                        fp8mixed's profiles (when a whole suite does not fit)
+#                                                        the fp8 step's layer kinds (when a whole suite does not fit)
 # fp8words  .whl                                         #37's fp8 decode step with kernels.fp8_words against without
 #                                                        (per layer kind, and each kind on the word kernel's shapes)
 # moe       .whl-serve .gpu                              #40: the qwen3-30b-a3b decode step per launch shape of its
@@ -170,15 +170,16 @@ case $NAME in
     install
     ri_sweep ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
-    # suite (0eafbd5; since: the row grid's LM head shape, the norm applying o_proj's and down_proj's fp8 scales),
-    # then fp8_mixed
+    # suite (b54cba2; since: split_k.added_shares, the split-K reduce of the word GEMV, gemv_fp8 and skinny_gemm), then
+    # the fp8 step's layer kinds as built in (TB/s each)
     [ -d .whl ] || { echo "changed: carry .whl (the full wheelhouse), not .whl-serve"; exit 2; }
     install
-    TESTS="tests/kernels/test_kernel_fp8_norm_epilogue.py tests/kernels/test_kernel_rmsnorm.py
-      tests/kernels/test_kernel_rotary.py tests/kernels/test_kernel_rmsnorm_quantized.py
-      tests/kernels/test_kernel_gemv.py tests/gpu/test_fp8.py tests/gpu/test_spec_decode_gpu.py" \
+    TESTS="tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_skinny_gemm.py tests/kernels/test_kernel_fp8_rows.py
+      tests/kernels/test_kernel_fp8_block.py tests/gpu/test_fp8.py tests/gpu/test_verify_graphs_gpu.py
+      tests/gpu/test_mixed_graphs_gpu.py tests/gpu/test_spec_decode_gpu.py" \
       bash scripts/gpu_run.sh tests
-    fp8_mixed ;;
+    (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --per-kind) | grep -v Warning \
+      | tee "$OUT/fp8_per_kind.jsonl" ;;
   fp8mixed)
     install
     fp8_mixed ;;
