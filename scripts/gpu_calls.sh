@@ -13,7 +13,7 @@
 # spectune  .whl                                         #38: SmolLM2's decode and verify steps under
 #                                                        kernels.row_invariant, one GEMV launch shape varied at a time
 # changed   .whl .gpu                                    the GPU tests of what changed since the last green suite, then
-#                                                        the fp8 step's layer kinds (when a whole suite does not fit)
+#                                                        fp8_layers' sweep (when a whole suite does not fit)
 # fp8words  .whl                                         #37's fp8 decode step with kernels.fp8_words against without
 #                                                        (per layer kind, and each kind on the word kernel's shapes)
 # moe       .whl-serve .gpu                              #40: the qwen3-30b-a3b decode step per launch shape of its
@@ -171,15 +171,14 @@ case $NAME in
     ri_sweep ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
     # suite (b54cba2; since: split_k.added_shares, the split-K reduce of the word GEMV, gemv_fp8 and skinny_gemm), then
-    # the fp8 step's layer kinds as built in (TB/s each)
+    # fp8_layers' sweep (the fp8 step's layer kinds as built in and at other launch shapes, TB/s each)
     [ -d .whl ] || { echo "changed: carry .whl (the full wheelhouse), not .whl-serve"; exit 2; }
     install
     TESTS="tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_skinny_gemm.py tests/kernels/test_kernel_fp8_rows.py
       tests/kernels/test_kernel_fp8_block.py tests/gpu/test_fp8.py tests/gpu/test_verify_graphs_gpu.py
       tests/gpu/test_mixed_graphs_gpu.py tests/gpu/test_spec_decode_gpu.py" \
       bash scripts/gpu_run.sh tests
-    (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --per-kind) | grep -v Warning \
-      | tee "$OUT/fp8_per_kind.jsonl" ;;
+    fp8_layers ;;
   fp8mixed)
     install
     fp8_mixed ;;
@@ -271,8 +270,7 @@ $TUNED}|fp8head:model.quantization=fp8 model.fp8_lm_head=true ${TUNED:-}" option
       | grep -v Warning | tee "$OUT/step1_qwen2_7b.txt"
     (cd scripts && optional 150 python3 profile_kernels.py --shape qwen3-30b-a3b --layers 48 --formats bf16 --rows 1 \
       --chunk-len 0 --top 24) | grep -v Warning | tee "$OUT/step1_qwen3_30b_a3b.txt"
-    (cd scripts && optional 60 python3 bench_decode_shapes.py --fp8 --per-kind) | grep -v Warning \
-      | tee "$OUT/fp8_per_kind.jsonl" ;;
+    fp8_layers ;;
   final37)  # #37 on an H200, bf16 in the same call: fp8 weights single >= 1.6x and c256 >= 1.4x, fp8 KV c256 >= 1.0x
     # (no trace or profile: ~20 s of install, then ~170 s a server, 120 of them for fp8 weights)
     install
