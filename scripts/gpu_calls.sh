@@ -237,18 +237,19 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8head:model.quantization=fp8 model.fp8_lm_head=true|fp8head64:\
 model.quantization=fp8 model.fp8_lm_head=true kernels.gemv_shapes='152064x3584:fp8=64/256/4/3'" \
       optional 280 bash scripts/gpu_run.sh cases ;;
-  fp8tune)  # #37 single: fp8_layers' sweep (each kind's best launch shape kept, then combined), then bf16, fp8 as
-    # built in and fp8 with the sweep's shapes served, three runs each (~85 s a server; the fourth where time is left)
+  fp8tune)  # #37 single: fp8_layers' sweep (each kind's best launch shape kept, then combined), then bf16, fp8 with the
+    # e4m3 head (model.fp8_lm_head) at the sweep's shapes, and fp8 at them without the head served, three runs each
+    # (~85 s a server; the third where time is left). TESTS: GPU tests first (carry .whl instead of .whl-serve)
     install
+    if [ -n "${TESTS:-}" ]; then optional 100 timeout 140 bash scripts/gpu_run.sh tests; fi
     fp8_layers
     TUNED=$(python3 -c 'import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 print(next((r["serve"].replace("\"", "\x27") for r in rows if r.get("kind") == "summary" and "serve" in r), ""))' \
       "$OUT/fp8_layers.jsonl")
     echo "the sweep's shapes: ${TUNED:-none better than built in}"
-    # then with the e4m3 head too (model.fp8_lm_head; its tensor-core shape built in since 1fc0f07, not yet served)
-    SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8:model.quantization=fp8${TUNED:+|fp8tuned:model.quantization=fp8 \
-$TUNED}|fp8head:model.quantization=fp8 model.fp8_lm_head=true ${TUNED:-}" optional 260 bash scripts/gpu_run.sh cases ;;
+    SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8head:model.quantization=fp8 model.fp8_lm_head=true ${TUNED:-}|\
+fp8${TUNED:+tuned}:model.quantization=fp8 ${TUNED:-}" optional 260 bash scripts/gpu_run.sh cases ;;
   fp8single)  # #37's single stream: bf16, fp8 as built in (its GEMVs as words; WORDS: kernels overrides, e.g. the
     # fp8words call's winners as kernels.gemv_shapes), fp8 with float32 products
     install
