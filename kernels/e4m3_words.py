@@ -7,7 +7,9 @@ each byte out of the loaded vector and packs pairs back together for the e4m3x2 
 loop spends ~9 instructions a weight a thread (8/512/4, dynamic x), and on the H200 the register kernel read
 qkv's and o_proj's weights at 1.7 TB/s, half the bf16 GEMV's bytes a second on the same shapes. Here a word's
 two halves go straight to `cvt.rn.f16x2.e4m3x2` and each pair of products is one `fma.rn.f16x2` (4
-instructions for 4 weights; the loop ~5 a weight a thread at 8/512/4, ~4 at 16/1024/4). Both factors are e4m3
+instructions for 4 weights; built as launched, the strides multiples of 16, the sm90 loop at 8/512/4 is 116
+instructions a tile a thread, 3.6 a weight: two 128-bit weight loads, 16 conversions, 16 FMAs, the rest x's
+quantization, shared between threads through shared memory, 4 barriers a tile). Both factors are e4m3
 values (x's after its scale, times 2^-8 so that no product passes 784), so a product is exact in float16 (but
 for float16's subnormals, below 2^-14); float16 sums run over at most WORD_RUN tiles (2 products a lane a tile:
 ≤ 2 · 8 · 784, far from 65,504) before float32 takes them.

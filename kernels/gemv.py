@@ -77,7 +77,8 @@ def _fp8_launch_shape(n: int, k: int, gated: bool, words: bool) -> tuple[int, in
         return 32, 256, 4, 3, 1
     if n >= 65536:  # an e4m3 LM head (model.fp8_lm_head): Qwen2-7B's step 2.678 ms against 2.787 at 8/512/4
         return 64, 256, 4, 3, 1  # (H200, fe41bbd, bench_decode_shapes --fp8 --fp8-lm-head; 32/256/4/3 2.692)
-    if k > 2 * n:  # a down_proj: few output tiles over a long K
+    if k > 2 * n:  # a down_proj: few output tiles over a long K (32/1024/8 as words: 210 sm90 registers, one
+        # program an SM, Qwen2-7B's 112 on 132 SMs; gpu_calls.sh fp8tune sweeps shapes of 2-12 an SM)
         return (32, 1024, 8, 0, 1) if words else (64, 256, 4, 3, 8)
     return (*_fp8_register_shape(n, k, gated), 1)
 

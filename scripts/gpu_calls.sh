@@ -141,14 +141,16 @@ fp8_mixed() {
 # #37 single (fp8 1.385x bf16 served on an H200, 1.6x wanted: ~2.30 ms a step against 2.65): the fp8 step as served
 # (words) with each layer kind's GEMVs chained alone (TB/s; at c5b6b5d, without words: qkv 1.72, o_proj 1.63, gate|up
 # 3.52, down 2.71), then the register kernel's shapes around the built-in ones, K split over 2 programs a tile
-# (SPLIT with STAGES 0). Programs an SM holds by their sm90 registers (words, bf16 x, built as launched; split 2 the
-# same within 4): 32/1024/8 146 registers, 1; 16/1024/8 64, 4; 16/512/8 74, 3; 8/1024/4 66, 7; 8/512/4 40, 12;
-# 4/1024/4 40, 12; 8/256/4 48, 10. Built in: qkv 8/512/4 (576 programs), o_proj 16/512/8 (224 of 396 places),
-# down_proj 32/1024/8 (112 on 132 SMs)
-LAYER_CANDIDATES="3584x18944:fp8=16/1024/8 3584x18944:fp8=8/1024/4 3584x18944:fp8=4/1024/4 \
-3584x18944:fp8=8/1024/4/0/2 3584x18944:fp8=16/1024/8/0/2 3584x18944:fp8=32/1024/8/0/2 3584x3584:fp8=8/512/4 \
-3584x3584:fp8=8/512/4/0/2 3584x3584:fp8=8/256/4/0/2 3584x3584:fp8=4/1024/4 3584x3584:fp8=4/512/4/0/2 \
-4608x3584:fp8=8/512/4/0/2 4608x3584:fp8=4/1024/4 4608x3584:fp8=8/256/4/0/2 4608x3584:fp8=4/512/4/0/2"
+# (SPLIT with STAGES 0). Programs an SM holds by their sm90 registers (words, bf16 x, built as launched: the strides
+# specialized as multiples of 16, so the weights load 128 bits at a time; until 2026-12-07 these counts came from
+# builds without, 40-146 registers, and 7 of the 15 candidates then chosen took more than one wave): 32/1024/8 210 registers, 1;
+# 16/1024/8 100, 2; 16/512/8 70, 3; 8/1024/4 96, 5; 8/512/4 64 (split 2: 59), 8; 4/1024/4 64, 8; 4/512/4 48, 10;
+# 8/256/4 split 2 40, 12. Built in: qkv 8/512/4 (576 programs of 1,056 places), o_proj 16/512/8 (224 of 396),
+# down_proj 32/1024/8 (112 on 132 SMs: 20 idle). Each candidate fits its programs in one wave
+LAYER_CANDIDATES="3584x18944:fp8=16/1024/8 3584x18944:fp8=8/1024/4 3584x18944:fp8=4/1024/4 3584x18944:fp8=8/512/4 \
+3584x18944:fp8=8/512/4/0/2 3584x18944:fp8=8/256/4/0/2 3584x3584:fp8=8/512/4 3584x3584:fp8=8/512/4/0/2 \
+3584x3584:fp8=8/256/4/0/2 3584x3584:fp8=4/1024/4 3584x3584:fp8=8/1024/4 4608x3584:fp8=8/256/4/0/2 \
+4608x3584:fp8=8/1024/4 4608x3584:fp8=16/512/8 4608x3584:fp8=4/512/4"
 fp8_layers() {
   (cd scripts && optional 70 timeout 150 python3 bench_decode_shapes.py --fp8 --per-kind \
     --candidates "$LAYER_CANDIDATES") \

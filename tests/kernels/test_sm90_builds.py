@@ -155,7 +155,9 @@ for split in (1, 4):
     types = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32",
              "scale_ub": "fp32"}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n in ("N", "K")}
+    # the launcher's specialization (Qwen2-7B's ints, strides included, are multiples of 16)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n][0] == "*" or n in ("N", "K", "w_stride", "up_offset", "x_stride", "out_stride")}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     out[f"split={split}"] = dict(shared=kernel.metadata.shared, ptx=kernel.asm["ptx"])
@@ -201,7 +203,10 @@ for block_n, block_k, warps, split in ((8, 512, 4, 1), (8, 512, 4, 2), (16, 512,
     types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32", "b_ptr": "*bf16",
              "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "scale_ub": "fp32"}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n in ("N", "K")}
+    # the launcher's specialization: Qwen2-7B's ints are multiples of 16 (the strides too: without them the weight
+    # loads compile to 32-bit words, not 128-bit, and the registers differ: 8/512/4 40 instead of 64)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n][0] == "*" or n in ("N", "K", "w_stride", "up_offset", "x_stride", "out_stride")}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -260,7 +265,9 @@ for block_n, block_k, stages, split, gated in ((64, 256, 3, 2, False), (64, 128,
     types = {"w_ptr": f"tensordesc<fp8e4nv[{block_n}, {block_k}]>", "s_ptr": "*fp32", "xs_ptr": "*fp32",
              "part_ptr": "*fp32", "count_ptr": "*i32", "scale_ub": "fp32"}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n in ("N", "K")}
+    # the launcher's specialization (Qwen2-7B's ints, strides included, are multiples of 16)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n][0] == "*" or n in ("N", "K", "w_stride", "up_offset", "x_stride", "out_stride")}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
     out[f"{block_n}/{block_k}/{stages}/{split}{'/gated' if gated else ''}"] = dict(shared=kernel.metadata.shared,
