@@ -37,8 +37,9 @@
 #                                                        (218 decode rows, 2 x 896 prompt tokens) and a 160-row decode
 #                                                        step by kernel, bf16 and fp8 as served, then fp8 with the MLP
 #                                                        unfused and the epilogue's GEMM at every size (as 6f85a72)
-# fp8tune   .whl-serve                                   #37 single: fp8_layers' sweep, then bf16 / fp8 / fp8 at the
-#                                                        sweep's winners served
+# fp8tune   .whl-serve (TESTS: .whl)                      #37 single: GPU tests where TESTS names them, fp8_layers'
+#                                                        sweep, then bf16 / fp8 + e4m3 head / fp8 at the sweep's
+#                                                        winners served
 # fp8head   .whl .gpu                                    #37 single: the LM head in e4m3 too (model.fp8_lm_head), its
 #                                                        step, its GPU tests, bf16 vs fp8 with it served
 # fp8single .whl-serve .gpu (TESTS: .whl .gpu)             #37: single stream, bf16 / fp8 (kernels.fp8_words, the default
@@ -143,9 +144,9 @@ fp8_mixed() {
 # 3.52, down 2.71), then the register kernel's shapes around the built-in ones, K split over 2 programs a tile
 # (SPLIT with STAGES 0). Programs an SM holds by their sm90 registers (words, bf16 x, built as launched: the strides
 # specialized as multiples of 16, so the weights load 128 bits at a time; until 2026-12-07 these counts came from
-# builds without, 40-146 registers, and 7 of the 15 candidates then chosen took more than one wave): 32/1024/8 210 registers, 1;
-# 16/1024/8 100, 2; 16/512/8 70, 3; 8/1024/4 96, 5; 8/512/4 64 (split 2: 59), 8; 4/1024/4 64, 8; 4/512/4 48, 10;
-# 8/256/4 split 2 40, 12. Built in: qkv 8/512/4 (576 programs of 1,056 places), o_proj 16/512/8 (224 of 396),
+# builds without, 40-146 registers, and 7 of the 15 candidates then chosen took more than one wave):
+# 32/1024/8 210 registers, 1; 16/1024/8 100, 2; 16/512/8 70, 3; 8/1024/4 96, 5; 8/512/4 64 (split 2: 59), 8;
+# 4/1024/4 64, 8; 4/512/4 48, 10; 8/256/4 split 2 40, 12. Built in: qkv 8/512/4 (576 programs of 1,056 places), o_proj 16/512/8 (224 of 396),
 # down_proj 32/1024/8 (112 on 132 SMs: 20 idle). Each candidate fits its programs in one wave
 LAYER_CANDIDATES="3584x18944:fp8=16/1024/8 3584x18944:fp8=8/1024/4 3584x18944:fp8=4/1024/4 3584x18944:fp8=8/512/4 \
 3584x18944:fp8=8/512/4/0/2 3584x18944:fp8=8/256/4/0/2 3584x3584:fp8=8/512/4 3584x3584:fp8=8/512/4/0/2 \
@@ -176,8 +177,8 @@ case $NAME in
     # fp8_layers' sweep (the fp8 step's layer kinds as built in and at other launch shapes, TB/s each)
     [ -d .whl ] || { echo "changed: carry .whl (the full wheelhouse), not .whl-serve"; exit 2; }
     install
-    TESTS="tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_skinny_gemm.py tests/kernels/test_kernel_fp8_rows.py
-      tests/kernels/test_kernel_fp8_block.py tests/gpu/test_fp8.py tests/gpu/test_verify_graphs_gpu.py
+    TESTS="tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_skinny_gemm.py
+      tests/kernels/test_kernel_fp8_rows.py tests/kernels/test_kernel_fp8_block.py tests/gpu/test_fp8.py tests/gpu/test_verify_graphs_gpu.py
       tests/gpu/test_mixed_graphs_gpu.py tests/gpu/test_spec_decode_gpu.py" \
       bash scripts/gpu_run.sh tests
     fp8_layers ;;
