@@ -147,7 +147,7 @@ fp8_mixed() {
 # builds without, 40-146 registers, and 7 of the 15 candidates then chosen took more than one wave):
 # 32/1024/8 210 registers, 1; 16/1024/8 100, 2; 16/512/8 70, 3; 8/1024/4 96, 5; 8/512/4 64 (split 2: 59), 8;
 # 4/1024/4 64, 8; 4/512/4 48, 10; 8/256/4 split 2 40, 12. Built in: qkv 8/512/4 (576 programs of 1,056 places),
-# o_proj 16/512/8 (224 of 396), down_proj 32/1024/8 (112 on 132 SMs: 20 idle). Each candidate fits its programs in one wave
+# o_proj 16/512/8 (224 of 396), down_proj 32/1024/8 (112 on 132 SMs: 20 idle). Each candidate fits one wave
 LAYER_CANDIDATES="3584x18944:fp8=16/1024/8 3584x18944:fp8=8/1024/4 3584x18944:fp8=4/1024/4 3584x18944:fp8=8/512/4 \
 3584x18944:fp8=8/512/4/0/2 3584x18944:fp8=8/256/4/0/2 3584x3584:fp8=8/512/4 3584x3584:fp8=8/512/4/0/2 \
 3584x3584:fp8=8/256/4/0/2 3584x3584:fp8=4/1024/4 3584x3584:fp8=8/1024/4 4608x3584:fp8=8/256/4/0/2 \
