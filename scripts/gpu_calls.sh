@@ -146,12 +146,14 @@ fp8_mixed() {
 # specialized as multiples of 16, so the weights load 128 bits at a time; until 2026-12-07 these counts came from
 # builds without, 40-146 registers, and 7 of the 15 candidates then chosen took more than one wave):
 # 32/1024/8 210 registers, 1; 16/1024/8 100, 2; 16/512/8 70, 3; 8/1024/4 96, 5; 8/512/4 64 (split 2: 59), 8;
-# 4/1024/4 64, 8; 4/512/4 48, 10; 8/256/4 split 2 40, 12. Built in: qkv 8/512/4 (576 programs of 1,056 places),
-# o_proj 16/512/8 (224 of 396), down_proj 32/1024/8 (112 on 132 SMs: 20 idle). Each candidate fits one wave
+# 4/1024/4 64, 8; 4/512/4 48, 10; 8/256/4 split 2 40, 12; gated gate|up as words (the tensor cores' 32/256/4/3 built
+# in): 8/256/4 62, 8; 4/512/4 59, 8; 8/512/4 94, 5. Built in: qkv 8/512/4 (576 programs of 1,056 places),
+# o_proj 16/512/8 (224 of 396), down_proj 32/1024/8 (112 on 132 SMs: 20 idle). Each ungated candidate fits one wave
 LAYER_CANDIDATES="3584x18944:fp8=16/1024/8 3584x18944:fp8=8/1024/4 3584x18944:fp8=4/1024/4 3584x18944:fp8=8/512/4 \
 3584x18944:fp8=8/512/4/0/2 3584x18944:fp8=8/256/4/0/2 3584x3584:fp8=8/512/4 3584x3584:fp8=8/512/4/0/2 \
 3584x3584:fp8=8/256/4/0/2 3584x3584:fp8=4/1024/4 3584x3584:fp8=8/1024/4 4608x3584:fp8=8/256/4/0/2 \
-4608x3584:fp8=8/1024/4 4608x3584:fp8=16/512/8 4608x3584:fp8=4/512/4"
+4608x3584:fp8=8/1024/4 4608x3584:fp8=16/512/8 4608x3584:fp8=4/512/4 \
+18944x3584:gated:fp8=8/256/4 18944x3584:gated:fp8=4/512/4 18944x3584:gated:fp8=8/512/4"
 fp8_layers() {
   (cd scripts && optional 70 timeout 150 python3 bench_decode_shapes.py --fp8 --per-kind \
     --candidates "$LAYER_CANDIDATES") \
