@@ -125,7 +125,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_pt
                  x_stride, out_stride, m_rows, HAS_SCALE: tl.constexpr, ACT: tl.constexpr, HAS_UB: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, X_AHEAD: tl.constexpr, AMAX_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
-                 WORDS: tl.constexpr = False, ROW_GRID: tl.constexpr = False, SPLIT: tl.constexpr = 1):
+                 WORDS: tl.constexpr = False, ROW_GRID: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+                 L2_AHEAD: tl.constexpr = 0):
     # ROW_GRID (kernels.row_invariant): a program per row of x (m_rows of them, not specialized on: one compiled code
     # for every row count) and tile of outputs, a tile's rows side by side (its weights read once from memory, the
     # other rows' reads from L2). Else one row, a program a tile. SPLIT > 1 (WORDS, ungated, one row): K over SPLIT
@@ -147,7 +148,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_pt
     if WORDS:  # e4m3 weights 4 a word, their products in float16 pairs (kernels/e4m3_words.py)
         w_words = (w_ptr + rows.to(tl.int64) * w_stride).to(tl.pointer_type(tl.int32), bitcast=True)
         y, up_y, x_scale = word_dots(x_ptr, w_words, row_mask, K, up_offset // 4, GATED, PDL, BLOCK_N, BLOCK_K,
-                                     x_scale, ACT == 1, scale_ub, HAS_UB, AMAX_BLOCK, INTERPRETED, SPLIT=SPLIT)
+                                     x_scale, ACT == 1, scale_ub, HAS_UB, AMAX_BLOCK, INTERPRETED, SPLIT=SPLIT,
+                                     L2_AHEAD=L2_AHEAD)
     else:
         y, up_y, x_scale = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED,
                                     PDL, BLOCK_N, BLOCK_K, X_AHEAD, x_scale, ACT != 0, INTERPRETED, ACT == 1, scale_ub,
@@ -252,6 +254,9 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
         split = 1  # (the tensor-core shape's split is not the register kernel's)
     # K split over programs: the register kernel where it reads e4m3 words (an ungated one-row layer), else 1
     split = split if words and not gated and not row_grid else 1
+    # kernels.fp8_l2_prefetch: the word kernel asks the L2 for tiles ahead (a Hopper bulk prefetch of 16-byte rows)
+    l2_ahead = (settings.current.fp8_l2_prefetch if words and not _INTERPRETED and weight.stride(0) % 16 == 0
+                and weight.data_ptr() % 16 == 0 and pdl.hopper_or_later(x.device.index or 0) else 0)
     tiles = triton.cdiv(n, block_n)
     parts = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
     counts = counters(x.device, tiles) if split > 1 else out
@@ -264,7 +269,7 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
         HAS_SCALE=layer is not None, ACT=act, HAS_UB=layer is not None and layer.scale_ub is not None,
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
         X_AHEAD=not gated, AMAX_BLOCK=amax_block(k), INTERPRETED=_INTERPRETED,
-        WORDS=words, ROW_GRID=row_grid, SPLIT=split, num_warps=warps, launch_pdl=use_pdl)
+        WORDS=words, ROW_GRID=row_grid, SPLIT=split, L2_AHEAD=l2_ahead, num_warps=warps, launch_pdl=use_pdl)
     return out
 
 

@@ -9,6 +9,7 @@ candidate, then the best per layer kind.
 
     python scripts/bench_decode_shapes.py [--fp8] [--layers 28] [--repeats 50]
         [--fp8-lm-head] [--tensor-core] [--swap-ab] [--amax-tile N] [--no-words] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
+        (a candidate `set:KEY=VALUE` times one other kernels setting for every kind, e.g. set:fp8_l2_prefetch=4)
     python scripts/bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48 [--skinny]   (--skinny: each kind on the
         tensor cores, kernels.skinny_one_row, instead of the GEMV)
 """
@@ -78,7 +79,17 @@ def merged(overrides: list[dict]) -> dict:
 def serve_args(overrides: dict) -> str:
     """The llaunch overrides that serve these settings."""
     return " ".join(f"kernels.{k}=[{','.join(v)}]" if isinstance(v, list) else f'kernels.{k}="{v}"'
-                    for k, v in overrides.items())
+                    if isinstance(v, str) else f"kernels.{k}={str(v).lower()}" for k, v in overrides.items())
+
+
+def candidate(text: str, named: dict[str, str]) -> tuple[str, dict]:
+    """(layer kind, kernel settings) of a --candidates item: a kernels.gemv_shapes value (its shape's kind), or
+    `set:KEY=VALUE`, one other kernels setting (an int, true / false or a string) for every kind at once."""
+    if text.startswith("set:"):
+        key, _, value = text.removeprefix("set:").partition("=")
+        parsed = int(value) if value.lstrip("-").isdigit() else {"true": True, "false": False}.get(value, value)
+        return key, {key: parsed}
+    return named.get(text.split("=")[0].removesuffix(":fp8"), "given"), dict(gemv_shapes=text)
 
 
 def grid(kinds: dict[str, str], tensor_core: bool, fp8: bool) -> list[tuple[str, dict]]:
@@ -163,7 +174,8 @@ def main() -> int:
     ap.add_argument("--no-words", dest="words", action="store_false",
                     help="--fp8: the register kernel converts each e4m3 weight alone (kernels.fp8_words=false; served "
                          "default: as 32-bit words)")
-    ap.add_argument("--candidates", default=None, help="space-separated kernels.gemv_shapes values")
+    ap.add_argument("--candidates", default=None,
+                    help="space-separated kernels.gemv_shapes values, or set:KEY=VALUE for another kernels setting")
     ap.add_argument("--skinny", action="store_true",
                     help="bf16: each layer kind's one-row products on the tensor cores (kernels.skinny_one_row) at "
                          "several launches (kernels.skinny_shapes) instead of the GEMV's shapes")
@@ -217,8 +229,7 @@ def main() -> int:
     base = step_ms({})
     print(json.dumps(dict(kind="built-in", shapes="", ms=round(base, 4), **where)), flush=True)
     named = {key: kind for kind, key in kinds.items()}  # a given candidate of one shape: its layer kind
-    candidates = ([(named.get(s.split("=")[0].removesuffix(":fp8"), "given"), dict(gemv_shapes=s))
-                   for s in args.candidates.split()] if args.candidates
+    candidates = ([candidate(s, named) for s in args.candidates.split()] if args.candidates
                   else skinny_grid(kinds) if args.skinny else grid(kinds, args.tensor_core, args.fp8))
     if args.swap_ab:
         candidates = swapped(candidates, KINDS)

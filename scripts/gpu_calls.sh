@@ -149,13 +149,15 @@ fp8_mixed() {
 # 4/1024/4 64, 8; 4/512/4 48, 10; 8/256/4 split 2 40, 12; gated gate|up as words (the tensor cores' 32/256/4/3 built
 # in): 8/256/4 62, 8; 4/512/4 59, 8; 8/512/4 94, 5. Built in: qkv 8/512/4 (576 programs of 1,056 places),
 # o_proj 16/512/8 (224 of 396), down_proj 32/1024/8 (112 on 132 SMs: 20 idle). Each ungated candidate fits one wave
+# (sm90 registers of the L2 asks, kernels.fp8_l2_prefetch: 8/512/4 64 -> 68, 16/512/8 70 -> 75, 32/1024/8 210)
 LAYER_CANDIDATES="3584x18944:fp8=16/1024/8 3584x18944:fp8=8/1024/4 3584x18944:fp8=4/1024/4 3584x18944:fp8=8/512/4 \
 3584x18944:fp8=8/512/4/0/2 3584x18944:fp8=8/256/4/0/2 3584x3584:fp8=8/512/4 3584x3584:fp8=8/512/4/0/2 \
 3584x3584:fp8=8/256/4/0/2 3584x3584:fp8=4/1024/4 3584x3584:fp8=8/1024/4 4608x3584:fp8=8/256/4/0/2 \
 4608x3584:fp8=8/1024/4 4608x3584:fp8=16/512/8 4608x3584:fp8=4/512/4 \
-18944x3584:gated:fp8=8/256/4 18944x3584:gated:fp8=4/512/4 18944x3584:gated:fp8=8/512/4"
+18944x3584:gated:fp8=8/256/4 18944x3584:gated:fp8=4/512/4 18944x3584:gated:fp8=8/512/4 \
+set:fp8_l2_prefetch=2 set:fp8_l2_prefetch=4 set:fp8_l2_prefetch=8"
 fp8_layers() {
-  (cd scripts && optional 70 timeout 150 python3 bench_decode_shapes.py --fp8 --per-kind \
+  (cd scripts && optional 70 timeout 210 python3 bench_decode_shapes.py --fp8 --per-kind \
     --candidates "$LAYER_CANDIDATES") \
     | grep -v Warning | tee -a "$OUT/fp8_layers.jsonl"
 }

@@ -477,6 +477,35 @@ def test_split_k_fp8_gemv_replays_in_a_cuda_graph(cuda, close, captured, monkeyp
         close(ops.linear(x, first), fp8.reference_linear(x.float(), first).to(torch.bfloat16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer, shape", [("qkv", None), ("down", (32, 1024, 8, 0, 1)), ("down", (8, 512, 4, 0, 2)),
+                                          ("gate_up", (8, 256, 4, 0, 1)), ("odd", (8, 64, 4, 0, 1))])
+def test_fp8_word_gemv_l2_prefetch_changes_no_bit_gpu(cuda, captured, monkeypatch, kernel_settings, layer, shape):
+    """kernels.fp8_l2_prefetch only asks the L2 for bytes the word kernel then loads: Qwen2-7B's qkv (built in),
+    down_proj (whole, and K split in 2), gate‖up as words, and 37 rows of 528 columns in tiles of 64 (a last tile
+    of 16 columns, one 16-byte unit a row) give the bits they give without it at every distance, eager and replayed
+    in a graph with PDL."""
+    from llaunch.kernels import gemv
+
+    n, k, gated = {"qkv": (4608, 3584, False), "down": (3584, 18944, False), "gate_up": (18944, 3584, True),
+                   "odd": (37, 528, False)}[layer]
+    if shape is not None:
+        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False: shape)
+    w = fp8_layer(2 * n if gated else n, k, "dynamic", cuda)
+    x = (3 * torch.randn(1, k, device=cuda)).to(torch.bfloat16)
+
+    def run():
+        return ops.gated_linear(x, w) if gated else ops.linear(x, w)
+    kernel_settings(fp8_words=True, fp8_l2_prefetch=0)
+    without = run()
+    for ahead in (1, 4, 32):
+        kernel_settings(fp8_words=True, fp8_l2_prefetch=ahead)
+        assert torch.equal(run(), without), ahead
+        graph, out = captured(run, True)
+        graph.replay()
+        assert torch.equal(out, without), ahead
+
+
 def test_fp8_gemv_quantizes_the_row():
     """The quantization is not a no-op at these inputs: without it the product is another one (so the
     tests above would see a GEMV that skipped it)."""

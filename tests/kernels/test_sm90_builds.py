@@ -192,13 +192,11 @@ gemv = importlib.import_module("llaunch.kernels.gemv")
 fn = gemv._gemv_kernel
 dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 out = {}
-# the e4m3 register kernel reading words (kernels.fp8_words, dynamic x) at the built-in shapes of Qwen2-7B's qkv
-# (8/512/4), o_proj (16/512/8) and down_proj (32/1024/8), and with K split 2 and 4 ways
-for block_n, block_k, warps, split in ((8, 512, 4, 1), (8, 512, 4, 2), (16, 512, 8, 1), (16, 512, 8, 2),
-                                       (32, 1024, 8, 1), (32, 1024, 8, 4)):
+# the e4m3 register kernel reading words (kernels.fp8_words, dynamic x) at BLOCK_N/BLOCK_K/WARPS/SPLIT/L2_AHEAD
+for block_n, block_k, warps, split, l2_ahead in SHAPES:
     constexprs = dict(HAS_SCALE=True, ACT=1, HAS_UB=False, HAS_BIAS=False, GATED=False, PDL=1, BLOCK_N=block_n,
                       BLOCK_K=block_k, X_AHEAD=True, AMAX_BLOCK=1024, INTERPRETED=False, WORDS=True, ROW_GRID=False,
-                      SPLIT=split)
+                      SPLIT=split, L2_AHEAD=l2_ahead)
     names = list(inspect.signature(fn.fn).parameters)
     types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32", "b_ptr": "*bf16",
              "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "scale_ub": "fp32"}
@@ -215,8 +213,8 @@ for block_n, block_k, warps, split in ((8, 512, 4, 1), (8, 512, 4, 2), (16, 512,
         usage = subprocess.run([dump, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
     line = next(l for l in usage.splitlines() if "REG:" in l)
     fields = dict(f.split(":") for f in line.split() if ":" in f and f.split(":")[0].isupper())
-    out[f"{block_n}/{block_k}/{warps}/{split}"] = dict(ptx=kernel.asm["ptx"], regs=int(fields["REG"]),
-                                                        local=int(fields["LOCAL"]), stack=int(fields["STACK"]))
+    out[f"{block_n}/{block_k}/{warps}/{split}" + (f"/l2={l2_ahead}" if l2_ahead else "")] = dict(
+        ptx=kernel.asm["ptx"], regs=int(fields["REG"]), local=int(fields["LOCAL"]), stack=int(fields["STACK"]))
 print(json.dumps(out))
 """
 
@@ -228,7 +226,9 @@ def test_split_fp8_word_gemv_builds_keep_their_registers_and_count_arrivals_afte
     gpu_calls.sh's candidates count them); split, one thread takes the tile's counter (acquire-release at GPU scope)
     after the program's partials are stored and the last program reads the shares past L1 (ld.global.cg); unsplit,
     no atomics."""
-    builds = sm90_compile(_COMPILE_WORDS)
+    # Qwen2-7B's built-in shapes: qkv (8/512/4), o_proj (16/512/8) and down_proj (32/1024/8), and K split 2 and 4 ways
+    builds = sm90_compile("SHAPES = ((8, 512, 4, 1, 0), (8, 512, 4, 2, 0), (16, 512, 8, 1, 0), (16, 512, 8, 2, 0), "
+                          "(32, 1024, 8, 1, 0), (32, 1024, 8, 4, 0))\n" + _COMPILE_WORDS)
     assert len(builds) == 6
     for name, build in builds.items():
         assert build["local"] == 0 and build["stack"] == 0, (name, build["local"], build["stack"])
@@ -387,3 +387,25 @@ def test_activation_quantizers_divide_once_a_row_by_its_own_scale(sm90_compile):
         # the conversion saturates for the clamp, which the dividing build keeps (min.xorsign.abs a value)
         assert "xorsign" not in own and "cvt.rn.satfinite.e4m3x2.f32" in own, kernel
         assert clipped.count("div.rn.f32") >= per_thread and "xorsign" in clipped, kernel
+
+
+def test_fp8_word_gemv_asks_the_l2_for_tiles_ahead_with_one_bulk_prefetch_a_row(sm90_compile):
+    """kernels.fp8_l2_prefetch (L2_AHEAD) in the word kernel's sm90 builds at qkv's and down_proj's shapes, whole and
+    split: bulk L2 prefetches (cp.async.bulk.prefetch.L2, no registers held for the bytes asked), the first before
+    the PDL wait (weights no earlier kernel writes) and one in the loop, each predicated (one thread a row); no spills
+    and within 8 registers of the build without (the programs an SM holds stay about the same); none without it."""
+    shapes = [(8, 512, 4, 1, 0), (8, 512, 4, 1, 4), (8, 512, 4, 2, 4), (32, 1024, 8, 1, 0), (32, 1024, 8, 1, 8)]
+    builds = sm90_compile(f"SHAPES = {tuple(shapes)!r}\n" + _COMPILE_WORDS)
+    assert len(builds) == len(shapes)
+    for name, build in builds.items():
+        lines = build["ptx"].splitlines()
+        asks = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]
+        if "l2=" not in name:
+            assert not asks, name
+            continue
+        assert build["local"] == 0 and build["stack"] == 0, (name, build["local"], build["stack"])
+        without = builds[name.split("/")[0] + "/" + name.split("/")[1] + "/" + name.split("/")[2] + "/1"]
+        assert build["regs"] <= without["regs"] + 8, (name, build["regs"], without["regs"])
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        assert min(asks) < wait < max(asks), name
+        assert all(lines[i].lstrip().startswith("@p") for i in asks), name
