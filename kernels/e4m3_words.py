@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from llaunch.kernels.e4m3 import quantized, quotient_rn, row_scale
+from llaunch.kernels.l2_prefetch import ask_l2
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 from llaunch.kernels.split_k import k_share
 
@@ -39,26 +40,6 @@ _FMA_WORD = tl.constexpr("""{
     fma.rn.f16x2 $0, a, $2, $4;
     fma.rn.f16x2 $0, b, $3, $0;
 }""")
-
-
-# Ask the L2 for a row's next bytes (sm90 cp.async.bulk.prefetch.L2: one instruction a row, no registers held for
-# them) where $1 is not 0; $0 is a dummy output (an asm has one)
-_L2_PREFETCH = tl.constexpr("""{
-    .reg .pred p;
-    setp.ne.b32 p, $1, 0;
-    @p cp.async.bulk.prefetch.L2.global [$2], $3;
-    mov.b32 $0, 0;
-}""")
-
-
-@triton.jit
-def _ask_l2(w_words, first, count, row_mask, K4):
-    """Ask the L2 for `count` words of each row from word `first` on (those before K4; whole 16-byte units): a bulk
-    prefetch a row ([BLOCK_N] row pointers, each row's held by one warp: one uniform instruction there)."""
-    nbytes = tl.minimum(count, K4 - first) * 4 // 16 * 16
-    issue = (row_mask & (nbytes > 0)).to(tl.int32)
-    tl.inline_asm_elementwise(_L2_PREFETCH, "=r,r,l,r", [issue, w_words + first, tl.zeros_like(issue) + nbytes],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -112,10 +93,7 @@ def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr,
     """row_dots' sums (and x_scale) for e4m3 weights with QUANT_X, K a multiple of 4: w_words points at each
     row's first word (int32), up_offset_words the up rows' distance in words. BLOCK_K columns a tile
     (BLOCK_K / 4 words). SPLIT > 1: the sums over this program's share of K alone (split_k.k_share: whole tiles,
-    program_id(1) of SPLIT); x's scale is still its absmax over all of K. L2_AHEAD > 0 (kernels.fp8_l2_prefetch;
-    rows 16-byte aligned, sm90): the L2 is asked for the tiles up to L2_AHEAD past the one loaded next, the first
-    of them before the PDL wait (the weights no earlier kernel writes), so that a program's serial tile loads wait
-    on the L2 and not on memory."""
+    program_id(1) of SPLIT); x's scale is still its absmax over all of K. L2_AHEAD: as row_dots'."""
     W: tl.constexpr = BLOCK_K // 4
     k_begin, k_end = k_share(K, BLOCK_K, SPLIT)
     w_begin = k_begin // 4
@@ -127,10 +105,10 @@ def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr,
     up = w
     if GATED:
         up = tl.load(w_rows_at(w_words + up_offset_words, words), mask=mask, other=0, eviction_policy="evict_first")
-    if L2_AHEAD > 1 and not INTERPRETED:  # tiles 2..L2_AHEAD (tile 1 is the loop's first load, the rest its asks)
-        _ask_l2(w_words, w_begin + 2 * W, (L2_AHEAD - 1) * W, row_mask, K4)
+    if L2_AHEAD > 1:  # tiles 2..L2_AHEAD (tile 1 is the loop's first load, the rest its asks)
+        ask_l2(w_words, w_begin + 2 * W, (L2_AHEAD - 1) * W, row_mask, K4, 4)
         if GATED:
-            _ask_l2(w_words + up_offset_words, w_begin + 2 * W, (L2_AHEAD - 1) * W, row_mask, K4)
+            ask_l2(w_words + up_offset_words, w_begin + 2 * W, (L2_AHEAD - 1) * W, row_mask, K4, 4)
     wait_for_previous_kernel(PDL)
     if ROW_SCALE:
         x_scale = row_scale(x_ptr, K, scale_ub, HAS_UB, AMAX_BLOCK)
@@ -154,10 +132,10 @@ def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr,
         if GATED:
             up_next = tl.load(w_rows_at(w_words + up_offset_words, nxt), mask=mask, other=0,
                               eviction_policy="evict_first")
-        if L2_AHEAD > 0 and not INTERPRETED:  # the tile L2_AHEAD past the next one
-            _ask_l2(w_words, w0 + (1 + L2_AHEAD) * W, W, row_mask, K4)
+        if L2_AHEAD > 0:  # the tile L2_AHEAD past the next one
+            ask_l2(w_words, w0 + (1 + L2_AHEAD) * W, W, row_mask, K4, 4)
             if GATED:
-                _ask_l2(w_words + up_offset_words, w0 + (1 + L2_AHEAD) * W, W, row_mask, K4)
+                ask_l2(w_words + up_offset_words, w0 + (1 + L2_AHEAD) * W, W, row_mask, K4, 4)
         x0, x1, x2, x3 = _x_columns(x_ptr, cols, K, x_scale, x_rcp, INTERPRETED)
         if INTERPRETED:
             x0, x1, x2, x3 = x0[None, :], x1[None, :], x2[None, :], x3[None, :]

@@ -153,7 +153,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_pt
     else:
         y, up_y, x_scale = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED,
                                     PDL, BLOCK_N, BLOCK_K, X_AHEAD, x_scale, ACT != 0, INTERPRETED, ACT == 1, scale_ub,
-                                    HAS_UB, AMAX_BLOCK)
+                                    HAS_UB, AMAX_BLOCK, L2_AHEAD)
     last = True
     if SPLIT > 1:
         y, last = added_shares(y, part_ptr + rows, N, row_mask, count_ptr, tile, SPLIT)
@@ -254,9 +254,10 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
         split = 1  # (the tensor-core shape's split is not the register kernel's)
     # K split over programs: the register kernel where it reads e4m3 words (an ungated one-row layer), else 1
     split = split if words and not gated and not row_grid else 1
-    # kernels.fp8_l2_prefetch: the word kernel asks the L2 for tiles ahead (a Hopper bulk prefetch of 16-byte rows)
-    l2_ahead = (settings.current.fp8_l2_prefetch if words and not _INTERPRETED and weight.stride(0) % 16 == 0
-                and weight.data_ptr() % 16 == 0 and pdl.hopper_or_later(x.device.index or 0) else 0)
+    # kernels.gemv_l2_prefetch: the L2 asked for tiles ahead (a Hopper bulk prefetch a row: rows 16-byte aligned)
+    l2_ahead = (settings.current.gemv_l2_prefetch if not _INTERPRETED and not row_grid
+                and weight.stride(0) * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0
+                and pdl.hopper_or_later(x.device.index or 0) else 0)
     tiles = triton.cdiv(n, block_n)
     parts = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
     counts = counters(x.device, tiles) if split > 1 else out
