@@ -255,9 +255,10 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
     # K split over programs: the register kernel where it reads e4m3 words (an ungated one-row layer), else 1
     split = split if words and not gated and not row_grid else 1
     # kernels.gemv_l2_prefetch: the L2 asked for tiles ahead (a Hopper bulk prefetch a row: rows 16-byte aligned)
-    l2_ahead = (settings.current.gemv_l2_prefetch if not _INTERPRETED and not row_grid
-                and weight.stride(0) * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0
-                and pdl.hopper_or_later(x.device.index or 0) else 0)
+    l2_ahead = settings.current.gemv_l2_prefetch
+    if l2_ahead and (_INTERPRETED or row_grid or weight.stride(0) * weight.element_size() % 16
+                     or weight.data_ptr() % 16 or not pdl.hopper_or_later(x.device.index or 0)):
+        l2_ahead = 0
     tiles = triton.cdiv(n, block_n)
     parts = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
     counts = counters(x.device, tiles) if split > 1 else out
