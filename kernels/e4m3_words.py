@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from llaunch.kernels.e4m3 import quantized, quotient_rn, row_scale
-from llaunch.kernels.l2_prefetch import ask_l2
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 from llaunch.kernels.split_k import k_share
 
@@ -88,27 +87,21 @@ def _byte_half(words, shift: tl.constexpr):
 def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr, PDL: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, x_scale=1.0, ROW_SCALE: tl.constexpr = False,
               scale_ub=0.0, HAS_UB: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 1024,
-              INTERPRETED: tl.constexpr = False, RUN: tl.constexpr = WORD_RUN, SPLIT: tl.constexpr = 1,
-              L2_AHEAD: tl.constexpr = 0):
+              INTERPRETED: tl.constexpr = False, RUN: tl.constexpr = WORD_RUN, SPLIT: tl.constexpr = 1):
     """row_dots' sums (and x_scale) for e4m3 weights with QUANT_X, K a multiple of 4: w_words points at each
     row's first word (int32), up_offset_words the up rows' distance in words. BLOCK_K columns a tile
     (BLOCK_K / 4 words). SPLIT > 1: the sums over this program's share of K alone (split_k.k_share: whole tiles,
-    program_id(1) of SPLIT); x's scale is still its absmax over all of K. L2_AHEAD: as row_dots'."""
+    program_id(1) of SPLIT); x's scale is still its absmax over all of K."""
     W: tl.constexpr = BLOCK_K // 4
     k_begin, k_end = k_share(K, BLOCK_K, SPLIT)
     w_begin = k_begin // 4
     K4 = k_end // 4
-    lanes = tl.arange(0, W)
-    words = w_begin + lanes
+    words = w_begin + tl.arange(0, W)
     mask = row_mask[:, None] & (words < K4)[None, :]
     w = tl.load(w_rows_at(w_words, words), mask=mask, other=0, eviction_policy="evict_first")
     up = w
     if GATED:
         up = tl.load(w_rows_at(w_words + up_offset_words, words), mask=mask, other=0, eviction_policy="evict_first")
-    if L2_AHEAD > 1:  # tiles 2..L2_AHEAD (tile 1 is the loop's first load, the rest its asks)
-        ask_l2(w_words, w_begin + 2 * W, (L2_AHEAD - 1) * W, row_mask, K4, 4)
-        if GATED:
-            ask_l2(w_words + up_offset_words, w_begin + 2 * W, (L2_AHEAD - 1) * W, row_mask, K4, 4)
     wait_for_previous_kernel(PDL)
     if ROW_SCALE:
         x_scale = row_scale(x_ptr, K, scale_ub, HAS_UB, AMAX_BLOCK)
@@ -123,7 +116,7 @@ def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr,
     else:
         half = tl.zeros([BLOCK_N, W], dtype=tl.int32)
         up_half = tl.zeros([BLOCK_N, W], dtype=tl.int32)
-    words = lanes
+    words = tl.arange(0, W)
     for w0 in range(w_begin, K4, W):
         cols = (w0 + words) * 4
         nxt = w0 + W + words
@@ -132,10 +125,6 @@ def word_dots(x_ptr, w_words, row_mask, K, up_offset_words, GATED: tl.constexpr,
         if GATED:
             up_next = tl.load(w_rows_at(w_words + up_offset_words, nxt), mask=mask, other=0,
                               eviction_policy="evict_first")
-        if L2_AHEAD > 0:  # the tile L2_AHEAD past the next one
-            ask_l2(w_words, w0 + (1 + L2_AHEAD) * W, W, row_mask, K4, 4)
-            if GATED:
-                ask_l2(w_words + up_offset_words, w0 + (1 + L2_AHEAD) * W, W, row_mask, K4, 4)
         x0, x1, x2, x3 = _x_columns(x_ptr, cols, K, x_scale, x_rcp, INTERPRETED)
         if INTERPRETED:
             x0, x1, x2, x3 = x0[None, :], x1[None, :], x2[None, :], x3[None, :]

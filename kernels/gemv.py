@@ -72,9 +72,12 @@ def _fp8_launch_shape(n: int, k: int, gated: bool, words: bool) -> tuple[int, in
     16 splits, 3.33-4.44 at 2-4 splits: too few programs for 132 SMs). The tensor cores lost on the square
     and wide ones (o_proj 3.19-3.30 ms, qkv 3.18-3.38 with 1-8 splits). Read as words (kernels.fp8_words,
     later), down_proj went back to the register kernel at 32/1024/8: served batch-1 Qwen2-7B on an H100 305 tok/s
-    against 288 on the tensor cores (2026-12-05, `gpu_calls.sh fp8single`; not yet measured on an H200)."""
+    against 288 on the tensor cores (2026-12-05, `gpu_calls.sh fp8single`; not yet measured on an H200), and so did
+    the gated gate‖up at 8/512/4 (94 sm90 registers, 5 programs an SM): the H100's step 3.222 ms against 3.316 on
+    the tensor cores, 8/256/4, 16/256/4, 16/512/8, 8/512/8, 4/1024/4 and 8/1024/8 3.34-3.51 (2026-12-07,
+    bench_decode_shapes --fp8), served 308.3 tok/s against 297.7 (not yet measured on an H200)."""
     if gated:
-        return 32, 256, 4, 3, 1
+        return (8, 512, 4, 0, 1) if words else (32, 256, 4, 3, 1)
     if n >= 65536:  # an e4m3 LM head (model.fp8_lm_head): Qwen2-7B's step 2.678 ms against 2.787 at 8/512/4
         return 64, 256, 4, 3, 1  # (H200, fe41bbd, bench_decode_shapes --fp8 --fp8-lm-head; 32/256/4/3 2.692)
     if k > 2 * n:  # a down_proj: few output tiles over a long K (32/1024/8 as words: 210 sm90 registers, one
@@ -125,8 +128,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_pt
                  x_stride, out_stride, m_rows, HAS_SCALE: tl.constexpr, ACT: tl.constexpr, HAS_UB: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, X_AHEAD: tl.constexpr, AMAX_BLOCK: tl.constexpr, INTERPRETED: tl.constexpr,
-                 WORDS: tl.constexpr = False, ROW_GRID: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-                 L2_AHEAD: tl.constexpr = 0):
+                 WORDS: tl.constexpr = False, ROW_GRID: tl.constexpr = False, SPLIT: tl.constexpr = 1):
     # ROW_GRID (kernels.row_invariant): a program per row of x (m_rows of them, not specialized on: one compiled code
     # for every row count) and tile of outputs, a tile's rows side by side (its weights read once from memory, the
     # other rows' reads from L2). Else one row, a program a tile. SPLIT > 1 (WORDS, ungated, one row): K over SPLIT
@@ -148,12 +150,11 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, b_ptr, out_ptr, part_ptr, count_pt
     if WORDS:  # e4m3 weights 4 a word, their products in float16 pairs (kernels/e4m3_words.py)
         w_words = (w_ptr + rows.to(tl.int64) * w_stride).to(tl.pointer_type(tl.int32), bitcast=True)
         y, up_y, x_scale = word_dots(x_ptr, w_words, row_mask, K, up_offset // 4, GATED, PDL, BLOCK_N, BLOCK_K,
-                                     x_scale, ACT == 1, scale_ub, HAS_UB, AMAX_BLOCK, INTERPRETED, SPLIT=SPLIT,
-                                     L2_AHEAD=L2_AHEAD)
+                                     x_scale, ACT == 1, scale_ub, HAS_UB, AMAX_BLOCK, INTERPRETED, SPLIT=SPLIT)
     else:
         y, up_y, x_scale = row_dots(x_ptr, w_ptr + rows.to(tl.int64) * w_stride, row_mask, K, up_offset, GATED,
                                     PDL, BLOCK_N, BLOCK_K, X_AHEAD, x_scale, ACT != 0, INTERPRETED, ACT == 1, scale_ub,
-                                    HAS_UB, AMAX_BLOCK, L2_AHEAD)
+                                    HAS_UB, AMAX_BLOCK)
     last = True
     if SPLIT > 1:
         y, last = added_shares(y, part_ptr + rows, N, row_mask, count_ptr, tile, SPLIT)
@@ -254,11 +255,6 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
         split = 1  # (the tensor-core shape's split is not the register kernel's)
     # K split over programs: the register kernel where it reads e4m3 words (an ungated one-row layer), else 1
     split = split if words and not gated and not row_grid else 1
-    # kernels.gemv_l2_prefetch: the L2 asked for tiles ahead (a Hopper bulk prefetch a row: rows 16-byte aligned)
-    l2_ahead = settings.current.gemv_l2_prefetch
-    if l2_ahead and (_INTERPRETED or row_grid or weight.stride(0) * weight.element_size() % 16
-                     or weight.data_ptr() % 16 or not pdl.hopper_or_later(x.device.index or 0)):
-        l2_ahead = 0
     tiles = triton.cdiv(n, block_n)
     parts = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
     counts = counters(x.device, tiles) if split > 1 else out
@@ -271,7 +267,7 @@ def gemv(x: torch.Tensor, weight: Union[torch.Tensor, Fp8Weight], bias: Optional
         HAS_SCALE=layer is not None, ACT=act, HAS_UB=layer is not None and layer.scale_ub is not None,
         HAS_BIAS=bias is not None, GATED=gated, PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_N=block_n, BLOCK_K=block_k,
         X_AHEAD=not gated, AMAX_BLOCK=amax_block(k), INTERPRETED=_INTERPRETED,
-        WORDS=words, ROW_GRID=row_grid, SPLIT=split, L2_AHEAD=l2_ahead, num_warps=warps, launch_pdl=use_pdl)
+        WORDS=words, ROW_GRID=row_grid, SPLIT=split, num_warps=warps, launch_pdl=use_pdl)
     return out
 
 

@@ -6,7 +6,6 @@ import triton
 import triton.language as tl
 
 from llaunch.kernels.e4m3 import quantized, row_scale
-from llaunch.kernels.l2_prefetch import ask_l2
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 
@@ -14,8 +13,7 @@ from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_AHEAD: tl.constexpr = False, x_scale=1.0,
              QUANT_X: tl.constexpr = False, INTERPRETED: tl.constexpr = False, ROW_SCALE: tl.constexpr = False,
-             scale_ub=0.0, HAS_UB: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 1024,
-             L2_AHEAD: tl.constexpr = 0):
+             scale_ub=0.0, HAS_UB: tl.constexpr = False, AMAX_BLOCK: tl.constexpr = 1024):
     """Σ_k w[r, k]·x[k] in float32 for a program's rows (w_rows: a pointer per row), and for the rows
     up_offset further when GATED. Shared by every one-row kernel, so all walk K tile by tile alike;
     the compiler still lays out each kernel's tile, and so its final in-tile sum, on its own.
@@ -26,10 +24,7 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
     QUANT_X: each x value is first divided by x_scale and rounded to e4m3 (an fp8 layer's activations; the
     sums are then of the e4m3 values, to be multiplied by x_scale). ROW_SCALE: x_scale is x's dynamic
     scale instead (e4m3.row_scale: its absmax over all of K, AMAX_BLOCK columns a load), taken after the
-    PDL wait while the first weight tiles are in flight. L2_AHEAD > 0 (kernels.gemv_l2_prefetch; rows 16-byte aligned,
-    Hopper, not under the interpreter): the L2 is asked for the tiles up to L2_AHEAD past the one loaded next
-    (kernels/l2_prefetch.py), the first of them before the PDL wait. Returns the sums and the x_scale used."""
-    ELEM: tl.constexpr = w_rows.dtype.element_ty.primitive_bitwidth // 8  # a weight's bytes
+    PDL wait while the first weight tiles are in flight. Returns the sums and the x_scale used."""
     cols = tl.arange(0, BLOCK_K)
     # Software pipelining by one tile: tile k+1's loads are in flight while tile k is summed. The
     # first tile is requested before the PDL wait: weights are constants, x is the previous kernel's.
@@ -38,10 +33,6 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
     up = w
     if GATED:
         up = tl.load(w_rows[:, None] + up_offset + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-    if L2_AHEAD > 1:  # tiles 2..L2_AHEAD (tile 1 is the loop's first load, the rest its asks)
-        ask_l2(w_rows, 2 * BLOCK_K, (L2_AHEAD - 1) * BLOCK_K, row_mask, K, ELEM)
-        if GATED:
-            ask_l2(w_rows + up_offset, 2 * BLOCK_K, (L2_AHEAD - 1) * BLOCK_K, row_mask, K, ELEM)
     wait_for_previous_kernel(PDL)
     if ROW_SCALE:  # x is the previous kernel's and small (in L2): every program takes its absmax
         x_scale = row_scale(x_ptr, K, scale_ub, HAS_UB, AMAX_BLOCK)
@@ -67,8 +58,4 @@ def row_dots(x_ptr, w_rows, row_mask, K, up_offset, GATED: tl.constexpr, PDL: tl
                               eviction_policy="evict_first")
             up_acc += up.to(tl.float32) * x[None, :]
             up = up_next
-        if L2_AHEAD > 0:  # the tile L2_AHEAD past the next one
-            ask_l2(w_rows, k0 + (1 + L2_AHEAD) * BLOCK_K, BLOCK_K, row_mask, K, ELEM)
-            if GATED:
-                ask_l2(w_rows + up_offset, k0 + (1 + L2_AHEAD) * BLOCK_K, BLOCK_K, row_mask, K, ELEM)
     return tl.sum(acc, axis=1), tl.sum(up_acc, axis=1), x_scale

@@ -123,11 +123,6 @@ class KernelSettings:
     # static activations) and the model bfloat16; off: each weight converted to float32 (row_dots). H100, Qwen2-7B's
     # batch-1 fp8 step (6f85a72): qkv 1.70 -> 1.94 TB/s, o_proj 1.56 -> 1.66, the step 3.397 -> 3.327 ms
     fp8_words: bool = True
-    # The one-row GEMV's register kernel (bf16 rows, e4m3 words; not the row grid) asks the L2 for each program's
-    # rows this many tiles past the one it loads next (kernels/l2_prefetch.py: a bulk prefetch a row, the first tiles
-    # before the PDL wait; Hopper, rows 16-byte aligned), so that a short layer's few serial tile loads (Qwen2-7B's
-    # qkv and o_proj: 7 a program) wait on the L2 rather than on memory; 0 off
-    gemv_l2_prefetch: int = 0
     # Each row of a step of up to 16 tokens (INVARIANT_ROWS) summed alike whatever the step's other rows: a 16-bit
     # layer's rows each on the GEMV's own programs (kernels/gemv.py's row grid: the one-row code, so a row of a verify
     # step gets a decode row's bits; the LM head too), decode attention split as for one row of the longest context
@@ -152,9 +147,6 @@ class KernelSettings:
         if not 0 <= self.skinny_rows <= 16:
             found.append(("kernels.skinny_rows", f"kernels.skinny_rows: {self.skinny_rows} is not 0 (off) to 16 (an "
                                                  "MMA's rows)"))
-        if not 0 <= self.gemv_l2_prefetch <= 32:
-            found.append(("kernels.gemv_l2_prefetch",
-                          f"kernels.gemv_l2_prefetch: {self.gemv_l2_prefetch} is not 0 (off) to 32 tiles"))
         if self.row_invariant and Gemv(self.gemv) != Gemv.triton:
             found.append(("kernels.row_invariant", "kernels.row_invariant needs kernels.gemv=triton (the GEMV whose "
                                                    "one-row code it runs every row of a small step on)"))
@@ -297,7 +289,6 @@ class _Applied:
         self.skinny_one_row = parse_weight_shapes(settings.skinny_one_row)
         self.fp8_swap_ab = parse_weight_shapes(settings.fp8_swap_ab, "fp8_swap_ab")
         self.fp8_words = bool(settings.fp8_words)
-        self.gemv_l2_prefetch = int(settings.gemv_l2_prefetch)
         self.row_invariant = bool(settings.row_invariant)
         self.pdl = Pdl(settings.pdl)
         self.pdl_kernels = frozenset(settings.pdl_kernels)

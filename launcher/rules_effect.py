@@ -298,8 +298,8 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
     **_each((SERVING, CUDA_KERNELS), "kernels.backend", "kernels.gemv", "kernels.gemv_shapes",
             "kernels.pdl", "kernels.pdl_kernels", "kernels.pdl_late", "kernels.moe_shapes", "kernels.fp8_gemm",
             "kernels.skinny_rows", "kernels.skinny_shapes", "kernels.skinny_one_row", "kernels.fp8_swap_ab",
-            "kernels.fp8_words", "kernels.gemv_l2_prefetch", "kernels.fp8_fused_mlp", "kernels.fp8_fused_norm",
-            "kernels.fp8_norm_epilogue", "kernels.row_invariant"),
+            "kernels.fp8_words", "kernels.fp8_fused_mlp", "kernels.fp8_fused_norm", "kernels.fp8_norm_epilogue",
+            "kernels.row_invariant"),
     # speculative decoding (spec_where_rows_decode refuses spec.method on pd nodes and score models)
     **_each((SERVING,), "spec.method"),
     **_each((SERVING, SPECULATES), "spec.num_tokens", "spec.max_batch"),

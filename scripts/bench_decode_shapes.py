@@ -9,7 +9,7 @@ candidate, then the best per layer kind.
 
     python scripts/bench_decode_shapes.py [--fp8] [--layers 28] [--repeats 50]
         [--fp8-lm-head] [--tensor-core] [--swap-ab] [--amax-tile N] [--no-words] [--candidates "NxK[:gated][:fp8]=BLOCK_N/BLOCK_K/WARPS ..."]   (default: a built-in grid per layer kind)
-        (a candidate `set:KEY=VALUE` times one other kernels setting for every kind, e.g. set:gemv_l2_prefetch=4)
+        (a candidate `set:KEY=VALUE` times one other kernels setting for every kind, e.g. set:fp8_words=false)
     python scripts/bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48 [--skinny]   (--skinny: each kind on the
         tensor cores, kernels.skinny_one_row, instead of the GEMV)
 """

@@ -37,7 +37,7 @@
 #                                                        (218 decode rows, 2 x 896 prompt tokens) and a 160-row decode
 #                                                        step by kernel, bf16 and fp8 as served, then fp8 with the MLP
 #                                                        unfused and the epilogue's GEMM at every size (as 6f85a72)
-# fp8tune   .whl-serve (TESTS: .whl)                      #37 single: GPU tests where TESTS names them, fp8_layers'
+# fp8tune   .whl-serve .gpu (TESTS: .whl .gpu)           #37 single: GPU tests where TESTS names them, fp8_layers'
 #                                                        sweep, then bf16 / fp8 + e4m3 head / fp8 at the sweep's
 #                                                        winners served
 # fp8head   .whl .gpu                                    #37 single: the LM head in e4m3 too (model.fp8_lm_head), its
@@ -56,9 +56,6 @@
 # moetune   .whl-serve                                   #40: Mixtral-8x7B's MoE launches per step size (tune_moe.py;
 #                                                        kernels/moe_launches.py holds Qwen3-30B-A3B's alone), then
 #                                                        the kernels.moe_shapes line to store there
-# l2        .whl-serve .gpu                              kernels.gemv_l2_prefetch on the bf16 GEMVs: Qwen2-7B's and
-#                                                        Qwen3-30B-A3B's batch-1 steps, then qwen3-30b-a3b single
-#                                                        with the winner served (#40)
 # specserve .whl-serve .gpu-spec                         #38: spec's servers alone (none / spec / k8, c1 and c64);
 #                                                        VARIANTS="none k8 k8a k16": how long proposals may be
 # (.gpu without .gpu-spec: gpu_run.sh prepare writes the spec cut apart, 51 MB as xz, for the spec call alone.)
@@ -66,7 +63,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, l2, spectune, steps1, fp8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, spectune, steps1, fp8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -149,18 +146,18 @@ fp8_mixed() {
 # specialized as multiples of 16, so the weights load 128 bits at a time; until 2026-12-07 these counts came from
 # builds without, 40-146 registers, and 7 of the 15 candidates then chosen took more than one wave):
 # 32/1024/8 210 registers, 1; 16/1024/8 100, 2; 16/512/8 70, 3; 8/1024/4 96, 5; 8/512/4 64 (split 2: 59), 8;
-# 4/1024/4 64, 8; 4/512/4 48, 10; 8/256/4 split 2 40, 12; gated gate|up as words (the tensor cores' 32/256/4/3 built
-# in): 8/256/4 62, 8; 4/512/4 59, 8; 8/512/4 94, 5. Built in: qkv 8/512/4 (576 programs of 1,056 places),
-# o_proj 16/512/8 (224 of 396), down_proj 32/1024/8 (112 on 132 SMs: 20 idle). Each ungated candidate fits one wave
-# (sm90 registers with the L2 asks, kernels.gemv_l2_prefetch: 8/512/4 64 -> 68, 16/512/8 70 -> 75, 32/1024/8 210)
+# 4/1024/4 64, 8; 4/512/4 48, 10; 8/256/4 split 2 40, 12; gated gate|up as words: 8/256/4 62, 8; 4/512/4 59, 8;
+# 8/512/4 94, 5. Built in: qkv 8/512/4 (576 programs of 1,056 places), o_proj 16/512/8 (224 of 396), down_proj
+# 32/1024/8 (112 on 132 SMs: 20 idle), gate|up 8/512/4 as words since 2026-12-07 (H100: step 3.222 ms against
+# 3.316 on the tensor cores at 32/256/4/3, the candidate here; the ungated winners there within 0.3%). Each ungated
+# candidate fits one wave
 LAYER_CANDIDATES="3584x18944:fp8=16/1024/8 3584x18944:fp8=8/1024/4 3584x18944:fp8=4/1024/4 3584x18944:fp8=8/512/4 \
 3584x18944:fp8=8/512/4/0/2 3584x18944:fp8=8/256/4/0/2 3584x3584:fp8=8/512/4 3584x3584:fp8=8/512/4/0/2 \
 3584x3584:fp8=8/256/4/0/2 3584x3584:fp8=4/1024/4 3584x3584:fp8=8/1024/4 4608x3584:fp8=8/256/4/0/2 \
 4608x3584:fp8=8/1024/4 4608x3584:fp8=16/512/8 4608x3584:fp8=4/512/4 \
-18944x3584:gated:fp8=8/256/4 18944x3584:gated:fp8=4/512/4 18944x3584:gated:fp8=8/512/4 \
-set:gemv_l2_prefetch=2 set:gemv_l2_prefetch=4 set:gemv_l2_prefetch=8"
+18944x3584:gated:fp8=32/256/4/3 18944x3584:gated:fp8=8/256/4 18944x3584:gated:fp8=4/512/4"
 fp8_layers() {
-  (cd scripts && optional 70 timeout 210 python3 bench_decode_shapes.py --fp8 --per-kind \
+  (cd scripts && optional 70 timeout 180 python3 bench_decode_shapes.py --fp8 --per-kind \
     --candidates "$LAYER_CANDIDATES") \
     | grep -v Warning | tee -a "$OUT/fp8_layers.jsonl"
 }
@@ -209,22 +206,6 @@ case $NAME in
     (cd scripts && optional 60 timeout 200 python3 bench_decode_shapes.py --fp8 --swap-ab --candidates "$SWAP_CANDIDATES") \
       | grep -v Warning | tee "$OUT/fp8_swap_ab.jsonl"
     SERVE="$QWEN7B" CASES=c256 VARIANTS="bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3" optional 200 bash scripts/gpu_run.sh cases ;;
-  l2)  # kernels.gemv_l2_prefetch on bf16 one-row layers: Qwen2-7B's step (#37's baseline), Qwen3-30B-A3B's (#40: its
-    # dense GEMVs 0.795 of a 2.995 ms step at 2.3 TB/s, 2026-12-04), then qwen3-30b-a3b single with the winner served
-    install
-    L2S="set:gemv_l2_prefetch=2 set:gemv_l2_prefetch=4 set:gemv_l2_prefetch=8"
-    (cd scripts && optional 60 timeout 120 python3 bench_decode_shapes.py --candidates "$L2S") \
-      | grep -v Warning | tee "$OUT/l2_qwen2_7b.jsonl"
-    (cd scripts && RESERVE=250 optional 120 python3 bench_decode_shapes.py --shape qwen3-30b-a3b --layers 48 \
-      --candidates "$L2S") | grep -v Warning | tee "$OUT/l2_qwen3_30b_a3b.jsonl"
-    serve=$(python3 -c 'import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), ""))' "$OUT/l2_qwen3_30b_a3b.jsonl")
-    echo "winner: ${serve:-none (off stays)}"
-    if [ -n "$serve" ]; then
-      SERVE="model=qwen3-30b-a3b model.load_format=dummy server.http_workers=4" CASES=single \
-        VARIANTS="built_in:|l2:$serve" optional 240 bash scripts/gpu_run.sh cases
-    fi ;;
   moe)
     install
     # the bound #40 is held against (active weight bytes a token / copy bandwidth) on this machine, not another's

@@ -477,39 +477,6 @@ def test_split_k_fp8_gemv_replays_in_a_cuda_graph(cuda, close, captured, monkeyp
         close(ops.linear(x, first), fp8.reference_linear(x.float(), first).to(torch.bfloat16))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("weights, layer, shape", [
-    ("e4m3", "qkv", None), ("e4m3", "down", (32, 1024, 8, 0, 1)), ("e4m3", "down", (8, 512, 4, 0, 2)),
-    ("e4m3", "gate_up", (8, 256, 4, 0, 1)), ("e4m3", "odd", (8, 64, 4, 0, 1)), ("bf16", "qkv", None),
-    ("bf16", "down", None), ("bf16", "gate_up", None), ("bf16", "odd", (4, 64, 4, 0, 1))])
-def test_gemv_l2_prefetch_changes_no_bit_gpu(cuda, captured, monkeypatch, kernel_settings, weights, layer, shape):
-    """kernels.gemv_l2_prefetch only asks the L2 for bytes the register GEMV then loads: Qwen2-7B's qkv and down_proj
-    (built in, and in e4m3 words K split in 2), gate‖up, and 37 rows of 528 columns in tiles of 64 (a last tile of
-    16 columns: one 16-byte unit a row of e4m3, two of bf16) give the bits they give without it at every distance,
-    eager and replayed in a graph with PDL."""
-    from llaunch.kernels import gemv
-
-    n, k, gated = {"qkv": (4608, 3584, False), "down": (3584, 18944, False), "gate_up": (18944, 3584, True),
-                   "odd": (37, 528, False)}[layer]
-    if shape is not None:
-        monkeypatch.setattr(gemv, "launch_shape", lambda n, k, gated, fp8=False, words=False: shape)
-    rows = 2 * n if gated else n
-    w = (fp8_layer(rows, k, "dynamic", cuda) if weights == "e4m3"
-         else (torch.randn(rows, k, device=cuda) / k ** 0.5).to(torch.bfloat16))
-    x = (3 * torch.randn(1, k, device=cuda)).to(torch.bfloat16)
-
-    def run():
-        return ops.gated_linear(x, w) if gated else ops.linear(x, w)
-    kernel_settings(fp8_words=True, gemv_l2_prefetch=0)
-    without = run()
-    for ahead in (1, 4, 32):
-        kernel_settings(fp8_words=True, gemv_l2_prefetch=ahead)
-        assert torch.equal(run(), without), ahead
-        graph, out = captured(run, True)
-        graph.replay()
-        assert torch.equal(out, without), ahead
-
-
 def test_fp8_gemv_quantizes_the_row():
     """The quantization is not a no-op at these inputs: without it the product is another one (so the
     tests above would see a GEMV that skipped it)."""

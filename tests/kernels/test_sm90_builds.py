@@ -192,16 +192,17 @@ gemv = importlib.import_module("llaunch.kernels.gemv")
 fn = gemv._gemv_kernel
 dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 out = {}
-# the e4m3 register kernel reading words (kernels.fp8_words, dynamic x) at BLOCK_N/BLOCK_K/WARPS/SPLIT/L2_AHEAD, or
-# with "bf16" last the bfloat16 one (row_dots; SPLIT 1), "gated" its gate‖up
-for block_n, block_k, warps, split, l2_ahead, *kind in SHAPES:
-    e4m3 = not kind
-    constexprs = dict(HAS_SCALE=e4m3, ACT=1 if e4m3 else 0, HAS_UB=False, HAS_BIAS=False, GATED="gated" in kind,
-                      PDL=1, BLOCK_N=block_n, BLOCK_K=block_k, X_AHEAD="gated" not in kind, AMAX_BLOCK=1024,
-                      INTERPRETED=False, WORDS=e4m3, ROW_GRID=False, SPLIT=split, L2_AHEAD=l2_ahead)
+# the e4m3 register kernel reading words (kernels.fp8_words, dynamic x) at the built-in shapes of Qwen2-7B's qkv
+# (8/512/4), o_proj (16/512/8) and down_proj (32/1024/8), and with K split 2 and 4 ways; its gated gate‖up (8/512/4)
+for block_n, block_k, warps, split, gated in ((8, 512, 4, 1, False), (8, 512, 4, 2, False), (16, 512, 8, 1, False),
+                                              (16, 512, 8, 2, False), (32, 1024, 8, 1, False), (32, 1024, 8, 4, False),
+                                              (8, 512, 4, 1, True)):
+    constexprs = dict(HAS_SCALE=True, ACT=1, HAS_UB=False, HAS_BIAS=False, GATED=gated, PDL=1, BLOCK_N=block_n,
+                      BLOCK_K=block_k, X_AHEAD=not gated, AMAX_BLOCK=1024, INTERPRETED=False, WORDS=True,
+                      ROW_GRID=False, SPLIT=split)
     names = list(inspect.signature(fn.fn).parameters)
-    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if e4m3 else "*bf16", "s_ptr": "*fp32", "xs_ptr": "*fp32",
-             "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "scale_ub": "fp32"}
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "xs_ptr": "*fp32", "b_ptr": "*bf16",
+             "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "scale_ub": "fp32"}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     # the launcher's specialization: Qwen2-7B's ints are multiples of 16 (the strides too: without them the weight
     # loads compile to 32-bit words, not 128-bit, and the registers differ: 8/512/4 40 instead of 64)
@@ -215,27 +216,25 @@ for block_n, block_k, warps, split, l2_ahead, *kind in SHAPES:
         usage = subprocess.run([dump, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
     line = next(l for l in usage.splitlines() if "REG:" in l)
     fields = dict(f.split(":") for f in line.split() if ":" in f and f.split(":")[0].isupper())
-    out["/".join(map(str, (block_n, block_k, warps, split, *kind))) + (f"/l2={l2_ahead}" if l2_ahead else "")] = dict(
+    out[f"{block_n}/{block_k}/{warps}/{split}" + ("/gated" if gated else "")] = dict(
         ptx=kernel.asm["ptx"], regs=int(fields["REG"]), local=int(fields["LOCAL"]), stack=int(fields["STACK"]))
 print(json.dumps(out))
 """
 
 
 def test_split_fp8_word_gemv_builds_keep_their_registers_and_count_arrivals_after_their_partials(sm90_compile):
-    """The e4m3 register kernel reading words (kernels.fp8_words) for sm90 at Qwen2-7B's built-in shapes and with K
-    split (SPLIT with STAGES 0): no spills (no local memory or stack: a spill would put the weight tiles in flight
-    through memory), a split build within 8 registers a thread of the whole-K one (the programs an SM holds stay as
-    gpu_calls.sh's candidates count them); split, one thread takes the tile's counter (acquire-release at GPU scope)
-    after the program's partials are stored and the last program reads the shares past L1 (ld.global.cg); unsplit,
-    no atomics."""
-    # Qwen2-7B's built-in shapes: qkv (8/512/4), o_proj (16/512/8) and down_proj (32/1024/8), and K split 2 and 4 ways
-    builds = sm90_compile("SHAPES = ((8, 512, 4, 1, 0), (8, 512, 4, 2, 0), (16, 512, 8, 1, 0), (16, 512, 8, 2, 0), "
-                          "(32, 1024, 8, 1, 0), (32, 1024, 8, 4, 0))\n" + _COMPILE_WORDS)
-    assert len(builds) == 6
+    """The e4m3 register kernel reading words (kernels.fp8_words) for sm90 at Qwen2-7B's built-in shapes (gate‖up's
+    too) and with K split (SPLIT with STAGES 0): no spills (no local memory or stack: a spill would put the weight
+    tiles in flight through memory; gate‖up reads two rows an output), a split build within 8 registers a thread of
+    the whole-K one (the programs an SM holds stay as gpu_calls.sh's candidates count them); split, one thread takes
+    the tile's counter (acquire-release at GPU scope) after the program's partials are stored and the last program
+    reads the shares past L1 (ld.global.cg); unsplit, no atomics."""
+    builds = sm90_compile(_COMPILE_WORDS)
+    assert len(builds) == 7
     for name, build in builds.items():
         assert build["local"] == 0 and build["stack"] == 0, (name, build["local"], build["stack"])
-        split = int(name.split("/")[-1])
-        whole = builds[name.rsplit("/", 1)[0] + "/1"]
+        split = int(name.split("/")[3])
+        whole = builds["/".join(name.split("/")[:3]) + "/1" + ("/gated" if name.endswith("/gated") else "")]
         assert build["regs"] <= whole["regs"] + 8, (name, build["regs"], whole["regs"])
         lines = build["ptx"].splitlines()
         atoms = [i for i, line in enumerate(lines) if "atom." in line]
@@ -389,30 +388,3 @@ def test_activation_quantizers_divide_once_a_row_by_its_own_scale(sm90_compile):
         # the conversion saturates for the clamp, which the dividing build keeps (min.xorsign.abs a value)
         assert "xorsign" not in own and "cvt.rn.satfinite.e4m3x2.f32" in own, kernel
         assert clipped.count("div.rn.f32") >= per_thread and "xorsign" in clipped, kernel
-
-
-def test_gemv_asks_the_l2_for_tiles_ahead_with_one_bulk_prefetch_a_row(sm90_compile):
-    """kernels.gemv_l2_prefetch (L2_AHEAD) in the register GEMV's sm90 builds: e4m3 words at Qwen2-7B's qkv and
-    down_proj shapes (whole and split), bfloat16 rows at its qkv / o_proj shapes and gate‖up's: bulk L2 prefetches
-    (cp.async.bulk.prefetch.L2, no registers held for the bytes asked), the first before the PDL wait (weights no
-    earlier kernel writes) and one in the loop, each predicated; no spills, and registers within 16 a thread of the
-    build without (measured: 4/1024/4 bf16 79 against 64, 7 programs an SM fewer than 8: the sweep's call); none
-    without it."""
-    shapes = [(8, 512, 4, 1, 0), (8, 512, 4, 1, 4), (8, 512, 4, 2, 0), (8, 512, 4, 2, 4), (32, 1024, 8, 1, 0),
-              (32, 1024, 8, 1, 8),
-              (2, 1024, 4, 1, 0, "bf16"), (2, 1024, 4, 1, 4, "bf16"), (4, 1024, 4, 1, 0, "bf16"),
-              (4, 1024, 4, 1, 4, "bf16"), (8, 256, 4, 1, 0, "bf16", "gated"), (8, 256, 4, 1, 4, "bf16", "gated")]
-    builds = sm90_compile(f"SHAPES = {tuple(shapes)!r}\n" + _COMPILE_WORDS)
-    assert len(builds) == len(shapes)
-    for name, build in builds.items():
-        lines = build["ptx"].splitlines()
-        asks = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]
-        if "l2=" not in name:
-            assert not asks, name
-            continue
-        assert build["local"] == 0 and build["stack"] == 0, (name, build["local"], build["stack"])
-        without = builds[name.removesuffix(name[name.index("/l2="):])]
-        assert build["regs"] <= without["regs"] + 16, (name, build["regs"], without["regs"])
-        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-        assert min(asks) < wait < max(asks), name
-        assert all(lines[i].lstrip().startswith("@p") for i in asks), name
