@@ -11,6 +11,10 @@ Variants (the decoder's linears; the embedding and the LM head stay float32 but 
   fp8_gptq      e4m3 weights per channel rounded by GPTQ (each column's rounding error spread over the columns not
                 yet rounded, by the inverse Hessian of its inputs on other text: --calibration), inputs float32
   int8          int8 weights with a scale per output channel (symmetric, round to nearest), inputs float32
+  fp8_head_e4m3 fp8 as served, and the LM head in e4m3 too (model.fp8_lm_head: a scale per vocabulary row, each
+                token's inputs to e4m3)
+  fp8_head_int8 fp8 as served, and the LM head's weights in int8 with a scale per vocabulary row, inputs float32 (no
+                kernel serves this head yet)
 
     python scripts/fp8_accuracy.py --model .models/smollm2-135m [--variants bf16 fp8 ...] [--positions 2048]
 """
@@ -29,7 +33,8 @@ sys.path.insert(0, REPO)
 SCORED = ["README.md", "docs/apis.md", "docs/deployment.md"]
 CALIBRATION = ["docs/configuration.md"]
 CHUNK = 256
-VARIANTS = ["bf16", "fp8", "fp8_weights", "fp8_block128", "fp8_block32", "fp8_gptq", "int8"]
+VARIANTS = ["bf16", "fp8", "fp8_weights", "fp8_block128", "fp8_block32", "fp8_gptq", "int8", "fp8_head_e4m3",
+            "fp8_head_int8"]
 
 
 def chunks(tokenizer, files: list[str], tokens: int) -> list[list[int]]:
@@ -146,6 +151,24 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01, block: int 
     return w.float()
 
 
+def int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """w's values rounded to int8 with a scale per row (symmetric, round to nearest), as float32."""
+    scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+    return (w / scale).round().clamp(-127, 127) * scale
+
+
+def with_head(model, variant: str):
+    """The fp8_head_* variants' LM head: in e4m3 as model.fp8_lm_head serves it, or its weights in int8 (the head's own
+    copy: a tied embedding keeps its float32 rows for the lookup)."""
+    head = model.lm_head
+    if variant == "fp8_head_e4m3":
+        head.quantize_fp8()
+    elif variant == "fp8_head_int8":
+        weight = head.embedding[0].weight if head.weight is None else head.weight
+        head.weight = torch.nn.Parameter(int8_rows(weight.data), requires_grad=False)
+    return model
+
+
 def rounded(model, variant: str, calibration: list[list[int]]):
     """The model with its linears' weights as the variant stores them (float32 values of those roundings)."""
     from llaunch.kernels import fp8
@@ -166,8 +189,7 @@ def rounded(model, variant: str, calibration: list[list[int]]):
             elif variant == "fp8_gptq":
                 layer.weight.data = gptq(w, hessians[id(layer)])
             elif variant == "int8":
-                scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
-                layer.weight.data = (w / scale).round().clamp(-127, 127) * scale
+                layer.weight.data = int8_rows(w)
     return model
 
 
@@ -196,7 +218,11 @@ def main() -> int:
             model = load(args.model, torch.bfloat16)
         else:
             model = load(args.model, torch.float32)
-            quantize_linears(model) if variant == "fp8" else rounded(model, variant, calibration)
+            if variant.startswith("fp8_head_"):
+                quantize_linears(model)
+                with_head(model, variant)
+            else:
+                quantize_linears(model) if variant == "fp8" else rounded(model, variant, calibration)
         agree = (logits(model, scored).argmax(-1) == top).float().mean().item()
         result["top-1 agreement with float32"][variant] = round(agree, 4)
         print(json.dumps({variant: round(agree, 4)}), flush=True)
