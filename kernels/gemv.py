@@ -75,7 +75,8 @@ def _fp8_launch_shape(n: int, k: int, gated: bool, words: bool) -> tuple[int, in
     against 288 on the tensor cores (2026-12-05, `gpu_calls.sh fp8single`; not yet measured on an H200), and so did
     the gated gate‖up at 8/512/4 (94 sm90 registers, 5 programs an SM): the H100's step 3.222 ms against 3.316 on
     the tensor cores, 4/512/4 3.323, 8/256/4, 16/256/4, 16/512/8, 8/512/8, 4/1024/4 and 8/1024/8 3.34-3.51
-    (2026-12-07, bench_decode_shapes --fp8), served 308.3 tok/s against 297.7 (not yet measured on an H200)."""
+    (2026-12-07, bench_decode_shapes --fp8); served with the sweep's down_proj 16/1024/8 and o_proj 8/512/4 too (each
+    within 0.3% of built in) 308.3 tok/s against 297.7 (not yet measured on an H200)."""
     if gated:
         return (8, 512, 4, 0, 1) if words else (32, 256, 4, 3, 1)
     if n >= 65536:  # an e4m3 LM head (model.fp8_lm_head): Qwen2-7B's step 2.678 ms against 2.787 at 8/512/4
