@@ -218,11 +218,11 @@ def main() -> int:
             model = load(args.model, torch.bfloat16)
         else:
             model = load(args.model, torch.float32)
-            if variant.startswith("fp8_head_"):
+            if variant == "fp8" or variant.startswith("fp8_head_"):
                 quantize_linears(model)
-                with_head(model, variant)
+                with_head(model, variant)  # (fp8: the head as it is)
             else:
-                quantize_linears(model) if variant == "fp8" else rounded(model, variant, calibration)
+                rounded(model, variant, calibration)
         agree = (logits(model, scored).argmax(-1) == top).float().mean().item()
         result["top-1 agreement with float32"][variant] = round(agree, 4)
         print(json.dumps({variant: round(agree, 4)}), flush=True)
