@@ -177,9 +177,9 @@ case $NAME in
     install
     ri_sweep ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
-    # suite (b54cba2; since: split_k.added_shares, the split-K reduce of the word GEMV, gemv_fp8 and skinny_gemm, their
-    # GPU tests passed on an H100 at ca1391a; the fp8 gated gate|up on the word kernel at 8/512/4 built in), then
-    # fp8_layers' sweep (the fp8 step's layer kinds as built in and at other launch shapes, TB/s each)
+    # suite (04fc5db on an H100, its one failure mended in test_kernel_gemv and green at eeb33d5; nothing changed
+    # since: list the changed files' tests here), then fp8_layers' sweep (the fp8 step's layer kinds as built in and at
+    # other launch shapes, TB/s each)
     [ -d .whl ] || { echo "changed: carry .whl (the full wheelhouse), not .whl-serve"; exit 2; }
     install
     TESTS="tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_skinny_gemm.py
