@@ -16,11 +16,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from llaunch.kernels import fp8, kv_fp8, reference, settings
+from llaunch.kernels import fp8, int8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
                    "gated_activation", "sampling", "greedy", "fp8_block", "fp8_rows", "fp8_epilogue", "fused_moe",
-                   "skinny_gemm", "fp8_gated_quant")
+                   "skinny_gemm", "fp8_gated_quant", "int8_head")
 
 
 def _use_triton(t) -> bool:
@@ -55,6 +55,7 @@ def triton_ops() -> types.SimpleNamespace:
         gated_quantize=modules["fp8_gated_quant"].gated_quantize,
         moe_route=modules["fused_moe"].moe_route,
         fused_moe=modules["fused_moe"].fused_moe,
+        int8_head_logits=modules["int8_head"].logits,
     )
 
 
@@ -343,7 +344,12 @@ def lm_head_linear(x, weight):
     .float(): no cast kernel after it in the decode graph). 2..kernels.skinny_rows rows (a verify step): the skinny
     GEMM (kernels/skinny_gemm.py), in x's dtype. Under kernels.row_invariant a step of up to 16 rows: the GEMV's
     register kernel, each row alike (float32 logits). An e4m3 head (model.fp8_lm_head) is an fp8 layer: the fp8 GEMV at
-    one row (float32 logits, as the staged GEMV's), the fp8 GEMMs at more (logits in x's dtype)."""
+    one row (float32 logits, as the staged GEMV's), the fp8 GEMMs at more (logits in x's dtype). An int8 head
+    (model.int8_lm_head): kernels/int8_head.py at every row count (float32 logits), kernels/int8.py's reference on CPU."""
+    if isinstance(weight, int8.Int8Rows):
+        flat = x.reshape(-1, x.shape[-1])
+        out = triton_ops().int8_head_logits(flat, weight) if _use_triton(x) else int8.reference_logits(flat, weight)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     if isinstance(weight, fp8.Fp8Weight):
         return triton_ops().gemv(x, weight, out_dtype=torch.float32) if _fp8_row(x, weight) else fp8_linear(x, weight)
     if _invariant_rows(x, weight):

@@ -253,6 +253,7 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
             "model.mixed_graph_tokens"),
     **_each((SERVING, GENERATES), "model.eos_token_ids", "model.generation_config", "model.sampling_defaults"),
     **_each((SERVING, GENERATES, FP8_WEIGHTS), "model.fp8_lm_head"),
+    **_each((SERVING, GENERATES), "model.int8_lm_head"),  # lm_head_one_format refuses it beside model.fp8_lm_head
     **_each((SERVING, SCORES), "model.num_labels", "model.labels", "model.score_head", "model.pad_token_id"),
     **_each((SERVING, SCORES, YES_NO), "model.score_token_ids"),
     # embed_matryoshka_consistent refuses matryoshka_dimensions with matryoshka=false

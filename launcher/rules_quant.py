@@ -62,6 +62,14 @@ def _blocks_split_whole(cfg, q: WeightQuant):
 
 
 @rule()
+def lm_head_one_format(cfg):
+    if cfg.model.fp8_lm_head and cfg.model.int8_lm_head:
+        yield ("model.fp8_lm_head", "model.int8_lm_head"), (
+            "model.fp8_lm_head=true and model.int8_lm_head=true: the LM head is stored one way; pick e4m3 "
+            "(fp8_lm_head, inputs quantized too) or int8 (int8_lm_head, weight-only, closer to the 16-bit head)")
+
+
+@rule()
 def kv_scales_need_fp8(cfg):
     c = cfg.cache
     if (c.kv_scales or c.kv_calibration) and c.kv_dtype != KvDType.fp8_e4m3:

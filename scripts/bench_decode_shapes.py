@@ -162,6 +162,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=50, help="steps launched back to back per timing")
     ap.add_argument("--fp8-lm-head", action="store_true", help="--fp8: the LM head in e4m3 too (model.fp8_lm_head)")
+    ap.add_argument("--int8-lm-head", action="store_true", help="the LM head's weights in int8 (model.int8_lm_head)")
     ap.add_argument("--tensor-core", action="store_true", help="--fp8: the grid of the tensor-core kernel")
     ap.add_argument("--swap-ab", action="store_true",
                     help="--fp8: each tensor-core candidate again with the weights as the MMA's A operand "
@@ -183,6 +184,8 @@ def main() -> int:
     if (args.tensor_core or args.swap_ab or args.amax_tile or args.activations or not args.words
             or args.fp8_lm_head) and not args.fp8:
         ap.error("--tensor-core, --swap-ab, --amax-tile, --activations, --no-words and --fp8-lm-head are for --fp8")
+    if args.fp8_lm_head and args.int8_lm_head:
+        ap.error("--fp8-lm-head or --int8-lm-head: the head is stored one way")
     if args.skinny and (args.fp8 or args.candidates):
         ap.error("--skinny is for bf16 weights, without --candidates")
     config, kinds = SHAPES[args.shape]
@@ -204,6 +207,8 @@ def main() -> int:
                 module.activations = args.activations
     if args.fp8_lm_head:
         model.lm_head.quantize_fp8()
+    if args.int8_lm_head:
+        model.lm_head.quantize_int8()
     kv = model.make_kv_cache(span + 1, 2, span)
     kv.req_to_slots[0] = torch.arange(span, dtype=torch.int32, device=device)
     kv.req_to_slots[1].fill_(span)
@@ -221,6 +226,7 @@ def main() -> int:
         return ms
 
     where = dict(shape=args.shape, weights="fp8" if args.fp8 else "bf16", fp8_lm_head=args.fp8_lm_head,
+                 int8_lm_head=args.int8_lm_head,
                  activations=args.activations, amax_tile=gemv.AMAX_TILE,
                  words=args.words, layers=args.layers, context=c,
                  device=torch.cuda.get_device_name())

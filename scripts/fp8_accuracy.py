@@ -4,6 +4,7 @@ rounded as each variant says and, where said, their inputs too. Issue #37's bar 
 
 Variants (the decoder's linears; the embedding and the LM head stay float32 but in `bf16`):
   bf16          the whole model in bfloat16 (llaunch's bf16 path, as served)
+  bf16_int8_head  bf16 with the LM head's weights in int8 (model.int8_lm_head without fp8 linears)
   fp8           model.quantization=fp8 as served: e4m3 weights with a scale per output channel, each token's inputs
                 to e4m3 by its absmax (quantize_linears, the emulation of the GPU's roundings)
   fp8_weights   the same e4m3 weights, inputs left in float32 (weight-only)
@@ -13,8 +14,10 @@ Variants (the decoder's linears; the embedding and the LM head stay float32 but 
   int8          int8 weights with a scale per output channel (symmetric, round to nearest), inputs float32
   fp8_head_e4m3 fp8 as served, and the LM head in e4m3 too (model.fp8_lm_head: a scale per vocabulary row, each
                 token's inputs to e4m3)
-  fp8_head_int8 fp8 as served, and the LM head's weights in int8 with a scale per vocabulary row, inputs float32 (no
-                kernel serves this head yet)
+  fp8_head_int8 fp8 as served, and the LM head's weights in int8 with a scale per vocabulary row, inputs float32
+                (model.int8_lm_head)
+  fp8_head_w8a8 as fp8_head_int8, and each token's inputs to the head in int8 too (a scale per token: its absmax / 127),
+                as an int8 tensor-core head would take them (not served: 3 points below fp8_head_int8)
 
     python scripts/fp8_accuracy.py --model .models/smollm2-135m [--variants bf16 fp8 ...] [--positions 2048]
 """
@@ -33,8 +36,8 @@ sys.path.insert(0, REPO)
 SCORED = ["README.md", "docs/apis.md", "docs/deployment.md"]
 CALIBRATION = ["docs/configuration.md"]
 CHUNK = 256
-VARIANTS = ["bf16", "fp8", "fp8_weights", "fp8_block128", "fp8_block32", "fp8_gptq", "int8", "fp8_head_e4m3",
-            "fp8_head_int8"]
+VARIANTS = ["bf16", "bf16_int8_head", "fp8", "fp8_weights", "fp8_block128", "fp8_block32", "fp8_gptq", "int8", "fp8_head_e4m3",
+            "fp8_head_int8", "fp8_head_w8a8"]
 
 
 def chunks(tokenizer, files: list[str], tokens: int) -> list[list[int]]:
@@ -158,14 +161,19 @@ def int8_rows(w: torch.Tensor) -> torch.Tensor:
 
 
 def with_head(model, variant: str):
-    """The fp8_head_* variants' LM head: in e4m3 as model.fp8_lm_head serves it, or its weights in int8 (the head's own
-    copy: a tied embedding keeps its float32 rows for the lookup)."""
+    """The fp8_head_* variants' LM head: in e4m3 as model.fp8_lm_head serves it, its weights in int8 as model.int8_lm_head
+    serves them, or those int8 weights with int8 inputs (the head's own copy: a tied embedding keeps its float32 rows
+    for the lookup)."""
     head = model.lm_head
     if variant == "fp8_head_e4m3":
         head.quantize_fp8()
     elif variant == "fp8_head_int8":
+        head.quantize_int8()
+    elif variant == "fp8_head_w8a8":
         weight = head.embedding[0].weight if head.weight is None else head.weight
         head.weight = torch.nn.Parameter(int8_rows(weight.data), requires_grad=False)
+        head_forward = head.forward
+        head.forward = lambda x: head_forward(int8_rows(x.reshape(-1, x.shape[-1])).reshape(x.shape))
     return model
 
 
@@ -214,8 +222,10 @@ def main() -> int:
     result = {"model": os.path.basename(os.path.normpath(args.model)), "positions": int(top.numel()),
               "top-1 agreement with float32": {}}
     for variant in args.variants:
-        if variant == "bf16":
+        if variant.startswith("bf16"):
             model = load(args.model, torch.bfloat16)
+            if variant == "bf16_int8_head":
+                model.lm_head.quantize_int8()
         else:
             model = load(args.model, torch.float32)
             if variant == "fp8" or variant.startswith("fp8_head_"):

@@ -42,6 +42,8 @@
 #                                                        winners served
 # fp8head   .whl .gpu                                    #37 single: the LM head in e4m3 too (model.fp8_lm_head), its
 #                                                        step, its GPU tests, bf16 vs fp8 with it served
+# int8head  .whl .gpu                                    #37 single: the LM head in int8 (model.int8_lm_head): its GPU
+#                                                        tests, the head alone, the step, bf16 / fp8 / fp8 + it served
 # fp8single .whl-serve .gpu (TESTS: .whl .gpu)             #37: single stream, bf16 / fp8 (kernels.fp8_words, the default
 #                                                        since 2026-12-05) / fp8 with float32 products
 #                                                        (WORDS="kernels.gemv_shapes=..." the word kernel's shapes)
@@ -63,7 +65,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, spectune, steps1, fp8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, spectune, steps1, fp8head, int8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -245,6 +247,20 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8head:model.quantization=fp8 model.fp8_lm_head=true|fp8head64:\
 model.quantization=fp8 model.fp8_lm_head=true kernels.gemv_shapes='152064x3584:fp8=64/256/4/3'" \
       optional 280 bash scripts/gpu_run.sh cases ;;
+  int8head)  # #37 single: the LM head's weights in int8 (model.int8_lm_head; kernels/int8_head.py, new at 2026-12-07,
+    # never run on a GPU before): its GPU tests, the head alone by rows and storage (bench_lm_head.py, its one-row path at
+    # other launch shapes), the fp8 decode step with each head, then bf16 / fp8 / fp8 with the int8 head served
+    [ -d .whl ] || { echo "int8head: carry .whl (its GPU tests need the full wheelhouse)"; exit 2; }
+    install
+    TESTS="tests/kernels/test_kernel_int8_head.py tests/gpu/test_fp8.py -k head" optional 90 bash scripts/gpu_run.sh tests
+    (cd scripts && optional 40 python3 bench_lm_head.py --one-row 4/1024/4 8/512/4 2/1024/4 8/1024/8 16/512/8) \
+      | grep -v Warning | tee -a "$OUT/lm_head.jsonl"
+    for head in "" --int8-lm-head --fp8-lm-head; do
+      (cd scripts && optional 30 python3 bench_decode_shapes.py --fp8 $head --candidates 4608x3584:fp8=8/512/4) \
+        | grep -v Warning | tee -a "$OUT/int8head_step.jsonl"
+    done
+    SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8:model.quantization=fp8|fp8int8head:model.quantization=fp8 \
+model.int8_lm_head=true" optional 250 bash scripts/gpu_run.sh cases ;;
   fp8tune)  # #37 single: fp8_layers' sweep (each kind's best launch shape kept, then combined), then bf16, fp8 with the
     # e4m3 head (model.fp8_lm_head) at the sweep's shapes, and fp8 at them without the head served, three runs each
     # (~85 s a server; the third where time is left). TESTS: GPU tests first (carry .whl instead of .whl-serve)

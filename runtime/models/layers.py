@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llaunch.kernels.dispatch import linear, lm_head_linear, rmsnorm
+from llaunch.kernels import int8
 from llaunch.kernels.fp8 import FP8, Fp8Weight, quantize_weight
 
 
@@ -167,7 +168,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(nn.Module):
     """Logits over the vocabulary block of this rank, all-gathered to [N, vocab] float32. Tied to
     the embedding (shares its weight, so no checkpoint tensor of its own) or its own weight; after
-    quantize_fp8 (model.fp8_lm_head) an e4m3 copy with a scale per vocabulary row."""
+    quantize_fp8 (model.fp8_lm_head) an e4m3 copy with a scale per vocabulary row, after quantize_int8
+    (model.int8_lm_head) an int8 one."""
 
     def __init__(self, name: str, embedding: VocabParallelEmbedding, tied: bool, device, dtype):
         super().__init__()
@@ -176,19 +178,27 @@ class ParallelLMHead(nn.Module):
         self.tp = embedding.tp
         self.weight = None if tied else _param(embedding.weight.shape, device, dtype)
         self.name = name
-        self.register_buffer("qweight", None)  # model.fp8_lm_head: e4m3 [rows, hidden]
+        self.register_buffer("qweight", None)  # model.fp8_lm_head / int8_lm_head: e4m3 or int8 [rows, hidden]
         self.register_buffer("weight_scale", None)  # and a float32 scale per row
 
+    def quantize_fp8(self) -> None:
+        """The head's weight to e4m3 with a float32 scale per vocabulary row (kernels/fp8.quantize_weight)."""
+        self._quantize(FP8, quantize_weight)
+
+    def quantize_int8(self) -> None:
+        """The head's weight to int8 with a float32 scale per vocabulary row (kernels/int8.quantize_rows)."""
+        self._quantize(torch.int8, int8.quantize_rows)
+
     @torch.no_grad()
-    def quantize_fp8(self, rows_at_once: int = 16384) -> None:
-        """The head's weight to e4m3 with a float32 scale per vocabulary row (kernels/fp8.quantize_weight), a block
-        of rows at a time so the float32 copy of only that block is alive. Its own weight's 16-bit copy is freed; a
-        tied embedding keeps its copy for the lookup (the head then holds one byte more a weight)."""
+    def _quantize(self, dtype: torch.dtype, quantize, rows_at_once: int = 16384) -> None:
+        """The head's weight to `dtype` rows and a float32 scale a row, a block of rows at a time so the float32
+        copy of only that block is alive. Its own weight's 16-bit copy is freed; a tied embedding keeps its copy for
+        the lookup (the head then holds one byte more a weight)."""
         weight = self.embedding[0].weight if self.weight is None else self.weight
-        q = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+        q = torch.empty(weight.shape, dtype=dtype, device=weight.device)
         scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
         for start in range(0, weight.shape[0], rows_at_once):
-            q[start:start + rows_at_once], scale[start:start + rows_at_once] = quantize_weight(
+            q[start:start + rows_at_once], scale[start:start + rows_at_once] = quantize(
                 weight[start:start + rows_at_once])
         self.qweight, self.weight_scale = q, scale
         self.weight = None
@@ -200,7 +210,9 @@ class ParallelLMHead(nn.Module):
         return {"weight": [Shard(f"{self.name}.weight", emb.full_shape, 0, emb.start, emb.size)]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:
+        if self.qweight is not None and self.qweight.dtype == torch.int8:
+            weight = int8.Int8Rows(self.qweight, self.weight_scale)
+        elif self.qweight is not None:
             weight = Fp8Weight(self.qweight, self.weight_scale)
         else:
             weight = self.embedding[0].weight if self.weight is None else self.weight

@@ -55,8 +55,10 @@ def load_model_weights(model: DecoderLM, cfg: ModelConfig, progress: Optional[Ca
         quantize_linears(model)
     if cfg.fp8_lm_head:  # the launcher refuses it without fp8 weights or an LM head (rules_effect)
         model.lm_head.quantize_fp8()
-        if model.device.type == "cuda":
-            torch.cuda.empty_cache()  # an untied head's 16-bit weight goes back before the KV cache is sized
+    if cfg.int8_lm_head:  # (the launcher refuses it beside fp8_lm_head, and without an LM head)
+        model.lm_head.quantize_int8()
+    if (cfg.fp8_lm_head or cfg.int8_lm_head) and model.device.type == "cuda":
+        torch.cuda.empty_cache()  # an untied head's 16-bit weight goes back before the KV cache is sized
 
 
 def build_vision_tower(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,

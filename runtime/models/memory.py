@@ -107,12 +107,13 @@ def rank_memory(cfg: LlaunchConfig) -> RankMemory:
     fp8 = fp8_weights(cfg)
     one_byte = linear_params(arch) if fp8 else 0
     weights = -(-(arch.num_params - one_byte) // tp) * itemsize + -(-one_byte // tp)
-    if cfg.model.fp8_lm_head:  # an e4m3 head: an own 16-bit weight is freed, a tied embedding keeps its copy
+    if cfg.model.fp8_lm_head or cfg.model.int8_lm_head:
+        # a head of one byte a weight: an own 16-bit weight is freed, a tied embedding keeps its copy
         head = -(-arch.vocab_size // tp) * arch.hidden_size
         weights += head - (0 if arch.tie_word_embeddings else head * itemsize)
     dtype = cfg.model.dtype.value
+    weights_dtype = f"fp8 linears{' and LM head' * cfg.model.fp8_lm_head} + {dtype}" if fp8 else dtype
     return RankMemory(weights=weights, kv_per_token=kv, activations=activation_bytes(cfg, arch),
-                      weights_dtype=(f"fp8 linears{' and LM head' * cfg.model.fp8_lm_head} + {dtype}" if fp8
-                                     else dtype),
+                      weights_dtype=weights_dtype + " + int8 LM head" * cfg.model.int8_lm_head,
                       kv_dtype="fp8_e4m3" if kv_itemsize == 1 else dtype,
                       experts=-(-arch.expert_params // tp) * itemsize)

@@ -277,7 +277,8 @@ def test_quantized_qwen2_7b_shape_is_as_close_to_exact_as_e4m3_allows(kernel_set
     assert gap["fp8 GPU"] <= 1.1 * gap["fp8 float32 emulation"], gap
 
 
-@pytest.mark.parametrize("head", [False, True], ids=["bf16_head", "fp8_head"])  # model.fp8_lm_head
+# the LM head as the model's dtype, e4m3 (model.fp8_lm_head) or int8 rows (model.int8_lm_head)
+@pytest.mark.parametrize("head", [None, "fp8", "int8"], ids=["bf16_head", "fp8_head", "int8_head"])
 def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kernel_settings, monkeypatch,  # noqa: F811
                                                        head):
     """Real weights: SmolLM2 with model.quantization=fp8 (quantized after loading, as the loader does)
@@ -297,7 +298,7 @@ def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kern
     agreement by about a point both ways: 90.4% vs 90.9% on CPU over 16 chats, 91.8% vs 90.6% over 4);
     and the logits' distance to float32 (mean 1 - cosine, which averages that noise out) within 10%
     of the emulation's (CPU: 0.0085 vs 0.0087). With `head` the LM head is e4m3 too (model.fp8_lm_head: its tied
-    embedding's rows quantized per row), in every fp8 run and in the emulation."""
+    embedding's rows quantized per row) or int8 rows (model.int8_lm_head), in every fp8 run and in the emulation."""
     from llaunch.kernels.settings import Backend
     from llaunch.runtime.models import weights
     from llaunch.runtime.models.fp8_linear import Fp8Layer, quantize_linears
@@ -305,6 +306,13 @@ def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kern
     prompts, conts, _, exact = reference
     cuda = torch.device("cuda", 0)
     bf16_top = llaunch_argmax(model_dir, 0, 1, cuda, prompts, conts)
+
+    def quantize_head(model):
+        if head == "fp8":
+            model.lm_head.quantize_fp8()
+        else:
+            model.lm_head.quantize_int8()
+
     quantized = []
     load = weights.load_from
 
@@ -312,7 +320,7 @@ def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kern
         load(model, source, progress)
         quantize_linears(model)
         if head:
-            model.lm_head.quantize_fp8()
+            quantize_head(model)
         quantized.append(sum(isinstance(m, Fp8Layer) for m in model.modules()))
 
     monkeypatch.setattr(weights, "load_from", load_and_quantize)
@@ -328,13 +336,13 @@ def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kern
     bf16 = scored(gpu)
     quantize_linears(gpu)
     if head:
-        gpu.lm_head.quantize_fp8()
+        quantize_head(gpu)
     fp8_logits = scored(gpu)
     kernel_settings(backend=Backend.reference)  # float32 through the plain-torch ops, on the GPU
     float32 = scored(wide)
     _same_fp8_weights(wide, gpu)
     if head:
-        wide.lm_head.quantize_fp8()
+        quantize_head(wide)
         wide.lm_head.qweight.copy_(gpu.lm_head.qweight)
         wide.lm_head.weight_scale.copy_(gpu.lm_head.weight_scale)
     emulated = scored(wide)
@@ -345,7 +353,7 @@ def test_quantized_smollm2_loses_only_what_e4m3_loses(model_dir, reference, kern
            (("fp8 GPU", fp8_logits), ("fp8 float32 emulation", emulated), ("bf16", bf16))}
     agree = {"fp8 GPU (served)": agreement(fp8_top, exact), "fp8 float32 emulation": agreement(emulated_top, exact),
              "bf16 (served)": agreement(bf16_top, exact)}
-    print(json.dumps({"fp8 LM head": head,
+    print(json.dumps({"LM head": head or "bf16",
                       "top-1 agreement with transformers float32": {k: round(v, 4) for k, v in agree.items()},
                       "fp8 vs bf16 logits cos min/mean": [round(x.item(), 4) for x in (to_bf16.min(), to_bf16.mean())],
                       "mean 1-cos to float32": {k: round(v, 5) for k, v in gap.items()}, "positions": to_bf16.numel()}))

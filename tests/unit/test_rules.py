@@ -152,6 +152,7 @@ BREAKS = {
                            ["cache.kv_dtype=fp8_e4m3", "cache.kv_scales=/etc/hostname", "cache.kv_calibration=/x.json"]],
     "kv_scales_file_exists": [["cache.kv_dtype=fp8_e4m3", "cache.kv_scales=/no/such/scales.json"]],
     "fp8_kv_not_in_pd": [["mode=pd_decode", "cache.kv_dtype=fp8_e4m3"]],
+    "lm_head_one_format": [["model.quantization=fp8", "model.fp8_lm_head=true", "model.int8_lm_head=true"]],
     "moe_described": [["model.family=qwen3_moe"], ["model.num_experts=4"], [*MIXTRAL, "model.num_experts_per_tok=5"]],
     "mlp_splits_over_tp": [["parallel=tp2", "model.intermediate_size=127"],
                            [*MIXTRAL, "parallel=tp2", "model.moe_intermediate_size=127"],

@@ -1,0 +1,117 @@
+"""The int8 LM head (model.int8_lm_head, kernels/int8_head.py) against kernels/int8.py's reference: one row on the
+CUDA cores, a few and many rows on the tensor cores, each row alone under kernels.row_invariant; under the interpreter
+at small odd shapes, on a GPU at Qwen2-7B's head in bfloat16 (also in a CUDA graph with PDL), and its sm90 builds."""
+import pytest
+import torch
+
+from llaunch.kernels import int8
+
+# (rows, vocabulary, hidden): one row, a verify step's few, a batch's many (more than one tile of rows), odd sizes
+SHAPES = [(1, 37, 300), (1, 130, 72), (3, 70, 100), (16, 50, 72), (33, 21, 40), (70, 45, 96)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_int8_head_interpreted(ops, poisoned, m, n, k, dtype):
+    from llaunch.kernels import int8_head
+
+    w = int8.quantize_rows(torch.randn(n, k))
+    x = (3 * torch.randn(m, k)).to(dtype)
+    with poisoned():
+        got = int8_head.logits(x, w)
+    want = int8.reference_logits(x, w)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert ((got - want).abs() <= order_bound(x, w)).all()
+
+
+def order_bound(x: torch.Tensor, w: int8.Int8Rows) -> torch.Tensor:
+    """How far the same exact float32 products summed in another order may land from the reference's sum, rounded to
+    x's dtype: K float32 roundings of sums no larger than Σ|w·x| (times the row's scale), and one step of x's dtype
+    where the sums fall on either side of a rounding boundary."""
+    magnitude = torch.nn.functional.linear(x.float().abs(), w.weight.float().abs()) * w.scale
+    step = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[x.dtype]
+    return x.shape[1] * 2.0 ** -24 * magnitude + step * magnitude
+
+
+def test_int8_head_rows_alike_under_row_invariant(ops, kernel_settings):
+    """kernels.row_invariant: each row of a step of up to 16 on the one-row code, so its logits are the bits it gets
+    alone (a verify row's are a decode row's)."""
+    from llaunch.kernels import int8_head
+
+    kernel_settings(row_invariant=True)
+    w = int8.quantize_rows(torch.randn(90, 200))
+    x = torch.randn(5, 200, dtype=torch.float16)
+    together = int8_head.logits(x, w)
+    assert all(torch.equal(together[i:i + 1], int8_head.logits(x[i:i + 1], w)) for i in range(5))
+
+
+def test_int8_head_refuses_what_it_cannot_take(ops):
+    from llaunch.kernels import int8_head
+
+    w = int8.quantize_rows(torch.randn(8, 32))
+    with pytest.raises(ValueError, match="x \\[M, 32\\]"):
+        int8_head.logits(torch.randn(2, 31), w)
+    with pytest.raises(ValueError, match="int8 rows"):
+        int8_head.logits(torch.randn(2, 32), int8.Int8Rows(w.weight.float(), w.scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256])
+def test_int8_head_gpu(cuda, poisoned, m):
+    """Qwen2-7B's head (152,064 x 3,584) in bfloat16: every row count's path against the reference, within what a
+    sum's order may move a logit by (order_bound)."""
+    from llaunch.kernels import int8_head
+
+    w = int8.quantize_rows(torch.randn(152064, 3584, device=cuda) / 60)
+    x = (3 * torch.randn(m, 3584, device=cuda)).to(torch.bfloat16)
+    with poisoned():
+        got = int8_head.logits(x, w)
+    want = int8.reference_logits(x, w)
+    assert ((got - want).abs() <= order_bound(x, w)).all()
+    assert (got == want).float().mean() > 0.95  # most sums round alike: a wrong scale or row would move them all
+
+
+@pytest.mark.gpu
+def test_int8_head_replays_in_a_cuda_graph_with_pdl(cuda, captured):
+    from llaunch.kernels import int8_head
+
+    w = int8.quantize_rows(torch.randn(152064, 3584, device=cuda) / 60)
+    x = (3 * torch.randn(1, 3584, device=cuda)).to(torch.bfloat16)
+    graph, out = captured(lambda: int8_head.logits(x * 1, w), with_pdl=True)
+    x.copy_((3 * torch.randn(1, 3584, device=cuda)).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, int8_head.logits(x, w))
+
+
+_COMPILE_HEAD = r"""
+import importlib, inspect, json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+head = importlib.import_module("llaunch.kernels.int8_head")
+fn = head._head_kernel
+out = {}
+for name, (block_m, block_n, block_k, warps, stages) in (("one", head.ONE_ROW_SHAPE), ("few", head.FEW_ROWS_SHAPE),
+                                                         ("many", head.MANY_ROWS_SHAPE)):
+    constexprs = dict(PDL=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, IEEE=False,
+                      INTERPRETED=False)
+    names = list(inspect.signature(fn.fn).parameters)
+    types = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"}
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] == "i32" or sig[n][0] == "*"}
+    build = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    out[name] = {"ptx": build.asm["ptx"], "shared": build.metadata.shared}
+print(json.dumps({k: {"shared": v["shared"], "mma": "mma" in v["ptx"], "wait": "griddepcontrol.wait" in v["ptx"],
+                      "spill": "local" in v["ptx"]} for k, v in out.items()}))
+"""
+
+
+@pytest.mark.slow
+def test_int8_head_builds_fit_sm90_and_multiply_where_planned(sm90_compile):
+    """The head's three launch shapes compiled for sm90: they fit in shared memory, the one-row build stays on the
+    CUDA cores and the others use MMAs, and each waits for the previous kernel (PDL) before it reads x."""
+    builds = sm90_compile(_COMPILE_HEAD)
+    for name, build in builds.items():
+        assert build["shared"] <= 232448 and build["wait"], (name, build)
+    assert not builds["one"]["mma"] and builds["few"]["mma"] and builds["many"]["mma"]
