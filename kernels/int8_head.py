@@ -8,10 +8,14 @@ exact in bfloat16 and float16 (8 significant bits), so the products are exact in
 the reference's (kernels/int8.py, which also quantizes) only in their order.
 
 One kernel, two paths by the step's rows: one row (batch-1 decode; each row alike under kernels.row_invariant) on the
-CUDA cores, each program a tile of vocabulary rows read once, every weight to float32 for its FMA; more rows on the tensor cores, x's rows in tiles of
-BLOCK_M (16 up to 16 rows) against each weight tile converted to x's dtype (tl.dot, float32 sums). The row scale and
-the rounding to x's dtype in the epilogue; the logits come back float32 (as lm_head_linear's other paths: the
-x-dtype value widened). The launch shapes are the module's constants below, not yet measured on a GPU.
+CUDA cores, each program a tile of vocabulary rows read once as 32-bit words, every weight made float32 by a byte
+permute and one add (_weight_of: the sm90 loop at 16/512/8 is ~4.9 instructions a weight, against ~5.9 with Triton's
+own byte extraction; float16 pairs as kernels/e4m3_words.py multiplies would take ~2, at float16's sums: the next step
+if the GPU shows this loop short of the bandwidth), or as bytes where K is not a multiple of 4; more rows on the
+tensor cores, x's rows in tiles of BLOCK_M (16 up to 16 rows) against each weight tile converted to x's dtype (tl.dot,
+float32 sums). The row scale and the rounding to x's dtype in the epilogue; the logits come back float32 (as
+lm_head_linear's other paths: the x-dtype value widened). The launch shapes are the module's constants below, not yet
+measured on a GPU (`scripts/bench_lm_head.py`).
 """
 from __future__ import annotations
 
@@ -27,16 +31,83 @@ from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES): one row on the CUDA cores (BLOCK_M 1); up to 16 rows, and more
-ONE_ROW_SHAPE = (1, 4, 1024, 4, 0)
+ONE_ROW_SHAPE = (1, 16, 512, 8, 0)  # the fewest sm90 instructions a weight of the word loop's builds (4.9)
 FEW_ROWS_SHAPE = (16, 64, 128, 4, 4)
 MANY_ROWS_SHAPE = (64, 128, 64, 8, 3)
 INTERPRETED_SHAPES = ((1, 4, 64, 4, 0), (16, 16, 32, 4, 1), (32, 16, 32, 4, 1))
 
 
+# int8 → float32 without a conversion instruction: a byte b + 128 (the word XOR 0x80 in each byte) as the low mantissa
+# byte of 2^23 is the float 2^23 + b + 128, exact; subtracting 2^23 + 128 leaves b (a byte permute and one add a weight
+# where Triton's conversion takes a byte extraction and an I2F, at the conversion unit's quarter rate)
+_SIGN_BITS = tl.constexpr(-2139062144)  # 0x80808080 as an int32
+_TWO_23 = tl.constexpr(1258291200)  # 0x4B000000: the float 2^23's bits
+_OFFSET = tl.constexpr(8388736.0)  # 2^23 + 128
+
+
+# byte i of a word under 0x4B's float exponent byte, in one byte permute (prmt: the result's bytes low to high are the
+# word's byte i, two zero bytes and 0x4B; Triton's shifts, masks and OR take three instructions)
+_BYTE_0, _BYTE_1, _BYTE_2, _BYTE_3 = (
+    tl.constexpr(f"{{ .reg .b32 t; mov.b32 t, 0x4B000000; prmt.b32 $0, $1, t, 0x744{i}; }}") for i in range(4))
+
+
+@triton.jit
+def _under_2_23(biased, i: tl.constexpr):
+    if i == 0:
+        asm: tl.constexpr = _BYTE_0
+    elif i == 1:
+        asm: tl.constexpr = _BYTE_1
+    elif i == 2:
+        asm: tl.constexpr = _BYTE_2
+    else:
+        asm: tl.constexpr = _BYTE_3
+    return tl.inline_asm_elementwise(asm, "=r,r", [biased], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _weight_of(biased, i: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The int8 weight in byte i of each word of `biased` (its bytes XOR 0x80) as float32."""
+    if INTERPRETED:
+        bits = ((biased >> (8 * i)) & 0xFF) | _TWO_23
+    else:
+        bits = _under_2_23(biased, i)
+    return bits.to(tl.float32, bitcast=True) - _OFFSET
+
+
+@triton.jit
+def _word_dots(x_ptr, w_ptr, rows, row_mask, K, w_stride, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Σ_k w[r, k]·x[k] in float32 for a program's rows, K a multiple of 4 and each row's start 4-byte aligned: the
+    weights loaded as int32 words (4 a word, BLOCK_K / 4 words a tile), each converted by _weight_of, x's 4 columns of
+    each word loaded once and used by all BLOCK_N rows."""
+    W: tl.constexpr = BLOCK_K // 4
+    K4 = K // 4
+    words = tl.arange(0, W)
+    w_words = (w_ptr + rows.to(tl.int64) * w_stride).to(tl.pointer_type(tl.int32), bitcast=True)
+    mask = row_mask[:, None] & (words < K4)[None, :]
+    w = tl.load(w_words[:, None] + words[None, :], mask=mask, other=0, eviction_policy="evict_first")
+    wait_for_previous_kernel(PDL)  # the weights are constants: the first tile is requested before x is ready
+    acc = tl.zeros([BLOCK_N, W], dtype=tl.float32)
+    for w0 in range(0, K4, W):
+        at = (w0 + words)[:, None] * 4 + tl.arange(0, 4)[None, :]
+        quads = tl.load(x_ptr + at, mask=at < K, other=0.0).to(tl.float32).reshape(W, 2, 2)
+        first, second = tl.split(quads)  # columns 0, 2 and 1, 3 of each word
+        x0, x2 = tl.split(first)
+        x1, x3 = tl.split(second)
+        nxt = w0 + W + words
+        mask = row_mask[:, None] & (nxt < K4)[None, :]  # all false after the last tile: no traffic
+        w_next = tl.load(w_words[:, None] + nxt[None, :], mask=mask, other=0, eviction_policy="evict_first")
+        biased = w ^ _SIGN_BITS
+        acc += (_weight_of(biased, 0, INTERPRETED) * x0[None, :] + _weight_of(biased, 1, INTERPRETED) * x1[None, :]
+                + _weight_of(biased, 2, INTERPRETED) * x2[None, :] + _weight_of(biased, 3, INTERPRETED) * x3[None, :])
+        w = w_next
+    return tl.sum(acc, axis=1)
+
+
 @triton.jit
 def _head_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+                 IEEE: tl.constexpr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # vocabulary rows (the logits' columns)
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64) * w_stride
@@ -44,7 +115,11 @@ def _head_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, w_stride, out_
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     x_rows = x_ptr + m.to(tl.int64) * x_stride
-    if BLOCK_M == 1:  # a row (program_id(1)) alone: the weights to float32, multiplied by it, summed per vocabulary row
+    if BLOCK_M == 1 and WORDS:  # a row alone, the weights read as 32-bit words of 4 (see _word_dots)
+        y = _word_dots(x_ptr + tl.program_id(1).to(tl.int64) * x_stride, w_ptr, rows, row_mask, K, w_stride, PDL,
+                       BLOCK_N, BLOCK_K, INTERPRETED)
+        y = (y * tl.load(s_ptr + rows, mask=row_mask, other=0.0))[None, :]
+    elif BLOCK_M == 1:  # a row (program_id(1)) alone: each weight to float32, times the row, summed per vocabulary row
         x_ptr += tl.program_id(1).to(tl.int64) * x_stride
         mask = row_mask[:, None] & (cols < K)[None, :]
         w = tl.load(w_rows[:, None] + cols[None, :], mask=mask, other=0, eviction_policy="evict_first")
@@ -86,6 +161,11 @@ def launch_shape(m: int) -> tuple[int, int, int, int, int]:
     return one if m == 1 or settings.invariant_step(m) else few if m <= 16 else many
 
 
+def words_fit(weight: torch.Tensor) -> bool:
+    """Can the one-row path read the weight's rows as 32-bit words: K a multiple of 4, each row 4-byte aligned?"""
+    return weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
+
+
 def logits(x: torch.Tensor, w: Int8Rows) -> torch.Tensor:
     """x [M, K] (bfloat16, float16 or float32) against the int8 head → float32 logits [M, N]."""
     if x.dim() != 2 or x.shape[1] != w.weight.shape[1]:
@@ -105,5 +185,6 @@ def logits(x: torch.Tensor, w: Int8Rows) -> torch.Tensor:
     _head_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, w.scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        IEEE=x.dtype == torch.float32, INTERPRETED=_INTERPRETED, num_warps=warps, launch_pdl=use_pdl)
+        IEEE=x.dtype == torch.float32, WORDS=words_fit(weight), INTERPRETED=_INTERPRETED, num_warps=warps,
+        launch_pdl=use_pdl)
     return out

@@ -253,7 +253,7 @@ model.quantization=fp8 model.fp8_lm_head=true kernels.gemv_shapes='152064x3584:f
     [ -d .whl ] || { echo "int8head: carry .whl (its GPU tests need the full wheelhouse)"; exit 2; }
     install
     TESTS="tests/kernels/test_kernel_int8_head.py tests/gpu/test_fp8.py -k head" optional 90 bash scripts/gpu_run.sh tests
-    (cd scripts && optional 40 python3 bench_lm_head.py --one-row 4/1024/4 8/512/4 2/1024/4 8/1024/8 16/512/8) \
+    (cd scripts && optional 40 python3 bench_lm_head.py --one-row 4/1024/4 8/512/4 8/1024/8 32/256/8 16/1024/8) \
       | grep -v Warning | tee -a "$OUT/lm_head.jsonl"
     for head in "" --int8-lm-head --fp8-lm-head; do
       (cd scripts && optional 30 python3 bench_decode_shapes.py --fp8 $head --candidates 4608x3584:fp8=8/512/4) \

@@ -7,7 +7,8 @@ import torch
 from llaunch.kernels import int8
 
 # (rows, vocabulary, hidden): one row, a verify step's few, a batch's many (more than one tile of rows), odd sizes
-SHAPES = [(1, 37, 300), (1, 130, 72), (3, 70, 100), (16, 50, 72), (33, 21, 40), (70, 45, 96)]
+# (K of 97: the one-row path reads bytes, not words)
+SHAPES = [(1, 37, 300), (1, 130, 72), (1, 29, 97), (3, 70, 100), (16, 50, 72), (33, 21, 40), (70, 45, 97)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -94,7 +95,7 @@ out = {}
 for name, (block_m, block_n, block_k, warps, stages) in (("one", head.ONE_ROW_SHAPE), ("few", head.FEW_ROWS_SHAPE),
                                                          ("many", head.MANY_ROWS_SHAPE)):
     constexprs = dict(PDL=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, IEEE=False,
-                      INTERPRETED=False)
+                      WORDS=True, INTERPRETED=False)
     names = list(inspect.signature(fn.fn).parameters)
     types = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
@@ -103,15 +104,18 @@ for name, (block_m, block_n, block_k, warps, stages) in (("one", head.ONE_ROW_SH
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     out[name] = {"ptx": build.asm["ptx"], "shared": build.metadata.shared}
 print(json.dumps({k: {"shared": v["shared"], "mma": "mma" in v["ptx"], "wait": "griddepcontrol.wait" in v["ptx"],
-                      "spill": "local" in v["ptx"]} for k, v in out.items()}))
+                      "prmt": v["ptx"].count("prmt.b32"), "i2f": v["ptx"].count("cvt.rn.f32.s")}
+                  for k, v in out.items()}))
 """
 
 
 @pytest.mark.slow
 def test_int8_head_builds_fit_sm90_and_multiply_where_planned(sm90_compile):
     """The head's three launch shapes compiled for sm90: they fit in shared memory, the one-row build stays on the
-    CUDA cores and the others use MMAs, and each waits for the previous kernel (PDL) before it reads x."""
+    CUDA cores, reading words, each weight made float32 by a byte permute and no conversion instruction, and the
+    others use MMAs; each waits for the previous kernel (PDL) before it reads x."""
     builds = sm90_compile(_COMPILE_HEAD)
     for name, build in builds.items():
         assert build["shared"] <= 232448 and build["wait"], (name, build)
     assert not builds["one"]["mma"] and builds["few"]["mma"] and builds["many"]["mma"]
+    assert builds["one"]["prmt"] >= 4 and builds["one"]["i2f"] == 0, builds["one"]
