@@ -22,40 +22,62 @@ from llaunch.kernels.attention_softcap import softcap as _softcap
 _LOG2E = 1.4426950408889634
 
 
+# Where a block's keys and values come from (_attend_block's SOURCE): the cache (16-bit as stored; fp8: its e4m3 values
+# exact in DOT, the layer's scales on the scores and on the block's output), the chunk's own k_new / v_new alone (fp8
+# with FRESH: blocks past the cached prefix), or both (the block the prefix ends in, the masked ones: each key from
+# where it lies, the cache's dequantized in q's dtype as the reference does)
+CACHE = tl.constexpr(0)
+NEW = tl.constexpr(1)
+MIXED = tl.constexpr(2)
+
+
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end, q_pos,
+def _attend_block(acc, m_i, l_i, q, q_dot, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end, q_pos,
                   kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride, k_scale, v_scale,
                   k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride, prefix, q_start, window, cap,
-                  MASKED: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr, FRESH: tl.constexpr,
-                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                  MASKED: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr, SOURCE: tl.constexpr,
+                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     d_mask = offs_d[None, :] < dim
     if MASKED:
         n_mask = offs_n < kv_end
-        slots = tl.load(slot_row_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask
     else:
-        slots = tl.load(slot_row_ptr + offs_n).to(tl.int64)
         kv_mask = d_mask
-    kv_off = slots[:, None] * cache_tok_stride + kv_head * cache_head_stride + offs_d[None, :]
-    if FRESH:  # the chunk's own keys from k_new/v_new (unrounded), the prefix's from the fp8 cache
+    new_off = (q_start + offs_n - prefix)[:, None] * new_tok_stride + kv_head * new_head_stride + offs_d[None, :]
+    if SOURCE != NEW:
+        if MASKED:
+            slots = tl.load(slot_row_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
+        else:
+            slots = tl.load(slot_row_ptr + offs_n).to(tl.int64)
+        kv_off = slots[:, None] * cache_tok_stride + kv_head * cache_head_stride + offs_d[None, :]
+    scores_scale = qk_scale
+    if SOURCE == MIXED:  # the chunk's own keys from k_new/v_new (unrounded), the prefix's from the fp8 cache
         cached = (offs_n < prefix)[:, None]
         kc = tl.load(k_cache_ptr + kv_off, mask=kv_mask & cached, other=0.0).to(tl.float32) * k_scale
         vc = tl.load(v_cache_ptr + kv_off, mask=kv_mask & cached, other=0.0).to(tl.float32) * v_scale
-        new_off = (q_start + offs_n - prefix)[:, None] * new_tok_stride + kv_head * new_head_stride + offs_d[None, :]
         kf = tl.load(k_new_ptr + new_off, mask=kv_mask & (offs_n >= prefix)[:, None], other=0.0).to(tl.float32)
         vf = tl.load(v_new_ptr + new_off, mask=kv_mask & (offs_n >= prefix)[:, None], other=0.0).to(tl.float32)
         k = tl.where(cached, kc.to(k_new_ptr.dtype.element_ty).to(tl.float32), kf).to(q.dtype)
         v = tl.where(cached, vc.to(v_new_ptr.dtype.element_ty).to(tl.float32), vf).to(q.dtype)
+    elif SOURCE == NEW:
+        k = tl.load(k_new_ptr + new_off, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_new_ptr + new_off, mask=kv_mask, other=0.0).to(q.dtype)
     else:
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-    if FP8_KV and not FRESH:  # an fp8 cache, dequantized as loaded: value × scale in q's dtype, as the reference
-        k = (k.to(tl.float32) * k_scale).to(q.dtype)
-        v = (v.to(tl.float32) * v_scale).to(q.dtype)
-    if UPCAST:  # the interpreter has no bf16/fp16 dot
+    e4m3: tl.constexpr = FP8_KV and SOURCE == CACHE
+    if e4m3:  # every e4m3 value is exact in DOT (fp16 for a 16-bit q: one conversion for two), taken as stored
+        k = k.to(DOT)
+        v = v.to(DOT)
+        scores_scale = qk_scale * k_scale
+    elif UPCAST:  # the interpreter has no bf16/fp16 dot
         k = k.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if e4m3:
+        qk = tl.dot(q_dot, tl.trans(k), input_precision=PRECISION) * scores_scale
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scores_scale
     if SOFTCAP:
         qk = _softcap(qk, cap)
     if MASKED:
@@ -69,7 +91,9 @@ def _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, star
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if UPCAST:
+    if e4m3:
+        pv = tl.dot(p.to(DOT), v, input_precision=PRECISION) * v_scale
+    elif UPCAST:
         pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
     else:
         pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -83,7 +107,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, 
                     out_head_stride, cache_tok_stride, cache_head_stride, slots_row_stride, dim,
                     k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride, window, cap, FRESH: tl.constexpr,
                     GROUP: tl.constexpr, UPCAST: tl.constexpr, FP8_KV: tl.constexpr, WINDOW: tl.constexpr,
-                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                    SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     head = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (last) blocks first
@@ -104,6 +128,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, 
                 mask=m_mask[:, None] & (offs_d[None, :] < dim), other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    q_dot = q
+    if FP8_KV:  # for the e4m3 cache's blocks: a 16-bit q in fp16 (DOT), whose 10 mantissa bits hold bf16's 7
+        q_dot = q.to(DOT)
     q_pos = prefix + offs_m
     k_scale = 1.0
     v_scale = 1.0
@@ -124,24 +151,45 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, 
         win_start = (tl.maximum(first_q - window + 1, 0) // BLOCK_N) * BLOCK_N
         win_end = ((tl.maximum(kv_end - window, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
         win_end = tl.minimum(tl.maximum(win_end, win_start), full_end)
+    # the masked blocks (the window's lower edge, the diagonal) read both sources where the chunk brings its own K/V
+    EDGE: tl.constexpr = MIXED if FRESH else CACHE
     for start_n in range(win_start, win_end, BLOCK_N):  # the window's lower edge: masked
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
-                                      q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
-                                      k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride,
-                                      prefix, q_start, window, cap, True, UPCAST, FP8_KV, FRESH, WINDOW, SOFTCAP,
-                                      PRECISION, BLOCK_N)
-    for start_n in range(win_end, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
-                                      q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
-                                      k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride,
-                                      prefix, q_start, window, cap, False, UPCAST, FP8_KV, FRESH, WINDOW, SOFTCAP,
-                                      PRECISION, BLOCK_N)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_dot, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n,
+                                      kv_end, q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride,
+                                      cache_head_stride, k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride,
+                                      new_head_stride, prefix, q_start, window, cap, True, UPCAST, FP8_KV, EDGE,
+                                      WINDOW, SOFTCAP, PRECISION, DOT, BLOCK_N)
+    # the unmasked blocks: the cached prefix's whole blocks, the block it ends in, then the chunk's own whole blocks
+    # (without FRESH every key is in the cache)
+    cached_end = full_end
+    new_start = full_end
+    if FRESH:
+        cached_end = tl.minimum(tl.maximum((prefix // BLOCK_N) * BLOCK_N, win_end), full_end)
+        new_start = tl.minimum(tl.maximum(((prefix + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, cached_end), full_end)
+    for start_n in range(win_end, cached_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_dot, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n,
+                                      kv_end, q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride,
+                                      cache_head_stride, k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride,
+                                      new_head_stride, prefix, q_start, window, cap, False, UPCAST, FP8_KV, CACHE,
+                                      WINDOW, SOFTCAP, PRECISION, DOT, BLOCK_N)
+    for start_n in range(cached_end, new_start, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_dot, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n,
+                                      kv_end, q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride,
+                                      cache_head_stride, k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride,
+                                      new_head_stride, prefix, q_start, window, cap, False, UPCAST, FP8_KV, MIXED,
+                                      WINDOW, SOFTCAP, PRECISION, DOT, BLOCK_N)
+    for start_n in range(new_start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_dot, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n,
+                                      kv_end, q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride,
+                                      cache_head_stride, k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride,
+                                      new_head_stride, prefix, q_start, window, cap, False, UPCAST, FP8_KV, NEW,
+                                      WINDOW, SOFTCAP, PRECISION, DOT, BLOCK_N)
     for start_n in range(full_end, kv_end, BLOCK_N):  # the diagonal: masked
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n, kv_end,
-                                      q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride, cache_head_stride,
-                                      k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride, new_head_stride,
-                                      prefix, q_start, window, cap, True, UPCAST, FP8_KV, FRESH, WINDOW, SOFTCAP,
-                                      PRECISION, BLOCK_N)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, q_dot, k_cache_ptr, v_cache_ptr, slot_row_ptr, start_n,
+                                      kv_end, q_pos, kv_head, offs_d, dim, qk_scale, cache_tok_stride,
+                                      cache_head_stride, k_scale, v_scale, k_new_ptr, v_new_ptr, new_tok_stride,
+                                      new_head_stride, prefix, q_start, window, cap, True, UPCAST, FP8_KV, EDGE,
+                                      WINDOW, SOFTCAP, PRECISION, DOT, BLOCK_N)
     if WINDOW:  # rows past the chunk's end may see no key at all
         l_i = tl.where(l_i > 0, l_i, 1.0)
     acc = acc / l_i[:, None]
@@ -211,6 +259,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         0 if k_new is None else k_new.stride(0), 0 if k_new is None else k_new.stride(1), window,
         softcap * _LOG2E, FRESH=k_new is not None, GROUP=n_q_heads // k_cache.shape[1], UPCAST=not q.is_cuda,
         FP8_KV=k_scale is not None, WINDOW=window > 0, SOFTCAP=softcap > 0,
-        PRECISION=_precision(q), BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION=_precision(q), DOT=tl.float32 if q.dtype == torch.float32 or not q.is_cuda else tl.float16,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(dim), num_warps=warps, num_stages=stages)
     return out

@@ -179,14 +179,14 @@ case $NAME in
     install
     ri_sweep ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
-    # suite (04fc5db on an H100, its one failure mended in test_kernel_gemv and green at eeb33d5; nothing changed
-    # since: list the changed files' tests here), then fp8_layers' sweep (the fp8 step's layer kinds as built in and at
-    # other launch shapes, TB/s each)
+    # suite (04fc5db on an H100, its one failure mended in test_kernel_gemv and green at eeb33d5; since: kernels/
+    # int8_head.py, new, and prefill attention over an fp8 cache reading whole cached blocks as e4m3 products with the
+    # scales folded, whole blocks of the chunk's own keys from k_new alone), then fp8_layers' sweep (the fp8 step's
+    # layer kinds as built in and at other launch shapes, TB/s each)
     [ -d .whl ] || { echo "changed: carry .whl (the full wheelhouse), not .whl-serve"; exit 2; }
     install
-    TESTS="tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_skinny_gemm.py
-      tests/kernels/test_kernel_fp8_rows.py tests/kernels/test_kernel_fp8_block.py tests/gpu/test_fp8.py
-      tests/gpu/test_verify_graphs_gpu.py tests/gpu/test_mixed_graphs_gpu.py tests/gpu/test_spec_decode_gpu.py" \
+    TESTS="tests/kernels/test_kernel_int8_head.py tests/kernels/test_kernel_prefill_attention.py tests/gpu/test_fp8.py
+      tests/gpu/test_smollm2_agreement.py tests/gpu/test_mixed_graphs_gpu.py tests/gpu/test_spec_decode_gpu.py" \
       bash scripts/gpu_run.sh tests
     fp8_layers ;;
   fp8mixed)

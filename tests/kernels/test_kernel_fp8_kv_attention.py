@@ -50,8 +50,13 @@ def test_prefill_reads_an_fp8_cache(ops, poisoned, close, kv_cache, dtype):
 
 
 def test_prefill_reads_its_chunk_unrounded_and_its_prefix_from_the_fp8_cache(ops, poisoned, close, kv_cache):
+    """The interpreter's 64 x 64 tiles: whole blocks of the cached prefix (e4m3 products, scales on the scores and the
+    output), the block the prefix ends in (each key from where it lies), whole blocks of the chunk's own keys, and the
+    masked diagonal, in every order a chunk's programs meet them."""
     dtype = torch.float16
-    chunks = [(0, 70), (37, 5), (128, 64)]  # (cached prefix, new tokens)
+    # (cached prefix, new tokens): a chunk without a prefix, a short one, whole cached blocks, a prefix ending inside a
+    # block before one program's unmasked blocks (100 + 100) and before whole blocks of the chunk's own (30 + 200)
+    chunks = [(0, 70), (37, 5), (128, 64), (100, 100), (30, 200)]
     k_cache, v_cache, req_to_slots, rows = kv_cache([p + n for p, n in chunks], 1, 64, dtype)
     k8, v8, ks, vs = fp8_caches(k_cache, v_cache)
     prefix_lens = torch.tensor([p for p, _ in chunks])
@@ -63,7 +68,7 @@ def test_prefill_reads_its_chunk_unrounded_and_its_prefix_from_the_fp8_cache(ops
     k_new, v_new = kv[:, :1], kv[:, 1:]
     with poisoned():
         out = ops.prefill_attention(q, k8, v8, req_to_slots, rows, q_starts, q_lens, prefix_lens, 0.125,
-                                    max_q_len=70, k_scale=ks, v_scale=vs, k_new=k_new, v_new=v_new)
+                                    max_q_len=200, k_scale=ks, v_scale=vs, k_new=k_new, v_new=v_new)
     ref = reference.prefill_attention(q, Dequantizing(k8, ks, dtype), Dequantizing(v8, vs, dtype), req_to_slots,
                                       rows, q_starts, q_lens, prefix_lens, 0.125, k_new, v_new)
     close(out, ref)

@@ -53,8 +53,9 @@ for dtype, elem, fp8 in [(d, e, False) for d, e in TYPES.items()] + [(torch.bflo
         q = types.SimpleNamespace(is_cuda=True, dtype=dtype)
         block_m, block_n, warps, stages = pre._launch_shape(q, dim)
         elem_name = elem + (" fp8 KV" if fp8 else "")
-        constexprs = dict(GROUP=7, UPCAST=False, FP8_KV=fp8, FRESH=fp8, PRECISION=pre._precision(q), BLOCK_M=block_m,
-                          BLOCK_N=block_n, BLOCK_D=dim, **masks)
+        constexprs = dict(GROUP=7, UPCAST=False, FP8_KV=fp8, FRESH=fp8, PRECISION=pre._precision(q),
+                          DOT=triton.language.float32 if dtype == torch.float32 else triton.language.float16,
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, **masks)
         kernel = triton.compile(ASTSource(fn=pre._prefill_kernel, signature=signature(pre._prefill_kernel, constexprs, elem),
                                           constexprs=constexprs), target=target,
                                 options={"num_warps": warps, "num_stages": stages})
