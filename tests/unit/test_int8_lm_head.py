@@ -1,12 +1,13 @@
 """model.int8_lm_head against transformers with the same int8 rows dequantized as its LM head (float32, CPU): greedy
-token for token on Qwen2 (its own head, odd head count) and Llama (tied to the embedding), the logits the head's own,
-and the memory plan (the rule against model.fp8_lm_head beside it: tests/unit/test_rules.py's BREAKS)."""
+token for token on Qwen2 (its own head, odd head count) and Llama (tied to the embedding), at tp1 and tp2 (gloo: each
+rank quantizes its block of the vocabulary's rows), the logits the head's own, and the memory plan (the rule against model.fp8_lm_head beside it: tests/unit/test_rules.py's BREAKS)."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from fixtures.forward_batches import greedy, head_gaps
 from fixtures.fp8_checkpoints import hf_greedy
@@ -17,6 +18,7 @@ from unit.test_rules import free_port, resolved  # noqa: F401 (fixtures)
 
 MAX_NEW = 12
 PROMPTS = [list(range(100, 111)), [5, 907, 31000, 42, 42, 42, 7, 1234, 8800], [49000, 3, 17]]
+FAMILIES = [("qwen2", dict(num_attention_heads=3, num_key_value_heads=1, head_dim=16)), ("llama", {})]
 
 
 def int8_head_oracle(folder, head: bool):
@@ -32,8 +34,7 @@ def int8_head_oracle(folder, head: bool):
     return model
 
 
-@pytest.mark.parametrize("family, shape", [("qwen2", dict(num_attention_heads=3, num_key_value_heads=1, head_dim=16)),
-                                           ("llama", {})])
+@pytest.mark.parametrize("family, shape", FAMILIES)
 def test_int8_lm_head_serves_the_int8_rows_token_for_token(tmp_path, family, shape):
     folder = write_tiny_checkpoint(tmp_path / family, family, seed=5, **shape)
     cfg = replace(model_config_from_folder(folder), int8_lm_head=True)
@@ -57,6 +58,19 @@ def test_rows_round_to_nearest_with_their_absmax_at_127():
     assert rows.weight.tolist() == [[0, 0, 0], [127, -64, 32], [-127, 42, 0]]  # 63.5 → 64 and 31.75 → 32: nearest
     assert rows.scale.tolist() == pytest.approx([1.0, 1 / 127, 3 / 127])
     assert (int8.dequantized(rows, torch.float32) - w).abs().max() <= 3 / 127 / 2 + 1e-7
+
+
+@pytest.mark.slow
+def test_int8_lm_head_at_tp2_is_the_oracles_token_for_token(tmp_path):
+    from unit.test_fp8_weights import MAX_NEW as RANK_MAX_NEW, PROMPTS as RANK_PROMPTS, rank_main
+
+    assert (RANK_PROMPTS, RANK_MAX_NEW) == (PROMPTS, MAX_NEW)  # rank_main greedily continues these
+    folders = {family: write_tiny_checkpoint(tmp_path / family, family, seed=5, **shape) for family, shape in FAMILIES}
+    cfgs = {family: replace(model_config_from_folder(folder), int8_lm_head=True) for family, folder in folders.items()}
+    mp.spawn(rank_main, args=(cfgs, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
+    for family, folder in folders.items():
+        oracle = int8_head_oracle(folder, True)
+        assert torch.load(tmp_path / f"{family}.pt") == [hf_greedy(oracle, p, MAX_NEW) for p in PROMPTS], family
 
 
 @pytest.mark.parametrize("profile", ["qwen2-7b", "smollm2-135m"])
