@@ -173,8 +173,11 @@ def logits(x: torch.Tensor, w: Int8Rows) -> torch.Tensor:
     if w.weight.dtype != torch.int8 or w.scale.shape != (w.weight.shape[0],) or w.scale.dtype != torch.float32:
         raise ValueError(f"int8 head: int8 rows and a float32 scale a row, got {w.weight.dtype} "
                          f"{tuple(w.weight.shape)} and {w.scale.dtype} {tuple(w.scale.shape)}")
+    if w.weight.device != x.device or w.scale.device != x.device:
+        raise ValueError(f"int8 head: x on {x.device}, the rows on {w.weight.device}, their scales on {w.scale.device}")
     x = x.contiguous()
     weight = w.weight if w.weight.stride(-1) == 1 else w.weight.contiguous()
+    scale = w.scale.contiguous()  # read at s_ptr + row
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
@@ -183,7 +186,7 @@ def logits(x: torch.Tensor, w: Int8Rows) -> torch.Tensor:
     block_m, block_n, block_k, warps, stages = launch_shape(m)
     use_pdl = pdl.enabled(x, "gemv")
     _head_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-        x, weight, w.scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
         IEEE=x.dtype == torch.float32, WORDS=words_fit(weight), INTERPRETED=_INTERPRETED, num_warps=warps,
         launch_pdl=use_pdl)

@@ -129,8 +129,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, req_to_slots_ptr, 
     if UPCAST:
         q = q.to(tl.float32)
     q_dot = q
-    if FP8_KV:  # for the e4m3 cache's blocks: a 16-bit q in fp16 (DOT), whose 10 mantissa bits hold bf16's 7
-        q_dot = q.to(DOT)
+    if FP8_KV:  # for the e4m3 cache's blocks: a 16-bit q in fp16 (DOT), whose 10 mantissa bits hold bf16's 7 (as
+        q_dot = q.to(DOT)  # decode attention's: |q| past fp16's 65,504 would not be; attention queries stay far below)
     q_pos = prefix + offs_m
     k_scale = 1.0
     v_scale = 1.0

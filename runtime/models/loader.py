@@ -12,7 +12,7 @@ from llaunch.runtime.models.audio_qwen2 import AudioArch, Qwen2AudioTower
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.decoder import DecoderLM
 from llaunch.runtime.models.fp8_linear import load_scales, quantize_linears, use_checkpoint_fp8
-from llaunch.runtime.models.layers import TpGroup
+from llaunch.runtime.models.layers import ParallelLMHead, TpGroup
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
 from llaunch.runtime.models.vision_qwen2_5 import tower_class
 from llaunch.runtime.models.weights import load_checkpoint_module, load_from, open_source, resolve_load_format
@@ -53,10 +53,13 @@ def load_model_weights(model: DecoderLM, cfg: ModelConfig, progress: Optional[Ca
         source.close()
     if cfg.quantization == WeightQuantization.fp8 and quant is None:
         quantize_linears(model)
-    if cfg.fp8_lm_head:  # the launcher refuses it without fp8 weights or an LM head (rules_effect)
-        model.lm_head.quantize_fp8()
-    if cfg.int8_lm_head:  # (the launcher refuses it beside fp8_lm_head, and without an LM head)
-        model.lm_head.quantize_int8()
+    # the launcher refuses either without an LM head (rules_effect) and both together (lm_head_one_format); a score or
+    # embedding head built from a config no rule saw is not quantized
+    head = model.lm_head if isinstance(model.lm_head, ParallelLMHead) else None
+    if cfg.fp8_lm_head and head is not None:
+        head.quantize_fp8()
+    if cfg.int8_lm_head and head is not None:
+        head.quantize_int8()
     if (cfg.fp8_lm_head or cfg.int8_lm_head) and model.device.type == "cuda":
         torch.cuda.empty_cache()  # an untied head's 16-bit weight goes back before the KV cache is sized
 

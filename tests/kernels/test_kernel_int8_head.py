@@ -92,12 +92,15 @@ from triton.compiler import ASTSource
 head = importlib.import_module("llaunch.kernels.int8_head")
 fn = head._head_kernel
 out = {}
-for name, (block_m, block_n, block_k, warps, stages) in (("one", head.ONE_ROW_SHAPE), ("few", head.FEW_ROWS_SHAPE),
-                                                         ("many", head.MANY_ROWS_SHAPE)):
-    constexprs = dict(PDL=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, IEEE=False,
+# bf16 x, and float32 x (its IEEE dots: the largest tiles in shared memory)
+for name, (block_m, block_n, block_k, warps, stages), x in (
+        ("one", head.ONE_ROW_SHAPE, "bf16"), ("few", head.FEW_ROWS_SHAPE, "bf16"),
+        ("many", head.MANY_ROWS_SHAPE, "bf16"), ("few fp32", head.FEW_ROWS_SHAPE, "fp32"),
+        ("many fp32", head.MANY_ROWS_SHAPE, "fp32")):
+    constexprs = dict(PDL=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, IEEE=x == "fp32",
                       WORDS=True, INTERPRETED=False)
     names = list(inspect.signature(fn.fn).parameters)
-    types = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"}
+    types = {"x_ptr": "*" + x, "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] == "i32" or sig[n][0] == "*"}
     build = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
@@ -111,11 +114,13 @@ print(json.dumps({k: {"shared": v["shared"], "mma": "mma" in v["ptx"], "wait": "
 
 @pytest.mark.slow
 def test_int8_head_builds_fit_sm90_and_multiply_where_planned(sm90_compile):
-    """The head's three launch shapes compiled for sm90: they fit in shared memory, the one-row build stays on the
-    CUDA cores, reading words, each weight made float32 by a byte permute and no conversion instruction, and the
-    others use MMAs; each waits for the previous kernel (PDL) before it reads x."""
+    """The head's three launch shapes compiled for sm90 (bf16, and the tensor-core shapes in float32 too): they fit in
+    shared memory, the one-row build stays on the CUDA cores, reading words, each weight made float32 by a byte permute
+    and no conversion instruction, and the others use MMAs in bf16; each waits for the previous kernel (PDL) before it
+    reads x."""
     builds = sm90_compile(_COMPILE_HEAD)
     for name, build in builds.items():
         assert build["shared"] <= 232448 and build["wait"], (name, build)
+    # (a float32 model's IEEE dots are FMAs on the CUDA cores: no MMA holds float32 products exactly)
     assert not builds["one"]["mma"] and builds["few"]["mma"] and builds["many"]["mma"]
     assert builds["one"]["prmt"] >= 4 and builds["one"]["i2f"] == 0, builds["one"]
