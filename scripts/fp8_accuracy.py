@@ -155,9 +155,10 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01, block: int 
 
 
 def int8_rows(w: torch.Tensor) -> torch.Tensor:
-    """w's values rounded to int8 with a scale per row (symmetric, round to nearest), as float32."""
-    scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
-    return (w / scale).round().clamp(-127, 127) * scale
+    """w's values rounded to int8 with a scale per row (model.int8_lm_head's rounding: kernels/int8.py), as float32."""
+    from llaunch.kernels import int8
+
+    return int8.dequantized(int8.quantize_rows(w), torch.float32)
 
 
 def with_head(model, variant: str):
