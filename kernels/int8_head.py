@@ -10,12 +10,12 @@ the reference's (kernels/int8.py, which also quantizes) only in their order.
 One kernel, two paths by the step's rows: one row (batch-1 decode; each row alike under kernels.row_invariant) on the
 CUDA cores, each program a tile of vocabulary rows read once as 32-bit words, every weight made float32 by a byte
 permute and one add (_weight_of: the sm90 loop at 16/512/8 is ~4.9 instructions a weight, against ~5.9 with Triton's
-own byte extraction; float16 pairs as kernels/e4m3_words.py multiplies would take ~2, at float16's sums: the next step
-if the GPU shows this loop short of the bandwidth), or as bytes where K is not a multiple of 4; more rows on the
-tensor cores, x's rows in tiles of BLOCK_M (16 up to 16 rows) against each weight tile converted to x's dtype (tl.dot,
-float32 sums). The row scale and the rounding to x's dtype in the epilogue; the logits come back float32 (as
-lm_head_linear's other paths: the x-dtype value widened). The launch shapes are the module's constants below, not yet
-measured on a GPU (`scripts/bench_lm_head.py`).
+own byte extraction; at 2.85 TB/s on an H100 it is near the e4m3 head's 2.88), or as bytes where K is not a multiple
+of 4; more rows on the tensor cores, each weight tile converted to x's dtype (Triton's conversion: two LOP3s, a PRMT
+and an HADD2 a pair on sm90) and multiplied with float32 sums: up to 16 rows as x·wᵀ, more as w·xᵀ with all the
+step's rows (up to 256) in one tile, converting each weight once. The row scale and the rounding to x's dtype in the
+epilogue; the logits come back float32 (as lm_head_linear's other paths: the x-dtype value widened). The launch
+shapes: the module's constants below (`scripts/bench_lm_head.py` times others).
 """
 from __future__ import annotations
 
@@ -30,10 +30,14 @@ from llaunch.kernels.int8 import Int8Rows
 from llaunch.kernels.pdl_wait import wait_for_previous_kernel
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES): one row on the CUDA cores (BLOCK_M 1); up to 16 rows, and more
-ONE_ROW_SHAPE = (1, 16, 512, 8, 0)  # the fewest sm90 instructions a weight of the word loop's builds (4.9)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES): one row on the CUDA cores (BLOCK_M 1), up to 16 rows on the tensor
+# cores, and more there with the weights as the MMA's first operand, BLOCK_M the most rows a program takes (fewer: the
+# step's rows to a power of two). d50ce77, H100, the head alone (Qwen2-7B's, bench_lm_head.py): one row 0.200 ms at
+# 16/512/8, 0.191 at 32/256/8 (2.85 TB/s); 16 rows 0.208; 64 and 256 rows 0.335 and 1.198 ms as 64-row tiles of x
+# against weight tiles converted again for each (bf16's head 0.396 and 0.460), hence one tile of up to 256 rows
+ONE_ROW_SHAPE = (1, 32, 256, 8, 0)
 FEW_ROWS_SHAPE = (16, 64, 128, 4, 4)
-MANY_ROWS_SHAPE = (64, 128, 64, 8, 3)
+MANY_ROWS_SHAPE = (256, 128, 64, 8, 3)
 INTERPRETED_SHAPES = ((1, 4, 64, 4, 0), (16, 16, 32, 4, 1), (32, 16, 32, 4, 1))
 
 
@@ -105,22 +109,49 @@ def _word_dots(x_ptr, w_ptr, rows, row_mask, K, w_stride, PDL: tl.constexpr, BLO
 
 
 @triton.jit
+def _tile_products(acc, x, w, SWAP: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc + x·wᵀ, x [BLOCK_M, BLOCK_K] in the model's dtype, w [BLOCK_N, BLOCK_K] int8 (exact in any float type); or,
+    SWAP, acc + w·xᵀ (acc [BLOCK_N, BLOCK_M])."""
+    if INTERPRETED:  # the interpreter's dot in float32 (bf16 there is not exact)
+        x = x.to(tl.float32)
+    if IEEE or INTERPRETED:
+        w = w.to(tl.float32)
+    else:
+        w = w.to(x.dtype)
+    if SWAP:
+        a = w
+        b = tl.trans(x)
+    else:
+        a = x
+        b = tl.trans(w)
+    if IEEE:  # a float32 model: float32 products, not TF32's
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def _head_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 IEEE: tl.constexpr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # vocabulary rows (the logits' columns)
+                 IEEE: tl.constexpr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr):
+    # one axis, x's row tiles varying fastest: the programs reading one weight tile run together, and all but the
+    # first find it in L2 (one axis: a vocabulary's tiles may pass the 65,535 of a grid's second)
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    row_tile = tl.program_id(0) % row_tiles
+    rows = (tl.program_id(0) // row_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)  # vocabulary rows (the logits' columns)
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64) * w_stride
     cols = tl.arange(0, BLOCK_K)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < M
     x_rows = x_ptr + m.to(tl.int64) * x_stride
     if BLOCK_M == 1 and WORDS:  # a row alone, the weights read as 32-bit words of 4 (see _word_dots)
-        y = _word_dots(x_ptr + tl.program_id(1).to(tl.int64) * x_stride, w_ptr, rows, row_mask, K, w_stride, PDL,
+        y = _word_dots(x_ptr + row_tile.to(tl.int64) * x_stride, w_ptr, rows, row_mask, K, w_stride, PDL,
                        BLOCK_N, BLOCK_K, INTERPRETED)
         y = (y * tl.load(s_ptr + rows, mask=row_mask, other=0.0))[None, :]
-    elif BLOCK_M == 1:  # a row (program_id(1)) alone: each weight to float32, times the row, summed per vocabulary row
-        x_ptr += tl.program_id(1).to(tl.int64) * x_stride
+    elif BLOCK_M == 1:  # a row (row_tile) alone: each weight to float32, times the row, summed per vocabulary row
+        x_ptr += row_tile.to(tl.int64) * x_stride
         mask = row_mask[:, None] & (cols < K)[None, :]
         w = tl.load(w_rows[:, None] + cols[None, :], mask=mask, other=0, eviction_policy="evict_first")
         wait_for_previous_kernel(PDL)  # the weights are constants: the first tile is requested before x is ready
@@ -135,17 +166,17 @@ def _head_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, w_stride, out_
         y = (tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_mask, other=0.0))[None, :]
     else:  # x's rows in tiles of BLOCK_M against each weight tile in x's dtype on the tensor cores
         wait_for_previous_kernel(PDL)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SWAP:  # the sums as [BLOCK_N, BLOCK_M]: the converted weights are the MMA's first operand (see launch_shape)
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             k_mask = k0 + cols < K
             x = tl.load(x_rows[:, None] + k0 + cols[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_rows[:, None] + k0 + cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0)
-            if INTERPRETED:  # the interpreter's dot in float32 (bf16 there is not exact)
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-            elif IEEE:  # a float32 model: float32 products, not TF32's
-                acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)), out_dtype=tl.float32)
+            acc = _tile_products(acc, x, w, SWAP, IEEE, INTERPRETED)
+        if SWAP:
+            acc = tl.trans(acc)
         y = acc * tl.load(s_ptr + rows, mask=row_mask, other=0.0)[None, :]
     # the logits in float32 holding x's dtype's rounding, as the 16-bit head's
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -153,12 +184,18 @@ def _head_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, w_stride, out_
              mask=m_mask[:, None] & row_mask[None, :])
 
 
-def launch_shape(m: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES) for a step of m rows: one row, and under kernels.row_invariant
-    each row of a step of up to 16 (settings.invariant_step), on the one-row code (a row's logits then do not depend
-    on the step's other rows: a verify row gets a decode row's bits); else the tensor cores."""
+def launch_shape(m: int) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES, SWAP) for a step of m rows: one row, and under
+    kernels.row_invariant each row of a step of up to 16 (settings.invariant_step), on the one-row code (a row's
+    logits then do not depend on the step's other rows: a verify row gets a decode row's bits); up to 16 rows on the
+    tensor cores as x·wᵀ; more as w·xᵀ, all the step's rows (up to MANY_ROWS_SHAPE's) in one tile, so each weight is
+    converted once: sm90, 256 rows: 210 registers, no spills, 64x256x16 wgmmas reading the weights from registers."""
     one, few, many = INTERPRETED_SHAPES if _INTERPRETED else (ONE_ROW_SHAPE, FEW_ROWS_SHAPE, MANY_ROWS_SHAPE)
-    return one if m == 1 or settings.invariant_step(m) else few if m <= 16 else many
+    if m == 1 or settings.invariant_step(m):
+        return (*one, False)
+    if m <= 16:
+        return (*few, False)
+    return (min(many[0], max(16, triton.next_power_of_2(m))), *many[1:], True)
 
 
 def words_fit(weight: torch.Tensor) -> bool:
@@ -183,11 +220,11 @@ def logits(x: torch.Tensor, w: Int8Rows) -> torch.Tensor:
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k, warps, stages = launch_shape(m)
+    block_m, block_n, block_k, warps, stages, swap = launch_shape(m)
     use_pdl = pdl.enabled(x, "gemv")
-    _head_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+    _head_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
         x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        IEEE=x.dtype == torch.float32, WORDS=words_fit(weight), INTERPRETED=_INTERPRETED, num_warps=warps,
-        launch_pdl=use_pdl)
+        IEEE=x.dtype == torch.float32, WORDS=words_fit(weight), INTERPRETED=_INTERPRETED, SWAP=swap,
+        num_warps=warps, launch_pdl=use_pdl)
     return out

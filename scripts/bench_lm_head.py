@@ -2,9 +2,12 @@
 bfloat16 model) through dispatch.lm_head_linear as served, 16-bit (the staged GEMV at one row, the skinny GEMM at
 2-16, cuBLAS beyond), int8 rows (model.int8_lm_head, kernels/int8_head.py) and e4m3 (model.fp8_lm_head); ms a call
 (eager launches back to back, median of 5 timings) and the weight bytes a second. --one-row SHAPES times the int8
-head's one-row path at other launch shapes (BLOCK_N/BLOCK_K/WARPS each).
+head's one-row path at other launch shapes (BLOCK_N/BLOCK_K/WARPS each), --tiles SHAPES its tensor-core path at
+--tile-rows (BLOCK_M/BLOCK_N/BLOCK_K/WARPS/STAGES, then /swap for the weights as the MMA's first operand; BLOCK_M
+the most rows a tile takes, as launch_shape's).
 
     python scripts/bench_lm_head.py [--rows 1 4 16 64 256] [--one-row 4/1024/4 8/512/4]
+        [--tiles 64/128/64/8/3 256/128/64/8/3/swap --tile-rows 64 256]
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16, 64, 256])
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--one-row", nargs="*", default=[], help="the int8 head's one-row launch shapes to try, N/K/WARPS")
+    ap.add_argument("--tiles", nargs="*", default=[], help="its tensor-core launch shapes, M/N/K/WARPS/STAGES[/swap]")
+    ap.add_argument("--tile-rows", type=int, nargs="+", default=[32, 64, 128, 256])
     args = ap.parse_args()
     device = torch.device("cuda")
     weight = (torch.randn(args.vocab, args.hidden, device=device) / args.hidden ** 0.5).to(torch.bfloat16)
@@ -59,6 +64,26 @@ def main() -> int:
             int8_head.ONE_ROW_SHAPE = built_in
         print(json.dumps(dict(head="int8", rows=1, one_row=shape, ms=round(ms, 4),
                               weight_tbps=round(weight.numel() / ms / 1e9, 3), **where)), flush=True)
+    launch_shape = int8_head.launch_shape
+    for rows in args.tile_rows if args.tiles else []:
+        x = torch.randn(rows, args.hidden, device=device).to(torch.bfloat16)
+        want = int8.reference_logits(x, heads["int8"])
+        for shape in args.tiles:
+            *dims, swap = shape.split("/") if shape.endswith("/swap") else (*shape.split("/"), "")
+            block_m, block_n, block_k, warps, stages = (int(v) for v in dims)
+            block_m = min(block_m, max(16, 1 << (rows - 1).bit_length())) if swap else block_m
+            int8_head.launch_shape = lambda m: (block_m, block_n, block_k, warps, stages, bool(swap))
+            try:
+                ms = per_step_ms(lambda: dispatch.lm_head_linear(x, heads["int8"]), args.repeats, True)
+                # a shape that computes wrong logits is no result (the GPU tests hold the built-in shapes)
+                err = (dispatch.lm_head_linear(x, heads["int8"]) - want).abs().max().item()
+            except Exception as e:
+                print(json.dumps(dict(head="int8", rows=rows, tiles=shape, error=str(e)[:200])), flush=True)
+                continue
+            finally:
+                int8_head.launch_shape = launch_shape
+            print(json.dumps(dict(head="int8", rows=rows, tiles=shape, ms=round(ms, 4), max_abs_err=err,
+                                  weight_tbps=round(weight.numel() / ms / 1e9, 3), **where)), flush=True)
     return 0
 
 

@@ -86,19 +86,19 @@ def test_int8_head_replays_in_a_cuda_graph_with_pdl(cuda, captured):
 
 
 _COMPILE_HEAD = r"""
-import importlib, inspect, json, triton
+import importlib, inspect, json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 head = importlib.import_module("llaunch.kernels.int8_head")
 fn = head._head_kernel
 out = {}
-# bf16 x, and float32 x (its IEEE dots: the largest tiles in shared memory)
-for name, (block_m, block_n, block_k, warps, stages), x in (
-        ("one", head.ONE_ROW_SHAPE, "bf16"), ("few", head.FEW_ROWS_SHAPE, "bf16"),
-        ("many", head.MANY_ROWS_SHAPE, "bf16"), ("few fp32", head.FEW_ROWS_SHAPE, "fp32"),
-        ("many fp32", head.MANY_ROWS_SHAPE, "fp32")):
+# bf16 x, and float32 x (its IEEE dots: the largest tiles in shared memory), as launch_shape launches 1, 16 and 256
+# rows (and 64: a smaller tile of rows)
+for name, m, x in (("one", 1, "bf16"), ("few", 16, "bf16"), ("many", 256, "bf16"), ("many 64", 64, "bf16"),
+                   ("few fp32", 16, "fp32"), ("many fp32", 256, "fp32")):
+    block_m, block_n, block_k, warps, stages, swap = head.launch_shape(m)
     constexprs = dict(PDL=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, IEEE=x == "fp32",
-                      WORDS=True, INTERPRETED=False)
+                      WORDS=True, INTERPRETED=False, SWAP=swap)
     names = list(inspect.signature(fn.fn).parameters)
     types = {"x_ptr": "*" + x, "w_ptr": "*i8", "s_ptr": "*fp32", "out_ptr": "*fp32"}
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
@@ -106,7 +106,11 @@ for name, (block_m, block_n, block_k, warps, stages), x in (
     build = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     out[name] = {"ptx": build.asm["ptx"], "shared": build.metadata.shared}
+# a wgmma whose first operand is registers: its A is a brace list of registers, not a shared-memory descriptor
+a_regs = lambda ptx: any(re.match(r"\s*,\s*\{", ins.split(";", 1)[0].split("}", 1)[1])
+                         for ins in ptx.split("wgmma.mma_async")[1:])
 print(json.dumps({k: {"shared": v["shared"], "mma": "mma" in v["ptx"], "wait": "griddepcontrol.wait" in v["ptx"],
+                      "wgmma_a_regs": a_regs(v["ptx"]), "n256": "m64n256k16" in v["ptx"],
                       "prmt": v["ptx"].count("prmt.b32"), "i2f": v["ptx"].count("cvt.rn.f32.s")}
                   for k, v in out.items()}))
 """
@@ -123,4 +127,6 @@ def test_int8_head_builds_fit_sm90_and_multiply_where_planned(sm90_compile):
         assert build["shared"] <= 232448 and build["wait"], (name, build)
     # (a float32 model's IEEE dots are FMAs on the CUDA cores: no MMA holds float32 products exactly)
     assert not builds["one"]["mma"] and builds["few"]["mma"] and builds["many"]["mma"]
+    # past 16 rows the weights are the wgmma's register operand, 256 rows in one tile: each weight converted once
+    assert builds["many"]["wgmma_a_regs"] and builds["many"]["n256"] and builds["many 64"]["wgmma_a_regs"], builds
     assert builds["one"]["prmt"] >= 4 and builds["one"]["i2f"] == 0, builds["one"]
