@@ -30,25 +30,28 @@ QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
 SPAN = 2048  # slots per row
 
 
-def step_batch(decode: int, context: int, prompts: int, prompt_len: int, device) -> ForwardBatch:
-    """`decode` rows with `context` cached tokens each decode one token; `prompts` fresh prompts of
-    `prompt_len` tokens prefill whole (rows after the decode rows)."""
+def step_batch(decode: int, context: int, prompts: int, prompt_len: int, device, prefix: int = 0,
+               span: int = None) -> ForwardBatch:
+    """`decode` rows with `context` cached tokens each decode one token; `prompts` prompts of `prompt_len` tokens
+    prefill after `prefix` cached tokens of theirs (rows after the decode rows; `span` slots a row, SPAN unless
+    given)."""
+    span = span or SPAN
     t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
     d_rows = list(range(decode))
     ids = [7] * decode
     pos = [context - 1] * decode
-    slots = [r * SPAN + context - 1 for r in d_rows]
+    slots = [r * span + context - 1 for r in d_rows]
     p_rows = list(range(decode, decode + prompts))
     starts, lens, last = [], [], list(range(decode))
     for r in p_rows:
         starts.append(len(ids))
         ids += [11] * prompt_len
-        pos += range(prompt_len)
-        slots += range(r * SPAN, r * SPAN + prompt_len)
+        pos += range(prefix, prefix + prompt_len)
+        slots += range(r * span + prefix, r * span + prefix + prompt_len)
         lens.append(prompt_len)
         last.append(len(ids) - 1)
     return ForwardBatch(t(ids), t(pos), t(slots), t(d_rows), t([context] * decode), t(p_rows), t(starts), t(lens),
-                        t([0] * prompts), t(last), decode, prompts * prompt_len, prompt_len if prompts else 0,
+                        t([prefix] * prompts), t(last), decode, prompts * prompt_len, prompt_len if prompts else 0,
                         context if decode else 0)
 
 

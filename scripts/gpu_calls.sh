@@ -25,6 +25,7 @@
 #                                                        attention multiplies the stored e4m3 values in fp16)
 # kvlong    .whl-serve .gpu                              #37: KV beyond bf16's room: kv256 (256 x 4,096 + 2,048 out),
 #                                                        long256 (256 x 8,192 + 256 out)
+# kvprof    .whl-serve                                   #37 long256: its mixed step by kernel, bf16 KV vs e4m3
 # spec      .whl-serve .gpu-spec                         #38: the served SmolLM2 shape's batch-1 decode and verify
 #                                                        steps, their kernels by device time and the runner's host
 #                                                        side, then n-gram speculation on SmolLM2 cut to 18 blocks (a
@@ -65,7 +66,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, spectune, steps1, fp8head, int8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, kvprof, spectune, steps1, fp8head, int8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -318,6 +319,17 @@ fp8${TUNED:+tuned}:model.quantization=fp8 ${TUNED:-}" optional 260 bash scripts/
     SERVE="$QWEN7B" CASES="${CASES:-kv256 long256}" REPEATS=${REPEATS:-1} \
       VARIANTS="${VARIANTS:-bf16kv:|fp8kv:cache.kv_dtype=fp8_e4m3}" optional 300 bash scripts/gpu_run.sh cases
     gated_quant_bench ;;
+  kvprof)  # #37 long256 (fp8 KV 0.96x bf16 KV at d50ce77, H100, prefill setting the pace): its mixed step by kernel,
+    # bf16 KV against e4m3 (scales 1.0): 64 decode rows at ~7k tokens beside a 1,024-token chunk after 7,168 cached
+    # (and after 3,072), graphs, then where the e4m3 step's extra time goes
+    install
+    for kv in auto fp8_e4m3; do
+      for prefix in 7168 3072; do
+        (cd scripts && optional 60 timeout 150 python3 profile_kernels.py --formats bf16 --kv $kv --rows 1 \
+          --mixed-rows 64 --context 8000 --chunk-len 1024 --prefix $prefix --top 14) \
+          | grep -v -e Warning -e USDT | tee -a "$OUT/kvprof.txt"
+      done
+    done ;;
   spec)
     install
     # where a served batch-1 verify step's time goes: at 9d253e7 (H100) its device time was 1.1-1.3 ms at 2-5 tokens

@@ -9,6 +9,8 @@ over the step's layers. One JSON line per step and weight format, then the kerne
     python scripts/profile_kernels.py --rows 1 --mixed-rows 218 --mixed-prompts 2 --chunk-len 896   (c256's mixed step)
     python scripts/profile_kernels.py --formats fp8 --set fp8_fused_mlp=false --set fp8_gemm=tensor_epilogue
     python scripts/profile_kernels.py --cpu --layers 2   (a smoke run: the CPU's op names, times mean nothing)
+    python scripts/profile_kernels.py --formats bf16 --kv fp8_e4m3 --rows 1 --chunk-len 1024 --prefix 7168
+        (long256's mixed step: a chunk of an 8,192-token prompt over its cached 7,168, the KV in e4m3)
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from bench_steps import QWEN2_7B, SPAN, step_batch  # scripts/ is on the path of
 from llaunch.kernels import settings
 from llaunch.runtime.models.arch import ModelArch
 from llaunch.runtime.models.decoder import DecoderLM
+from llaunch.runtime.config import CacheConfig, KvDType
 from llaunch.runtime.models.fp8_linear import quantize_linears
+from llaunch.runtime.models.kv_fp8 import use_fp8_kv
 from llaunch.runtime.models.layers import TpGroup
 from llaunch.runtime.models.weights import DummySource, load_from
 
@@ -38,7 +42,8 @@ SHAPES = {"qwen2-7b": dict(QWEN2_7B, model_type="qwen2"), "qwen3-30b-a3b": QWEN3
 TINY_MOE = dict(TINY, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 
 
-def build(fmt: str, layers: int, cuda: bool, rows: int, shape_name: str = "qwen2-7b"):
+def build(fmt: str, layers: int, cuda: bool, rows: int, shape_name: str = "qwen2-7b", kv_dtype: str = "auto",
+          span: int = SPAN):
     device = torch.device("cuda" if cuda else "cpu")
     tiny = TINY_MOE if "num_experts" in SHAPES[shape_name] else TINY
     shape = dict(SHAPES[shape_name], num_hidden_layers=layers, **({} if cuda else tiny))
@@ -49,8 +54,9 @@ def build(fmt: str, layers: int, cuda: bool, rows: int, shape_name: str = "qwen2
         quantize_linears(model)
     if fmt == "fp8head":  # model.fp8_lm_head
         model.lm_head.quantize_fp8()
-    kv = model.make_kv_cache(rows * SPAN + 1, rows + 1, SPAN)
-    kv.req_to_slots[:rows] = torch.arange(rows * SPAN, dtype=torch.int32, device=device).view(rows, SPAN)
+    use_fp8_kv(model, CacheConfig(kv_dtype=KvDType(kv_dtype)))  # cache.kv_dtype (scales 1.0: random weights)
+    kv = model.make_kv_cache(rows * span + 1, rows + 1, span)
+    kv.req_to_slots[:rows] = torch.arange(rows * span, dtype=torch.int32, device=device).view(rows, span)
     return model, kv
 
 
@@ -135,6 +141,8 @@ def main() -> int:
                     help="the mixed step's prompts of --chunk-len tokens (c256's: ~218 rows beside ~1,800 tokens)")
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "fp8head"],
                     help="fp8head: fp8 with the LM head in e4m3 too (model.fp8_lm_head)")
+    ap.add_argument("--prefix", type=int, default=0, help="the mixed step's prompts' cached tokens before their chunk")
+    ap.add_argument("--kv", default="auto", choices=[k.value for k in KvDType], help="cache.kv_dtype")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -144,16 +152,18 @@ def main() -> int:
     cuda = torch.cuda.is_available() and not args.cpu
     shapes = [(r, 0) for r in args.rows] + ([(args.mixed_rows, args.mixed_prompts)] if args.chunk_len else [])
     most = max(r + p for r, p in shapes) + 1
+    span = max(SPAN, args.prefix + args.chunk_len)
     for fmt in args.formats:
-        model, kv = build(fmt, args.layers, cuda, most, args.shape)
+        model, kv = build(fmt, args.layers, cuda, most, args.shape, args.kv, span)
         for rows, prompts in shapes:
-            batch = step_batch(rows, min(args.context, SPAN - args.chunk_len), prompts, args.chunk_len,
-                               kv.req_to_slots.device)
+            batch = step_batch(rows, min(args.context, span - args.chunk_len), prompts, args.chunk_len,
+                               kv.req_to_slots.device, args.prefix if prompts else 0, span)
             with torch.inference_mode():
                 fn, how = step_fn(model, kv, batch, cuda)
                 ms = device_ms(fn, cuda)
                 table = kernel_table(fn, cuda)
-            print(json.dumps(dict(format=fmt, decode_rows=rows, prefill_tokens=prompts * args.chunk_len,
+            print(json.dumps(dict(format=fmt, kv=args.kv, decode_rows=rows, prefill_tokens=prompts * args.chunk_len,
+                                  prefix=args.prefix if prompts else 0,
                                   layers=args.layers, launch=how, step_ms=round(ms, 3),
                                   kernels_ms=round(sum(t for _, t, _ in table), 3))))
             for name, t, n in table[:args.top]:
