@@ -298,7 +298,8 @@ fp8${TUNED:+tuned}:model.quantization=fp8 ${TUNED:-}" optional 260 bash scripts/
     fp8_mixed ;;
   steps1)  # no servers: each profile builds its model with dummy weights (~60 s the 7B pair, ~90 s the MoE's 61 GB)
     install
-    (cd scripts && optional 120 python3 profile_kernels.py --rows 1 --chunk-len 0 --top 24) \
+    (cd scripts && optional 120 python3 profile_kernels.py --rows 1 --chunk-len 0 --top 30 \
+      --formats bf16 fp8 fp8int8head) \
       | grep -v Warning | tee "$OUT/step1_qwen2_7b.txt"
     (cd scripts && optional 150 python3 profile_kernels.py --shape qwen3-30b-a3b --layers 48 --formats bf16 --rows 1 \
       --chunk-len 0 --top 24) | grep -v Warning | tee "$OUT/step1_qwen3_30b_a3b.txt"

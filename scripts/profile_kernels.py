@@ -50,10 +50,12 @@ def build(fmt: str, layers: int, cuda: bool, rows: int, shape_name: str = "qwen2
     arch = ModelArch.from_hf_config(shape)
     model = DecoderLM(arch, TpGroup(0, 1, None), device, torch.bfloat16 if cuda else torch.float32, SPAN).eval()
     load_from(model, DummySource(0, device, full_tensors=False))
-    if fmt in ("fp8", "fp8head"):
+    if fmt in ("fp8", "fp8head", "fp8int8head"):
         quantize_linears(model)
     if fmt == "fp8head":  # model.fp8_lm_head
         model.lm_head.quantize_fp8()
+    if fmt == "fp8int8head":  # model.int8_lm_head
+        model.lm_head.quantize_int8()
     use_fp8_kv(model, CacheConfig(kv_dtype=KvDType(kv_dtype)))  # cache.kv_dtype (scales 1.0: random weights)
     kv = model.make_kv_cache(rows * span + 1, rows + 1, span)
     kv.req_to_slots[:rows] = torch.arange(rows * span, dtype=torch.int32, device=device).view(rows, span)
@@ -139,8 +141,9 @@ def main() -> int:
     ap.add_argument("--mixed-rows", type=int, default=64, help="the mixed step's decode rows")
     ap.add_argument("--mixed-prompts", type=int, default=1,
                     help="the mixed step's prompts of --chunk-len tokens (c256's: ~218 rows beside ~1,800 tokens)")
-    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "fp8head"],
-                    help="fp8head: fp8 with the LM head in e4m3 too (model.fp8_lm_head)")
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "fp8head", "fp8int8head"],
+                    help="fp8head: fp8 with the LM head in e4m3 too (model.fp8_lm_head); fp8int8head: in int8 "
+                         "(model.int8_lm_head)")
     ap.add_argument("--prefix", type=int, default=0, help="the mixed step's prompts' cached tokens before their chunk")
     ap.add_argument("--kv", default="auto", choices=[k.value for k in KvDType], help="cache.kv_dtype")
     ap.add_argument("--top", type=int, default=12)
