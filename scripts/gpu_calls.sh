@@ -258,9 +258,8 @@ model.quantization=fp8 model.fp8_lm_head=true kernels.gemv_shapes='152064x3584:f
     # 0.191, H100); past 16 rows the tensor-core tiles (until 2026-12-07 64-row tiles of x as the MMA's first operand,
     # 64/128/64/8/3: 0.335 / 1.198 ms at 64 / 256 rows vs bf16's 0.396 / 0.460; since, all rows in one tile with the
     # weights first, from registers)
-    (cd scripts && optional 60 python3 bench_lm_head.py --one-row 16/512/8 32/256/8 64/128/8 32/512/8 16/256/4 \
-      --tiles 64/128/64/8/3 256/128/64/8/3/swap 128/128/64/8/3/swap 64/128/64/8/3/swap 256/64/64/4/3/swap \
-      128/64/128/4/3/swap 256/128/128/8/2/swap 128/256/64/8/3/swap --tile-rows 32 64 128 256) \
+    (cd scripts && optional 60 timeout 150 python3 bench_lm_head.py --rows 1 16 64 256 --one-row 16/512/8 64/128/8 \
+      32/512/8 --tiles 64/128/64/8/3 128/128/64/8/3/swap 256/64/64/4/3/swap 256/128/128/8/2/swap --tile-rows 64 256) \
       | grep -v Warning | tee -a "$OUT/lm_head.jsonl"
     for head in "" --int8-lm-head --fp8-lm-head; do
       (cd scripts && optional 30 python3 bench_decode_shapes.py --fp8 $head --candidates 4608x3584:fp8=8/512/4) \
