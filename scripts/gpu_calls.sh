@@ -306,7 +306,8 @@ fp8${TUNED:+tuned}:model.quantization=fp8 ${TUNED:-}" optional 260 bash scripts/
   final37)  # #37 on an H200, bf16 in the same call: fp8 weights single >= 1.6x and c256 >= 1.4x, fp8 KV c256 >= 1.0x
     # (no trace or profile: ~20 s of install, then ~170 s a server, 120 of them for fp8 weights)
     install
-    SERVE="$QWEN7B" CASES="single c256" \
+    # (CASES=c256 where int8head ran single in the same session: its servers are bf16 / fp8 / fp8 + the int8 head)
+    SERVE="$QWEN7B" CASES=${CASES:-"single c256"} \
       VARIANTS="bf16:|fp8:model.quantization=fp8|fp8kv:cache.kv_dtype=fp8_e4m3" optional 300 bash scripts/gpu_run.sh cases
     gated_quant_bench ;;
   kvlong)
