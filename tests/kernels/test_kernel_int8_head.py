@@ -57,10 +57,11 @@ def test_int8_head_refuses_what_it_cannot_take(ops):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("m", [1, 4, 16, 32, 64, 100, 256, 300])
 def test_int8_head_gpu(cuda, poisoned, m):
     """Qwen2-7B's head (152,064 x 3,584) in bfloat16: every row count's path against the reference, within what a
-    sum's order may move a logit by (order_bound)."""
+    sum's order may move a logit by (order_bound): one row, up to 16, one tile of 32-256 rows (100: a tile of 128
+    with 28 rows masked), two tiles (300)."""
     from llaunch.kernels import int8_head
 
     w = int8.quantize_rows(torch.randn(152064, 3584, device=cuda) / 60)
