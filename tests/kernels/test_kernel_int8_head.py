@@ -74,13 +74,15 @@ def test_int8_head_gpu(cuda, poisoned, m):
 
 
 @pytest.mark.gpu
-def test_int8_head_replays_in_a_cuda_graph_with_pdl(cuda, captured):
+@pytest.mark.parametrize("m", [1, 64])
+def test_int8_head_replays_in_a_cuda_graph_with_pdl(cuda, captured, m):
+    """A decode graph's head (one row; 64: a batch's, one tile of rows on the tensor cores) replays new rows."""
     from llaunch.kernels import int8_head
 
     w = int8.quantize_rows(torch.randn(152064, 3584, device=cuda) / 60)
-    x = (3 * torch.randn(1, 3584, device=cuda)).to(torch.bfloat16)
+    x = (3 * torch.randn(m, 3584, device=cuda)).to(torch.bfloat16)
     graph, out = captured(lambda: int8_head.logits(x * 1, w), with_pdl=True)
-    x.copy_((3 * torch.randn(1, 3584, device=cuda)).to(torch.bfloat16))
+    x.copy_((3 * torch.randn(m, 3584, device=cuda)).to(torch.bfloat16))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, int8_head.logits(x, w))
