@@ -20,7 +20,7 @@ from llaunch.kernels import fp8, int8, kv_fp8, reference, settings
 
 _KERNEL_MODULES = ("gemv", "rmsnorm", "rotary", "store_kv", "prefill_attention", "decode_attention",
                    "gated_activation", "sampling", "greedy", "fp8_block", "fp8_rows", "fp8_epilogue", "fused_moe",
-                   "skinny_gemm", "fp8_gated_quant", "int8_head")
+                   "skinny_gemm", "fp8_gated_quant", "int8_rows")
 
 
 def _use_triton(t) -> bool:
@@ -55,7 +55,8 @@ def triton_ops() -> types.SimpleNamespace:
         gated_quantize=modules["fp8_gated_quant"].gated_quantize,
         moe_route=modules["fused_moe"].moe_route,
         fused_moe=modules["fused_moe"].fused_moe,
-        int8_head_logits=modules["int8_head"].logits,
+        int8_rows_logits=modules["int8_rows"].logits,
+        int8_rows_linear=modules["int8_rows"].linear,
     )
 
 
@@ -329,11 +330,22 @@ def linear(x, weight, bias=None, unscaled: bool = False):
     the next RMSNorm with the residual, or qkv_rotary_store_kv's rotary; a 16-bit layer's output is a tensor."""
     if isinstance(weight, fp8.Fp8Weight):
         return fp8_linear(x, weight, bias, unscaled)
+    if isinstance(weight, int8.Int8Rows):
+        return int8_linear(x, weight, bias)
     if _one_row(x) or _invariant_rows(x, weight):
         return triton_ops().gemv(x, weight, bias)
     if _few_rows(x, weight):
         return triton_ops().skinny_gemm(x, weight, bias)
     return reference.linear(x, weight, bias)
+
+
+def int8_linear(x, weight: "int8.Int8Rows", bias=None):
+    """A model.quantization=int8 layer: kernels/int8_rows.py at every row count (x's dtype), kernels/int8.py's
+    reference on CPU."""
+    if not _use_triton(x):
+        return int8.reference_linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    return triton_ops().int8_rows_linear(flat, weight, bias).reshape(*x.shape[:-1], weight.weight.shape[0])
 
 
 def lm_head_linear(x, weight):
@@ -345,10 +357,10 @@ def lm_head_linear(x, weight):
     GEMM (kernels/skinny_gemm.py), in x's dtype. Under kernels.row_invariant a step of up to 16 rows: the GEMV's
     register kernel, each row alike (float32 logits). An e4m3 head (model.fp8_lm_head) is an fp8 layer: the fp8 GEMV at
     one row (float32 logits, as the staged GEMV's), the fp8 GEMMs at more (logits in x's dtype). An int8 head
-    (model.int8_lm_head): kernels/int8_head.py at every row count (float32 logits), kernels/int8.py's reference on CPU."""
+    (model.int8_lm_head): kernels/int8_rows.py at every row count (float32 logits), kernels/int8.py's reference on CPU."""
     if isinstance(weight, int8.Int8Rows):
         flat = x.reshape(-1, x.shape[-1])
-        out = triton_ops().int8_head_logits(flat, weight) if _use_triton(x) else int8.reference_logits(flat, weight)
+        out = triton_ops().int8_rows_logits(flat, weight) if _use_triton(x) else int8.reference_logits(flat, weight)
         return out.reshape(*x.shape[:-1], out.shape[-1])
     if isinstance(weight, fp8.Fp8Weight):
         return triton_ops().gemv(x, weight, out_dtype=torch.float32) if _fp8_row(x, weight) else fp8_linear(x, weight)
@@ -367,6 +379,8 @@ def gated_linear(x, weight, down=None):
     quantized for gate‖up (QuantizedRows, from the norm before it)."""
     if isinstance(x, QuantizedRows):
         return _gated_quantized(x, weight, down) if _fused_mlp(x.q, weight, down) else silu_mul(fp8_linear(x, weight))
+    if isinstance(weight, int8.Int8Rows):  # the product whole, then the activation (no fused int8 kernel)
+        return silu_mul(int8_linear(x, weight))
     if isinstance(weight, fp8.Fp8Weight):
         if _fp8_row(x, weight):
             return triton_ops().gemv(x, weight, gated=True)

@@ -121,8 +121,8 @@ def row_invariant_covers_model(cfg):
     ckpt = read_checkpoint(m.path) if m.path and m.load_format != LoadFormat.dummy else None
     ckpt_quant = ckpt.weight_quant if ckpt is not None and ckpt.weight_quant and ckpt.weight_quant.served else None
     outside = [(keys, why) for keys, why in (
-        (("model.quantization",), m.quantization is not None and f"model.quantization={m.quantization.value}: e4m3 "
-         "layers take other kernels at one row (the fp8 GEMVs) than at several"),
+        (("model.quantization",), m.quantization is not None and f"model.quantization={m.quantization.value}: its "
+         f"layers take other kernels at one row (the {m.quantization.value} GEMVs) than at several"),
         (("model.path",), ckpt_quant is not None and f"model.path={m.path} holds {ckpt_quant.method} weights: e4m3 "
          "layers take other kernels at one row (the fp8 GEMVs) than at several"),
         (("model.family",), m.family in MOE_FAMILIES and f"model.family={m.family}: the experts' launches and "

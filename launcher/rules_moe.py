@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from llaunch.launcher.rule_registry import rule
 from llaunch.launcher.rules_model import serves
-from llaunch.runtime.config import LoadFormat, WeightQuantization
+from llaunch.runtime.config import LoadFormat
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.moe_config import MOE_FAMILIES, MOE_FIELDS, is_moe_layer
 
@@ -107,10 +107,10 @@ def moe_quantization_supported(cfg):
     m = cfg.model
     if not _moe(cfg) or not serves(cfg):
         return
-    if m.quantization == WeightQuantization.fp8:
+    if m.quantization is not None:
         yield ("model.quantization", "model.family"), (
-            f"model.quantization=fp8 with model.family={m.family}: fp8 experts are not implemented; serve the "
-            "model in its own dtype (unset model.quantization)")
+            f"model.quantization={m.quantization.value} with model.family={m.family}: {m.quantization.value} "
+            "experts are not implemented; serve the model in its own dtype (unset model.quantization)")
     ckpt = read_checkpoint(m.path) if m.path and m.load_format != LoadFormat.dummy else None
     if ckpt is not None and ckpt.weight_quant is not None and ckpt.weight_quant.served:  # else: checkpoint_quantization_supported
         yield ("model.path", "model.family"), (

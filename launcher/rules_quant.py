@@ -23,7 +23,12 @@ def checkpoint_quantization_supported(cfg):
         yield ("model.path",), (
             f"model.path={m.path} is quantized with {q.method} ({'; '.join(q.problems)}) per its config.json "
             f"quantization_config, which llaunch does not implement; llaunch serves {SUPPORTED}. Serve the "
-            f"unquantized checkpoint instead (model.quantization=fp8 quantizes it at load)")
+            f"unquantized checkpoint instead (model.quantization=fp8 or int8 quantizes it at load)")
+    elif q is not None and m.quantization is not None:
+        yield ("model.quantization", "model.path"), (
+            f"model.quantization={m.quantization.value} quantizes a 16- or 32-bit checkpoint at load, and "
+            f"model.path={m.path} already holds {q.method} weights (config.json quantization_config), which are "
+            f"served as they are: unset model.quantization, or serve the unquantized checkpoint")
     elif q is not None and q.block is not None:
         yield from _blocks_split_whole(cfg, q)
 

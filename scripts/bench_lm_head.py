@@ -1,6 +1,6 @@
 """The LM head alone on a GPU, by how its weight is stored and by the step's rows: Qwen2-7B's head (152,064 x 3,584,
 bfloat16 model) through dispatch.lm_head_linear as served, 16-bit (the staged GEMV at one row, the skinny GEMM at
-2-16, cuBLAS beyond), int8 rows (model.int8_lm_head, kernels/int8_head.py) and e4m3 (model.fp8_lm_head); ms a call
+2-16, cuBLAS beyond), int8 rows (model.int8_lm_head, kernels/int8_rows.py) and e4m3 (model.fp8_lm_head); ms a call
 (eager launches back to back, median of 5 timings) and the weight bytes a second. --one-row SHAPES times the int8
 head's one-row path at other launch shapes (BLOCK_N/BLOCK_K/WARPS each), --tiles SHAPES its tensor-core path at
 --tile-rows (BLOCK_M/BLOCK_N/BLOCK_K/WARPS/STAGES, then /swap for the weights as the MMA's first operand; BLOCK_M
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 def main() -> int:
     from bench_verify_steps import per_step_ms
 
-    from llaunch.kernels import dispatch, fp8, int8, int8_head
+    from llaunch.kernels import dispatch, fp8, int8, int8_rows
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, default=152064)
@@ -51,20 +51,20 @@ def main() -> int:
             print(json.dumps(dict(head=name, rows=rows, ms=round(ms, 4), weight_tbps=round(tbps, 3), **where)),
                   flush=True)
     x = torch.randn(1, args.hidden, device=device).to(torch.bfloat16)
-    built_in = int8_head.ONE_ROW_SHAPE
+    built_in = int8_rows.ONE_ROW_SHAPE
     for shape in args.one_row:
         block_n, block_k, warps = (int(v) for v in shape.split("/"))
-        int8_head.ONE_ROW_SHAPE = (1, block_n, block_k, warps, 0)
+        int8_rows.ONE_ROW_SHAPE = (1, block_n, block_k, warps, 0)
         try:
             ms = per_step_ms(lambda: dispatch.lm_head_linear(x, heads["int8"]), args.repeats, True)
         except Exception as e:  # a shape the compiler refuses is a result too
             print(json.dumps(dict(head="int8", rows=1, one_row=shape, error=str(e)[:200])), flush=True)
             continue
         finally:
-            int8_head.ONE_ROW_SHAPE = built_in
+            int8_rows.ONE_ROW_SHAPE = built_in
         print(json.dumps(dict(head="int8", rows=1, one_row=shape, ms=round(ms, 4),
                               weight_tbps=round(weight.numel() / ms / 1e9, 3), **where)), flush=True)
-    launch_shape = int8_head.launch_shape
+    launch_shape = int8_rows.launch_shape
     for rows in args.tile_rows if args.tiles else []:
         x = torch.randn(rows, args.hidden, device=device).to(torch.bfloat16)
         want = int8.reference_logits(x, heads["int8"])
@@ -72,7 +72,7 @@ def main() -> int:
             *dims, swap = shape.split("/") if shape.endswith("/swap") else (*shape.split("/"), "")
             block_m, block_n, block_k, warps, stages = (int(v) for v in dims)
             block_m = min(block_m, max(16, 1 << (rows - 1).bit_length())) if swap else block_m
-            int8_head.launch_shape = lambda m: (block_m, block_n, block_k, warps, stages, bool(swap))
+            int8_rows.launch_shape = lambda m: (block_m, block_n, block_k, warps, stages, bool(swap))
             try:
                 ms = per_step_ms(lambda: dispatch.lm_head_linear(x, heads["int8"]), args.repeats, True)
                 # a shape that computes wrong logits is no result (the GPU tests hold the built-in shapes)
@@ -81,7 +81,7 @@ def main() -> int:
                 print(json.dumps(dict(head="int8", rows=rows, tiles=shape, error=str(e)[:200])), flush=True)
                 continue
             finally:
-                int8_head.launch_shape = launch_shape
+                int8_rows.launch_shape = launch_shape
             print(json.dumps(dict(head="int8", rows=rows, tiles=shape, ms=round(ms, 4), max_abs_err=err,
                                   weight_tbps=round(weight.numel() / ms / 1e9, 3), **where)), flush=True)
     return 0

@@ -5,6 +5,8 @@ rounded as each variant says and, where said, their inputs too. Issue #37's bar 
 Variants (the decoder's linears; the embedding and the LM head stay float32 but in `bf16`):
   bf16          the whole model in bfloat16 (llaunch's bf16 path, as served)
   bf16_int8_head  bf16 with the LM head's weights in int8 (model.int8_lm_head without fp8 linears)
+  bf16_int8     bf16 with the linears' weights in int8 rows, a scale per output channel (model.quantization=int8 as
+                served: quantize_linears_int8, inputs in bfloat16)
   fp8           model.quantization=fp8 as served: e4m3 weights with a scale per output channel, each token's inputs
                 to e4m3 by its absmax (quantize_linears, the emulation of the GPU's roundings)
   fp8_weights   the same e4m3 weights, inputs left in float32 (weight-only)
@@ -36,7 +38,7 @@ sys.path.insert(0, REPO)
 SCORED = ["README.md", "docs/apis.md", "docs/deployment.md"]
 CALIBRATION = ["docs/configuration.md"]
 CHUNK = 256
-VARIANTS = ["bf16", "bf16_int8_head", "fp8", "fp8_weights", "fp8_block128", "fp8_block32", "fp8_gptq", "int8", "fp8_head_e4m3",
+VARIANTS = ["bf16", "bf16_int8_head", "bf16_int8", "fp8", "fp8_weights", "fp8_block128", "fp8_block32", "fp8_gptq", "int8", "fp8_head_e4m3",
             "fp8_head_int8", "fp8_head_w8a8"]
 
 
@@ -215,6 +217,7 @@ def main() -> int:
 
     from llaunch.kernels import settings
     from llaunch.runtime.models.fp8_linear import quantize_linears
+    from llaunch.runtime.models.int8_linear import quantize_linears_int8
 
     settings.configure(dataclasses.replace(settings.current.settings, backend=settings.Backend.reference))
     tokenizer = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
@@ -227,6 +230,8 @@ def main() -> int:
             model = load(args.model, torch.bfloat16)
             if variant == "bf16_int8_head":
                 model.lm_head.quantize_int8()
+            if variant == "bf16_int8":
+                quantize_linears_int8(model)
         else:
             model = load(args.model, torch.float32)
             if variant == "fp8" or variant.startswith("fp8_head_"):

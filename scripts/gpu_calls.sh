@@ -38,6 +38,8 @@
 #                                                        (218 decode rows, 2 x 896 prompt tokens) and a 160-row decode
 #                                                        step by kernel, bf16 and fp8 as served, then fp8 with the MLP
 #                                                        unfused and the epilogue's GEMM at every size (as 6f85a72)
+# int8w     .whl .gpu                                    model.quantization=int8: its GPU tests, bf16 / int8 / int8 + the
+#                                                        int8 head served, single and c64
 # fp8tune   .whl-serve .gpu (TESTS: .whl .gpu)           #37 single: GPU tests where TESTS names them, fp8_layers'
 #                                                        sweep, then bf16 / fp8 + e4m3 head / fp8 at the sweep's
 #                                                        winners served
@@ -66,7 +68,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, kvprof, spectune, steps1, fp8head, int8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, kvprof, int8w, spectune, steps1, fp8head, int8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -181,12 +183,12 @@ case $NAME in
     ri_sweep ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
     # suite (04fc5db on an H100, its one failure mended in test_kernel_gemv and green at eeb33d5; since: kernels/
-    # int8_head.py, new, and prefill attention over an fp8 cache reading whole cached blocks as e4m3 products with the
+    # int8_rows.py, new, and prefill attention over an fp8 cache reading whole cached blocks as e4m3 products with the
     # scales folded, whole blocks of the chunk's own keys from k_new alone), then fp8_layers' sweep (the fp8 step's
     # layer kinds as built in and at other launch shapes, TB/s each)
     [ -d .whl ] || { echo "changed: carry .whl (the full wheelhouse), not .whl-serve"; exit 2; }
     install
-    TESTS="tests/kernels/test_kernel_int8_head.py tests/kernels/test_kernel_prefill_attention.py tests/gpu/test_fp8.py
+    TESTS="tests/kernels/test_kernel_int8_rows.py tests/kernels/test_kernel_prefill_attention.py tests/gpu/test_fp8.py
       tests/gpu/test_smollm2_agreement.py tests/gpu/test_mixed_graphs_gpu.py tests/gpu/test_spec_decode_gpu.py" \
       bash scripts/gpu_run.sh tests
     fp8_layers ;;
@@ -251,12 +253,13 @@ print(next((r.get("serve", "") for r in rows if r.get("kind") == "summary"), "")
     SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8head:model.quantization=fp8 model.fp8_lm_head=true|fp8head64:\
 model.quantization=fp8 model.fp8_lm_head=true kernels.gemv_shapes='152064x3584:fp8=64/256/4/3'" \
       optional 280 bash scripts/gpu_run.sh cases ;;
-  int8head)  # #37 single: the LM head's weights in int8 (model.int8_lm_head; kernels/int8_head.py, new at 2026-12-07,
+  int8head)  # #37 single: the LM head's weights in int8 (model.int8_lm_head; kernels/int8_rows.py, new at 2026-12-07,
     # never run on a GPU before): its GPU tests, the head alone by rows and storage (bench_lm_head.py, its one-row path at
     # other launch shapes), the fp8 decode step with each head, then bf16 / fp8 / fp8 with the int8 head served
     [ -d .whl ] || { echo "int8head: carry .whl (its GPU tests need the full wheelhouse)"; exit 2; }
     install
-    TESTS="tests/kernels/test_kernel_int8_head.py tests/gpu/test_fp8.py -k head" optional 90 bash scripts/gpu_run.sh tests
+    TESTS="tests/kernels/test_kernel_int8_rows.py tests/gpu/test_int8_weights_gpu.py tests/gpu/test_fp8.py -k int8" \
+      optional 90 bash scripts/gpu_run.sh tests
     # the head alone by rows; the one-row path around its built-in 32/256/8 (16/512/8 until 2026-12-07: 0.200 ms vs
     # 0.191, H100); past 16 rows the tensor-core tiles (until 2026-12-07 64-row tiles of x as the MMA's first operand,
     # 64/128/64/8/3: 0.335 / 1.198 ms at 64 / 256 rows vs bf16's 0.396 / 0.460; since, all rows in one tile with the
@@ -270,6 +273,14 @@ model.quantization=fp8 model.fp8_lm_head=true kernels.gemv_shapes='152064x3584:f
     done
     SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8:model.quantization=fp8|fp8int8head:model.quantization=fp8 \
 model.int8_lm_head=true" optional 250 bash scripts/gpu_run.sh cases ;;
+  int8w)  # model.quantization=int8 (weight-only int8 linears, new at 2026-12-07): bf16 against int8 weights and int8
+    # weights with the int8 head, single and c64 (its tensor-core path converts the weights as it multiplies: under load
+    # no faster than bf16, to be seen); its GPU tests first
+    [ -d .whl ] || { echo "int8w: carry .whl (its GPU tests need the full wheelhouse)"; exit 2; }
+    install
+    TESTS="tests/kernels/test_kernel_int8_rows.py tests/gpu/test_int8_weights_gpu.py" optional 60 bash scripts/gpu_run.sh tests
+    SERVE="$QWEN7B" CASES="single c64" VARIANTS="bf16:|int8:model.quantization=int8|int8head:model.quantization=int8 \
+model.int8_lm_head=true" optional 300 bash scripts/gpu_run.sh cases ;;
   fp8tune)  # #37 single: fp8_layers' sweep (each kind's best launch shape kept, then combined), then bf16, fp8 with the
     # e4m3 head (model.fp8_lm_head) at the sweep's shapes, and fp8 at them without the head served, three runs each
     # (~85 s a server; the third where time is left). TESTS: GPU tests first (carry .whl instead of .whl-serve)

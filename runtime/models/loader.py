@@ -12,6 +12,7 @@ from llaunch.runtime.models.audio_qwen2 import AudioArch, Qwen2AudioTower
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.decoder import DecoderLM
 from llaunch.runtime.models.fp8_linear import load_scales, quantize_linears, use_checkpoint_fp8
+from llaunch.runtime.models.int8_linear import quantize_linears_int8
 from llaunch.runtime.models.layers import ParallelLMHead, TpGroup
 from llaunch.runtime.models.vision_qwen2 import Qwen2VisionTower, VisionArch
 from llaunch.runtime.models.vision_qwen2_5 import tower_class
@@ -35,7 +36,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, tp_r
 
 def load_model_weights(model: DecoderLM, cfg: ModelConfig, progress: Optional[Callable[[float], None]] = None) -> None:
     """Weights per cfg.load_format; an fp8 checkpoint (quantization_config) fills fp8 layers with its
-    scales, and model.quantization=fp8 quantizes a float checkpoint's linears after loading."""
+    scales, and model.quantization=fp8 (int8) quantizes a float checkpoint's linears after loading."""
     quant = None
     if cfg.path and resolve_load_format(cfg) == "safetensors":
         ckpt = read_checkpoint(cfg.path)
@@ -53,6 +54,8 @@ def load_model_weights(model: DecoderLM, cfg: ModelConfig, progress: Optional[Ca
         source.close()
     if cfg.quantization == WeightQuantization.fp8 and quant is None:
         quantize_linears(model)
+    if cfg.quantization == WeightQuantization.int8 and quant is None:
+        quantize_linears_int8(model)
     # the launcher refuses either without an LM head (rules_effect) and both together (lm_head_one_format); a score or
     # embedding head built from a config no rule saw is not quantized
     head = model.lm_head if isinstance(model.lm_head, ParallelLMHead) else None

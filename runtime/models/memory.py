@@ -105,14 +105,16 @@ def rank_memory(cfg: LlaunchConfig) -> RankMemory:
     layout = HeadLayout.of(arch.num_attention_heads, arch.num_key_value_heads, tp)
     kv = 2 * arch.num_hidden_layers * layout.kv_heads_per_rank * arch.head_dim * kv_itemsize
     fp8 = fp8_weights(cfg)
-    one_byte = linear_params(arch) if fp8 else 0
+    int8 = cfg.model.quantization == WeightQuantization.int8
+    one_byte = linear_params(arch) if fp8 or int8 else 0  # (a scale a row besides: under 0.1% of the weights)
     weights = -(-(arch.num_params - one_byte) // tp) * itemsize + -(-one_byte // tp)
     if cfg.model.fp8_lm_head or cfg.model.int8_lm_head:
         # a head of one byte a weight: an own 16-bit weight is freed, a tied embedding keeps its copy
         head = -(-arch.vocab_size // tp) * arch.hidden_size
         weights += head - (0 if arch.tie_word_embeddings else head * itemsize)
     dtype = cfg.model.dtype.value
-    weights_dtype = f"fp8 linears{' and LM head' * cfg.model.fp8_lm_head} + {dtype}" if fp8 else dtype
+    weights_dtype = (f"fp8 linears{' and LM head' * cfg.model.fp8_lm_head} + {dtype}" if fp8
+                     else f"int8 linears + {dtype}" if int8 else dtype)
     return RankMemory(weights=weights, kv_per_token=kv, activations=activation_bytes(cfg, arch),
                       weights_dtype=weights_dtype + " + int8 LM head" * cfg.model.int8_lm_head,
                       kv_dtype="fp8_e4m3" if kv_itemsize == 1 else dtype,

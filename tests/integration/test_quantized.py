@@ -102,3 +102,49 @@ def test_a_block_wise_fp8_checkpoint_plans_and_a_tp_that_cuts_its_blocks_exits_2
     assert "checkpoint_quantization_supported" in cut.stderr and "parallel.tp=8" in cut.stderr
     assert "down_proj (2368 of intermediate_size=18944 a rank)" in cut.stderr
     assert "Use parallel.tp of 1, 2, 4" in cut.stderr
+
+
+def test_int8_weights_serve_the_in_process_int8_model(tmp_path_factory, tiny_dirs):
+    """model.quantization=int8 with model.int8_lm_head through a real graph (launcher → worker → loader): the greedy
+    tokens and logprobs of the in-process model with the same int8 layers and head, not the float model's."""
+    from dataclasses import replace
+
+    import torch
+    from openai import OpenAI
+
+    from fixtures.forward_batches import SlotTables
+    from fixtures.tiny_models import model_config_from_folder
+    from integration.conftest import start_server
+    from llaunch.runtime.config import WeightQuantization
+    from llaunch.runtime.models.int8_linear import Int8Layer
+    from llaunch.runtime.models.loader import build_model
+    from unit.test_fp8_weights import llaunch_greedy
+
+    folder = tiny_dirs["qwen2"]
+    text = "Once upon a time, in a land far away, there lived"
+    with start_server(tmp_path_factory, "int8", ["model=qwen2", f"model.path={folder}", "model.name=int8",
+                                                 "model.quantization=int8", "model.int8_lm_head=true"]) as server:
+        api = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        out = api.completions.create(model="int8", prompt=text, max_tokens=10, temperature=0, logprobs=1,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+        served = out.choices[0].model_extra["token_ids"]
+        served_logprobs = out.choices[0].logprobs.token_logprobs
+        prompt = out.choices[0].model_extra.get("prompt_token_ids")
+    if prompt is None:
+        from transformers import AutoTokenizer
+
+        prompt = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
+    cfg = replace(model_config_from_folder(folder), quantization=WeightQuantization.int8, int8_lm_head=True)
+    int8_model = build_model(cfg, device=torch.device("cpu"), dtype=torch.float32)
+    assert any(isinstance(m, Int8Layer) for m in int8_model.modules())
+    assert served == llaunch_greedy(int8_model, prompt, 10)
+
+    def logprobs(model):  # of the served tokens, decoded as served
+        tables = SlotTables(model, max_rows=1, max_len=64)
+        rows = [model.forward(tables.batch(prefill=[(0, prompt)]), tables.kv)[-1]]
+        rows += [model.forward(tables.batch(decode=[(0, t)]), tables.kv)[-1] for t in served[:-1]]
+        return [torch.log_softmax(row.float(), dim=-1)[t].item() for row, t in zip(rows, served)]
+
+    gap = lambda want: max(abs(a - b) for a, b in zip(served_logprobs, want))  # noqa: E731
+    plain = build_model(model_config_from_folder(folder), device=torch.device("cpu"), dtype=torch.float32)
+    assert gap(logprobs(int8_model)) <= 1e-4 < gap(logprobs(plain)), (served_logprobs, logprobs(int8_model))

@@ -98,6 +98,20 @@ def test_a_quantization_config_nested_in_text_config_is_read(resolved, tmp_path)
     assert v.keys == ("kernels.row_invariant", "model.path") and "compressed-tensors" in v.message
 
 
+@pytest.mark.parametrize("quantization", ["fp8", "int8"])
+def test_quantizing_at_load_a_checkpoint_already_quantized_is_refused(resolved, tmp_path, quantization):  # noqa: F811
+    """model.quantization quantizes a float checkpoint at load; an fp8 checkpoint is served as it is, so the key would
+    do nothing (int8 asked, e4m3 served): refused, naming both keys."""
+    folder = tiny_llama_folder(tmp_path / "fp8")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": fp8_group("channel", TOKEN)}))
+    base = (f"model.path={folder}", "model.load_format=auto")
+    assert rules.check_all(resolved(*base)) == []
+    [v] = assert_only(rules.check_all(resolved(*base, f"model.quantization={quantization}")),
+                      "checkpoint_quantization_supported")
+    assert v.keys == ("model.quantization", "model.path") and "compressed-tensors" in v.message
+
+
 def test_the_dry_run_shows_fp8_weight_and_kv_bytes(resolved):  # noqa: F811
     from llaunch.launcher import memory_plan
 
@@ -109,6 +123,9 @@ def test_the_dry_run_shows_fp8_weight_and_kv_bytes(resolved):  # noqa: F811
     assert "weights 8.1 GiB (fp8 linears + bfloat16)" in fp8 and "KV 28 KiB per token (fp8_e4m3)" in fp8
     tokens = [int(s.rsplit(": ", 1)[1].split(" tokens")[0].replace(",", "")) for s in (plain, fp8)]
     assert tokens[1] // 2 == tokens[0]  # the same KV budget holds twice the tokens
+    # model.quantization=int8: the same bytes as e4m3
+    int8 = memory_plan.summary(resolved(*base, "model.quantization=int8"))
+    assert "weights 8.1 GiB (int8 linears + bfloat16)" in int8
 
 
 @pytest.mark.parametrize("profile", ["qwen2-7b", "smollm2-135m"])

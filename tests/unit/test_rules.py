@@ -158,8 +158,9 @@ BREAKS = {
                            [*MIXTRAL, "parallel=tp2", "model.moe_intermediate_size=127"],
                            [*MIXTRAL, "parallel=tp2", "parallel.ep=2", "model.num_experts=3"]],
     "expert_parallel_valid": [["parallel=tp2", "parallel.ep=2"], [*MIXTRAL, "parallel=tp2", "parallel.ep=4"]],
-    "moe_quantization_supported": [[*MIXTRAL, "model.quantization=fp8"]],
-    "row_invariant_covers_model": [[*RI, "model.quantization=fp8"], [*RI, *MIXTRAL], [*RI, "parallel=tp2"],
+    "moe_quantization_supported": [[*MIXTRAL, "model.quantization=fp8"], [*MIXTRAL, "model.quantization=int8"]],
+    "row_invariant_covers_model": [[*RI, "model.quantization=fp8"], [*RI, "model.quantization=int8"], [*RI, *MIXTRAL],
+                                   [*RI, "parallel=tp2"],
                                    ["kernels.row_invariant=true"],  # on CPU the model runs in float32
                                    [*RI, "spec=ngram", "spec.num_tokens=16"]],  # a 17-token verify step
 }

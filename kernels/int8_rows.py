@@ -1,11 +1,14 @@
-"""The LM head with int8 weights (model.int8_lm_head): each vocabulary row rounded to int8 with a float32 scale of its
-own (symmetric, round to nearest: row absmax / 127), the inputs left in the model's dtype (weight-only). Half the bytes
+"""Products with int8 weight rows: the LM head (model.int8_lm_head) and, with model.quantization=int8, the decoder's
+linears. Each weight row (a vocabulary row, an output channel) rounded to int8 with a float32 scale of its own
+(symmetric, round to nearest: row absmax / 127), the inputs left in the model's dtype (weight-only). Half the bytes
 of a 16-bit head, which a batch-1 decode step reads whole every token (Qwen2-7B's: 1.09 GB of bf16 against ~6.5 GB of
 fp8 body weights). Why int8 and not e4m3 (model.fp8_lm_head): over SmolLM2's 2,048 positions of this repository's docs
 (`scripts/fp8_accuracy.py`) the fp8 body with an int8 head agrees with float32 on 87.9% of the top-1 tokens against
 its 88.5% with the 16-bit head; with the head in e4m3 80.7%, and int8 inputs as well (W8A8) 84.7%. An int8 value is
 exact in bfloat16 and float16 (8 significant bits), so the products are exact in float32 and the sums differ from
-the reference's (kernels/int8.py, which also quantizes) only in their order.
+the reference's (kernels/int8.py, which also quantizes) only in their order. The decoder's linears the same way
+(model.quantization=int8, `linear`: outputs in x's dtype, a bias added before that rounding): SmolLM2's bf16 model
+with them 94.8% against its 96.8%, where e4m3 (model.quantization=fp8) serves 88.5%.
 
 One kernel, two paths by the step's rows: one row (batch-1 decode; each row alike under kernels.row_invariant) on the
 CUDA cores, each program a tile of vocabulary rows read once as 32-bit words, every weight made float32 by a byte
@@ -20,6 +23,7 @@ shapes: the module's constants below (`scripts/bench_lm_head.py` times others).
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -132,9 +136,10 @@ def _tile_products(acc, x, w, SWAP: tl.constexpr, IEEE: tl.constexpr, INTERPRETE
 
 
 @triton.jit
-def _head_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, PDL: tl.constexpr,
+def _rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                 IEEE: tl.constexpr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr):
+                 IEEE: tl.constexpr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr, SWAP: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
     # one axis, x's row tiles varying fastest: the programs reading one weight tile run together, and all but the
     # first find it in L2 (one axis: a vocabulary's tiles may pass the 65,535 of a grid's second)
     row_tiles = tl.cdiv(M, BLOCK_M)
@@ -178,8 +183,10 @@ def _head_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, w_stride, out_
         if SWAP:
             acc = tl.trans(acc)
         y = acc * tl.load(s_ptr + rows, mask=row_mask, other=0.0)[None, :]
-    # the logits in float32 holding x's dtype's rounding, as the 16-bit head's
-    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+    # rounded to x's dtype: a linear's output, or the logits in float32 holding it (as the 16-bit head's)
+    y = y.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + m[:, None].to(tl.int64) * out_stride + rows[None, :], y,
              mask=m_mask[:, None] & row_mask[None, :])
 
@@ -204,27 +211,38 @@ def words_fit(weight: torch.Tensor) -> bool:
 
 
 def logits(x: torch.Tensor, w: Int8Rows) -> torch.Tensor:
-    """x [M, K] (bfloat16, float16 or float32) against the int8 head → float32 logits [M, N]."""
+    """x [M, K] (bfloat16, float16 or float32) against the int8 head → float32 logits [M, N] (x's dtype's values)."""
+    return _product(x, w, None, torch.float32)
+
+
+def linear(x: torch.Tensor, w: Int8Rows, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] through int8 weight rows (+ bias [N]) → [M, N] in x's dtype (model.quantization=int8's layers)."""
+    return _product(x, w, bias, x.dtype)
+
+
+def _product(x: torch.Tensor, w: Int8Rows, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != w.weight.shape[1]:
-        raise ValueError(f"int8 head: x [M, {w.weight.shape[1]}], got {tuple(x.shape)}")
+        raise ValueError(f"int8 rows: x [M, {w.weight.shape[1]}], got {tuple(x.shape)}")
     if w.weight.dtype != torch.int8 or w.scale.shape != (w.weight.shape[0],) or w.scale.dtype != torch.float32:
-        raise ValueError(f"int8 head: int8 rows and a float32 scale a row, got {w.weight.dtype} "
+        raise ValueError(f"int8 rows: int8 rows and a float32 scale a row, got {w.weight.dtype} "
                          f"{tuple(w.weight.shape)} and {w.scale.dtype} {tuple(w.scale.shape)}")
     if w.weight.device != x.device or w.scale.device != x.device:
-        raise ValueError(f"int8 head: x on {x.device}, the rows on {w.weight.device}, their scales on {w.scale.device}")
+        raise ValueError(f"int8 rows: x on {x.device}, the rows on {w.weight.device}, their scales on {w.scale.device}")
+    if bias is not None and bias.shape != (w.weight.shape[0],):
+        raise ValueError(f"int8 rows: a bias of {w.weight.shape[0]}, got {tuple(bias.shape)}")
     x = x.contiguous()
     weight = w.weight if w.weight.stride(-1) == 1 else w.weight.contiguous()
     scale = w.scale.contiguous()  # read at s_ptr + row
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     block_m, block_n, block_k, warps, stages, swap = launch_shape(m)
     use_pdl = pdl.enabled(x, "gemv")
-    _head_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
-        x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        IEEE=x.dtype == torch.float32, WORDS=words_fit(weight), INTERPRETED=_INTERPRETED, SWAP=swap,
-        num_warps=warps, launch_pdl=use_pdl)
+    _rows_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
+        x, weight, scale, scale if bias is None else bias.contiguous(), out, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), PDL=pdl.flavor(use_pdl, "gemv"), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        STAGES=stages, IEEE=x.dtype == torch.float32, WORDS=words_fit(weight), INTERPRETED=_INTERPRETED, SWAP=swap,
+        HAS_BIAS=bias is not None, num_warps=warps, launch_pdl=use_pdl)
     return out
