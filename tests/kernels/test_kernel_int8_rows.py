@@ -95,10 +95,10 @@ def test_int8_head_gpu(cuda, poisoned, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 2048])
+@pytest.mark.parametrize("m", [1, 16, 64, 100, 2048])
 def test_int8_linear_gpu(cuda, poisoned, m):
-    """model.quantization=int8: Qwen2-7B's q‖k‖v (4,608 x 3,584, with its bias) in bfloat16 at a decode step's rows and
-    a prefill's 2,048 (8 tiles of 256 rows), against the reference."""
+    """model.quantization=int8: Qwen2-7B's q‖k‖v (4,608 x 3,584, with its bias) in bfloat16 at a decode step's rows
+    (one, up to 16, 64-row tiles: 100 in two) and a prefill's 2,048 (8 tiles of 256 rows), against the reference."""
     from llaunch.kernels import int8_rows
 
     w = int8.quantize_rows(torch.randn(4608, 3584, device=cuda) / 60)
@@ -137,12 +137,13 @@ fn = head._rows_kernel
 out = {}
 # bf16 x, and float32 x (its IEEE dots: the largest tiles in shared memory), as launch_shape launches 1, 16 and 256
 # rows (and 64: a smaller tile of rows)
-# (and a model.quantization=int8 layer's: bf16 out with a bias, a prefill's 2,048 rows)
+# (and a model.quantization=int8 layer's, Qwen2-7B's q‖k‖v: bf16 out with a bias, at each of its row counts' shapes)
 for name, m, x, out_type in (("one", 1, "bf16", "fp32"), ("few", 16, "bf16", "fp32"), ("many", 256, "bf16", "fp32"),
                              ("many 64", 64, "bf16", "fp32"), ("few fp32", 16, "fp32", "fp32"),
                              ("many fp32", 256, "fp32", "fp32"), ("linear", 2048, "bf16", "bf16"),
-                             ("linear one", 1, "bf16", "bf16")):
-    block_m, block_n, block_k, warps, stages, swap = head.launch_shape(m)
+                             ("linear one", 1, "bf16", "bf16"), ("linear few", 16, "bf16", "bf16"),
+                             ("linear 64", 64, "bf16", "bf16")):
+    block_m, block_n, block_k, warps, stages, swap = head.launch_shape(m, 4608 if name.startswith("linear") else 152064)
     constexprs = dict(PDL=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, IEEE=x == "fp32",
                       WORDS=True, INTERPRETED=False, SWAP=swap, HAS_BIAS=name.startswith("linear"))
     names = list(inspect.signature(fn.fn).parameters)
