@@ -42,13 +42,15 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ONE_ROW_SHAPE = (1, 32, 256, 8, 0)
 FEW_ROWS_SHAPE = (16, 64, 128, 4, 4)
 MANY_ROWS_SHAPE = (256, 128, 64, 8, 3)
-# A decoder linear's (model.quantization=int8) N of a few thousand outputs makes few programs of those tiles (Qwen2-7B's
-# o_proj: 112 one-row programs of 32 rows for 132 SMs): narrower ones, as the fp8 word GEMV's 8/512/4, and x as the
-# MMA's first operand up to 256 rows (the swapped tile's 64-row minimum of weights would leave 56 programs); past 256
-# rows (a prefill) the many-rows tile, its row tiles multiplying the programs. Not yet measured on a GPU
+# A decoder linear's (model.quantization=int8): N of a few thousand outputs makes few programs of the head's tiles
+# (Qwen2-7B's o_proj: 112 one-row programs of 32 rows for 132 SMs): narrower ones, as the fp8 word GEMV's 8/512/4, and
+# x as the MMA's first operand up to LAYER_ROWS rows (the swapped tile's 64-row minimum of weights would leave 56
+# programs); past them (a prefill) the many-rows tile, its row tiles multiplying the programs. Not yet measured on a GPU
 LAYER_SHAPES = ((1, 8, 512, 4, 0), (16, 16, 128, 4, 4), (64, 32, 128, 4, 3))
-LAYER_N = 32768  # fewer outputs than this: a decoder linear's shapes (an LM head has a vocabulary's)
+LAYER_ROWS = 256
 INTERPRETED_SHAPES = ((1, 4, 64, 4, 0), (16, 16, 32, 4, 1), (32, 16, 32, 4, 1))
+INTERPRETED_LAYER_SHAPES = ((1, 8, 64, 4, 0), (16, 16, 32, 4, 1), (32, 16, 32, 4, 1))
+INTERPRETED_LAYER_ROWS = 64
 
 
 # int8 → float32 without a conversion instruction: a byte b + 128 (the word XOR 0x80 in each byte) as the low mantissa
@@ -197,21 +199,22 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, w_strid
              mask=m_mask[:, None] & row_mask[None, :])
 
 
-def launch_shape(m: int, n: int) -> tuple[int, int, int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES, SWAP) for a step of m rows through n weight rows: one row, and
-    under kernels.row_invariant each row of a step of up to 16 (settings.invariant_step), on the one-row code (a row's
-    logits then do not depend on the step's other rows: a verify row gets a decode row's bits); up to 16 rows on the
-    tensor cores as x·wᵀ; more as w·xᵀ, all the step's rows (up to MANY_ROWS_SHAPE's) in one tile, so each weight is
-    converted once: sm90, 256 rows: 210 registers, no spills, 64x256x16 wgmmas reading the weights from registers.
-    Under LAYER_N outputs, LAYER_SHAPES up to 256 rows."""
+def launch_shape(m: int, layer: bool) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, STAGES, SWAP) for a step of m rows through an LM head or (`layer`) a
+    decoder linear: one row, and under kernels.row_invariant each row of a step of up to 16 (settings.invariant_step),
+    on the one-row code (a row's outputs then do not depend on the step's other rows: a verify row gets a decode row's
+    bits); up to 16 rows on the tensor cores as x·wᵀ; more as w·xᵀ, all the step's rows (up to MANY_ROWS_SHAPE's) in one
+    tile, so each weight is converted once: sm90, 256 rows: 210 registers, no spills, 64x256x16 wgmmas reading the
+    weights from registers. A layer: LAYER_SHAPES, x·wᵀ up to LAYER_ROWS rows."""
     one, few, many = INTERPRETED_SHAPES if _INTERPRETED else (ONE_ROW_SHAPE, FEW_ROWS_SHAPE, MANY_ROWS_SHAPE)
-    layer = not _INTERPRETED and n < LAYER_N
+    if layer:
+        one, few, layer_many = INTERPRETED_LAYER_SHAPES if _INTERPRETED else LAYER_SHAPES
     if m == 1 or settings.invariant_step(m):
-        return (*(LAYER_SHAPES[0] if layer else one), False)
+        return (*one, False)
     if m <= 16:
-        return (*(LAYER_SHAPES[1] if layer else few), False)
-    if layer and m <= 256:
-        return (*LAYER_SHAPES[2], False)
+        return (*few, False)
+    if layer and m <= (INTERPRETED_LAYER_ROWS if _INTERPRETED else LAYER_ROWS):
+        return (*layer_many, False)
     return (min(many[0], max(16, triton.next_power_of_2(m))), *many[1:], True)
 
 
@@ -222,15 +225,16 @@ def words_fit(weight: torch.Tensor) -> bool:
 
 def logits(x: torch.Tensor, w: Int8Rows) -> torch.Tensor:
     """x [M, K] (bfloat16, float16 or float32) against the int8 head → float32 logits [M, N] (x's dtype's values)."""
-    return _product(x, w, None, torch.float32)
+    return _product(x, w, None, torch.float32, False)
 
 
 def linear(x: torch.Tensor, w: Int8Rows, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] through int8 weight rows (+ bias [N]) → [M, N] in x's dtype (model.quantization=int8's layers)."""
-    return _product(x, w, bias, x.dtype)
+    return _product(x, w, bias, x.dtype, True)
 
 
-def _product(x: torch.Tensor, w: Int8Rows, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+def _product(x: torch.Tensor, w: Int8Rows, bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+             layer: bool) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != w.weight.shape[1]:
         raise ValueError(f"int8 rows: x [M, {w.weight.shape[1]}], got {tuple(x.shape)}")
     if w.weight.dtype != torch.int8 or w.scale.shape != (w.weight.shape[0],) or w.scale.dtype != torch.float32:
@@ -248,7 +252,7 @@ def _product(x: torch.Tensor, w: Int8Rows, bias: Optional[torch.Tensor], out_dty
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k, warps, stages, swap = launch_shape(m, n)
+    block_m, block_n, block_k, warps, stages, swap = launch_shape(m, layer)
     use_pdl = pdl.enabled(x, "gemv")
     _rows_kernel[(triton.cdiv(n, block_n) * triton.cdiv(m, block_m),)](
         x, weight, scale, scale if bias is None else bias.contiguous(), out, m, n, k, x.stride(0), weight.stride(0),

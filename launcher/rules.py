@@ -25,7 +25,7 @@ from llaunch.launcher import rules_checkpoint  # noqa: F401 (checkpoints the wor
 from llaunch.launcher.rule_registry import (NOTHING_CHANGED, RULES, check_all, get, pending, rule,  # noqa: F401
                                            warnings)
 from llaunch.kernels.settings import INVARIANT_ROWS
-from llaunch.runtime.config import Device, DType, LoadFormat, Mode, SpecMethod
+from llaunch.runtime.config import Device, DType, LoadFormat, Mode, SpecMethod, WeightQuantization
 from llaunch.runtime.models.checkpoint import read_checkpoint
 from llaunch.runtime.models.moe_config import MOE_FAMILIES
 from llaunch.runtime.models.heads import HeadLayout
@@ -121,8 +121,9 @@ def row_invariant_covers_model(cfg):
     ckpt = read_checkpoint(m.path) if m.path and m.load_format != LoadFormat.dummy else None
     ckpt_quant = ckpt.weight_quant if ckpt is not None and ckpt.weight_quant and ckpt.weight_quant.served else None
     outside = [(keys, why) for keys, why in (
-        (("model.quantization",), m.quantization is not None and f"model.quantization={m.quantization.value}: its "
-         f"layers take other kernels at one row (the {m.quantization.value} GEMVs) than at several"),
+        # (int8 rows: each row of an invariant step on their one-row code, as the 16-bit GEMV's)
+        (("model.quantization",), m.quantization == WeightQuantization.fp8 and "model.quantization=fp8: e4m3 "
+         "layers take other kernels at one row (the fp8 GEMVs) than at several"),
         (("model.path",), ckpt_quant is not None and f"model.path={m.path} holds {ckpt_quant.method} weights: e4m3 "
          "layers take other kernels at one row (the fp8 GEMVs) than at several"),
         (("model.family",), m.family in MOE_FAMILIES and f"model.family={m.family}: the experts' launches and "

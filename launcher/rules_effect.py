@@ -129,7 +129,8 @@ FP8_WEIGHTS = Context(
     "fp8_weights", fp8_weights,
     _either(lambda c: c.model.path is None or c.model.load_format == LoadFormat.dummy, _values("model.quantization"),
             _values("model.quantization", "model.path")),
-    "the decoder's weights are in the model's dtype, and the LM head is quantized only beside fp8 linears",
+    "the decoder's linears are not e4m3 (the model's dtype, or model.quantization=int8's rows), and the LM head goes "
+    "e4m3 only beside fp8 linears (model.int8_lm_head: int8 rows beside any)",
     "set model.quantization=fp8 (or serve an fp8 checkpoint)")
 SCORES = Context(
     "scores", lambda c: c.model.task == ModelTask.score, _values("model.task"),

@@ -227,7 +227,7 @@ class ModelConfig:
     mlp_only_layers: Optional[List[int]] = None  # architecture: layers with a dense MLP (intermediate_size) among MoE
     # fp8: quantize a bf16/fp32 checkpoint's decoder linear weights to e4m3 at load (as vLLM's --quantization
     # fp8); int8: to int8 rows, weight-only (SmolLM2's top-1 94.8% against bf16's 96.8%, e4m3's 88.5%). None: as the
-    # checkpoint is (an fp8 checkpoint's quantization_config is always honoured).
+    # checkpoint is (an fp8 checkpoint's quantization_config is always honoured; either value beside one exits 2).
     quantization: Optional[WeightQuantization] = None  # fp8 | int8 | None
     # fp8 weights (model.quantization=fp8 or an fp8 checkpoint): the LM head in e4m3 too, a scale per vocabulary row
     # (a tied embedding keeps its 16-bit copy for the lookup); off: the head stays in the model's dtype, as vLLM's

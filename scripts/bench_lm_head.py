@@ -72,7 +72,7 @@ def main() -> int:
             *dims, swap = shape.split("/") if shape.endswith("/swap") else (*shape.split("/"), "")
             block_m, block_n, block_k, warps, stages = (int(v) for v in dims)
             block_m = min(block_m, max(16, 1 << (rows - 1).bit_length())) if swap else block_m
-            int8_rows.launch_shape = lambda m, n: (block_m, block_n, block_k, warps, stages, bool(swap))
+            int8_rows.launch_shape = lambda m, layer: (block_m, block_n, block_k, warps, stages, bool(swap))
             try:
                 ms = per_step_ms(lambda: dispatch.lm_head_linear(x, heads["int8"]), args.repeats, True)
                 # a shape that computes wrong logits is no result (the GPU tests hold the built-in shapes)

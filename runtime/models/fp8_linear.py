@@ -214,5 +214,6 @@ def quantize_linears(model: nn.Module) -> None:
         fp8.qweight.copy_(q)
         fp8.weight_scale.copy_(scale)
         setattr(parent, name, fp8)
+    layer = q = None  # the last float layer and its e4m3 copy: else their memory stays reserved past empty_cache
     if next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()  # the float weights' memory goes back before the KV cache is sized

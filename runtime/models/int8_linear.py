@@ -21,8 +21,13 @@ from llaunch.runtime.models.layers import ColumnParallelLinear, RowParallelLinea
 class Int8Layer:
     """What both int8 linears add: int8 `qweight` rows and their float32 `weight_scale`."""
 
-    def _setup_int8(self, base: nn.Module) -> None:
-        q, scale = quantize_rows(base.weight.detach())
+    def _setup_int8(self, base: nn.Module, rows_at_once: int = 4096) -> None:
+        """base's weight rounded a block of rows at a time (the float32 copies quantize_rows makes are a block's)."""
+        w = base.weight.detach()
+        q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        for start in range(0, w.shape[0], rows_at_once):
+            q[start:start + rows_at_once], scale[start:start + rows_at_once] = quantize_rows(w[start:start + rows_at_once])
         self.register_buffer("qweight", q)
         self.register_buffer("weight_scale", scale)
 
@@ -55,5 +60,6 @@ def quantize_linears_int8(model: nn.Module) -> None:
     one is alive at once."""
     for parent, name, layer in float_linears(model):
         setattr(parent, name, INT8_CLASSES[type(layer)](layer))
+    layer = None  # the last float layer: else its memory stays reserved past empty_cache
     if next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()  # the float weights' memory goes back before the KV cache is sized

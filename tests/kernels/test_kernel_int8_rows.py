@@ -35,10 +35,11 @@ def order_bound(x: torch.Tensor, w: int8.Int8Rows) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m, n, k", [(1, 37, 300), (1, 29, 97), (5, 70, 100), (33, 21, 40)])
+@pytest.mark.parametrize("m, n, k", [(1, 37, 300), (1, 29, 97), (5, 70, 100), (33, 21, 40), (70, 19, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_interpreted(ops, poisoned, m, n, k, dtype, bias):
-    """model.quantization=int8's layers: x's dtype out, the bias added before the one rounding, at each path."""
+    """model.quantization=int8's layers: x's dtype out, the bias added before the one rounding, at each path (one row,
+    a few, tiles of rows as x·wᵀ up to the layer's row bound, past it all rows in one tile as w·xᵀ: 70)."""
     from llaunch.kernels import int8_rows
 
     w = int8.quantize_rows(torch.randn(n, k))
@@ -65,6 +66,8 @@ def test_int8_head_rows_alike_under_row_invariant(ops, kernel_settings):
     x = torch.randn(5, 200, dtype=torch.float16)
     together = int8_rows.logits(x, w)
     assert all(torch.equal(together[i:i + 1], int8_rows.logits(x[i:i + 1], w)) for i in range(5))
+    together = int8_rows.linear(x, w)  # model.quantization=int8's layers too (the rule lets row_invariant hold there)
+    assert all(torch.equal(together[i:i + 1], int8_rows.linear(x[i:i + 1], w)) for i in range(5))
 
 
 def test_int8_head_refuses_what_it_cannot_take(ops):
@@ -143,7 +146,7 @@ for name, m, x, out_type in (("one", 1, "bf16", "fp32"), ("few", 16, "bf16", "fp
                              ("many fp32", 256, "fp32", "fp32"), ("linear", 2048, "bf16", "bf16"),
                              ("linear one", 1, "bf16", "bf16"), ("linear few", 16, "bf16", "bf16"),
                              ("linear 64", 64, "bf16", "bf16")):
-    block_m, block_n, block_k, warps, stages, swap = head.launch_shape(m, 4608 if name.startswith("linear") else 152064)
+    block_m, block_n, block_k, warps, stages, swap = head.launch_shape(m, name.startswith("linear"))
     constexprs = dict(PDL=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, IEEE=x == "fp32",
                       WORDS=True, INTERPRETED=False, SWAP=swap, HAS_BIAS=name.startswith("linear"))
     names = list(inspect.signature(fn.fn).parameters)

@@ -159,8 +159,7 @@ BREAKS = {
                            [*MIXTRAL, "parallel=tp2", "parallel.ep=2", "model.num_experts=3"]],
     "expert_parallel_valid": [["parallel=tp2", "parallel.ep=2"], [*MIXTRAL, "parallel=tp2", "parallel.ep=4"]],
     "moe_quantization_supported": [[*MIXTRAL, "model.quantization=fp8"], [*MIXTRAL, "model.quantization=int8"]],
-    "row_invariant_covers_model": [[*RI, "model.quantization=fp8"], [*RI, "model.quantization=int8"], [*RI, *MIXTRAL],
-                                   [*RI, "parallel=tp2"],
+    "row_invariant_covers_model": [[*RI, "model.quantization=fp8"], [*RI, *MIXTRAL], [*RI, "parallel=tp2"],
                                    ["kernels.row_invariant=true"],  # on CPU the model runs in float32
                                    [*RI, "spec=ngram", "spec.num_tokens=16"]],  # a 17-token verify step
 }
@@ -174,6 +173,7 @@ def test_a_valid_config_passes_every_rule(resolved):
     assert rules.check_all(resolved(*MIXTRAL, "parallel=tp2")) == []
     assert rules.check_all(resolved(*MIXTRAL, "parallel=tp2", "parallel.ep=2")) == []
     assert rules.check_all(resolved(*RI)) == []
+    assert rules.check_all(resolved(*RI, "model.quantization=int8")) == []  # int8 rows: a row's kernel at any step
     assert rules.check_all(resolved(*RI, "spec=ngram", "spec.num_tokens=15")) == []  # 16 tokens: still covered
 
 
