@@ -18,9 +18,8 @@ from llaunch.kernels import int8
 from llaunch.runtime.config import WeightQuantization
 from llaunch.runtime.models.int8_linear import Int8Layer
 from llaunch.runtime.models.loader import build_model
+from unit.test_fp8_weights import MAX_NEW, PROMPTS, rank_main  # rank_main: each rank's greedy tokens of PROMPTS
 
-MAX_NEW = 12
-PROMPTS = [list(range(100, 111)), [5, 907, 31000, 42, 42, 42, 7, 1234, 8800], [49000, 3, 17]]
 FAMILIES = [("qwen2", dict(num_attention_heads=3, num_key_value_heads=1, head_dim=16)), ("llama", {}),
             ("gemma3_text", {}), ("phi3", {})]
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -73,21 +72,6 @@ def test_quantizing_frees_every_float_weight(tmp_path):
     quantize_linears_int8(model)
     gc.collect()
     assert [f() for f in floats] == [None] * len(floats)
-
-
-def rank_main(rank: int, cfgs: dict, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        for name, cfg in cfgs.items():
-            model = build_model(cfg, device=torch.device("cpu"), dtype=torch.float32, tp_rank=rank, tp_size=2)
-            tokens = [greedy(model, p, MAX_NEW) for p in PROMPTS]
-            if rank == 0:
-                torch.save(tokens, f"{out_dir}/{name}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
