@@ -15,19 +15,14 @@ from torch import nn
 
 from llaunch.kernels.int8 import Int8Rows, quantize_rows
 from llaunch.runtime.models.fp8_linear import float_linears
-from llaunch.runtime.models.layers import ColumnParallelLinear, RowParallelLinear
+from llaunch.runtime.models.layers import ColumnParallelLinear, RowParallelLinear, quantize_by_rows
 
 
 class Int8Layer:
     """What both int8 linears add: int8 `qweight` rows and their float32 `weight_scale`."""
 
-    def _setup_int8(self, base: nn.Module, rows_at_once: int = 4096) -> None:
-        """base's weight rounded a block of rows at a time (the float32 copies quantize_rows makes are a block's)."""
-        w = base.weight.detach()
-        q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-        scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-        for start in range(0, w.shape[0], rows_at_once):
-            q[start:start + rows_at_once], scale[start:start + rows_at_once] = quantize_rows(w[start:start + rows_at_once])
+    def _setup_int8(self, base: nn.Module) -> None:
+        q, scale = quantize_by_rows(base.weight.detach(), torch.int8, quantize_rows, 4096)
         self.register_buffer("qweight", q)
         self.register_buffer("weight_scale", scale)
 

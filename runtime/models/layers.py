@@ -165,6 +165,16 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
+def quantize_by_rows(weight: torch.Tensor, dtype: torch.dtype, quantize, rows_at_once: int):
+    """weight's rows as `dtype` and a float32 scale a row, `quantize` (kernels/int8.quantize_rows or its e4m3 twin)
+    applied to a block of rows at a time: the float32 copies it makes are then a block's, not the whole weight's."""
+    q = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], rows_at_once):
+        q[start:start + rows_at_once], scale[start:start + rows_at_once] = quantize(weight[start:start + rows_at_once])
+    return q, scale
+
+
 class ParallelLMHead(nn.Module):
     """Logits over the vocabulary block of this rank, all-gathered to [N, vocab] float32. Tied to
     the embedding (shares its weight, so no checkpoint tensor of its own) or its own weight; after
@@ -195,12 +205,7 @@ class ParallelLMHead(nn.Module):
         copy of only that block is alive. Its own weight's 16-bit copy is freed; a tied embedding keeps its copy for
         the lookup (the head then holds one byte more a weight)."""
         weight = self.embedding[0].weight if self.weight is None else self.weight
-        q = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-        scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
-        for start in range(0, weight.shape[0], rows_at_once):
-            q[start:start + rows_at_once], scale[start:start + rows_at_once] = quantize(
-                weight[start:start + rows_at_once])
-        self.qweight, self.weight_scale = q, scale
+        self.qweight, self.weight_scale = quantize_by_rows(weight, dtype, quantize, rows_at_once)
         self.weight = None
 
     def checkpoint_shards(self) -> dict[str, list[Shard]]:
