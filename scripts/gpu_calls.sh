@@ -38,6 +38,8 @@
 #                                                        (218 decode rows, 2 x 896 prompt tokens) and a 160-row decode
 #                                                        step by kernel, bf16 and fp8 as served, then fp8 with the MLP
 #                                                        unfused and the epilogue's GEMM at every size (as 6f85a72)
+# h200single .whl .gpu                                   #37 single on an H200: the int8 GPU tests, bf16 / fp8 + the int8
+#                                                        head / weight-only int8 served, single
 # int8w     .whl .gpu                                    model.quantization=int8: its GPU tests, bf16 / int8 / int8 + the
 #                                                        int8 head served, single and c64
 # fp8tune   .whl-serve .gpu (TESTS: .whl .gpu)           #37 single: GPU tests where TESTS names them, fp8_layers'
@@ -68,7 +70,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, kvprof, int8w, spectune, steps1, fp8head, int8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, kvprof, h200single, int8w, spectune, steps1, fp8head, int8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -273,6 +275,15 @@ model.quantization=fp8 model.fp8_lm_head=true kernels.gemv_shapes='152064x3584:f
     done
     SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8:model.quantization=fp8|fp8int8head:model.quantization=fp8 \
 model.int8_lm_head=true" optional 250 bash scripts/gpu_run.sh cases ;;
+  h200single)  # #37 single on an H200 (1.6x bf16 wanted; there fp8 was 1.385x at fe41bbd, before the word kernels and the
+    # int8 head): the int8 GPU tests (the quantizing helper shared by the int8 layers and head since 87d6b21), then
+    # bf16 / fp8 with the int8 head / weight-only int8 served, single, three runs each
+    [ -d .whl ] || { echo "h200single: carry .whl (its GPU tests need the full wheelhouse)"; exit 2; }
+    install
+    TESTS="tests/kernels/test_kernel_int8_rows.py tests/gpu/test_int8_weights_gpu.py tests/gpu/test_fp8.py -k int8" \
+      optional 90 bash scripts/gpu_run.sh tests
+    SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8int8head:model.quantization=fp8 model.int8_lm_head=true|\
+int8:model.quantization=int8" optional 200 bash scripts/gpu_run.sh cases ;;
   int8w)  # model.quantization=int8 (weight-only int8 linears, new at 2026-12-07): bf16 against int8 weights and int8
     # weights with the int8 head, single and c64 (its tensor-core path converts the weights as it multiplies: under load
     # no faster than bf16, to be seen); its GPU tests first
