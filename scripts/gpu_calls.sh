@@ -63,6 +63,8 @@
 # moetune   .whl-serve                                   #40: Mixtral-8x7B's MoE launches per step size (tune_moe.py;
 #                                                        kernels/moe_launches.py holds Qwen3-30B-A3B's alone), then
 #                                                        the kernels.moe_shapes line to store there
+# draft     .whl-serve .gpu-spec                         #38 spec=draft: a draft distilled from the spec model
+#                                                        (distill_draft.py), its acceptance, none / draft served, c1
 # specserve .whl-serve .gpu-spec                         #38: spec's servers alone (none / spec / k8, c1 and c64);
 #                                                        VARIANTS="none k8 k8a k16": how long proposals may be
 # (.gpu without .gpu-spec: gpu_run.sh prepare writes the spec cut apart, 51 MB as xz, for the spec call alone.)
@@ -70,7 +72,7 @@
 # suite first whenever kernels changed since its last green run, then by the issues' order (fp8, speculation, MoE).
 # A machine stays warm 30 s after a call: the next call within that skips the start (2026-12-05: three calls in a row).
 set -u
-NAME=${1:?"which call: suite, changed, kvprof, h200single, int8w, spectune, steps1, fp8head, int8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
+NAME=${1:?"which call: suite, changed, kvprof, h200single, draft, int8w, spectune, steps1, fp8head, int8head, fp8tune, final37, specserve, fp8, fp8act, fp8mixed, fp8words, fp8single, fp8c256, moe, moetune, kv8, kvlong, spec"}
 # The device tool brings back 8 files of $OUT: the steps write under a work folder, console included, and the
 # call ends by packing it into $OUT/results.tar.xz (scripts/pack_results.py; here: tar xJf .../results.tar.xz)
 RESULTS=${OUT:-/tmp/llaunch-gpu}
@@ -378,6 +380,13 @@ fp8${TUNED:+tuned}:model.quantization=fp8 ${TUNED:-}" optional 260 bash scripts/
     # k8 left out this time: 1.80x c1, 1.30x c64 at aaaa21f)
     TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-40} VARIANTS=${VARIANTS:-"none spec none_ri spec_ri"} optional 300 \
       bash scripts/gpu_run.sh spec ;;
+  draft)  # #38 spec=draft (>= 1.5x none wanted, c1): no smaller model of SmolLM2's tokenizer is offline, and cut without
+    # training its blocks agree on nothing (1.00 tokens a verify): a draft of 4 of the spec model's 18 blocks
+    # distilled from it on the standard library's sources (scripts/distill_draft.py, new at 2026-12-07), what its
+    # proposals keep, then none / draft k = 4 (/ k = 8) served, c1
+    install
+    DRAFT_BLOCKS=${DRAFT_BLOCKS:-0,1,16,17} CASES=${CASES:-c1} VARIANTS=${VARIANTS:-"none spec k8"} \
+      optional 300 bash scripts/gpu_run.sh spec ;;
   specserve)  # #38 served alone, without spec's step benches: none against n-gram proposals of k = 4 and 8, c1 and
     # c64 (~85 s a server); since d6abb0c the proposals repeat their period and spec.ngram_max is 8. bb9de56, H100:
     # c1 2.07x (k = 4) / 2.67x (k = 8), c64 1.41x / 1.44x. Texts compare only between servers that ran the same

@@ -35,7 +35,8 @@
 #   baseline  transformers' generate on the same model shape (../shared/bench/hf_baseline.py)
 #   spec      speculative decoding: scripts/bench_spec.sh (SmolLM2 as prepare cut it for spec, SPEC_SERVE to change; a copy-heavy
 #             workload single-stream and at c64 against spec=none, spec=ngram and spec=ngram spec.max_batch=16),
-#             results under $OUT/spec
+#             results under $OUT/spec; DRAFT_BLOCKS=0,1,16,17: SPEC is spec=draft with a draft distilled from those of
+#             its blocks first (scripts/distill_draft.py, DISTILL_SECONDS of training), its acceptance in $OUT/distill.txt
 #   verify_steps  speculative decoding's cost side: batch-1 verify steps of k+1 tokens (k = 1..4) against a
 #             decode step, Qwen2-7B shape, CUDA graphs (scripts/bench_steps.py --verify), $OUT/verify_steps.jsonl
 #   decode_shapes  the batch-1 decode step per GEMV launch shape, each layer kind's GEMVs alone first
@@ -301,6 +302,16 @@ if has spec; then
   # converted beside the tests' model (its stamp names the source: a changed cut converts again)
   $PY scripts/prepare_models.py --gguf $spec_gguf --out .models/spec > /tmp/prepare-spec.log 2>&1 \
     || { tail -5 /tmp/prepare-spec.log; exit 1; }
+  if [ -n "${DRAFT_BLOCKS:-}" ]; then  # spec=draft: a draft distilled from the spec model (scripts/distill_draft.py)
+    stamp "distilling a draft from blocks $DRAFT_BLOCKS for ${DISTILL_SECONDS:=150} s"
+    $PY scripts/distill_draft.py --model .models/spec/smollm2-135m --draft-blocks "$DRAFT_BLOCKS" --out /tmp/draft \
+      --seconds "$DISTILL_SECONDS" 2>&1 | grep -v -e Warning -e "Loading weights" -e "Writing model" | tee "$OUT/distill.txt"
+    [ -f /tmp/draft/config.json ] || exit 1
+    # what the draft's greedy proposals keep, teacher-forced on bench_spec.sh's c1 prompts (float32)
+    $PY scripts/spec_acceptance.py --model .models/spec/smollm2-135m --draft /tmp/draft --prompts 3 2>&1 \
+      | grep -v -e Warning -e "Loading weights" | tee -a "$OUT/distill.txt"
+    export SPEC="spec=draft spec.draft_model_path=/tmp/draft"
+  fi
   # the cut GGUF has fewer blocks than the smollm2-135m profile says: every dimension from its config.json
   # (with SPEC_SERVE naming another model, TOKENIZER names its tokenizer too). bfloat16 as a user serves it: the
   # converted checkpoint is float32, which model.dtype=auto keeps (until 2026-12-05 every spec figure was float32's)

@@ -14,6 +14,8 @@ tokens: each verify keeps the draft's tokens while they equal the model's greedy
     python scripts/spec_acceptance.py --model .models/smollm2-135m [--blocks 0-2,7,8] [--prompts 4] [--k 4 8]
         [--ngram-max 3] [--cut]
     python scripts/spec_acceptance.py --model .models/spec/smollm2-135m --draft-blocks 0-1,16-17
+    python scripts/spec_acceptance.py --model .models/spec/smollm2-135m --draft /tmp/draft   (a draft's own folder:
+        scripts/distill_draft.py writes one)
 """
 from __future__ import annotations
 
@@ -77,11 +79,11 @@ def keep_blocks(model, blocks: list[int]) -> None:
     model.config.num_hidden_layers = len(blocks)
 
 
-def copy_accuracy(model, passage: list[int]) -> float:
+def copy_accuracy(model, passage: list[int], device="cpu") -> float:
     """Top-1 agreement with the passage's second copy, given the passage twice (teacher-forced)."""
     import torch
 
-    ids = torch.tensor([passage + passage])
+    ids = torch.tensor([passage + passage], device=device)
     with torch.no_grad():
         pred = model(ids).logits[0].argmax(-1)
     n = len(passage)
@@ -94,6 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", default=None, help="decoder blocks to keep, as cut_gguf.py --blocks (default: all)")
     ap.add_argument("--draft-blocks", default=None,
                     help="spec=draft instead of ngram: the draft is the model (after --blocks) cut to these blocks")
+    ap.add_argument("--draft", default=None, help="spec=draft instead of ngram: the draft's Hugging Face folder")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
@@ -102,6 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max, help="spec.ngram_max (3 before 2026-12-06)")
     ap.add_argument("--cut", action="store_true",
                     help="proposals stop at the present (runtime/router/ngram.py's repeat=False: before 2026-12-06)")
+    ap.add_argument("--device", default=None, help="where the models run (default: cuda where there is one)")
     args = ap.parse_args(argv)
 
     import torch
@@ -117,6 +121,12 @@ def main(argv=None) -> int:
     if args.draft_blocks:
         draft = copy.deepcopy(model)
         keep_blocks(draft, parse_blocks(args.draft_blocks, model.config.num_hidden_layers))
+    elif args.draft:
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to(dev)
+    if draft is not None:
+        draft.to(dev)
     tokenize = tokenizer_of(args.model)
     # as the benchmark's requests (ignore_eos): an end-of-sequence token is output like any other, no stop
     greedy = copy.deepcopy(model.generation_config)
@@ -124,12 +134,13 @@ def main(argv=None) -> int:
     sums = {k: (0.0, 0.0) for k in args.k}
     for i, prompt in enumerate(text_copy_prompts(args.prompts, args.input_len, tokenize, args.seed)):
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), generation_config=greedy)[0, len(prompt):].tolist()
+            out = model.generate(torch.tensor([prompt], device=dev), generation_config=greedy)[0, len(prompt):].tolist()
         if draft is None:
             per = {k: replay(prompt, out, k, ngram_max=args.ngram_max, repeat=not args.cut) for k in args.k}
         else:  # the draft's argmax after every prefix of the output, in one forward
             with torch.no_grad():
-                guess = draft(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+                ids = torch.tensor([prompt + out], device=dev)
+                guess = draft(ids).logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
             agree = [g == t for g, t in zip(guess, out)]
             per = {k: replay_draft(agree, k) for k in args.k}
         print(f"prompt {i}: " + "  ".join(f"k={k} {v:.2f} a verify, {s:.2f} a step" for k, (v, s) in per.items()),
@@ -139,7 +150,7 @@ def main(argv=None) -> int:
     print("mean: " + "  ".join(f"k={k} {v / args.prompts:.2f} a verify, {s / args.prompts:.2f} a step"
                                for k, (v, s) in sums.items()))
     passages = corpus_passages(tokenize, 200)
-    accs = [copy_accuracy(model, passages[j]) for j in range(0, len(passages), max(len(passages) // 4, 1))[:4]]
+    accs = [copy_accuracy(model, passages[j], dev) for j in range(0, len(passages), max(len(passages) // 4, 1))[:4]]
     print(f"a passage's second copy predicted (teacher-forced top-1, {len(accs)} passages of 200 tokens): "
           f"{100 * sum(accs) / len(accs):.1f}%")
     return 0
