@@ -380,10 +380,10 @@ fp8${TUNED:+tuned}:model.quantization=fp8 ${TUNED:-}" optional 260 bash scripts/
     # k8 left out this time: 1.80x c1, 1.30x c64 at aaaa21f)
     TRACE=1 PROFILE_STEPS=${PROFILE_STEPS:-40} VARIANTS=${VARIANTS:-"none spec none_ri spec_ri"} optional 300 \
       bash scripts/gpu_run.sh spec ;;
-  draft)  # #38 spec=draft (>= 1.5x none wanted, c1): no smaller model of SmolLM2's tokenizer is offline, and cut without
-    # training its blocks agree on nothing (1.00 tokens a verify): a draft of 4 of the spec model's 18 blocks
+  draft)  # #38 spec=draft (>= 1.5x none wanted, c1): no smaller model of SmolLM2's tokenizer is offline, and cut
+    # without training its blocks agree on nothing (1.00 tokens a verify): a draft of 4 of the spec model's 18 blocks
     # distilled from it on the standard library's sources (scripts/distill_draft.py, new at 2026-12-07), what its
-    # proposals keep, then none / draft k = 4 (/ k = 8) served, c1
+    # proposals keep, then none / draft k = 4 (/ k = 8) served, c1 (VARIANTS=off: not served, ~150 s in all)
     install
     DRAFT_BLOCKS=${DRAFT_BLOCKS:-0,1,16,17} CASES=${CASES:-c1} VARIANTS=${VARIANTS:-"none spec k8"} \
       optional 300 bash scripts/gpu_run.sh spec ;;

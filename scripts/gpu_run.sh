@@ -315,7 +315,8 @@ if has spec; then
   # the cut GGUF has fewer blocks than the smollm2-135m profile says: every dimension from its config.json
   # (with SPEC_SERVE naming another model, TOKENIZER names its tokenizer too). bfloat16 as a user serves it: the
   # converted checkpoint is float32, which model.dtype=auto keeps (until 2026-12-05 every spec figure was float32's)
-  SERVE="${SPEC_SERVE:-model=llama model.path=$PWD/.models/spec/smollm2-135m model.dtype=bfloat16}" \
+  # (VARIANTS=off: the draft's distillation and acceptance alone)
+  [ "${VARIANTS:-}" = off ] || SERVE="${SPEC_SERVE:-model=llama model.path=$PWD/.models/spec/smollm2-135m model.dtype=bfloat16}" \
     TOKENIZER=${TOKENIZER:-.models/spec/smollm2-135m} \
     OUT="$OUT/spec" PY=$PY bash scripts/bench_spec.sh || status=1
 fi
