@@ -1,6 +1,6 @@
 """A draft model for spec=draft, distilled from the model it will draft for: a few of the model's own decoder
-blocks (its token embedding, tied LM head and final norm kept, frozen), trained to give the model's next-token
-distribution (KL to the model's softmax at every position) on copy-heavy text. No smaller model of SmolLM2's
+blocks with its token embedding and tied LM head (both frozen) and its final norm, the blocks and norm trained to
+give the model's next-token distribution (KL to the model's softmax at every position) on copy-heavy text. No smaller model of SmolLM2's
 tokenizer is at hand offline; cut without training, 4-12 of the spec cut's 18 blocks agree with it on almost no
 token (1.00-1.02 tokens a verify at k = 4, gpu_run.sh's note), since the blocks left read a residual stream the
 dropped ones no longer write.

@@ -304,6 +304,7 @@ if has spec; then
     || { tail -5 /tmp/prepare-spec.log; exit 1; }
   if [ -n "${DRAFT_BLOCKS:-}" ]; then  # spec=draft: a draft distilled from the spec model (scripts/distill_draft.py)
     stamp "distilling a draft from blocks $DRAFT_BLOCKS for ${DISTILL_SECONDS:=150} s"
+    rm -rf /tmp/draft  # a warm machine's earlier draft must not stand in for one that failed
     $PY scripts/distill_draft.py --model .models/spec/smollm2-135m --draft-blocks "$DRAFT_BLOCKS" --out /tmp/draft \
       --seconds "$DISTILL_SECONDS" 2>&1 | grep -v -e Warning -e "Loading weights" -e "Writing model" | tee "$OUT/distill.txt"
     [ -f /tmp/draft/config.json ] || exit 1

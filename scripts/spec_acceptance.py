@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     sums = {k: (0.0, 0.0) for k in args.k}
     for i, prompt in enumerate(text_copy_prompts(args.prompts, args.input_len, tokenize, args.seed)):
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt], device=dev), generation_config=greedy)[0, len(prompt):].tolist()
+            ids = torch.tensor([prompt], device=dev)
+            out = model.generate(ids, generation_config=greedy)[0, len(prompt):].tolist()
         if draft is None:
             per = {k: replay(prompt, out, k, ngram_max=args.ngram_max, repeat=not args.cut) for k in args.k}
         else:  # the draft's argmax after every prefix of the output, in one forward
