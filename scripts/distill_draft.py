@@ -12,7 +12,7 @@ Held-out sequences (files the training never reads) report the draft's top-1 agr
 
     python scripts/distill_draft.py --model .models/spec/smollm2-135m --draft-blocks 0,1,16,17 --out /tmp/draft \
         [--blocks 0-2,7 (cut the model first, as cut_gguf.py)] [--seconds 120] [--steps 2000] [--seq-len 1024]
-        [--batch 8] [--lr 3e-4] [--device cuda]
+        [--batch 8] [--lr 1e-3] [--device cuda]
     python scripts/spec_acceptance.py --model .models/spec/smollm2-135m --draft /tmp/draft   (what spec=draft keeps)
 
 The draft folder serves as spec.draft_model_path (a Llama checkpoint with the model's tokenizer files).
@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2000, help="train this many steps at most")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=1e-3,
+                    help="AdamW's rate after 50 warm-up steps (1e-3: the CPU draft's 55.5%% at 361 steps)")
     ap.add_argument("--files", type=int, default=100000, help="read at most this many standard library files")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--device", default=None, help="where it trains (default: cuda where there is one)")

@@ -385,7 +385,7 @@ fp8${TUNED:+tuned}:model.quantization=fp8 ${TUNED:-}" optional 260 bash scripts/
     # distilled from it on the standard library's sources (scripts/distill_draft.py, new at 2026-12-07), what its
     # proposals keep, then none / draft k = 4 (/ k = 8) served, c1 (VARIANTS=off: not served, ~150 s in all)
     install
-    DRAFT_BLOCKS=${DRAFT_BLOCKS:-0,1,16,17} CASES=${CASES:-c1} VARIANTS=${VARIANTS:-"none spec k8"} \
+    TRACE=1 DRAFT_BLOCKS=${DRAFT_BLOCKS:-0,1,16,17} CASES=${CASES:-c1} VARIANTS=${VARIANTS:-"none spec k8"} \
       optional 300 bash scripts/gpu_run.sh spec ;;
   specserve)  # #38 served alone, without spec's step benches: none against n-gram proposals of k = 4 and 8, c1 and
     # c64 (~85 s a server); since d6abb0c the proposals repeat their period and spec.ngram_max is 8. bb9de56, H100:

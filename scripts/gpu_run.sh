@@ -36,7 +36,8 @@
 #   spec      speculative decoding: scripts/bench_spec.sh (SmolLM2 as prepare cut it for spec, SPEC_SERVE to change; a copy-heavy
 #             workload single-stream and at c64 against spec=none, spec=ngram and spec=ngram spec.max_batch=16),
 #             results under $OUT/spec; DRAFT_BLOCKS=0,1,16,17: SPEC is spec=draft with a draft distilled from those of
-#             its blocks first (scripts/distill_draft.py, DISTILL_SECONDS of training), its acceptance in $OUT/distill.txt
+#             its blocks first (scripts/distill_draft.py, DISTILL_SECONDS of training, DISTILL_ARGS its other options),
+#             its acceptance in $OUT/distill.txt
 #   verify_steps  speculative decoding's cost side: batch-1 verify steps of k+1 tokens (k = 1..4) against a
 #             decode step, Qwen2-7B shape, CUDA graphs (scripts/bench_steps.py --verify), $OUT/verify_steps.jsonl
 #   decode_shapes  the batch-1 decode step per GEMV launch shape, each layer kind's GEMVs alone first
@@ -306,7 +307,7 @@ if has spec; then
     stamp "distilling a draft from blocks $DRAFT_BLOCKS for ${DISTILL_SECONDS:=150} s"
     rm -rf /tmp/draft  # a warm machine's earlier draft must not stand in for one that failed
     $PY scripts/distill_draft.py --model .models/spec/smollm2-135m --draft-blocks "$DRAFT_BLOCKS" --out /tmp/draft \
-      --seconds "$DISTILL_SECONDS" 2>&1 | grep -v -e Warning -e "Loading weights" -e "Writing model" | tee "$OUT/distill.txt"
+      --seconds "$DISTILL_SECONDS" ${DISTILL_ARGS:-} 2>&1 | grep -v -e Warning -e "Loading weights" -e "Writing model" | tee "$OUT/distill.txt"
     [ -f /tmp/draft/config.json ] || exit 1
     # what the draft's greedy proposals keep, teacher-forced on bench_spec.sh's c1 prompts (float32)
     $PY scripts/spec_acceptance.py --model .models/spec/smollm2-135m --draft /tmp/draft --prompts 3 2>&1 \
