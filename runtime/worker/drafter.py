@@ -12,8 +12,11 @@ the step's mirror then writes the last proposal's too.
 
 The draft is replicated on every tp rank (it is small); the first rank's proposals are broadcast,
 so every rank verifies the same tokens. Its k proposing steps run padded, as one CUDA graph per batch bucket
-on a GPU (runtime/worker/draft_graphs.py); reading the proposals back to build the verify step costs one
-device sync per speculating step. The mirror of a step without prefill chunks runs in the verify steps'
+on a GPU (runtime/worker/draft_graphs.py). Where the verify step also runs in the verify steps' layout and every
+verifying row is greedy, the proposals stay on the device: the mirror and the verify step read them there
+(verify_graphs.verify_tokens' `proposed`) and the verdict alone comes back, so the host never waits for the draft
+(on an H100 that wait held a k = 4 speculating step's enqueue at 1.0 ms of its 2.09). Otherwise they are read back
+(one device sync a speculating step) into the chunks, which sampled verification needs. The mirror of a step without prefill chunks runs in the verify steps'
 layout, padded (runtime/worker/verify_graphs.py, the runner's draft_mirror); of the others, eagerly."""
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ class Drafter:
         self.embed_rows = model.arch.vocab_size
         self.num_tokens, self.max_batch = num_tokens, max_batch
         self.steps: Optional[DraftSteps] = None
+        self.kept_on_device = 0  # proposals left on the device for the verify step (tests read it)
 
     def pad_steps(self, max_len: int, scratch_row: int, scratch_slot: int, capture: bool) -> None:
         """Proposals of up to max_batch chunks run padded (`capture`: replayed from CUDA graphs)."""
@@ -57,16 +61,27 @@ class Drafter:
     def _t(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+    def proposed(self) -> Optional[torch.Tensor]:
+        """The flat buffer the padded steps leave proposals in ([chunks, num_tokens] in a step's chunk order), or
+        None without padded steps."""
+        return None if self.steps is None else self.steps.proposals.view(-1)
+
     @torch.inference_mode()
-    def propose(self, chunks: list[VerifyChunk]) -> None:
-        """Fill each chunk's proposal (token_ids[1:], placeholders from the router) with the draft's
-        greedy continuation of its last token."""
+    def propose(self, chunks: list[VerifyChunk], on_device: bool = False) -> bool:
+        """Each chunk's proposal, the draft's greedy continuation of its last token: with `on_device`, where the
+        padded steps fit, left in `proposed()` (chunk i's at [i·num_tokens, ...), token_ids untouched; True),
+        else written into token_ids[1:] (the router's placeholders; False)."""
         if not chunks:
-            return
+            return False
         wanted = [len(c.token_ids) - 1 for c in chunks]
         if self.steps is not None and self.steps.fits(chunks):
-            self._share(chunks, wanted, self.steps.run(chunks))
-            return
+            proposals = self.steps.run(chunks)
+            if on_device:
+                self._broadcast(proposals)
+                self.kept_on_device += 1
+                return True
+            self._share(chunks, wanted, proposals)
+            return False
         for c in chunks:  # the slots of the proposal's positions, which the draft's steps attend over
             self.kv.req_to_slots[c.row, c.start:c.start + len(c.slots)] = self._t(c.slots).to(self.kv.req_to_slots.dtype)
         current = self._ids(self._t([c.token_ids[0] for c in chunks]))  # each row's latest token, on the device
@@ -85,13 +100,19 @@ class Drafter:
             current[index] = nxt
             proposals[index, j] = nxt
         self._share(chunks, wanted, proposals)
+        return False
 
-    def _share(self, chunks: list[VerifyChunk], wanted: list[int], proposals: torch.Tensor) -> None:
-        """Every rank's chunks get the first rank's proposals [chunks, ≥ max(wanted)]."""
-        if self.group is not None:  # ranks verify the same tokens even if their drafts' roundings differed
+    def _broadcast(self, proposals: torch.Tensor) -> None:
+        """Every rank gets the first rank's proposals, in place (ranks verify the same tokens even if their
+        drafts' roundings differed)."""
+        if self.group is not None:
             import torch.distributed as dist
 
             dist.broadcast(proposals, src=dist.get_global_rank(self.group, 0), group=self.group)
+
+    def _share(self, chunks: list[VerifyChunk], wanted: list[int], proposals: torch.Tensor) -> None:
+        """Every rank's chunks get the first rank's proposals [chunks, ≥ max(wanted)]."""
+        self._broadcast(proposals)
         for c, n, row in zip(chunks, wanted, proposals.tolist()):  # one read of every proposal
             c.token_ids[1:] = row[:n]
 

@@ -102,23 +102,26 @@ class ModelRunner:
                 self.mixed_graphs.capture()
         # verify steps (no prefill chunk) run as decode steps of several tokens per verifying row
         verify_len = self.graphs.max_model_len if self.graphs else kv.req_to_slots.shape[1]
-        self.verify_steps = None if self.scores_only else VerifySteps(
-            model, kv, self.last_token, verify_tokens, verify_len, scratch_row=max_rows, scratch_slot=kv.num_slots - 1,
-            verdicts=True)
-        self._verdict: Optional[torch.Tensor] = None  # the verify step's greedy verdict (VerifySteps.run)
-        if self.graphs is not None and self.verify_steps is not None:
-            self.verify_steps.capture()
         # spec.method=draft: the draft's proposing steps, and its mirror of a step without prefill chunks as
-        # the verify steps' layout, both padded to buckets (CUDA graphs on a GPU)
-        self.draft_mirror = None
+        # the verify steps' layout, both padded to buckets (CUDA graphs on a GPU); the verify steps (the model's
+        # and the mirror) read proposals the draft leaves on the device
+        self.draft_mirror, proposed = None, None
         if drafter is not None:
             drafter.pad_steps(verify_len, scratch_row=max_rows, scratch_slot=kv.num_slots - 1,
                               capture=self.graphs is not None)
+            proposed = drafter.proposed()
             self.draft_mirror = VerifySteps(drafter.model, drafter.kv, self.last_token, verify_tokens, verify_len,
                                             scratch_row=max_rows, scratch_slot=kv.num_slots - 1,
-                                            embed_rows=drafter.embed_rows)
+                                            embed_rows=drafter.embed_rows, proposed=proposed)
             if self.graphs is not None:
                 self.draft_mirror.capture()
+        self.verify_steps = None if self.scores_only else VerifySteps(
+            model, kv, self.last_token, verify_tokens, verify_len, scratch_row=max_rows, scratch_slot=kv.num_slots - 1,
+            verdicts=True, proposed=proposed)
+        self._verdict: Optional[torch.Tensor] = None  # the verify step's greedy verdict (VerifySteps.run)
+        self._proposed = 0  # this step's proposals are on the device, this many a chunk (Drafter.propose)
+        if self.graphs is not None and self.verify_steps is not None:
+            self.verify_steps.capture()
         if device.type == "cuda":
             self._warm_eager(max_rows, kv.num_slots - 1)
 
@@ -245,8 +248,8 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[Optional[torch.Tensor], list[int], Optional[torch.Tensor]]:
         """(logits, sampled rows, greedy tokens already recorded as the rows' last tokens, or None)."""
-        if plan.verify and not plan.prefill and self.verify_steps is not None and self.images is None:
-            logits, self._verdict = self.verify_steps.run(verify_tokens(plan, self.seq_len))
+        if self._verify_layout(plan):
+            logits, self._verdict = self.verify_steps.run(verify_tokens(plan, self.seq_len, self._proposed))
             return logits, list(plan.decode_rows), None
         longest = (max((self.seq_len[r] + 1 for r in plan.decode_rows), default=0)  # contexts after this step
                    if self.graphs is not None and self._graph_len_bound else 0)
@@ -288,6 +291,7 @@ class ModelRunner:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         self._start_rows(plan)
+        self._proposed = 0
         if self.drafter is not None:
             self._draft(plan)
         self._prompt_rows, self._pool_parts, self._verdict = [], [], None
@@ -327,13 +331,23 @@ class ModelRunner:
         pending.launch_s = time.perf_counter() - t0
         return pending
 
+    def _verify_layout(self, plan: StepPlan) -> bool:
+        """The step's verify chunks run as decode tokens (VerifySteps): no prefill chunk, no images."""
+        return bool(plan.verify) and not plan.prefill and self.verify_steps is not None and self.images is None
+
     def _draft(self, plan: StepPlan) -> None:
-        """spec.method=draft: the draft fills the verify chunks' proposals, then computes the KV of the
+        """spec.method=draft: the draft proposes the verify chunks' tokens, then computes the KV of the
         step's tokens, as the model is about to: a step without prefill chunks in the verify steps' layout
-        (one padded step, a graph on a GPU), else the step's eager batch."""
-        self.drafter.propose(plan.verify)
+        (one padded step, a graph on a GPU), else the step's eager batch. The proposals stay on the device where
+        both the mirror and the verify step read them there and every verifying row is greedy (its verdict is the
+        model's tokens: the host needs no proposal); sampled verification reads them from the chunks."""
+        on_device = (self._verify_layout(plan) and self.draft_mirror is not None
+                     and all(self.sampling.greedy[c.row] for c in plan.verify))
+        if self.drafter.propose(plan.verify, on_device=on_device):
+            self._proposed = self.drafter.num_tokens
         if not plan.prefill and self.draft_mirror is not None and self.images is None:
-            self.draft_mirror.run(verify_tokens(plan, list(self.seq_len)))  # the logits are not needed
+            # the logits are not needed
+            self.draft_mirror.run(verify_tokens(plan, list(self.seq_len), self._proposed))
             return
         seq_len = list(self.seq_len)
         batch, _ = self.build_batch(plan)

@@ -57,21 +57,21 @@ def verify_greedy(logits: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
     return _outcome(draft[None], accepted[None], best[None])[0]
 
 
-def greedy_verdict(logits: torch.Tensor, ids: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor,
-                   last_token: torch.Tensor, scratch_row: int) -> torch.Tensor:
+def greedy_verdict(logits: torch.Tensor, tokens: torch.Tensor, verifying: torch.Tensor, starts: torch.Tensor,
+                   rows: torch.Tensor, last_token: torch.Tensor, scratch_row: int) -> torch.Tensor:
     """verify_greedy of every chunk of a step laid out as decode tokens (runtime/worker/verify_graphs.py:
-    ids [T], each token's chunk start [T] and row [T]), in ops of fixed shapes (a CUDA graph's): [T] the
-    model's token at each position all of whose chunk's earlier proposed tokens were kept, else -1, so a
-    chunk reads as its kept proposal, then the model's own token; each verify chunk's row's last token is set
-    to that one (a decode row, id -1, is a chunk of one token whose row's is left to its sampling; scratch_row
-    takes the writes of the other positions)."""
+    input tokens [T], whether each is a verify chunk's [T], each token's chunk start [T] and row [T]), in ops of
+    fixed shapes (a CUDA graph's): [T] the model's token at each position all of whose chunk's earlier proposed
+    tokens were kept, else -1, so a chunk reads as its kept proposal, then the model's own token; each verify
+    chunk's row's last token is set to that one (a decode row is a chunk of one token whose row's is left to its
+    sampling; scratch_row takes the writes of the other positions)."""
     best = torch.argmax(logits, dim=-1)
-    follows = torch.cat([ids[1:], ids.new_full((1,), -2)])  # the proposed token after each position
+    follows = torch.cat([tokens[1:], tokens.new_full((1,), -2)])  # the proposed token after each position
     same_chunk = torch.cat([starts[1:] == starts[:-1], starts.new_zeros(1, dtype=torch.bool)])
     stop = ((best != follows) | ~same_chunk).long()  # the model parts from its chunk's proposal after here
     before = torch.cumsum(stop, 0) - stop  # stops strictly before each position, over the whole step
     kept = before == before[starts]  # none since the chunk's first token
-    end = kept & (stop == 1) & (ids >= 0)  # each chunk's last kept position (not a decode row's: it is sampled)
+    end = kept & (stop == 1) & verifying  # each chunk's last kept position (not a decode row's: it is sampled)
     last_token.index_put_((torch.where(end, rows, torch.full_like(rows, scratch_row)),), best)
     return torch.where(kept, best, torch.full_like(best, -1))
 

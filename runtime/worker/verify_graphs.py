@@ -32,29 +32,42 @@ from llaunch.runtime.worker.spec_verify import greedy_verdict
 
 log = logging.getLogger("llaunch.worker")
 
-# per token: id (-1: the row's last sampled token, on the device), row, position, slot, length, and the index in
-# the step of its chunk's first token (a decode row's: its own)
+# per token: id (-1: the row's last sampled token, on the device; -2 - i: element i of the draft's proposals left on
+# the device, `proposed`), row, position, slot, length, and the index in the step of its chunk's first token (a
+# decode row's: its own)
 FIELDS = 6
+LAST_TOKEN = -1
 EXACT = 8  # steps of up to this many tokens replay a graph of their own size (batch 1, k <= 7: no padding)
 
 
-def verify_tokens(plan: StepPlan, seq_len: list[int]) -> list[list[int]]:
+def proposed_id(index: int) -> int:
+    """The id that stands for element `index` of the proposals a draft left on the device."""
+    return -2 - index
+
+
+def verify_tokens(plan: StepPlan, seq_len: list[int], proposed: int = 0) -> list[list[int]]:
     """The step's tokens as decode tokens, [ids, rows, positions, slots, lengths, chunk starts]: plain decode rows
     first (their lengths in `seq_len` grow by one), then every verify chunk's tokens in plan order
-    (their rows' lengths follow the verdict, not this)."""
+    (their rows' lengths follow the verdict, not this). `proposed` > 0: the chunks' proposals are on the device,
+    [chunks, proposed] in plan order (DraftSteps.proposals), and chunk i's token j ≥ 1 reads element
+    i·proposed + j − 1 of them."""
     ids, rows, positions, slots, lens, starts = [], [], [], [], [], []
     for r, slot in zip(plan.decode_rows, plan.decode_slots):
         starts.append(len(ids))
-        ids.append(-1)
+        ids.append(LAST_TOKEN)
         rows.append(r)
         positions.append(seq_len[r])
         slots.append(slot)
         seq_len[r] += 1
         lens.append(seq_len[r])
-    for chunk in plan.verify:
+    for i, chunk in enumerate(plan.verify):
         n = len(chunk.token_ids)
         starts.extend([len(ids)] * n)
-        ids.extend(chunk.token_ids)
+        if proposed:
+            ids.append(chunk.token_ids[0])
+            ids.extend(proposed_id(i * proposed + j) for j in range(n - 1))
+        else:
+            ids.extend(chunk.token_ids)
         rows.extend([chunk.row] * n)
         positions.extend(range(chunk.start, chunk.start + n))
         slots.extend(chunk.slots)
@@ -64,13 +77,15 @@ def verify_tokens(plan: StepPlan, seq_len: list[int]) -> list[list[int]]:
 
 class VerifySteps:
     def __init__(self, model, kv: KvCache, last_token: torch.Tensor, max_tokens: int, max_len: int,
-                 scratch_row: int, scratch_slot: int, embed_rows: Optional[int] = None, verdicts: bool = False):
+                 scratch_row: int, scratch_slot: int, embed_rows: Optional[int] = None, verdicts: bool = False,
+                 proposed: Optional[torch.Tensor] = None):
         """`max_tokens`: the largest step padded to a bucket (0: none, every step runs unpadded);
         `max_len`: the longest context a padded step covers (its attention's split count). `embed_rows`: a
         draft model's embedding rows, when it runs the target's steps (an id past them reads token 0).
         `verdicts`: the step also judges its chunks greedily and sets their rows' last tokens (the model's
-        steps; not a draft's, which runs them only for its KV)."""
-        self.model, self.kv, self.last_token = model, kv, last_token
+        steps; not a draft's, which runs them only for its KV). `proposed`: the flat buffer a draft leaves its
+        proposals in (DraftSteps.proposals), which ids below -1 read (verify_tokens' `proposed`)."""
+        self.model, self.kv, self.last_token, self.proposed = model, kv, last_token, proposed
         self.verdicts = verdicts
         self.embed_rows = embed_rows
         self.scratch_row, self.scratch_slot, self.max_len = scratch_row, scratch_slot, max_len
@@ -95,6 +110,9 @@ class VerifySteps:
         ids, rows, positions, slots, lens, starts = fields
         self.kv.req_to_slots[rows, positions] = slots.to(self.kv.req_to_slots.dtype)
         input_ids = torch.where(ids >= 0, ids, self.last_token[rows])
+        if self.proposed is not None:  # the draft's tokens, never read back to the host before the verdict
+            input_ids = torch.where(ids < LAST_TOKEN, self.proposed[(proposed_id(0) - ids).clamp(min=0)], input_ids)
+        tokens = input_ids  # what the verdict compares the model's tokens with
         if self.embed_rows is not None:
             input_ids = torch.where(input_ids < self.embed_rows, input_ids, torch.zeros_like(input_ids))
         t = ids.shape[0]
@@ -107,7 +125,7 @@ class VerifySteps:
         logits = self.model.forward(batch, self.kv)
         if not self.verdicts:
             return logits, None
-        return logits, greedy_verdict(logits, ids, starts, rows, self.last_token, self.scratch_row)
+        return logits, greedy_verdict(logits, tokens, ids != LAST_TOKEN, starts, rows, self.last_token, self.scratch_row)
 
     def _step(self, b: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return self._forward(self.inputs[: FIELDS * b].view(FIELDS, b), self.max_len)

@@ -103,6 +103,7 @@ def test_draft_greedy_is_token_identical_on_smollm2(model, n):
     steps, mirror = runners[0].drafter.steps, runners[0].draft_mirror
     assert steps.graphs and steps.replays > 0, "the draft proposed eagerly: no graph replayed"
     assert mirror.graphs and mirror.replays > 0, "the draft mirrored every step eagerly: no graph replayed"
+    assert runners[0].drafter.kept_on_device > 0, "every verify step waited for the draft's proposals"
     s = sched.spec
     print(f"draft n={n}: {s.accepted}/{s.proposed} proposed tokens accepted")
     assert s.verify_rows > 0 and s.accepted >= 0.9 * s.proposed

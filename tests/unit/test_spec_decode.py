@@ -383,7 +383,25 @@ def test_padded_draft_steps_propose_as_the_unpadded_ones(model, other_draft):
                                      padded_draft=True, runners=runners)
         assert padded == plain
         assert runners[0].drafter.steps.runs > 0
+        assert runners[0].drafter.kept_on_device > 0  # greedy verify steps read them on the device
         assert (padded_sched.spec.proposed, padded_sched.spec.accepted) == (sched.spec.proposed, sched.spec.accepted)
+
+
+def test_sampled_rows_beside_a_padded_draft_verify_its_proposals_read_back(model, other_draft, request):
+    """A step with a sampled verifying row reads the draft's proposals back into the chunks (rejection sampling
+    needs them on the host); greedy steps keep them on the device. Either way the greedy rows' output is
+    spec=none's and a seed repeats its sampled output."""
+    if request.node.callspec.params["model"] != "qwen2":
+        pytest.skip("the proposals' route does not depend on the family: one covers it")
+    greedy = greedy_requests(3)
+    sampled = [(PROMPT[1:] + [70], SamplingParams(max_new_tokens=24, temperature=0.05, top_p=0.95, seed=3))]
+    plain, _ = serve(model, greedy, spec=False)
+    runners = []
+    first, sched = serve(model, greedy + sampled, spec=True, draft=model, padded_draft=True, runners=runners)
+    again, _ = serve(model, greedy + sampled, spec=True, draft=model, padded_draft=True)
+    assert {i: first[i] for i in range(3)} == plain and first == again and len(first[3][0]) == 24
+    drafter = runners[0].drafter
+    assert sched.spec.verify_rows > 0 and 0 < drafter.kept_on_device < drafter.steps.runs
 
 
 def test_a_draft_with_fewer_embedding_rows_than_the_model(tmp_path, other_draft):

@@ -65,6 +65,27 @@ def test_verify_step_as_decode_tokens_matches_the_chunked_prefill_route(model, g
     assert verdict.shape == (9,)  # the step's greedy verdict beside its logits (greedy_verdict's test below)
 
 
+@pytest.mark.parametrize("graph_tokens", [0, 80])  # unpadded; padded to 16
+def test_proposals_read_on_the_device_give_the_step_of_the_same_tokens_from_the_host(model, graph_tokens):
+    """A draft's proposals left on the device (spec=draft: the host never waits for them before the verify): ids
+    below -1 read them, and the step's logits and greedy verdict are those of the same tokens sent from the host."""
+    plan = _plan()
+    host = _runner(model, graph_tokens)
+    want, want_verdict = host.verify_steps.run(verify_tokens(plan, host.seq_len))
+    k = 6  # the proposals' width: longer than any chunk's, as spec.num_tokens may be
+    proposed = torch.full((3, k), -5, dtype=torch.int64)
+    for i, chunk in enumerate(plan.verify):
+        proposed[i, :len(chunk.token_ids) - 1] = torch.tensor(chunk.token_ids[1:])
+    device = _runner(model, graph_tokens)
+    device.verify_steps.proposed = proposed.view(-1)
+    tokens = verify_tokens(plan, device.seq_len, proposed=k)
+    assert tokens[0] == [-1, -1, 12, -2, -3, -4, -5, 14, -2 - k]  # chunk i's token j >= 1: element i * k + j - 1
+    got, verdict = device.verify_steps.run(tokens)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert verdict.tolist() == want_verdict.tolist()
+    assert device.last_token.tolist() == host.last_token.tolist()  # the verify rows' last kept tokens
+
+
 def test_verify_graphs_cover_the_largest_speculating_step():
     spec = SpecConfig(method=SpecMethod.ngram, num_tokens=4, max_batch=16)
     assert spec_step_tokens(spec, max_rows=256) == 80
@@ -121,7 +142,7 @@ def test_a_steps_greedy_verdict_in_fixed_shapes_is_each_chunks_verify_greedy():
     rows = torch.tensor(tokens[1] + [scratch] * pad)
     starts = torch.tensor(tokens[5] + list(range(n, 16)))
     last_token = torch.full((scratch + 1,), -7, dtype=torch.int64)
-    verdict = greedy_verdict(logits, ids, starts, rows, last_token, scratch).tolist()
+    verdict = greedy_verdict(logits, ids, ids != -1, starts, rows, last_token, scratch).tolist()
     assert verdict[:2] == best[:2] and last_token[4] == last_token[5] == -7  # decode rows: their sampling's
     offset = 2
     for chunk, kept in zip(plan.verify, (5, 2, 1, 1)):
