@@ -186,14 +186,14 @@ case $NAME in
     install
     ri_sweep ;;
   changed)  # when a whole suite does not fit the device time left: the GPU tests of what changed since the last green
-    # suite (04fc5db on an H100, its one failure mended in test_kernel_gemv and green at eeb33d5; since: kernels/
-    # int8_rows.py, new, and prefill attention over an fp8 cache reading whole cached blocks as e4m3 products with the
-    # scales folded, whole blocks of the chunk's own keys from k_new alone), then fp8_layers' sweep (the fp8 step's
+    # suite (b54cba2 on an H100; since: kernels/int8_rows.py, prefill attention over an fp8 cache, and spec=draft's
+    # proposals read on the device by the verify steps, new at 2026-12-07), then fp8_layers' sweep (the fp8 step's
     # layer kinds as built in and at other launch shapes, TB/s each)
     [ -d .whl ] || { echo "changed: carry .whl (the full wheelhouse), not .whl-serve"; exit 2; }
     install
     TESTS="tests/kernels/test_kernel_int8_rows.py tests/kernels/test_kernel_prefill_attention.py tests/gpu/test_fp8.py
-      tests/gpu/test_smollm2_agreement.py tests/gpu/test_mixed_graphs_gpu.py tests/gpu/test_spec_decode_gpu.py" \
+      tests/gpu/test_smollm2_agreement.py tests/gpu/test_mixed_graphs_gpu.py tests/gpu/test_spec_decode_gpu.py
+      tests/gpu/test_verify_graphs_gpu.py" \
       bash scripts/gpu_run.sh tests
     fp8_layers ;;
   fp8mixed)

@@ -29,6 +29,6 @@ def test_a_replayed_verify_step_matches_the_eager_chunked_prefill_route(tmp_path
         # the graph's verdict is greedy_verdict's of its own logits (the rows' last tokens alike)
         last_token = runner.last_token.clone()
         ids, rows, starts = (torch.tensor(tokens[i], device=cuda) for i in (0, 1, 5))
-        assert torch.equal(verdict, greedy_verdict(got, ids, starts, rows, last_token, runner.max_rows))
+        assert torch.equal(verdict, greedy_verdict(got, ids, ids != -1, starts, rows, last_token, runner.max_rows))
         assert torch.equal(last_token, runner.last_token)
     assert runner.verify_steps.replays == 2
