@@ -18,6 +18,7 @@ import logging
 import numpy as np
 import torch
 
+from llaunch.kernels import dispatch as ops
 from llaunch.kernels import pdl
 from llaunch.runtime.ipc.messages import VerifyChunk
 from llaunch.runtime.models.batch import ForwardBatch
@@ -41,8 +42,10 @@ class DraftSteps:
         # per bucket b, the first (k + 1)·4·b + b elements: fields [k + 1, 4, b] (rows, positions, slots, lengths
         # of each step) then each chunk's last token [b]; one contiguous pinned copy a proposal
         self.inputs = torch.zeros(self._size(top), dtype=torch.int64, device=device)
-        self.current = torch.zeros(top, dtype=torch.int64, device=device)
         self.proposals = torch.zeros((top, self.k), dtype=torch.int64, device=device)
+        # step j's argmax lands in proposals[:, j] through the greedy kernel's row index into the flat buffer
+        self.proposal_index = (torch.arange(top, device=device)[None, :] * self.k
+                               + torch.arange(self.k, device=device)[:, None]).contiguous()  # [k, top]
         # a ring of pinned host buffers: one proposal's copy may still be queued while the next is written
         self._host = [torch.zeros(self._size(top), dtype=torch.int64, pin_memory=cuda) for _ in range(3 if cuda else 1)]
         self._turn = 0
@@ -65,17 +68,17 @@ class DraftSteps:
         d = self.drafter
         fields, first = self._split(self.inputs, b)
         d.kv.req_to_slots[fields[:, 0], fields[:, 1]] = fields[:, 2].to(d.kv.req_to_slots.dtype)
-        self.current[:b].copy_(d._ids(first))
+        current, flat = d._ids(first), self.proposals.view(-1)
         for j in range(self.k):
             rows, positions, slots, lens = fields[j]
             batch = ForwardBatch(
-                input_ids=self.current[:b], positions=positions, out_slots=slots, decode_rows=rows,
+                input_ids=current, positions=positions, out_slots=slots, decode_rows=rows,
                 decode_seq_lens=lens, prefill_rows=self._empty, prefill_q_starts=self._empty,
                 prefill_q_lens=self._empty, prefill_prefix_lens=self._empty, logits_index=self.logits_index[:b],
                 num_decode=b, num_prefill_tokens=0, max_decode_len=self.max_len, every_token=True)
-            nxt = torch.argmax(d.model.forward(batch, d.kv)[:, :d.vocab_size], dim=-1)
-            self.current[:b].copy_(nxt)
-            self.proposals[:b, j].copy_(nxt)
+            # the decode graphs' greedy kernel (9 µs under torch.argmax + an index write at batch 1): the argmax is
+            # the next step's input and lands in proposals[:, j], with no copy of its own
+            current = ops.greedy_tokens(d.model.forward(batch, d.kv)[:, :d.vocab_size], self.proposal_index[j, :b], flat)
         return self.proposals[:b]
 
     def _fill(self, chunks: list[VerifyChunk], b: int) -> None:
