@@ -46,7 +46,8 @@ class DraftSteps:
         # step j's argmax lands in proposals[:, j] through the greedy kernel's row index into the flat buffer
         self.proposal_index = (torch.arange(top, device=device)[None, :] * self.k
                                + torch.arange(self.k, device=device)[:, None]).contiguous()  # [k, top]
-        # a ring of pinned host buffers: one proposal's copy may still be queued while the next is written
+        # a ring of pinned host buffers: one proposal's copy may still be queued while the next is written (three:
+        # the worker finishes step N before it launches N + 2, and proposals left on the device are never waited for)
         self._host = [torch.zeros(self._size(top), dtype=torch.int64, pin_memory=cuda) for _ in range(3 if cuda else 1)]
         self._turn = 0
         self.logits_index = torch.arange(top, dtype=torch.int64, device=device)

@@ -73,15 +73,15 @@ class Drafter:
         else written into token_ids[1:] (the router's placeholders; False)."""
         if not chunks:
             return False
-        wanted = [len(c.token_ids) - 1 for c in chunks]
         if self.steps is not None and self.steps.fits(chunks):
             proposals = self.steps.run(chunks)
             if on_device:
                 self._broadcast(proposals)
                 self.kept_on_device += 1
                 return True
-            self._share(chunks, wanted, proposals)
+            self._share(chunks, [len(c.token_ids) - 1 for c in chunks], proposals)
             return False
+        wanted = [len(c.token_ids) - 1 for c in chunks]
         for c in chunks:  # the slots of the proposal's positions, which the draft's steps attend over
             self.kv.req_to_slots[c.row, c.start:c.start + len(c.slots)] = self._t(c.slots).to(self.kv.req_to_slots.dtype)
         current = self._ids(self._t([c.token_ids[0] for c in chunks]))  # each row's latest token, on the device
