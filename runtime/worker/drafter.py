@@ -16,8 +16,9 @@ on a GPU (runtime/worker/draft_graphs.py). Where the verify step also runs in th
 verifying row is greedy, the proposals stay on the device: the mirror and the verify step read them there
 (verify_graphs.verify_tokens' `proposed`) and the verdict alone comes back, so the host never waits for the draft
 (on an H100 that wait held a k = 4 speculating step's enqueue at 1.0 ms of its 2.09). Otherwise they are read back
-(one device sync a speculating step) into the chunks, which sampled verification needs. The mirror of a step without prefill chunks runs in the verify steps'
-layout, padded (runtime/worker/verify_graphs.py, the runner's draft_mirror); of the others, eagerly."""
+(one device sync a speculating step) into the chunks, which sampled verification needs. The mirror of a step
+without prefill chunks runs in the verify steps' layout, padded (runtime/worker/verify_graphs.py, the runner's
+draft_mirror); of the others, eagerly."""
 from __future__ import annotations
 
 import dataclasses

@@ -291,9 +291,7 @@ class ModelRunner:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         self._start_rows(plan)
-        self._proposed = 0
-        if self.drafter is not None:
-            self._draft(plan)
+        self._proposed = self._draft(plan) if self.drafter is not None else 0
         self._prompt_rows, self._pool_parts, self._verdict = [], [], None
         logits, rows, greedy = self._forward(plan)
         pending = PendingStep(plan.step, rows, None, None, None, t0, started, 0.0, start_event)
@@ -335,24 +333,25 @@ class ModelRunner:
         """The step's verify chunks run as decode tokens (VerifySteps): no prefill chunk, no images."""
         return bool(plan.verify) and not plan.prefill and self.verify_steps is not None and self.images is None
 
-    def _draft(self, plan: StepPlan) -> None:
+    def _draft(self, plan: StepPlan) -> int:
         """spec.method=draft: the draft proposes the verify chunks' tokens, then computes the KV of the
         step's tokens, as the model is about to: a step without prefill chunks in the verify steps' layout
         (one padded step, a graph on a GPU), else the step's eager batch. The proposals stay on the device where
         both the mirror and the verify step read them there and every verifying row is greedy (its verdict is the
-        model's tokens: the host needs no proposal); sampled verification reads them from the chunks."""
-        on_device = (self._verify_layout(plan) and self.draft_mirror is not None
+        model's tokens: the host needs no proposal); sampled verification reads them from the chunks. → the
+        proposals a chunk has on the device (0: they are in the chunks)."""
+        padded_mirror = not plan.prefill and self.draft_mirror is not None and self.images is None
+        on_device = (padded_mirror and self._verify_layout(plan)
                      and all(self.sampling.greedy[c.row] for c in plan.verify))
-        if self.drafter.propose(plan.verify, on_device=on_device):
-            self._proposed = self.drafter.num_tokens
-        if not plan.prefill and self.draft_mirror is not None and self.images is None:
-            # the logits are not needed
-            self.draft_mirror.run(verify_tokens(plan, list(self.seq_len), self._proposed))
-            return
+        proposed = self.drafter.num_tokens if self.drafter.propose(plan.verify, on_device=on_device) else 0
+        if padded_mirror:  # the logits are not needed
+            self.draft_mirror.run(verify_tokens(plan, list(self.seq_len), proposed))
+            return proposed
         seq_len = list(self.seq_len)
         batch, _ = self.build_batch(plan)
         self.seq_len[:] = seq_len  # the model's own step advances them
         self.drafter.mirror(batch)
+        return proposed
 
     @torch.inference_mode()
     def sample_deferred(self, pending: PendingStep) -> None:
