@@ -65,6 +65,7 @@
 #                                                        the kernels.moe_shapes line to store there
 # draft     .whl-serve .gpu-spec                         #38 spec=draft: a draft distilled from the spec model
 #                                                        (distill_draft.py), its acceptance, none / draft served, c1
+# specdraft .whl .gpu-spec                               #38: spec's GPU tests on the spec cut, then draft
 # specserve .whl-serve .gpu-spec                         #38: spec's servers alone (none / spec / k8, c1 and c64);
 #                                                        VARIANTS="none k8 k8a k16": how long proposals may be
 # (.gpu without .gpu-spec: gpu_run.sh prepare writes the spec cut apart, 51 MB as xz, for the spec call alone.)
@@ -388,6 +389,16 @@ fp8${TUNED:+tuned}:model.quantization=fp8 ${TUNED:-}" optional 260 bash scripts/
     # none (a verify step sent every 2.09 ms, its enqueue 1.0 ms waiting for the proposals); since, the proposals stay
     # on the device and each draft step's argmax is the greedy kernel. DRAFT_BLOCKS=0,17: a draft of half the steps
     install
+    TRACE=1 DRAFT_BLOCKS=${DRAFT_BLOCKS:-0,1,16,17} CASES=${CASES:-c1} VARIANTS=${VARIANTS:-"none spec k8"} \
+      optional 300 bash scripts/gpu_run.sh spec ;;
+  specdraft)  # #38 in one call (carry .whl .gpu-spec, 63 MiB): spec's GPU tests on the spec cut (18 blocks; .gpu's
+    # 11-block cut does not fit beside it) since the verify steps read the draft's proposals on the device, then draft
+    [ -d .whl ] || { echo "specdraft: carry .whl (its GPU tests need the full wheelhouse)"; exit 2; }
+    install
+    xz -dc .gpu-spec/smollm2-spec.gguf.xz > /tmp/smollm2-spec.gguf
+    python3 scripts/prepare_models.py --gguf /tmp/smollm2-spec.gguf --out .models 2>&1 | tail -1
+    TESTS="tests/gpu/test_spec_decode_gpu.py tests/gpu/test_verify_graphs_gpu.py tests/kernels/test_kernel_greedy.py
+      tests/gpu/test_mixed_graphs_gpu.py" optional 120 bash scripts/gpu_run.sh tests
     TRACE=1 DRAFT_BLOCKS=${DRAFT_BLOCKS:-0,1,16,17} CASES=${CASES:-c1} VARIANTS=${VARIANTS:-"none spec k8"} \
       optional 300 bash scripts/gpu_run.sh spec ;;
   specserve)  # #38 served alone, without spec's step benches: none against n-gram proposals of k = 4 and 8, c1 and
