@@ -65,7 +65,7 @@
 #                                                        the kernels.moe_shapes line to store there
 # draft     .whl-serve .gpu-spec                         #38 spec=draft: a draft distilled from the spec model
 #                                                        (distill_draft.py), its acceptance, none / draft served, c1
-# specdraft .whl .gpu-spec                               #38: spec's GPU tests on the spec cut, then draft
+# specdraft .whl-serve .gpu-spec                          #38: spec's GPU tests on the spec cut, then draft
 # specserve .whl-serve .gpu-spec                         #38: spec's servers alone (none / spec / k8, c1 and c64);
 #                                                        VARIANTS="none k8 k8a k16": how long proposals may be
 # (.gpu without .gpu-spec: gpu_run.sh prepare writes the spec cut apart, 51 MB as xz, for the spec call alone.)
@@ -391,9 +391,9 @@ fp8${TUNED:+tuned}:model.quantization=fp8 ${TUNED:-}" optional 260 bash scripts/
     install
     TRACE=1 DRAFT_BLOCKS=${DRAFT_BLOCKS:-0,1,16,17} CASES=${CASES:-c1} VARIANTS=${VARIANTS:-"none spec k8"} \
       optional 300 bash scripts/gpu_run.sh spec ;;
-  specdraft)  # #38 in one call (carry .whl .gpu-spec, 63 MiB): spec's GPU tests on the spec cut (18 blocks; .gpu's
-    # 11-block cut does not fit beside it) since the verify steps read the draft's proposals on the device, then draft
-    [ -d .whl ] || { echo "specdraft: carry .whl (its GPU tests need the full wheelhouse)"; exit 2; }
+  specdraft)  # #38 in one call (carry .whl-serve .gpu-spec: these tests need no client, the image has pytest; .gpu's
+    # 11-block cut does not fit beside the spec cut): spec's GPU tests on the spec cut (18 blocks) since the verify
+    # steps read the draft's proposals on the device, then draft
     install
     xz -dc .gpu-spec/smollm2-spec.gguf.xz > /tmp/smollm2-spec.gguf
     python3 scripts/prepare_models.py --gguf /tmp/smollm2-spec.gguf --out .models 2>&1 | tail -1
