@@ -307,7 +307,7 @@ READ_WHERE: dict[str, tuple[Context, ...]] = {
     **_each((SERVING, SPECULATES), "spec.num_tokens", "spec.max_batch"),
     **_each((SERVING, NGRAM), "spec.ngram_min", "spec.ngram_max", "spec.chain",
             "spec.adaptive"),
-    **_each((SERVING, DRAFT), "spec.draft_model_path"),
+    **_each((SERVING, DRAFT), "spec.draft_model_path", "spec.draft_ahead"),
     # encoder servers: encoder_group_matches_model refuses their keys on a model without that encoder,
     # visual_tp_valid visual.tp on a model without a vision tower
     **_each((SERVING,), "visual.embed_cache_mib", "visual.dp", "visual.tp", "visual.batch_size", "visual.devices",

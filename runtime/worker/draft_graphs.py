@@ -10,6 +10,11 @@ eager path does), the chunks' first tokens another; inside the graph each step's
 input. A row that wants fewer than k tokens (its room: max_tokens, the context) and the bucket's padding
 rows compute on the scratch row and slot for their remaining steps. On a CPU the same padded steps run
 eagerly, which is how the CPU tests check the layout and the padding.
+
+Drafted ahead (spec.draft_ahead, `run_ahead`), the same graph runs right behind a greedy verify step, before the
+router has planned the next one: each row's start is its chunk's plus the tokens the verdict kept (counted on the
+device), its first token the verdict's last, its K/V written into slots the router never gives out. A row alone
+then has its proposals drafted while its verdict travels to the router and its next plan back.
 """
 from __future__ import annotations
 
@@ -29,10 +34,11 @@ log = logging.getLogger("llaunch.worker")
 
 class DraftSteps:
     def __init__(self, drafter, num_tokens: int, max_batch: int, max_len: int, scratch_row: int,
-                 scratch_slot: int):
+                 scratch_slot: int, ahead_slot: int = -1):
         """`drafter`: the Drafter whose model and KV the steps run; `num_tokens`: k, the most a chunk proposes;
         `max_batch`: the most verify chunks of a step (spec.max_batch); `max_len`: the longest context the
-        steps' attention covers."""
+        steps' attention covers; `ahead_slot` (≥ 0): the first of the (k + 1)·max_batch slots of the draft's cache,
+        past the model's, that proposals drafted ahead write (`run_ahead`)."""
         self.drafter, self.k, self.max_len = drafter, num_tokens, max_len
         self.scratch_row, self.scratch_slot = scratch_row, scratch_slot
         self.buckets = bucket_sizes(max_batch)
@@ -53,6 +59,16 @@ class DraftSteps:
         self.logits_index = torch.arange(top, dtype=torch.int64, device=device)
         self._empty = torch.zeros(0, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.ahead_slots = None  # [k + 1, top]: chunk i's step j's slot when drafting ahead
+        if ahead_slot >= 0:
+            self.ahead_slots = (ahead_slot + torch.arange(top, device=device)[None, :] * (self.k + 1)
+                                + torch.arange(self.k + 1, device=device)[:, None])
+            self._step_offsets = torch.arange(self.k + 1, device=device)[:, None]
+            # rows [b], starts [b], each chunk's verdict positions [b, k + 1] (-1 past its length): one pinned copy
+            self._ahead_in = torch.zeros(top * (self.k + 3), dtype=torch.int64, device=device)
+            self._ahead_host = [torch.zeros(top * (self.k + 3), dtype=torch.int64, pin_memory=cuda)
+                                for _ in range(3 if cuda else 1)]
+            self._ahead_turn = 0
         self.runs = 0  # proposals made by the padded steps (tests read it)
         self.replays = 0  # of those, replayed from a graph
 
@@ -112,10 +128,49 @@ class DraftSteps:
         """Proposals [len(chunks), k] (a row's tokens past its own room are padding's); call when `fits`."""
         b = next(s for s in self.buckets if s >= len(chunks))
         self._fill(chunks, b)
+        return self._launch(b, len(chunks))
+
+    @torch.inference_mode()
+    def run_ahead(self, chunks: list[VerifyChunk], verdict: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
+        """Proposals [len(chunks), k] for the chunks' rows' next verify, enqueued right behind this step's greedy
+        verdict (the chunks' [sum of their lengths], greedy_verdict's: kept tokens, -1 past them; the host has not
+        read it): each row continues from its last token (`last_token`, which the verdict set) at start + kept, its
+        K/V in the ahead slots, since the router has not allocated the next chunk's yet; the next step's mirror
+        writes those positions into their own slots. Call when `fits` and built with `ahead_slot`."""
+        b = next(s for s in self.buckets if s >= len(chunks))
+        self._ahead_turn = (self._ahead_turn + 1) % len(self._ahead_host)
+        flat = self._ahead_host[self._ahead_turn][:b * (self.k + 3)]
+        host = flat.numpy()
+        rows, starts, index = host[:b], host[b:2 * b], host[2 * b:].reshape(b, self.k + 1)
+        rows[:], starts[:], index[:] = self.scratch_row, 0, -1
+        offset = 0
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            rows[i], starts[i] = c.row, c.start
+            index[i, :n] = np.arange(offset, offset + n)
+            offset += n
+        ahead = self._ahead_in[:b * (self.k + 3)]
+        ahead.copy_(flat, non_blocking=True)
+        rows, starts, index = ahead[:b], ahead[b:2 * b], ahead[2 * b:].view(b, self.k + 1)
+        kept = ((verdict[index.clamp(min=0)] >= 0) & (index >= 0)).sum(1)
+        real = rows != self.scratch_row
+        # past the context a row's steps repeat its last position: their proposals are past its room, never verified
+        positions = torch.where(real, (starts + kept)[None, :] + self._step_offsets, self._step_offsets)
+        positions = positions.clamp(max=self.max_len - 1)
+        fields, first = self._split(self.inputs, b)
+        fields[:, 0] = rows
+        fields[:, 1] = positions
+        # padding rows keep to the scratch row and slot (the model's graphs read the scratch row's table too)
+        fields[:, 2] = torch.where(real, self.ahead_slots[:, :b], self.scratch_slot)
+        fields[:, 3] = positions + 1
+        first.copy_(last_token[rows])
+        return self._launch(b, len(chunks))
+
+    def _launch(self, b: int, n: int) -> torch.Tensor:
         self.runs += 1
         if b not in self.graphs:
-            return self._steps(b)[:len(chunks)]
+            return self._steps(b)[:n]
         graph, proposals = self.graphs[b]
         graph.replay()
         self.replays += 1
-        return proposals[:len(chunks)]
+        return proposals[:n]

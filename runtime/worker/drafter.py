@@ -16,7 +16,10 @@ on a GPU (runtime/worker/draft_graphs.py). Where the verify step also runs in th
 verifying row is greedy, the proposals stay on the device: the mirror and the verify step read them there
 (verify_graphs.verify_tokens' `proposed`) and the verdict alone comes back, so the host never waits for the draft
 (on an H100 that wait held a k = 4 speculating step's enqueue at 1.0 ms of its 2.09). Otherwise they are read back
-(one device sync a speculating step) into the chunks, which sampled verification needs. The mirror of a step
+(one device sync a speculating step) into the chunks, which sampled verification needs. With spec.draft_ahead a
+step whose proposals stayed on the device drafts its rows' next ones right behind its verdict (`propose_ahead`),
+where the device would otherwise wait for the router's next plan; that plan takes them when it continues the same
+rows in the same order (a row alone; more rows than a step keeps in flight alternate steps). The mirror of a step
 without prefill chunks runs in the verify steps' layout, padded (runtime/worker/verify_graphs.py, the runner's
 draft_mirror); of the others, eagerly."""
 from __future__ import annotations
@@ -33,24 +36,38 @@ from llaunch.runtime.worker.draft_graphs import DraftSteps
 
 class Drafter:
     def __init__(self, model, kv: KvCache, vocab_size: int, device: torch.device, group=None,
-                 num_tokens: int = 0, max_batch: int = 0):
-        """`kv`: the draft's cache, sharing the target's req_to_slots. `vocab_size`: the target's
-        embedding rows (a larger draft vocabulary's extra ids are never proposed). `group`: the
-        replica's tp ranks, which all verify the first rank's proposals. `num_tokens`, `max_batch`: the
-        most tokens a chunk proposes and chunks a step holds (spec.num_tokens, spec.max_batch), which the
-        padded steps cover (`pad_steps`; 0: every proposal runs its steps unpadded)."""
+                 num_tokens: int = 0, max_batch: int = 0, ahead: bool = False):
+        """`kv`: the draft's cache, sharing the target's req_to_slots. `vocab_size`: the target's embedding rows (a larger draft vocabulary's extra ids are
+        never proposed). `group`: the replica's tp ranks, which all verify the first rank's proposals.
+        `num_tokens`, `max_batch`: the most tokens a chunk proposes and chunks a step holds (spec.num_tokens,
+        spec.max_batch), which the padded steps cover (`pad_steps`; 0: every proposal runs its steps unpadded).
+        `ahead` (spec.draft_ahead): a step whose proposals stayed on the device drafts its rows' next ones behind
+        its verdict (`propose_ahead`), into the `ahead_slots(...)` slots before the scratch slot, which the caller
+        keeps out of the router's slots in both caches."""
         self.model, self.kv, self.device, self.group = model, kv, device, group
         self.vocab_size = min(vocab_size, model.arch.vocab_size)
         self.embed_rows = model.arch.vocab_size
-        self.num_tokens, self.max_batch = num_tokens, max_batch
+        self.num_tokens, self.max_batch, self.ahead = num_tokens, max_batch, ahead
         self.steps: Optional[DraftSteps] = None
         self.kept_on_device = 0  # proposals left on the device for the verify step (tests read it)
+        self.drafted_ahead = 0  # of those, drafted behind the step before's verdict (tests read it)
+        self.ahead_runs = 0  # proposals drafted ahead, taken or not
+        self._ahead_rows: Optional[list[int]] = None  # the rows whose next proposals are in `proposed()`
+
+    @staticmethod
+    def ahead_slots(num_tokens: int, max_batch: int) -> int:
+        """The slots proposals drafted ahead write: k + 1 a chunk."""
+        return (num_tokens + 1) * max_batch
 
     def pad_steps(self, max_len: int, scratch_row: int, scratch_slot: int, capture: bool) -> None:
         """Proposals of up to max_batch chunks run padded (`capture`: replayed from CUDA graphs)."""
         if self.num_tokens <= 0 or self.max_batch <= 0:
+            self.ahead = False
             return
-        self.steps = DraftSteps(self, self.num_tokens, self.max_batch, max_len, scratch_row, scratch_slot)
+        first_ahead = scratch_slot - self.ahead_slots(self.num_tokens, self.max_batch)
+        self.ahead = self.ahead and first_ahead >= 0
+        self.steps = DraftSteps(self, self.num_tokens, self.max_batch, max_len, scratch_row, scratch_slot,
+                                ahead_slot=first_ahead if self.ahead else -1)
         if capture:
             self.steps.capture()
 
@@ -68,12 +85,18 @@ class Drafter:
         return None if self.steps is None else self.steps.proposals.view(-1)
 
     @torch.inference_mode()
-    def propose(self, chunks: list[VerifyChunk], on_device: bool = False) -> bool:
+    def propose(self, chunks: list[VerifyChunk], on_device: bool = False, continues: bool = False) -> bool:
         """Each chunk's proposal, the draft's greedy continuation of its last token: with `on_device`, where the
         padded steps fit, left in `proposed()` (chunk i's at [i·num_tokens, ...), token_ids untouched; True),
-        else written into token_ids[1:] (the router's placeholders; False)."""
+        else written into token_ids[1:] (the router's placeholders; False). `continues`: each chunk starts where
+        the host's verdicts left its row; then proposals drafted ahead for the same rows in the same order stand."""
+        ahead, self._ahead_rows = self._ahead_rows, None
         if not chunks:
             return False
+        if on_device and continues and ahead == [c.row for c in chunks]:
+            self.kept_on_device += 1
+            self.drafted_ahead += 1
+            return True
         if self.steps is not None and self.steps.fits(chunks):
             proposals = self.steps.run(chunks)
             if on_device:
@@ -102,6 +125,17 @@ class Drafter:
             proposals[index, j] = nxt
         self._share(chunks, wanted, proposals)
         return False
+
+    @torch.inference_mode()
+    def propose_ahead(self, chunks: list[VerifyChunk], verdict: torch.Tensor, last_token: torch.Tensor) -> None:
+        """Draft the chunks' rows' next proposals right behind this step's greedy verdict of them (`verdict`, the
+        rows' `last_token` set by it), into `proposed()`: the next step's `propose` takes them when its chunks
+        continue the same rows in the same order (DraftSteps.run_ahead)."""
+        if not self.ahead or self.steps is None or not chunks or not self.steps.fits(chunks):
+            return
+        self._broadcast(self.steps.run_ahead(chunks, verdict, last_token))
+        self._ahead_rows = [c.row for c in chunks]
+        self.ahead_runs += 1
 
     def _broadcast(self, proposals: torch.Tensor) -> None:
         """Every rank gets the first rank's proposals, in place (ranks verify the same tokens even if their

@@ -187,10 +187,14 @@ def main() -> None:
     stage("sizing the KV cache")
     num_slots = kv_slots_for(cfg, model, device, group, extra_per_token=draft.kv_bytes_per_token if draft else 0)
     max_rows = cfg.router.max_running_requests
+    spec_batch = min(cfg.spec.max_batch, max_rows)
+    # spec.draft_ahead: slots the router never allocates, before the scratch one, which the draft's proposals
+    # drafted ahead write (in the model's cache too: a table entry left pointing there stays in its range)
+    ahead = Drafter.ahead_slots(cfg.spec.num_tokens, spec_batch) if draft and cfg.spec.draft_ahead else 0
     # one extra row and slot: scratch space that padded CUDA-graph rows read and write
-    kv = model.make_kv_cache(num_slots + 1, max_rows + 1, cfg.model.max_model_len)
+    kv = model.make_kv_cache(num_slots + ahead + 1, max_rows + 1, cfg.model.max_model_len)
     drafter = Drafter(draft, draft_kv_cache(draft, kv), model.arch.vocab_size, device, group,
-                      num_tokens=cfg.spec.num_tokens, max_batch=min(cfg.spec.max_batch, max_rows)) if draft else None
+                      num_tokens=cfg.spec.num_tokens, max_batch=spec_batch, ahead=ahead > 0) if draft else None
     host_kv = None  # the host KV tier's pool (cache.cpu_tokens), made by the kv_host process
     if cfg.cache.cpu_tokens > 0:
         stage("mapping the host KV pool")

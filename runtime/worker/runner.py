@@ -120,6 +120,7 @@ class ModelRunner:
             verdicts=True, proposed=proposed)
         self._verdict: Optional[torch.Tensor] = None  # the verify step's greedy verdict (VerifySteps.run)
         self._proposed = 0  # this step's proposals are on the device, this many a chunk (Drafter.propose)
+        self._verify_rows: list[int] = []  # the rows of the last launched step's verify chunks, in order
         if self.graphs is not None and self.verify_steps is not None:
             self.verify_steps.capture()
         if device.type == "cuda":
@@ -284,7 +285,20 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> PendingStep:
         """Enqueue the step's forward and, unless a row's token mask depends on tokens not read back
         yet (`PendingStep.deferred`: call `sample_deferred` once every earlier step is finished), its
-        sampling."""
+        sampling; with spec.draft_ahead, behind them the draft's next proposals for the step's verifying rows
+        (after the step's end is recorded: reading its tokens does not wait for them)."""
+        pending = self._launch(plan)
+        rows, self._verify_rows = self._verify_rows, [c.row for c in plan.verify]
+        # only where the rows verified in the launch before too: with more rows than one step keeps in flight, the
+        # router alternates steps of other rows, whose proposals would take the buffer first
+        if self._proposed and self._verdict is not None and rows == self._verify_rows:
+            t0 = time.perf_counter()
+            nv = sum(len(c.token_ids) for c in plan.verify)
+            self.drafter.propose_ahead(plan.verify, self._verdict[-nv:], self.last_token)
+            pending.launch_s += time.perf_counter() - t0
+        return pending
+
+    def _launch(self, plan: StepPlan) -> PendingStep:
         t0 = time.perf_counter()
         started, start_event = time.monotonic(), None
         if self.timed:
@@ -343,7 +357,9 @@ class ModelRunner:
         padded_mirror = not plan.prefill and self.draft_mirror is not None and self.images is None
         on_device = (padded_mirror and self._verify_layout(plan)
                      and all(self.sampling.greedy[c.row] for c in plan.verify))
-        proposed = self.drafter.num_tokens if self.drafter.propose(plan.verify, on_device=on_device) else 0
+        continues = all(c.start == self.seq_len[c.row] for c in plan.verify)  # drafted ahead from that length
+        proposed = (self.drafter.num_tokens if self.drafter.propose(plan.verify, on_device=on_device, continues=continues)
+                    else 0)
         if padded_mirror:  # the logits are not needed
             self.draft_mirror.run(verify_tokens(plan, list(self.seq_len), proposed))
             return proposed

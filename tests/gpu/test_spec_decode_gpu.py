@@ -90,15 +90,19 @@ def test_bf16_ngram_greedy_is_token_identical_under_row_invariant(model_bf16, ke
 
 
 @pytest.mark.parametrize("n", [1, 16])
-def test_draft_greedy_is_token_identical_on_smollm2(model, n):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_draft_greedy_is_token_identical_on_smollm2(model, n, ahead):
     """spec.method=draft with SmolLM2 drafting for itself (the only real weights on the host): the
     draft's proposing steps replayed from its CUDA graphs and its eager mirror beside the model's graphs keep
-    its KV in step, so nearly every proposal holds."""
+    its KV in step, so nearly every proposal holds; with spec.draft_ahead a row alone has its proposals drafted
+    behind the verdict before, from positions the graph reads off it."""
     requests, eos = copy_requests(n)
     kw = dict(kv_slots=16 * 512, max_len=512, device=torch.device("cuda"), cuda_graphs=True, eos_ids=eos)
     plain, _ = serve(model, requests, spec=False, **kw)
     runners = []
-    fast, sched = serve(model, requests, spec=True, draft=model, runners=runners, **kw)
+    fast, sched = serve(model, requests, spec=True, draft=model, runners=runners, draft_ahead=ahead, **kw)
+    if ahead and n == 1:
+        assert runners[0].drafter.drafted_ahead > 0, "no verify step took proposals drafted ahead"
     assert fast == plain
     steps, mirror = runners[0].drafter.steps, runners[0].draft_mirror
     assert steps.graphs and steps.replays > 0, "the draft proposed eagerly: no graph replayed"

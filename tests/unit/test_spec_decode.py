@@ -387,6 +387,29 @@ def test_padded_draft_steps_propose_as_the_unpadded_ones(model, other_draft):
         assert (padded_sched.spec.proposed, padded_sched.spec.accepted) == (sched.spec.proposed, sched.spec.accepted)
 
 
+def test_proposals_drafted_ahead_of_the_plan_are_the_ones_drafted_after_it(model, other_draft):
+    """spec.draft_ahead: a greedy step drafts its rows' next proposals behind its verdict, before the router's next
+    plan (positions from the verdict on the device, K/V in slots the router never gives out); the next step takes
+    them when it continues the same rows. The output and the proposals accepted are those drafted after the plan,
+    alone and with 16 rows (stops and max_tokens mid-proposal, prompts prefilling beside verifying rows), and
+    no step drafts ahead for rows the next step does not continue but where a row ends."""
+    stops = {i: [7 + i] for i in range(1, 16, 3)}
+    for n in (1, 16):
+        for draft in (model, other_draft):
+            after, sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40, draft=draft,
+                                 padded_draft=True)
+            runners = []
+            ahead, ahead_sched = serve(model, greedy_requests(n, stops), spec=True, step_tokens=40, draft=draft,
+                                       padded_draft=True, draft_ahead=True, runners=runners)
+            assert ahead == after
+            assert (ahead_sched.spec.proposed, ahead_sched.spec.accepted) == (sched.spec.proposed, sched.spec.accepted)
+            drafter = runners[0].drafter
+            if n == 1 and draft is model:  # a row alone, its proposals all kept: every verify but the first
+                assert drafter.drafted_ahead > 0 and drafter.drafted_ahead == drafter.kept_on_device - 2
+            # drafted ahead and not taken: only where a row ended (16 rows alternate steps: none drafted ahead)
+            assert drafter.ahead_runs - drafter.drafted_ahead <= n
+
+
 def test_sampled_rows_beside_a_padded_draft_verify_its_proposals_read_back(model, other_draft, request):
     """A step with a sampled verifying row reads the draft's proposals back into the chunks (rejection sampling
     needs them on the host); greedy steps keep them on the device. Either way the greedy rows' output is
