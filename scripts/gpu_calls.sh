@@ -65,6 +65,7 @@
 #                                                        the kernels.moe_shapes line to store there
 # draft     .whl-serve .gpu-spec                         #38 spec=draft: a draft distilled from the spec model
 #                                                        (distill_draft.py), its acceptance, none / draft served, c1
+# h200figs  .whl-serve .gpu                              #37 single bf16 / fp8 + int8 head, #40 MoE single, H200
 # specdraft .whl-serve .gpu-spec                          #38: spec's GPU tests on the spec cut, then draft
 # specserve .whl-serve .gpu-spec                         #38: spec's servers alone (none / spec / k8, c1 and c64);
 #                                                        VARIANTS="none k8 k8a k16": how long proposals may be
@@ -287,6 +288,16 @@ model.int8_lm_head=true" optional 250 bash scripts/gpu_run.sh cases ;;
       optional 90 bash scripts/gpu_run.sh tests
     SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8int8head:model.quantization=fp8 model.int8_lm_head=true|\
 int8:model.quantization=int8" optional 200 bash scripts/gpu_run.sh cases ;;
+  h200figs)  # the single-stream figures only an H200 gives, lean (no tests, no sweep): #37 bf16 / fp8 with the int8
+    # head on Qwen2-7B's shape, then #40 Qwen3-30B-A3B with its MoE kernels under PDL as served (369.7 tok/s at
+    # c68a0aa ran without), beside this machine's copy bandwidth
+    install
+    nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || echo "h200figs: not an H200 (figures for the record only)"
+    python3 scripts/bench_copy.py | tee "$OUT/copy.json"
+    SERVE="$QWEN7B" CASES=single VARIANTS="bf16:|fp8int8head:model.quantization=fp8 model.int8_lm_head=true" \
+      RESERVE=150 optional 150 bash scripts/gpu_run.sh cases
+    SERVE="model=qwen3-30b-a3b model.load_format=dummy server.http_workers=4" CASES=single VARIANTS="moe:" \
+      optional 120 bash scripts/gpu_run.sh cases ;;
   int8w)  # model.quantization=int8 (weight-only int8 linears, new at 2026-12-07): bf16 against int8 weights and int8
     # weights with the int8 head, single and c64 (its tensor-core path converts the weights as it multiplies: under load
     # no faster than bf16, to be seen); its GPU tests first
