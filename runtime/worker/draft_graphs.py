@@ -153,16 +153,17 @@ class DraftSteps:
         ahead.copy_(flat, non_blocking=True)
         rows, starts, index = ahead[:b], ahead[b:2 * b], ahead[2 * b:].view(b, self.k + 1)
         kept = ((verdict[index.clamp(min=0)] >= 0) & (index >= 0)).sum(1)
-        real = rows != self.scratch_row
-        # past the context a row's steps repeat its last position: their proposals are past its room, never verified
-        positions = torch.where(real, (starts + kept)[None, :] + self._step_offsets, self._step_offsets)
-        positions = positions.clamp(max=self.max_len - 1)
+        positions = (starts + kept)[None, :] + self._step_offsets  # [k + 1, b]
+        # padding rows, and a row's steps past the steps' longest context (the graphs' bound, which may be short of
+        # the model's: never a position of its own clamped to the bound, where its context may be), run on the
+        # scratch row and slot (the model's graphs read the scratch row's table too): proposals for positions past
+        # the bound, which a plan that `fits` does not verify
+        inside = (rows != self.scratch_row)[None, :] & (positions < self.max_len)
         fields, first = self._split(self.inputs, b)
-        fields[:, 0] = rows
-        fields[:, 1] = positions
-        # padding rows keep to the scratch row and slot (the model's graphs read the scratch row's table too)
-        fields[:, 2] = torch.where(real, self.ahead_slots[:, :b], self.scratch_slot)
-        fields[:, 3] = positions + 1
+        fields[:, 0] = torch.where(inside, rows[None, :], self.scratch_row)
+        fields[:, 1] = torch.where(inside, positions, 0)
+        fields[:, 2] = torch.where(inside, self.ahead_slots[:, :b], self.scratch_slot)
+        fields[:, 3] = fields[:, 1] + 1
         first.copy_(last_token[rows])
         return self._launch(b, len(chunks))
 

@@ -85,15 +85,17 @@ class Drafter:
         return None if self.steps is None else self.steps.proposals.view(-1)
 
     @torch.inference_mode()
-    def propose(self, chunks: list[VerifyChunk], on_device: bool = False, continues: bool = False) -> bool:
+    def propose(self, chunks: list[VerifyChunk], on_device: bool = False) -> bool:
         """Each chunk's proposal, the draft's greedy continuation of its last token: with `on_device`, where the
         padded steps fit, left in `proposed()` (chunk i's at [i·num_tokens, ...), token_ids untouched; True),
-        else written into token_ids[1:] (the router's placeholders; False). `continues`: each chunk starts where
-        the host's verdicts left its row; then proposals drafted ahead for the same rows in the same order stand."""
+        else written into token_ids[1:] (the router's placeholders; False). Proposals drafted ahead for the same
+        rows in the same order stand: the plan alone decides, so every tp rank decides alike (a rank's host lengths
+        may lag its device), and a row the router continued from fewer tokens than its verdict kept only proposes
+        worse (the draft wrote table entries at and past the verdict's length, never inside the row's context)."""
         ahead, self._ahead_rows = self._ahead_rows, None
         if not chunks:
             return False
-        if on_device and continues and ahead == [c.row for c in chunks]:
+        if on_device and ahead == [c.row for c in chunks] and self.steps.fits(chunks):
             self.kept_on_device += 1
             self.drafted_ahead += 1
             return True

@@ -226,7 +226,7 @@ def main() -> None:
     bootstrap.report_ready(ctx, cfg, spec, kv_slots=num_slots)
     link = None
     if cfg.mode.kind in (Mode.pd_prefill, Mode.pd_decode):
-        link = KvLink(kv, spec.binds.get("kv_transfer"), scratch_slot=num_slots, tp_rank=spec.tp_rank)
+        link = KvLink(kv, spec.binds.get("kv_transfer"), scratch_slot=kv.num_slots - 1, tp_rank=spec.tp_rank)
         log.info("KV transfer: %s", f"receiving on {spec.binds['kv_transfer']}" if "kv_transfer" in spec.binds
                  else "sending")
     try:

@@ -357,9 +357,7 @@ class ModelRunner:
         padded_mirror = not plan.prefill and self.draft_mirror is not None and self.images is None
         on_device = (padded_mirror and self._verify_layout(plan)
                      and all(self.sampling.greedy[c.row] for c in plan.verify))
-        continues = all(c.start == self.seq_len[c.row] for c in plan.verify)  # drafted ahead from that length
-        proposed = (self.drafter.num_tokens if self.drafter.propose(plan.verify, on_device=on_device, continues=continues)
-                    else 0)
+        proposed = self.drafter.num_tokens if self.drafter.propose(plan.verify, on_device=on_device) else 0
         if padded_mirror:  # the logits are not needed
             self.draft_mirror.run(verify_tokens(plan, list(self.seq_len), proposed))
             return proposed

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int = MAX_LEN,
           device: torch.device = torch.device("cpu"), cuda_graphs: bool = False, eos_ids: tuple = (EOS,),
           step_tokens: int = 4096, runners: Optional[list] = None, draft=None, padded_draft: bool = False,
-          chain: bool = True, adaptive: bool = False, num_tokens: int = 4, draft_ahead: bool = False):
+          chain: bool = True, adaptive: bool = False, num_tokens: int = 4, draft_ahead: bool = False,
+          before_requests=None):
     """Run (prompt ids, SamplingParams) requests through a Scheduler and a ModelRunner:
     ({request index: (tokens, finish reason)}, scheduler). Every KV slot must be back at the end.
     `step_tokens`: the token budget of a step (small: prompts prefill in chunks beside verify rows).
@@ -30,7 +31,7 @@ def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int
     (spec.method=draft) instead of n-gram proposals; `padded_draft`: its proposals run as the GPU's CUDA graphs
     do (runtime/worker/draft_graphs.py), else step by step on the rows that still propose. `chain`, `adaptive`,
     `num_tokens`: spec.chain, spec.adaptive, spec.num_tokens; `draft_ahead`: spec.draft_ahead, with its slots kept
-    from the scheduler as the worker keeps them."""
+    from the scheduler as the worker keeps them; `before_requests`: called with the runner before any step."""
     method = SpecMethod.draft if draft is not None else SpecMethod.ngram
     cfg = SpecConfig(method=method, num_tokens=num_tokens, max_batch=16, chain=chain, adaptive=adaptive) if spec else None
     sched = Scheduler(SchedulerLimits(kv_slots=kv_slots, max_running=ROWS, batch_max_tokens=step_tokens,
@@ -48,6 +49,8 @@ def serve(model, requests: list, spec: bool, kv_slots: int = SLOTS, max_len: int
                          verify_tokens=spec_step_tokens(cfg, ROWS) if spec else 0, drafter=drafter)
     if runners is not None:
         runners.append(runner)
+    if before_requests is not None:
+        before_requests(runner)
     for i, (prompt, sp) in enumerate(requests):
         assert sched.add(Request(AddRequest(str(i), 0, prompt, sp, 0.0), sp)) is None
     out = {i: ([], None) for i in range(len(requests))}

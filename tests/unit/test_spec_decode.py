@@ -410,6 +410,39 @@ def test_proposals_drafted_ahead_of_the_plan_are_the_ones_drafted_after_it(model
             assert drafter.ahead_runs - drafter.drafted_ahead <= n
 
 
+def test_rows_drafted_ahead_past_the_steps_bound_leave_their_context_alone(model, monkeypatch):
+    """The padded steps' longest context (the CUDA graphs' bound, model.graph_max_len_in_batch) may be short of
+    the rows': a row whose next positions pass it drafts those steps on the scratch row, never over a position of
+    its own context. The model's cache holds noise at the ahead slots, so a table entry left pointing there would
+    change the output; rows cross the bound at every phase of their verify (prompts of 8-15 tokens)."""
+    from llaunch.runtime.worker.drafter import Drafter
+
+    bound = 32
+    pad_steps = Drafter.pad_steps
+
+    def bounded(self, max_len, scratch_row, scratch_slot, capture):
+        pad_steps(self, max_len, scratch_row, scratch_slot, capture)
+        self.steps.max_len = bound
+
+    monkeypatch.setattr(Drafter, "pad_steps", bounded)
+    runners = []
+    requests = [(PROMPT[:n] + [60], SamplingParams(max_new_tokens=40, temperature=0.0)) for n in range(8, 16)]
+    plain, _ = serve(model, requests, spec=False)
+    for request in requests:  # one row at a time: each verify drafts the next ahead
+        runners.clear()
+        g = torch.Generator().manual_seed(0)
+
+        def noisy(kv):
+            first = kv.num_slots - 1 - Drafter.ahead_slots(4, 16)
+            for t in kv.k + kv.v:
+                t[first:kv.num_slots - 1] = torch.randn(t[first:kv.num_slots - 1].shape, generator=g) * 3
+
+        ahead, _ = serve(model, [request], spec=True, draft=model, padded_draft=True, draft_ahead=True,
+                         runners=runners, before_requests=lambda runner: noisy(runner.kv))
+        assert ahead[0] == plain[requests.index(request)]
+        assert runners[0].drafter.drafted_ahead > 0
+
+
 def test_sampled_rows_beside_a_padded_draft_verify_its_proposals_read_back(model, other_draft, request):
     """A step with a sampled verifying row reads the draft's proposals back into the chunks (rejection sampling
     needs them on the host); greedy steps keep them on the device. Either way the greedy rows' output is
