@@ -449,7 +449,7 @@ class SpecConfig:
     chain: bool = True  # ngram: a greedy row's next verify is planned while its verify is out, as if that one kept its proposal and the predicted token after it (off: the row waits for each verdict)
     adaptive: bool = False  # ngram: each row proposes 1 + its recent accepted tokens per verify (an average halved each verify, num_tokens at its start; rounded), at most num_tokens
     draft_model_path: Optional[str] = None  # spec.method=draft: the draft checkpoint folder (the model's tokenizer; llama or qwen2 family)
-    draft_ahead: bool = True  # spec.method=draft: each greedy step's next proposals are drafted on the GPU right behind its verdict, while the router plans that step (off: drafted once the plan comes)
+    draft_ahead: bool = False  # spec.method=draft: each greedy step's next proposals are drafted on the GPU right behind its verdict, while the router plans that step (off: drafted once the plan comes; off until measured on a GPU)
 
 
 @dataclass(frozen=True)

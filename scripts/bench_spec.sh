@@ -18,8 +18,8 @@
 # spec.num_tokens=8 (longer proposals: on a model whose steps cost the same at 5 and 9 tokens, more tokens a verify;
 # bb9de56, H100: c1 2.67x none against k = 4's 2.07x), k16 = $SPEC spec.num_tokens=16 (the longest allowed),
 # adaptive = $SPEC spec.adaptive=true (each row's proposals 1 token longer than it recently accepted), k8a = k8 with
-# spec.adaptive=true (long proposals where they hold, short where they fail: c64's verify compute); behind /
-# k8behind = spec / k8 with spec.draft_ahead=false (spec=draft: proposals drafted once the plan comes); NAME_ri: NAME
+# spec.adaptive=true (long proposals where they hold, short where they fail: c64's verify compute); ahead /
+# k8ahead = spec / k8 with spec.draft_ahead=true (spec=draft: proposals drafted behind the verdict); NAME_ri: NAME
 # with kernels.row_invariant=true (its c1 texts held against none_ri's).
 # Each server warms with a short run of each case (not counted), then runs every case REPEATS (3) times on fresh
 # prompts; the summary's row is a server's slowest run, its ratio against the slowest run of none.
@@ -67,9 +67,9 @@ for variant in $VARIANTS; do
     k16) overrides="$SPEC spec.num_tokens=16" ;;
     adaptive) overrides="$SPEC spec.adaptive=true" ;;
     k8a) overrides="$SPEC spec.num_tokens=8 spec.adaptive=true" ;;
-    behind) overrides="$SPEC spec.draft_ahead=false" ;;
-    k8behind) overrides="$SPEC spec.num_tokens=8 spec.draft_ahead=false" ;;
-    *) echo "unknown variant $variant (none, spec, spec_mb16, spec_mb64, unchained, k8, k16, adaptive, k8a, behind, k8behind; each also as NAME_ri)"
+    ahead) overrides="$SPEC spec.draft_ahead=true" ;;
+    k8ahead) overrides="$SPEC spec.num_tokens=8 spec.draft_ahead=true" ;;
+    *) echo "unknown variant $variant (none, spec, spec_mb16, spec_mb64, unchained, k8, k16, adaptive, k8a, ahead, k8ahead; each also as NAME_ri)"
        status=1; continue ;;
   esac
   [ "$base" != "$variant" ] && overrides="$overrides kernels.row_invariant=true"

@@ -22,15 +22,18 @@ PROMPTS = [
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft", "draft-tp2"])
+@pytest.fixture(scope="module", params=["ngram", "draft", "draft-tp2-ahead"])
 def server(request, tmp_path_factory):
     """Both proposers; the draft is SmolLM2 itself (the only real weights here): it proposes the model's
     own next tokens, through its own KV cache in the worker. Under tp2 each rank holds the whole draft
-    and the first rank's proposals are broadcast (SmolLM2's 9 / 3 heads padded to split)."""
-    method, _, tp = request.param.partition("-")
+    and the first rank's proposals are broadcast (SmolLM2's 9 / 3 heads padded to split), there drafted ahead of
+    each plan (spec.draft_ahead: every rank takes or drops them alike)."""
+    method, *options = request.param.split("-")
     extra = [f"spec.draft_model_path={SMOLLM2_DIR}"] if method == "draft" else []
-    if tp:
+    if "tp2" in options:
         extra += ["parallel=tp2", "parallel.pad_heads=true"]
+    if "ahead" in options:
+        extra += ["spec.draft_ahead=true"]
     with start_server(tmp_path_factory, f"spec-{request.param}", [f"spec={method}", "spec.num_tokens=4", *extra]) as s:
         yield s
 
