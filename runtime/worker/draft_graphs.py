@@ -37,8 +37,8 @@ class DraftSteps:
                  scratch_slot: int, ahead_slot: int = -1):
         """`drafter`: the Drafter whose model and KV the steps run; `num_tokens`: k, the most a chunk proposes;
         `max_batch`: the most verify chunks of a step (spec.max_batch); `max_len`: the longest context the
-        steps' attention covers; `ahead_slot` (≥ 0): the first of the (k + 1)·max_batch slots of the draft's cache,
-        past the model's, that proposals drafted ahead write (`run_ahead`)."""
+        steps' attention covers; `ahead_slot` (≥ 0): the first of the (k + 1)·max_batch slots, before the scratch
+        slot and outside the router's in both caches, that proposals drafted ahead write (`run_ahead`)."""
         self.drafter, self.k, self.max_len = drafter, num_tokens, max_len
         self.scratch_row, self.scratch_slot = scratch_row, scratch_slot
         self.buckets = bucket_sizes(max_batch)

@@ -37,8 +37,8 @@ from llaunch.runtime.worker.draft_graphs import DraftSteps
 class Drafter:
     def __init__(self, model, kv: KvCache, vocab_size: int, device: torch.device, group=None,
                  num_tokens: int = 0, max_batch: int = 0, ahead: bool = False):
-        """`kv`: the draft's cache, sharing the target's req_to_slots. `vocab_size`: the target's embedding rows (a larger draft vocabulary's extra ids are
-        never proposed). `group`: the replica's tp ranks, which all verify the first rank's proposals.
+        """`kv`: the draft's cache, sharing the target's req_to_slots. `vocab_size`: the target's embedding rows
+        (a larger draft vocabulary's extra ids are never proposed). `group`: the replica's tp ranks, which all verify the first rank's proposals.
         `num_tokens`, `max_batch`: the most tokens a chunk proposes and chunks a step holds (spec.num_tokens,
         spec.max_batch), which the padded steps cover (`pad_steps`; 0: every proposal runs its steps unpadded).
         `ahead` (spec.draft_ahead): a step whose proposals stayed on the device drafts its rows' next ones behind
